@@ -1,0 +1,28 @@
+"""``ddp``: every rank holds the whole module and its own samples (degree 1)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+from disagg.interfaces import Family, Strategy, StrategyOptions
+
+
+class DDPStrategy(Strategy):
+    """Data parallelism: replicas read disjoint samples and gradients are summed
+    across them (the loss is already normalised by the global label count,
+    so a sum — not a mean — gives the single-process gradient)."""
+
+    name: ClassVar[str] = "ddp"
+
+    @classmethod
+    def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
+        if degree != 1:
+            return [f"strategy 'ddp' has no sharding: degree must be 1, got {degree}; use replicas for data parallelism"]
+        return []
+
+    def parallelize(self, module: nn.Module) -> nn.Module:
+        # Gradient sum happens once per step in reduce_gradients, after all
+        # microbatches, which is what DistributedDataParallel's no_sync would do.
+        return module

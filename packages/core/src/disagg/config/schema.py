@@ -1,0 +1,172 @@
+"""The run configuration: one YAML file, validated before any actor starts.
+
+Each field's docstring is the config reference (README renders the same text).
+Unknown keys are rejected everywhere except ``parallel.<module>``, whose extra
+keys belong to the chosen strategy and are validated by its options model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+
+MODULES = ("vision", "audio", "llm")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class ModuleModel(Strict):
+    family: str
+    """Family adapter name (see ``disagg plugins``), e.g. ``qwen2_5_vl``, ``qwen2``, ``llama``."""
+    path: str
+    """Hugging Face dir to load with ``from_pretrained``; whole-VLM dirs are split by family."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Family options, e.g. ``{attn_implementation: sdpa}``."""
+
+
+class ModelConfig(Strict):
+    vision: ModuleModel | None = None
+    """The vision encoder (projector included)."""
+    audio: ModuleModel | None = None
+    """The audio encoder (projector included)."""
+    llm: ModuleModel
+    """The language model. Required."""
+
+
+class Resources(Strict):
+    num_cpus: float = Field(1.0, ge=0)
+    """Logical CPUs each rank's actor reserves."""
+    num_gpus: float | None = Field(None, ge=0)
+    """GPUs per rank; default 1 (disaggregated) or 1/number-of-groups (collocated) when GPUs exist."""
+
+
+class GroupConfig(BaseModel):
+    """``parallel.<module>``: the module's strategy and mesh; extra keys are strategy options."""
+
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
+
+    strategy: str = "ddp"
+    """Strategy name (``ddp``, ``ulysses``, ``megatron_tp``, ``zero`` or a third party's)."""
+    degree: PositiveInt = 1
+    """Ranks that share the same samples (SP or TP size)."""
+    replicas: PositiveInt = 1
+    """Data-parallel copies; the group has ``degree * replicas`` ranks."""
+    resources: Resources = Field(default_factory=Resources)
+    """Ray resources per rank."""
+
+    def strategy_options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class ParallelConfig(Strict):
+    placement: Literal["collocated", "disaggregated"] = "collocated"
+    """``collocated``: groups share devices (fractional GPUs); ``disaggregated``: each group its own devices, on its own node when the cluster has several."""
+    transport: str = "auto"
+    """``auto`` (object store on CPU, direct transport on CUDA), ``object_store``, ``gloo``, ``nccl`` or a plugin's."""
+    vision: GroupConfig = Field(default_factory=GroupConfig)
+    audio: GroupConfig = Field(default_factory=GroupConfig)
+    llm: GroupConfig = Field(default_factory=GroupConfig)
+
+
+class DatasetEntry(Strict):
+    path: str
+    """A JSON or JSONL file of LLaVA-style conversations."""
+    weight: float = Field(1.0, gt=0)
+    """Relative sampling weight when several datasets are mixed."""
+    media_root: str | None = None
+    """Dir media paths are relative to; default ``data.media_root``."""
+
+
+class DataConfig(Strict):
+    train: str | list[DatasetEntry]
+    """One dataset path, or a list of ``{path, weight, media_root}``."""
+    eval: str | None = None
+    """Held-out dataset for evaluation."""
+    media_root: str = "."
+    """Dir that media paths in the datasets are relative to."""
+    batch_size: PositiveInt = 4
+    """Samples per optimizer step (the global batch)."""
+    max_tokens: PositiveInt | None = None
+    """Longest tokenized sample; see ``on_too_long``."""
+    on_too_long: Literal["error", "drop"] = "error"
+    """What to do with a sample longer than ``max_tokens`` (drops are counted)."""
+    on_error: Literal["error", "skip"] = "error"
+    """Bad sample (missing media, bad placeholders...): stop with its file/line, or skip and count it."""
+    num_workers: PositiveInt = 2
+    """Parallel Ray preprocessing tasks."""
+    shuffle: bool = True
+    """Shuffle sample order each epoch (deterministic for ``train.seed``)."""
+
+
+class ModuleTrainConfig(Strict):
+    freeze: bool = False
+    """No optimizer and no parameter gradients; gradients still flow through to upstream modules."""
+    lr: float | None = Field(None, gt=0)
+    """Overrides ``train.lr`` for this module."""
+    weight_decay: float | None = Field(None, ge=0)
+    scheduler: str | None = None
+    warmup_steps: int | None = Field(None, ge=0)
+
+
+class TrainConfig(Strict):
+    steps: PositiveInt = 10
+    """Optimizer steps."""
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    scheduler: str = "constant"
+    """Any ``transformers.get_scheduler`` kind: constant, linear, cosine, constant_with_warmup, ..."""
+    warmup_steps: int = Field(0, ge=0)
+    microbatches: PositiveInt = 1
+    """Gradient accumulation: the global batch is split into this many microbatches."""
+    clip_grad_norm: float | None = Field(1.0, gt=0)
+    """Max global grad norm over all modules; null disables clipping."""
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: CUDA when the actors see a GPU, else CPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """``auto``: float32 on CPU, bfloat16 on CUDA."""
+    modules: dict[str, ModuleTrainConfig] = Field(default_factory=dict)
+    """Per-module overrides, keyed by ``vision`` / ``audio`` / ``llm``."""
+
+    @field_validator("modules")
+    @classmethod
+    def _known_modules(cls, v: dict[str, ModuleTrainConfig]) -> dict[str, ModuleTrainConfig]:
+        for k in v:
+            if k not in MODULES:
+                raise ValueError(f"unknown module {k!r}; allowed: {', '.join(MODULES)}")
+        return v
+
+
+class CheckpointConfig(Strict):
+    every: int = Field(0, ge=0)
+    """Save every N steps (0: only at the end)."""
+    resume_from: str | None = None
+    """A ``checkpoints/step-N`` dir to resume from."""
+
+
+class RayConfig(Strict):
+    address: str | None = None
+    """``None`` starts an embedded local Ray; ``auto`` joins a running cluster."""
+    num_cpus: int | None = None
+    """Logical CPUs of the embedded Ray (more than cores, so several actors fit)."""
+
+
+class Config(Strict):
+    model: ModelConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    data: DataConfig | None = None
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    output_dir: str = "runs/default"
+    """Run dir: resolved config, metrics.jsonl, checkpoints/."""
+
+    def modules(self) -> list[str]:
+        """Configured modules, encoders first, the LLM last."""
+        return [m for m in MODULES if getattr(self.model, m) is not None]

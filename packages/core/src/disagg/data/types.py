@@ -1,0 +1,39 @@
+"""What the data pipeline hands the orchestrator: ObjectRefs plus small metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+
+@dataclass
+class SampleRefs:
+    """One preprocessed sample, living in the Ray object store.
+
+    ``inputs[module]`` is an ObjectRef of that module's input dict: for the
+    ``llm`` module at least ``input_ids`` and ``labels`` (int64 ``[L]``, labels
+    -100 where no loss) plus family extras; for an encoder module the dict its
+    family's ``preprocess`` returned. A module missing from ``inputs`` has no
+    media in this sample. The driver reads only the ints below, never tensors.
+    """
+
+    index: int
+    inputs: dict[str, Any]
+    num_label_tokens: int
+    num_tokens: int
+    #: where it came from, for error messages: "train.jsonl:17"
+    source: str = ""
+    #: placeholder tokens per encoder module, so routing can be planned
+    num_media_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class DataSource(Protocol):
+    """A deterministic stream of global batches."""
+
+    def batches(self, start_step: int = 0) -> Iterator[list[SampleRefs]]:
+        """Global batches from optimizer step ``start_step`` on (resumable)."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: at least ``skipped`` and ``dropped_too_long``."""
+        ...

@@ -1,0 +1,70 @@
+"""The hooks a disagg plugin may implement.
+
+Every hook is called with keyword arguments only. Registration hooks receive a
+``register`` callback (the pattern of simonw/llm) so one plugin can register any
+number of things; they are not ``firstresult``: every plugin is asked. Built-ins
+(the ``ddp`` strategy, the object-store and direct transports, the JSONL metrics
+logger) are registered through these same hooks by ``disagg.builtin``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("disagg")
+
+
+@hookspec
+def disagg_register_strategies(register: Callable[[type], None]) -> None:
+    """Register parallel strategies.
+
+    Called once when the plugin manager is created, in the driver (strategies
+    are resolved to classes there and shipped to the actors by reference).
+    ``register(cls)`` takes a :class:`disagg.interfaces.Strategy` subclass whose
+    ``name`` is the value users write in ``parallel.<module>.strategy``.
+    Registering a name twice is an error that names both plugins.
+    """
+
+
+@hookspec
+def disagg_register_families(register: Callable[[type], None]) -> None:
+    """Register model families.
+
+    Called once when the plugin manager is created. ``register(cls)`` takes a
+    :class:`disagg.interfaces.EncoderFamily` or
+    :class:`disagg.interfaces.LanguageFamily` subclass. Families are keyed by
+    ``(role, name)`` so that one name (``qwen2_5_vl``) may have both a vision
+    and a language family, from different plugins.
+    """
+
+
+@hookspec
+def disagg_register_transports(register: Callable[[type], None]) -> None:
+    """Register transports that move activations and gradients between groups.
+
+    Called once when the plugin manager is created. ``register(cls)`` takes a
+    :class:`disagg.interfaces.Transport` subclass, selectable by its ``name`` in
+    ``parallel.transport``.
+    """
+
+
+@hookspec
+def disagg_log_metrics(step: int, metrics: dict[str, Any]) -> None:
+    """Observe the metrics of one finished optimizer step.
+
+    Called in the driver after every step, with the same dict that is written
+    as one line of ``metrics.jsonl``. Not ``firstresult``: every logger sees
+    every step. Must not raise; an exception is reported and the run goes on.
+    """
+
+
+@hookspec
+def disagg_run_finished(summary: dict[str, Any]) -> None:
+    """Observe the end of a training run.
+
+    Called once in the driver after the last step (or when the run is stopped
+    by an error, with ``summary["status"] == "failed"``), with the final
+    summary: steps, last loss, mean tokens/s, skipped samples, run dir.
+    """

@@ -1,0 +1,64 @@
+"""What a strategy knows about the rank it runs on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from disagg.runtime.comm import CommCounter
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """Resolved optimizer settings for one module (train.* merged with train.modules.<m>.*)."""
+
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    scheduler: str = "constant"  # any transformers.get_scheduler kind
+    warmup_steps: int = 0
+    total_steps: int = 1
+
+
+@dataclass
+class GroupContext:
+    """One rank of a module group.
+
+    Rank layout is fixed by core: ``rank = replica * degree + shard``. Ranks of
+    one replica (same samples) are contiguous; a strategy builds its
+    sub-groups from :meth:`shard_ranks` / :meth:`replica_peers`. The default
+    ``torch.distributed`` process group is exactly this module's group.
+    """
+
+    module: str
+    rank: int
+    world_size: int
+    degree: int
+    replicas: int
+    device: torch.device
+    dtype: torch.dtype
+    comm: CommCounter = field(default_factory=CommCounter)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shard(self) -> int:
+        """Index of this rank inside its replica (SP or TP rank)."""
+        return self.rank % self.degree
+
+    @property
+    def replica(self) -> int:
+        """Data-parallel replica this rank belongs to."""
+        return self.rank // self.degree
+
+    def shard_ranks(self, replica: int | None = None) -> list[int]:
+        """Global ranks of one replica (they share samples)."""
+        r = self.replica if replica is None else replica
+        return list(range(r * self.degree, (r + 1) * self.degree))
+
+    def replica_peers(self, shard: int | None = None) -> list[int]:
+        """Global ranks holding the same shard index in every replica."""
+        s = self.shard if shard is None else shard
+        return [r * self.degree + s for r in range(self.replicas)]

@@ -1,0 +1,160 @@
+"""Model families: how to build, feed and export one module from a Hugging Face dir.
+
+Families stay close to Hugging Face: ``build`` returns the unpartitioned HF
+module (loaded with ``from_pretrained``), ``encode``/``forward`` run it the way
+the single-process HF model would. Parallel strategies never live here; a
+family only *describes* its layers (``layer_map``) so that strategies can
+rewrite them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+Role = Literal["encoder", "llm"]
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    """Where tensor parallelism cuts a module; names are ``fnmatch`` patterns
+    over ``module.named_modules()`` of the module ``Family.build`` returns.
+
+    column: linears split along output features (q/k/v, gate/up, fc1).
+    row: linears split along input features (o_proj, down_proj, fc2).
+    vocab: embeddings split along the vocabulary.
+    output: linears split along the vocabulary whose output is the logits.
+    heads: attention module pattern -> attribute names holding per-rank head
+        counts (e.g. ``{"*.self_attn": ("num_heads", "num_key_value_heads")}``).
+    extra: anything a specific strategy needs beyond this (documented by it).
+    """
+
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
+    output: tuple[str, ...] = ()
+    heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Family(ABC):
+    """Base of every family. One instance per module, built from ``model.<module>``.
+
+    Instances are created in the driver for validation and shipped to actors,
+    so ``__init__`` must be cheap and picklable: read configs, not weights.
+    """
+
+    #: value of ``model.<module>.family``
+    name: ClassVar[str]
+    role: ClassVar[Role]
+
+    def __init__(self, path: str | Path, options: dict[str, Any] | None = None) -> None:
+        self.path = Path(path)
+        self.options = dict(options or {})
+
+    # -- validation, before any actor starts -------------------------------------------------
+    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        """Problems with running this family under ``strategy`` at ``degree``.
+
+        Each string is one complete sentence naming the bad value and what
+        would be allowed (e.g. "12 attention heads are not divisible by
+        degree 5; use a divisor of 12: 1, 2, 3, 4, 6, 12").
+        """
+        return []
+
+    # -- building -------------------------------------------------------------------------------
+    @abstractmethod
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The unpartitioned module, loaded from ``self.path`` with ``from_pretrained``."""
+
+    def layer_map(self) -> LayerMap | None:
+        """Tensor-parallel layer map, or None when the family cannot be split."""
+        return None
+
+    # -- export ---------------------------------------------------------------------------------
+    @abstractmethod
+    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Map a full (merged) state dict of ``build()``'s module to the tensor
+        names of the checkpoint files in ``self.path``, so that core can write
+        an HF dir that ``from_pretrained`` loads (whole-VLM dirs get the keys of
+        every family that came from them)."""
+
+    @classmethod
+    def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
+        """Write a tiny random-weight HF dir for this family; return its path."""
+        raise NotImplementedError(f"family {cls.name!r} has no tiny-model builder")
+
+
+class EncoderFamily(Family):
+    """A vision or audio encoder (projector included) that turns media into
+    rows of language-model embeddings."""
+
+    role: ClassVar[Role] = "encoder"
+    #: media kind this encoder consumes: "image" or "audio"
+    modality: ClassVar[str]
+
+    @abstractmethod
+    def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
+        """All items of this modality in one sample -> the family's input tensors
+        (CPU, float32). Runs in data workers, never in the driver."""
+
+    @abstractmethod
+    def num_tokens(self, inputs: dict[str, torch.Tensor]) -> list[int]:
+        """Placeholder tokens each item of ``inputs`` becomes in the LLM."""
+
+    @abstractmethod
+    def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Unpartitioned forward of one sample: ``[sum(num_tokens), llm_hidden]``."""
+
+    def hidden_size(self) -> int:
+        """Width of the rows ``encode`` returns (the LLM's hidden size)."""
+        raise NotImplementedError
+
+
+class LanguageFamily(Family):
+    """A causal language model that consumes text plus encoder embeddings."""
+
+    role: ClassVar[Role] = "llm"
+
+    def tokenizer(self) -> Any:
+        """The HF tokenizer of ``self.path`` (``AutoTokenizer.from_pretrained``)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path)
+
+    @abstractmethod
+    def placeholder_token_id(self, module: str) -> int:
+        """Token id whose positions receive ``module``'s embeddings (read from
+        the HF config/tokenizer, never hard-coded)."""
+
+    def placeholder_text(self, module: str, n_tokens: int) -> str:
+        """Text that stands for one media item in the prompt once expanded to
+        ``n_tokens`` placeholders (families wrap it in their start/end tokens)."""
+        tok = self.tokenizer().convert_ids_to_tokens(self.placeholder_token_id(module))
+        return tok * n_tokens
+
+    def extra_inputs(self, encoder_inputs: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Tensors the LLM needs from a sample's encoder inputs (e.g. image
+        ``grid_thw`` for Qwen2.5-VL mRoPE). Keys are added to the LLM inputs."""
+        return {}
+
+    @abstractmethod
+    def forward(
+        self,
+        module: nn.Module,
+        inputs: list[dict[str, torch.Tensor]],
+        embeds: list[dict[str, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the LLM on a microbatch.
+
+        ``inputs[i]`` holds at least ``input_ids`` and ``labels`` ([L_i]);
+        ``embeds[i][module]`` are the rows to scatter at that module's
+        placeholder tokens, in order. Returns ``(logits, labels)`` already
+        shifted and flattened (``[T, V_local]``, ``[T]`` with -100 ignored), so
+        that the strategy owns the loss reduction (vocab-parallel CE for TP).
+        """

@@ -1,0 +1,233 @@
+"""Parallel strategies: how one module is split across the ranks of its group."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from disagg.interfaces.context import GroupContext, OptimSpec
+from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily
+from disagg.interfaces.shard import EmbeddingShard
+
+
+class StrategyOptions(BaseModel):
+    """Extra keys a strategy accepts in ``parallel.<module>`` (e.g. ``stage``).
+
+    Subclass it and set ``Strategy.options_model``; unknown keys are rejected
+    at config time with the allowed ones listed.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Strategy(ABC):
+    """One rank's view of a parallelized module.
+
+    Lifecycle in the actor: ``__init__`` -> ``setup(module, optim)`` -> per step
+    (``encode`` & ``backward`` | ``loss_and_backward``)* -> ``reduce_gradients``
+    -> ``grad_norm_sq`` -> ``step(clip_coef)`` -> ``zero_grad``.
+
+    Gradient convention: the loss is already divided by the *global* label
+    count, so gradients from different replicas and shards are **summed**
+    across the group, exactly once per element.
+
+    The defaults below suit strategies that keep a full replica of every
+    parameter on every rank (``ddp``, ``ulysses``); others override them.
+    """
+
+    #: value of ``parallel.<module>.strategy``
+    name: ClassVar[str]
+    #: the plugin distribution that provides it (for error messages)
+    distribution: ClassVar[str] = "disagg-core"
+    options_model: ClassVar[type[StrategyOptions]] = StrategyOptions
+
+    # -- validation, before any actor starts -------------------------------------------------
+    @classmethod
+    def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
+        """Problems with this strategy for ``family`` at this mesh (sentences)."""
+        return []
+
+    # -- life in the actor ----------------------------------------------------------------------
+    def __init__(self, ctx: GroupContext, family: Family, options: StrategyOptions) -> None:
+        self.ctx = ctx
+        self.family = family
+        self.options = options
+        self.module: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+
+    @abstractmethod
+    def parallelize(self, module: nn.Module) -> nn.Module:
+        """Rewrite/wrap the unpartitioned module for this rank; return it."""
+
+    def setup(self, module: nn.Module, optim: OptimSpec | None) -> None:
+        """Parallelize and, unless the module is frozen (``optim is None``),
+        create its optimizer and scheduler."""
+        self.module = self.parallelize(module.to(self.ctx.device))
+        if optim is None:
+            self.module.requires_grad_(False)
+            return
+        self.optimizer = self.make_optimizer(optim)
+        self.scheduler = make_scheduler(self.optimizer, optim)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        assert self.module is not None
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def make_optimizer(self, optim: OptimSpec) -> torch.optim.Optimizer:
+        # foreach=False keeps the update bit-identical to the per-tensor reference.
+        return torch.optim.AdamW(
+            self.trainable_parameters(),
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            betas=optim.betas,
+            eps=optim.eps,
+            foreach=False,
+        )
+
+    # -- encoder role -----------------------------------------------------------------------------
+    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+        """Forward this rank's share of each sample (one shard per sample,
+        possibly empty); the graph is kept until :meth:`backward`."""
+        assert isinstance(self.family, EncoderFamily) and self.module is not None
+        return [EmbeddingShard.whole(self.family.encode(self.module, x)) for x in inputs]
+
+    def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Backward from gradients of this rank's shard values."""
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+
+    # -- llm role ---------------------------------------------------------------------------------
+    def loss_and_backward(
+        self,
+        inputs: list[dict[str, torch.Tensor]],
+        embeds: list[dict[str, torch.Tensor]],
+        loss_scale: float,
+    ) -> float:
+        """Forward + backward of ``sum(token losses) * loss_scale``; return the
+        unscaled loss sum of this replica's samples (counted once per replica).
+        ``embeds`` are leaves; after this returns, their ``.grad`` must hold the
+        complete gradient on the ranks for which :meth:`returns_input_grads` is
+        true (TP strategies reduce it across TP ranks first)."""
+        assert isinstance(self.family, LanguageFamily) and self.module is not None
+        logits, labels = self.family.forward(self.module, inputs, embeds)
+        loss_sum = self.loss_sum(logits, labels)
+        (loss_sum * loss_scale).backward()
+        return float(loss_sum.detach())
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(
+            logits.float(), labels, ignore_index=-100, reduction="sum"
+        )
+
+    def returns_input_grads(self) -> bool:
+        """Whether this rank sends embedding gradients back to the encoders.
+        Core routes them from the first shard of each replica only."""
+        return self.ctx.shard == 0
+
+    # -- after backward ---------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Sum gradients over every rank of the group (replicas and shards)."""
+        if self.ctx.world_size == 1:
+            return
+        for p in self.trainable_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.ctx.comm.all_reduce(p.grad)
+
+    def grad_norm_sq(self) -> float:
+        """Squared L2 norm of the module's full gradient, each element once;
+        identical on every rank of the group."""
+        total = 0.0
+        for p in self.trainable_parameters():
+            if p.grad is not None:
+                total += float(p.grad.detach().double().pow(2).sum())
+        return total
+
+    def step(self, clip_coef: float) -> None:
+        """Scale gradients by ``clip_coef`` (computed from the global norm) and step."""
+        if self.optimizer is None:
+            return
+        if clip_coef < 1.0:
+            for p in self.trainable_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(clip_coef)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    # -- state --------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Merged, unpartitioned parameters named as in ``family.build()``'s
+        module. Collective: call on every rank; rank 0's result is complete."""
+        assert self.module is not None
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Merged gradients (after :meth:`reduce_gradients`), named like
+        :meth:`full_state_dict`; collective like it."""
+        assert self.module is not None
+        return {
+            n: p.grad.detach().cpu().clone()
+            for n, p in self.module.named_parameters()
+            if p.grad is not None
+        }
+
+    def save(self, path: Path) -> None:
+        """Write this rank's resumable state (parameters, optimizer, scheduler)."""
+        assert self.module is not None
+        torch.save(
+            {
+                "module": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            },
+            Path(path) / f"rank-{self.ctx.rank}.pt",
+        )
+
+    def load(self, path: Path) -> None:
+        assert self.module is not None
+        state = torch.load(Path(path) / f"rank-{self.ctx.rank}.pt", weights_only=False)
+        self.module.load_state_dict(state["module"])
+        if self.optimizer and state["optimizer"]:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler and state["scheduler"]:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSpec) -> Any:
+    """A ``transformers.get_scheduler`` schedule stepped once per optimizer step."""
+    from transformers import get_scheduler
+
+    return get_scheduler(
+        optim.scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=optim.warmup_steps,
+        num_training_steps=max(optim.total_steps, 1),
+    )
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` would apply."""
+    if not max_norm or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()

@@ -1,0 +1,168 @@
+"""The plugin manager: entry points in group ``disagg``, built-ins, and the registry.
+
+Entry points are loaded lazily (on the first :func:`get_registry`), limited by
+``DISAGG_PLUGINS=a,b`` (entry-point names), and a plugin that fails to import is
+recorded in :attr:`Registry.failures` and warned about instead of crashing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from disagg import hookspecs
+
+GROUP = "disagg"
+
+#: Strategies and families shipped by first-party plugins, so that naming one
+#: that is not installed gets the install line instead of "unknown".
+KNOWN_PROVIDERS: dict[str, str] = {
+    "strategy:ulysses": "disagg-vision-sp",
+    "strategy:megatron_tp": "disagg-llm-tp",
+    "strategy:zero": "disagg-zero",
+    "family:encoder:qwen2_5_vl": "disagg-vision-sp",
+    "family:encoder:siglip": "disagg-vision-sp",
+    "family:encoder:clip": "disagg-vision-sp",
+    "family:encoder:whisper": "disagg-audio",
+    "family:llm:qwen2_5_vl": "disagg-llm-tp",
+    "family:llm:qwen2": "disagg-llm-tp",
+    "family:llm:llama": "disagg-llm-tp",
+}
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    version: str | None
+    hooks: list[str] = field(default_factory=list)
+    registered: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class Registry:
+    strategies: dict[str, type] = field(default_factory=dict)
+    #: keyed by (role, name)
+    families: dict[tuple[str, str], type] = field(default_factory=dict)
+    transports: dict[str, type] = field(default_factory=dict)
+    plugins: dict[str, PluginInfo] = field(default_factory=dict)
+    #: plugin name -> "ExceptionType: message" for plugins that failed to load
+    failures: dict[str, str] = field(default_factory=dict)
+    pm: pluggy.PluginManager | None = None
+
+    def family(self, role: str, name: str) -> type:
+        return self.families[(role, name)]
+
+    def family_names(self, role: str) -> list[str]:
+        return sorted(n for r, n in self.families if r == role)
+
+
+def make_plugin_manager(load_entry_points: bool = True) -> tuple[pluggy.PluginManager, dict[str, str]]:
+    """A fresh manager with the built-ins and (optionally) installed plugins."""
+    from disagg import builtin
+
+    pm = pluggy.PluginManager(GROUP)
+    pm.add_hookspecs(hookspecs)
+    pm.register(builtin, name="disagg.builtin")
+    failures: dict[str, str] = {}
+    if load_entry_points:
+        only = _allowed()
+        for ep in md.entry_points(group=GROUP):
+            if only is not None and ep.name not in only:
+                continue
+            if pm.has_plugin(ep.name):
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken plugin must not take the others down
+                failures[ep.name] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"disagg plugin {ep.name!r} failed to load: {exc}", stacklevel=2)
+                continue
+            pm.register(plugin, name=ep.name)
+            pm._plugin_distinfo.append((plugin, pluggy._manager.DistFacade(ep.dist)))  # noqa: SLF001
+    pm.check_pending()
+    return pm, failures
+
+
+def _allowed() -> set[str] | None:
+    raw = os.environ.get("DISAGG_PLUGINS")
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def build_registry(pm: pluggy.PluginManager, failures: dict[str, str] | None = None) -> Registry:
+    """Ask every plugin to register; remember who registered what."""
+    reg = Registry(failures=dict(failures or {}), pm=pm)
+    versions = {id(p): d.version for p, d in pm.list_plugin_distinfo()}
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            continue
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        reg.plugins[name] = PluginInfo(
+            name=name,
+            version=versions.get(id(plugin)) or _builtin_version(name),
+            hooks=hooks,
+        )
+
+    def collector(kind: str, table: dict, plugin_name: str):
+        def register(cls: type) -> None:
+            if kind == "families":
+                key: Any = (cls.role, cls.name)
+                label = f"{cls.role}:{cls.name}"
+            else:
+                key = label = cls.name
+            if key in table and table[key] is not cls:
+                raise ValueError(f"{kind[:-1]} {label!r} registered twice (second time by plugin {plugin_name!r})")
+            table[key] = cls
+            reg.plugins[plugin_name].registered.setdefault(kind, []).append(label)
+
+        return register
+
+    for kind, hook in (
+        ("strategies", "disagg_register_strategies"),
+        ("families", "disagg_register_families"),
+        ("transports", "disagg_register_transports"),
+    ):
+        table = getattr(reg, kind)
+        for impl in getattr(pm.hook, hook).get_hookimpls():
+            impl.function(register=collector(kind, table, impl.plugin_name))
+    return reg
+
+
+def _builtin_version(name: str) -> str | None:
+    from disagg import __version__
+
+    return __version__ if name.startswith("disagg.") else None
+
+
+_REGISTRY: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, created on first use."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        pm, failures = make_plugin_manager()
+        _REGISTRY = build_registry(pm, failures)
+    return _REGISTRY
+
+
+def set_registry(reg: Registry | None) -> None:
+    """Replace the process-wide registry (tests; ``None`` forces a reload)."""
+    global _REGISTRY
+    _REGISTRY = reg
+
+
+def register_plugin(plugin: Any, name: str | None = None) -> Registry:
+    """Add a plugin object to the current registry (tests, notebooks)."""
+    reg = get_registry()
+    assert reg.pm is not None
+    reg.pm.register(plugin, name=name)
+    rebuilt = build_registry(reg.pm, reg.failures)
+    set_registry(rebuilt)
+    return rebuilt

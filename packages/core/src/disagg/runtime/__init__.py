@@ -1,0 +1,1 @@
+"""What runs inside and around the Ray actors: collectives, workers, groups."""

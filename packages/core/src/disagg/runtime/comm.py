@@ -1,0 +1,61 @@
+"""Collectives that count the bytes they move, for the ``comm_bytes`` metric.
+
+Strategies call these instead of ``torch.distributed`` directly so that every
+byte a rank sends is accounted for. Counts are what one rank *sends* under the
+textbook algorithm (ring all-reduce sends 2(n-1)/n of the buffer; all-to-all
+sends everything except its own chunk), so they do not depend on the backend.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommCounter:
+    bytes_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.bytes_by_op[op] += int(nbytes)
+
+    def total(self) -> int:
+        return sum(self.bytes_by_op.values())
+
+    def reset(self) -> dict[str, int]:
+        out = dict(self.bytes_by_op)
+        self.bytes_by_op.clear()
+        return out
+
+    # -- counted collectives ---------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        n = dist.get_world_size(group)
+        if n > 1:
+            self.add("all_reduce", 2 * (n - 1) * _nbytes(tensor) // n)
+            dist.all_reduce(tensor, group=group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+        n = dist.get_world_size(group)
+        if n > 1:
+            if dist.get_rank() == src:
+                self.add("broadcast", _nbytes(tensor))
+            dist.broadcast(tensor, src=src, group=group)
+
+    def all_gather_bytes(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        """Account for an all-gather whose input is ``tensor`` (done by the caller)."""
+        n = dist.get_world_size(group)
+        self.add("all_gather", (n - 1) * _nbytes(tensor))
+
+    def all_to_all_bytes(self, send_counts: list[int], my_index: int, bytes_per_row: int) -> None:
+        """Account for an all-to-all: rows sent to every peer but oneself."""
+        self.add(
+            "all_to_all",
+            sum(c for i, c in enumerate(send_counts) if i != my_index) * bytes_per_row,
+        )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,1 @@
+"""Test helpers for disagg and for plugin authors (fixtures live in ``fixtures``)."""

@@ -1,0 +1,67 @@
+"""Run a function on N local gloo ranks without Ray: fast strategy unit tests.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, sets up
+the default ``torch.distributed`` group over gloo, calls ``fn(rank, *args)`` in
+each and returns the results in rank order. Exceptions in a rank are re-raised
+in the caller with that rank named.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        out = fn(rank, *args)
+        queue.put((rank, True, out))
+    except BaseException:  # report every failure to the parent, with its rank
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
+    """Call ``fn(rank, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` must be importable (a module-level function) and its results picklable.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, out = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = out
+            else:
+                errors.append(f"rank {rank} failed:\n{out}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else timeout)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
