@@ -5,6 +5,14 @@ Every hook is called with keyword arguments only. Registration hooks receive a
 number of things; they are not ``firstresult``: every plugin is asked. Built-ins
 (the ``ddp`` strategy, the object-store and direct transports, the JSONL metrics
 logger) are registered through these same hooks by ``disagg.builtin``.
+
+Observer hooks (``disagg_log_metrics``, ``disagg_run_finished``) are called
+through :func:`disagg.plugins.notify`, which reports an exception raised by one
+plugin as a warning instead of stopping the run.
+
+Plugins are found through entry points of group ``disagg``; ``DISAGG_PLUGINS=a,b``
+(entry-point names) limits which load. Tests get a fresh manager from the
+``disagg_plugin_manager`` and ``disagg_registry`` pytest fixtures.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ def disagg_register_strategies(register: Callable[[type], None]) -> None:
     ``register(cls)`` takes a :class:`disagg.interfaces.Strategy` subclass whose
     ``name`` is the value users write in ``parallel.<module>.strategy``.
     Registering a name twice is an error that names both plugins.
+    Not ``firstresult``: every plugin is asked; the return value is ignored.
     """
 
 
@@ -36,7 +45,8 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     :class:`disagg.interfaces.EncoderFamily` or
     :class:`disagg.interfaces.LanguageFamily` subclass. Families are keyed by
     ``(role, name)`` so that one name (``qwen2_5_vl``) may have both a vision
-    and a language family, from different plugins.
+    and a language family, from different plugins. A family's ``check`` is
+    called before any actor starts. Not ``firstresult``: every plugin is asked.
     """
 
 
@@ -46,7 +56,7 @@ def disagg_register_transports(register: Callable[[type], None]) -> None:
 
     Called once when the plugin manager is created. ``register(cls)`` takes a
     :class:`disagg.interfaces.Transport` subclass, selectable by its ``name`` in
-    ``parallel.transport``.
+    ``parallel.transport``. Not ``firstresult``: every plugin is asked.
     """
 
 
@@ -67,4 +77,5 @@ def disagg_run_finished(summary: dict[str, Any]) -> None:
     Called once in the driver after the last step (or when the run is stopped
     by an error, with ``summary["status"] == "failed"``), with the final
     summary: steps, last loss, mean tokens/s, skipped samples, run dir.
+    Not ``firstresult``; like ``disagg_log_metrics`` it must not raise.
     """

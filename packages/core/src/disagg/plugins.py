@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
+from pluggy._manager import DistFacade
 
 from disagg import hookspecs
 
@@ -60,6 +61,12 @@ class Registry:
     def family_names(self, role: str) -> list[str]:
         return sorted(n for r, n in self.families if r == role)
 
+    def strategy_names(self) -> list[str]:
+        return sorted(self.strategies)
+
+    def transport_names(self) -> list[str]:
+        return sorted(self.transports)
+
 
 def make_plugin_manager(load_entry_points: bool = True) -> tuple[pluggy.PluginManager, dict[str, str]]:
     """A fresh manager with the built-ins and (optionally) installed plugins."""
@@ -82,8 +89,18 @@ def make_plugin_manager(load_entry_points: bool = True) -> tuple[pluggy.PluginMa
                 failures[ep.name] = f"{type(exc).__name__}: {exc}"
                 warnings.warn(f"disagg plugin {ep.name!r} failed to load: {exc}", stacklevel=2)
                 continue
-            pm.register(plugin, name=ep.name)
-            pm._plugin_distinfo.append((plugin, pluggy._manager.DistFacade(ep.dist)))  # noqa: SLF001
+            try:
+                pm.register(plugin, name=ep.name)
+            except Exception as exc:  # e.g. the same module under two entry-point names
+                failures[ep.name] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"disagg plugin {ep.name!r} could not be registered: {exc}", stacklevel=2)
+                continue
+            if ep.dist is not None:
+                # What pluggy's own load_setuptools_entrypoints records, so that
+                # list_plugin_distinfo() (and our version column) sees the dist.
+                pm._plugin_distinfo.append((plugin, DistFacade(ep.dist)))  # noqa: SLF001
+    # An implementation whose name matches no hookspec is a typo in a plugin:
+    # fail loudly now rather than silently never calling it.
     pm.check_pending()
     return pm, failures
 
@@ -96,7 +113,13 @@ def _allowed() -> set[str] | None:
 
 
 def build_registry(pm: pluggy.PluginManager, failures: dict[str, str] | None = None) -> Registry:
-    """Ask every plugin to register; remember who registered what."""
+    """Ask every plugin to register; remember who registered what.
+
+    A plugin whose register hook raises is recorded in ``failures`` (and warned
+    about) like one that failed to import; the others still register.
+    Registering a name that another plugin already registered is an error
+    naming both plugins.
+    """
     reg = Registry(failures=dict(failures or {}), pm=pm)
     versions = {id(p): d.version for p, d in pm.list_plugin_distinfo()}
     for name, plugin in pm.list_name_plugin():
@@ -108,8 +131,9 @@ def build_registry(pm: pluggy.PluginManager, failures: dict[str, str] | None = N
             version=versions.get(id(plugin)) or _builtin_version(name),
             hooks=hooks,
         )
+    owners: dict[tuple[str, Any], str] = {}
 
-    def collector(kind: str, table: dict, plugin_name: str):
+    def collector(kind: str, table: dict, plugin_name: str) -> Any:
         def register(cls: type) -> None:
             if kind == "families":
                 key: Any = (cls.role, cls.name)
@@ -117,21 +141,68 @@ def build_registry(pm: pluggy.PluginManager, failures: dict[str, str] | None = N
             else:
                 key = label = cls.name
             if key in table and table[key] is not cls:
-                raise ValueError(f"{kind[:-1]} {label!r} registered twice (second time by plugin {plugin_name!r})")
+                raise PluginConflict(
+                    f"{_SINGULAR[kind]} {label!r} is registered by plugin {owners[(kind, key)]!r} "
+                    f"and again by plugin {plugin_name!r}; uninstall one of them or limit "
+                    "DISAGG_PLUGINS"
+                )
             table[key] = cls
+            owners[(kind, key)] = plugin_name
             reg.plugins[plugin_name].registered.setdefault(kind, []).append(label)
 
         return register
 
-    for kind, hook in (
-        ("strategies", "disagg_register_strategies"),
-        ("families", "disagg_register_families"),
-        ("transports", "disagg_register_transports"),
-    ):
+    for kind, hook in REGISTER_HOOKS:
         table = getattr(reg, kind)
+        # get_hookimpls() is in registration order (built-ins first), so the
+        # first registrant of a name is the one a conflict message names first.
         for impl in getattr(pm.hook, hook).get_hookimpls():
-            impl.function(register=collector(kind, table, impl.plugin_name))
+            try:
+                impl.function(register=collector(kind, table, impl.plugin_name))
+            except PluginConflict:
+                raise
+            except Exception as exc:  # one broken plugin must not take the others down
+                reg.failures[impl.plugin_name] = f"{type(exc).__name__}: {exc} (in {hook})"
+                warnings.warn(f"disagg plugin {impl.plugin_name!r} failed in {hook}: {exc}", stacklevel=2)
     return reg
+
+
+class PluginConflict(RuntimeError):
+    """Two plugins registered the same strategy, family or transport name."""
+
+
+_SINGULAR = {"strategies": "strategy", "families": "family", "transports": "transport"}
+
+#: (Registry attribute, hook that fills it)
+REGISTER_HOOKS: tuple[tuple[str, str], ...] = (
+    ("strategies", "disagg_register_strategies"),
+    ("families", "disagg_register_families"),
+    ("transports", "disagg_register_transports"),
+)
+
+
+def provider_of(kind: str, name: str, role: str | None = None) -> str | None:
+    """The first-party distribution that provides ``name`` (``kind`` is
+    ``strategy`` or ``family``), for "pip install ..." hints."""
+    key = f"{kind}:{role}:{name}" if role else f"{kind}:{name}"
+    return KNOWN_PROVIDERS.get(key)
+
+
+def notify(hook: str, **kwargs: Any) -> list[str]:
+    """Call an observer hook (``disagg_log_metrics``, ``disagg_run_finished``)
+    on every plugin; an exception in one plugin is warned about and returned,
+    never raised, so that a broken logger cannot stop a run."""
+    reg = get_registry()
+    assert reg.pm is not None
+    errors: list[str] = []
+    for impl in getattr(reg.pm.hook, hook).get_hookimpls():
+        try:
+            impl.function(**{k: kwargs[k] for k in impl.argnames})
+        except Exception as exc:
+            msg = f"plugin {impl.plugin_name!r} failed in {hook}: {type(exc).__name__}: {exc}"
+            warnings.warn(msg, stacklevel=2)
+            errors.append(msg)
+    return errors
 
 
 def _builtin_version(name: str) -> str | None:

@@ -54,6 +54,8 @@ class GroupConfig(BaseModel):
     """Ranks that share the same samples (SP or TP size)."""
     replicas: PositiveInt = 1
     """Data-parallel copies; the group has ``degree * replicas`` ranks."""
+    ranks: PositiveInt | None = None
+    """Optional cross-check: when set, must equal ``degree * replicas``."""
     resources: Resources = Field(default_factory=Resources)
     """Ray resources per rank."""
 
@@ -139,7 +141,9 @@ class TrainConfig(Strict):
     def _known_modules(cls, v: dict[str, ModuleTrainConfig]) -> dict[str, ModuleTrainConfig]:
         for k in v:
             if k not in MODULES:
-                raise ValueError(f"unknown module {k!r}; allowed: {', '.join(MODULES)}")
+                from disagg.config.errors import did_you_mean
+
+                raise ValueError(f"unknown module {k!r}; allowed: {', '.join(MODULES)}{did_you_mean(k, MODULES)}")
         return v
 
 

@@ -128,6 +128,18 @@ class Strategy(ABC):
             logits.float(), labels, ignore_index=-100, reduction="sum"
         )
 
+    def evaluate(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> tuple[float, int, int]:
+        """Forward only (called under ``no_grad``): ``(loss sum, label tokens
+        whose argmax prediction is right, label tokens)``. Strategies with
+        vocab-sharded logits override it."""
+        assert isinstance(self.family, LanguageFamily) and self.module is not None
+        logits, labels = self.family.forward(self.module, inputs, embeds)
+        mask = labels != -100
+        correct = int((logits.argmax(-1)[mask] == labels[mask]).sum())
+        return float(self.loss_sum(logits, labels)), correct, int(mask.sum())
+
     def returns_input_grads(self) -> bool:
         """Whether this rank sends embedding gradients back to the encoders.
         Core routes them from the first shard of each replica only."""

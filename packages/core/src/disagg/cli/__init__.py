@@ -1,0 +1,1 @@
+"""The ``disagg`` command line: one module per subcommand, listed in ``main.COMMANDS``."""

@@ -1,0 +1,227 @@
+"""Checks that need the plugins but no actor: run before anything starts.
+
+Every problem is collected (not just the first) and raised together in one
+:class:`ConfigError`, each located by the :class:`SourceMap`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from disagg.config.errors import ConfigError, Problem, allowed, did_you_mean
+from disagg.config.schema import MODULES, Config, GroupConfig
+from disagg.config.source import SourceMap, dotted
+from disagg.config.translate import problems_from_errors
+from disagg.interfaces import Family, Strategy, StrategyOptions
+from disagg.plugins import Registry, provider_of
+
+
+@dataclass
+class ResolvedModule:
+    """One configured module with its plugins looked up."""
+
+    name: str
+    role: str
+    strategy: type[Strategy]
+    options: StrategyOptions
+    family: Family
+    degree: int
+    replicas: int
+
+
+@dataclass
+class ResolvedConfig:
+    """A config that passed every actor-free check, plugins resolved."""
+
+    config: Config
+    modules: dict[str, ResolvedModule] = field(default_factory=dict)
+    transport: str = "auto"
+
+
+def role_of(module: str) -> str:
+    return "llm" if module == "llm" else "encoder"
+
+
+def validate(cfg: Config, registry: Registry, *, source: SourceMap | None = None) -> ResolvedConfig:
+    """Check ``cfg`` against the installed plugins and the file system.
+
+    Returns the resolved config, or raises :class:`ConfigError` with every
+    problem found. Relative paths are taken from the current directory.
+    """
+    checker = _Checker(cfg, registry, source)
+    resolved = checker.run()
+    if checker.problems:
+        raise ConfigError(checker.problems)
+    return resolved
+
+
+class _Checker:
+    def __init__(self, cfg: Config, registry: Registry, source: SourceMap | None) -> None:
+        self.cfg, self.reg, self.source = cfg, registry, source
+        self.problems: list[Problem] = []
+
+    def add(self, path: Sequence[str | int], message: str) -> None:
+        where = self.source.where(path) if self.source else None
+        self.problems.append(Problem(dotted(path), message, where))
+
+    def run(self) -> ResolvedConfig:
+        resolved = ResolvedConfig(config=self.cfg, transport=self.cfg.parallel.transport)
+        for m in self.cfg.modules():
+            module = self.module(m)
+            if module is not None:
+                resolved.modules[m] = module
+        self.unused_groups()
+        self.transport()
+        self.train()
+        self.data()
+        if self.cfg.checkpoint.resume_from and not Path(self.cfg.checkpoint.resume_from).exists():
+            self.add(("checkpoint", "resume_from"), f"{self.cfg.checkpoint.resume_from!r} does not exist")
+        return resolved
+
+    # -- one module ------------------------------------------------------------------------------
+    def module(self, m: str) -> ResolvedModule | None:
+        spec = getattr(self.cfg.model, m)
+        group: GroupConfig = getattr(self.cfg.parallel, m)
+        role = role_of(m)
+        strategy_cls = self.lookup(
+            ("parallel", m, "strategy"), "strategy", group.strategy, self.reg.strategies, provider_of("strategy", group.strategy)
+        )
+        family_cls = self.lookup(
+            ("model", m, "family"),
+            f"{role} family",
+            spec.family,
+            {n: cls for (r, n), cls in self.reg.families.items() if r == role},
+            provider_of("family", spec.family, role),
+        )
+        if not Path(spec.path).exists():
+            self.add(("model", m, "path"), f"{spec.path!r} does not exist (relative paths are from {Path.cwd()})")
+            family_cls = None  # families read their config from the path
+        if group.ranks is not None and group.ranks != group.degree * group.replicas:
+            self.add(
+                ("parallel", m, "ranks"),
+                f"{group.ranks} does not equal degree × replicas = {group.degree} × {group.replicas} "
+                f"= {group.degree * group.replicas}; set ranks to {group.degree * group.replicas} or drop it",
+            )
+        options = self.options(m, group, strategy_cls) if strategy_cls else None
+        if strategy_cls is None or family_cls is None or options is None:
+            return None
+        try:
+            family = family_cls(spec.path, spec.options)
+        except Exception as exc:
+            self.add(("model", m), f"family {spec.family!r} cannot read {spec.path!r}: {type(exc).__name__}: {exc}")
+            return None
+        before = len(self.problems)
+        for who, call in (
+            (f"strategy {group.strategy!r}", lambda: strategy_cls.check(family, group.degree, group.replicas, options)),
+            (f"family {spec.family!r}", lambda: family.check(group.strategy, group.degree, group.replicas)),
+        ):
+            try:
+                for msg in call():
+                    self.add(("parallel", m), msg)
+            except Exception as exc:
+                self.add(("parallel", m), f"{who} check failed: {type(exc).__name__}: {exc}")
+        if len(self.problems) > before:
+            return None
+        return ResolvedModule(m, role, strategy_cls, options, family, group.degree, group.replicas)
+
+    def lookup(self, path: tuple, what: str, name: str, table: dict[str, Any], provider: str | None) -> Any:
+        if name in table:
+            return table[name]
+        if provider is not None:
+            self.add(
+                path,
+                f"{what} {name!r} is provided by {provider}, which is not installed or not loaded; "
+                f"run: pip install {provider}{self.limited_hint()}",
+            )
+        else:
+            names = sorted(table)
+            self.add(path, f"unknown {what} {name!r}; {allowed(names)}{did_you_mean(name, names)}")
+        return None
+
+    def limited_hint(self) -> str:
+        import os
+
+        limit = os.environ.get("DISAGG_PLUGINS")
+        return f" (DISAGG_PLUGINS={limit!r} limits which installed plugins load)" if limit is not None else ""
+
+    def options(self, m: str, group: GroupConfig, strategy_cls: type[Strategy]) -> StrategyOptions | None:
+        model = strategy_cls.options_model
+        try:
+            return model.model_validate(group.strategy_options())
+        except ValidationError as exc:
+            own = list(GroupConfig.model_fields)
+            for err in exc.errors():
+                if err["type"] == "extra_forbidden":
+                    key = str(err["loc"][-1])
+                    opts = list(model.model_fields)
+                    hint = did_you_mean(key, own + opts)
+                    self.add(
+                        ("parallel", m, key),
+                        f"unknown key {key!r} for strategy {group.strategy!r}; {allowed(own + opts)}{hint}",
+                    )
+            rest = [e for e in exc.errors() if e["type"] != "extra_forbidden"]
+            self.problems += problems_from_errors(rest, model, self.source, prefix=("parallel", m))
+            return None
+
+    # -- whole config ----------------------------------------------------------------------------
+    def unused_groups(self) -> None:
+        default = GroupConfig().model_dump()
+        configured = self.cfg.modules()
+        for m in MODULES:
+            if m not in configured and getattr(self.cfg.parallel, m).model_dump() != default:
+                self.add(("parallel", m), f"is set but model.{m} is not configured; add model.{m} or remove parallel.{m}")
+
+    def transport(self) -> None:
+        name = self.cfg.parallel.transport
+        names = ["auto", *self.reg.transport_names()]
+        if name not in names:
+            self.add(("parallel", "transport"), f"unknown transport {name!r}; {allowed(names)}{did_you_mean(name, names)}")
+
+    def train(self) -> None:
+        t = self.cfg.train
+        configured = self.cfg.modules()
+        for m in t.modules:
+            if m not in configured:
+                self.add(("train", "modules", m), f"module {m!r} is not configured in model; {allowed(configured)}")
+        kinds = _scheduler_kinds()
+        for path, kind in [(("train", "scheduler"), t.scheduler)] + [
+            (("train", "modules", m, "scheduler"), mt.scheduler) for m, mt in t.modules.items() if mt.scheduler
+        ]:
+            if kinds and kind not in kinds:
+                self.add(path, f"unknown scheduler {kind!r}; {allowed(kinds)}{did_you_mean(kind, kinds)}")
+
+    def data(self) -> None:
+        d = self.cfg.data
+        if d is None:
+            return
+        entries = [(("data", "train"), d.train, None)] if isinstance(d.train, str) else [
+            (("data", "train", i, "path"), e.path, e.media_root) for i, e in enumerate(d.train)
+        ]
+        if d.eval:
+            entries.append((("data", "eval"), d.eval, None))
+        for path, file, media_root in entries:
+            if not Path(file).is_file():
+                self.add(path, f"data file {file!r} does not exist (relative paths are from {Path.cwd()})")
+            if media_root and not Path(media_root).is_dir():
+                self.add((*path[:-1], "media_root"), f"{media_root!r} is not a directory")
+        if not Path(d.media_root).is_dir():
+            self.add(("data", "media_root"), f"{d.media_root!r} is not a directory")
+        if d.batch_size < self.cfg.train.microbatches:
+            self.add(
+                ("data", "batch_size"),
+                f"{d.batch_size} is smaller than train.microbatches = {self.cfg.train.microbatches}; "
+                f"every microbatch needs a sample: use batch_size >= {self.cfg.train.microbatches}",
+            )
+
+
+def _scheduler_kinds() -> list[str]:
+    try:
+        from transformers import SchedulerType
+    except ImportError:  # validation should not depend on it; the run will complain
+        return []
+    return [s.value for s in SchedulerType]

@@ -1,0 +1,55 @@
+"""Decoding media files into what encoder families' ``preprocess`` receives.
+
+Images become RGB ``PIL.Image.Image``; audio becomes ``{"array": float32 mono
+numpy array in [-1, 1], "sampling_rate": int}`` (the convention of Hugging
+Face ``datasets``' Audio feature, which HF feature extractors accept).
+Resampling is the family's business: it knows the rate its model expects.
+"""
+
+from __future__ import annotations
+
+import wave
+from typing import Any
+
+import numpy as np
+
+
+def load_media(kind: str, path: str) -> Any:
+    """One decoded media item; raises the decoder's own error on bad files."""
+    if kind == "image":
+        return load_image(path)
+    if kind == "audio":
+        return load_audio(path)
+    raise ValueError(f"unknown media kind {kind!r}; allowed: image, audio")
+
+
+def load_image(path: str):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        # load() forces a full decode so truncated files fail here, not in the encoder
+        im.load()
+        return im.convert("RGB")
+
+
+def load_audio(path: str) -> dict[str, Any]:
+    if path.lower().endswith(".wav"):
+        with wave.open(path, "rb") as w:
+            width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
+            frames = w.readframes(w.getnframes())
+        dtype = {1: np.uint8, 2: np.int16, 4: np.int32}.get(width)
+        if dtype is None:
+            raise ValueError(f"unsupported WAV sample width {width} bytes; allowed: 1, 2, 4")
+        data = np.frombuffer(frames, dtype=dtype).astype(np.float32)
+        if width == 1:
+            data = (data - 128.0) / 128.0
+        else:
+            data /= float(np.iinfo(dtype).max)
+        data = data.reshape(-1, channels).mean(axis=1)
+        return {"array": data.astype(np.float32), "sampling_rate": rate}
+    try:
+        import soundfile  # optional: other formats when the user has it installed
+    except ImportError:
+        raise ValueError(f"cannot read {path!r}: only .wav is supported without the 'soundfile' package") from None
+    data, rate = soundfile.read(path, dtype="float32", always_2d=True)
+    return {"array": data.mean(axis=1).astype(np.float32), "sampling_rate": int(rate)}

@@ -1,0 +1,170 @@
+"""Reading LLaVA-style datasets into validated records, before any worker starts.
+
+Accepted per sample (JSON list or JSONL, one object per line)::
+
+    {"image": "a.png" | ["a.png", ...], "audio": "t.wav" | [...],
+     "conversations": [{"from": "human", "value": "<image>\\nDescribe."},
+                       {"from": "gpt", "value": "A red square."}]}
+
+or ``"messages": [{"role": "user", "content": "..."}, ...]`` where ``content``
+may also be a list of ``{"type": "text"|"image"|"audio", ...}`` parts. Every
+structural problem is found here, in the driver, so that a bad file stops the
+run before training starts (or, with ``on_error: skip``, is counted).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from disagg.data.errors import DataError
+
+#: media kind -> the text that marks where one item goes in a turn
+PLACEHOLDERS: dict[str, str] = {"image": "<image>", "audio": "<audio>"}
+#: accepted spellings of each role (LLaVA's ``from`` and chat ``role``)
+ROLES: dict[str, str] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
+
+
+@dataclass
+class Record:
+    """One structurally valid sample; media paths resolved and known to exist."""
+
+    uid: int
+    dataset: int
+    source: str
+    #: ``(role, text)`` with role in system/user/assistant; text keeps ``<image>``/``<audio>`` markers
+    messages: list[tuple[str, str]]
+    #: media kind -> absolute paths, in placeholder order
+    media: dict[str, list[str]] = field(default_factory=dict)
+
+
+def read_dataset(
+    path: str | Path,
+    media_root: str | Path,
+    *,
+    dataset: int,
+    first_uid: int,
+    modalities: set[str],
+    on_bad: Callable[[DataError], None],
+) -> list[Record]:
+    """Records of one JSON/JSONL file. ``on_bad`` gets every bad sample's error
+    (it raises for ``on_error: error`` and counts for ``skip``); a file that
+    cannot be read at all always raises."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(str(path), "dataset file not found")
+    text = p.read_text(encoding="utf-8")
+    raw: list[tuple[str, Any]] = []
+    if p.suffix == ".jsonl":
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            loc = f"{path}:{lineno}"
+            try:
+                raw.append((loc, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                on_bad(DataError(loc, f"malformed JSON: {exc.msg} (column {exc.colno})"))
+    else:
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{exc.lineno}", f"malformed JSON: {exc.msg} (column {exc.colno})") from None
+        if not isinstance(items, list):
+            raise DataError(str(path), f"a .json dataset must be a list of samples, got {type(items).__name__}")
+        raw = [(f"{path}[{i}]", item) for i, item in enumerate(items)]
+
+    out: list[Record] = []
+    for loc, item in raw:
+        try:
+            messages, media = parse_sample(item, loc, Path(media_root), modalities)
+        except DataError as exc:
+            on_bad(exc)
+            continue
+        out.append(Record(first_uid + len(out), dataset, loc, messages, media))
+    return out
+
+
+def parse_sample(
+    item: Any, loc: str, media_root: Path, modalities: set[str]
+) -> tuple[list[tuple[str, str]], dict[str, list[str]]]:
+    """Normalize one sample and check everything that needs no decoding."""
+    if not isinstance(item, dict):
+        raise DataError(loc, f"a sample must be a JSON object, got {type(item).__name__}")
+    turns = item.get("conversations", item.get("messages"))
+    if turns is None:
+        raise DataError(loc, "no 'conversations' or 'messages' list")
+    if not isinstance(turns, list) or not turns:
+        raise DataError(loc, "empty conversation: 'conversations'/'messages' must be a non-empty list")
+    messages = [_turn(t, loc, i) for i, t in enumerate(turns)]
+    if not any(role == "assistant" for role, _ in messages):
+        raise DataError(loc, "no assistant ('gpt') turn: the sample has nothing to learn")
+
+    media: dict[str, list[str]] = {}
+    for kind, marker in PLACEHOLDERS.items():
+        files = _media_list(item.get(kind), loc, kind)
+        count = sum(text.count(marker) for _, text in messages)
+        if count != len(files):
+            raise DataError(
+                loc, f"{count} {marker} placeholder(s) in the text but {len(files)} {kind} file(s) in '{kind}'"
+            )
+        for role, text in messages:
+            if role == "assistant" and marker in text:
+                raise DataError(loc, f"{marker} in an assistant turn; media may only appear in user/system turns")
+        if not files:
+            continue
+        if kind not in modalities:
+            configured = ", ".join(sorted(modalities)) or "none"
+            raise DataError(
+                loc, f"sample has {kind} but no {kind} encoder is configured (media the model reads: {configured})"
+            )
+        resolved = []
+        for f in files:
+            full = (media_root / f).resolve()
+            if not full.is_file():
+                raise DataError(loc, f"missing {kind} file {f!r} (looked for {full})")
+            resolved.append(str(full))
+        media[kind] = resolved
+    return messages, media
+
+
+def _turn(turn: Any, loc: str, i: int) -> tuple[str, str]:
+    if not isinstance(turn, dict):
+        raise DataError(loc, f"turn {i} must be an object, got {type(turn).__name__}")
+    role = turn.get("from", turn.get("role"))
+    if role not in ROLES:
+        allowed = ", ".join(ROLES)
+        raise DataError(loc, f"turn {i} has unknown role {role!r}; allowed: {allowed}")
+    content = turn.get("value", turn.get("content"))
+    if isinstance(content, list):
+        content = "".join(_part(p, loc, i) for p in content)
+    if not isinstance(content, str):
+        raise DataError(loc, f"turn {i} has no text: 'value'/'content' must be a string, got {type(content).__name__}")
+    return ROLES[role], content
+
+
+def _part(part: Any, loc: str, i: int) -> str:
+    """One OpenAI-style content part -> text with our placeholder markers."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in PLACEHOLDERS:
+        return PLACEHOLDERS[kind]
+    raise DataError(loc, f"turn {i} has a content part {part!r}; allowed types: text, {', '.join(PLACEHOLDERS)}")
+
+
+def _media_list(value: Any, loc: str, kind: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise DataError(loc, f"'{kind}' must be a file name or a list of file names, got {value!r}")

@@ -1,0 +1,163 @@
+"""Module groups: Ray actors, their placement, and their ``torch.distributed`` worlds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from disagg.interfaces import Family, OptimSpec, Strategy, StrategyOptions
+from disagg.runtime.worker import ModuleWorker
+
+
+@dataclass
+class GroupSpec:
+    """Everything needed to start one module's group."""
+
+    module: str
+    family: Family
+    strategy_cls: type[Strategy]
+    options: StrategyOptions
+    degree: int
+    replicas: int
+    optim: OptimSpec | None
+    num_cpus: float = 1.0
+    num_gpus: float | None = None
+
+    @property
+    def size(self) -> int:
+        return self.degree * self.replicas
+
+
+@dataclass
+class Group:
+    spec: GroupSpec
+    actors: list[Any]
+    placement: PlacementGroup | None = None
+    nodes: list[str] = field(default_factory=list)
+
+    @property
+    def module(self) -> str:
+        return self.spec.module
+
+    def call(self, method: str, *args: Any, ranks: list[int] | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on the given ranks (all by default); return ObjectRefs."""
+        targets = range(len(self.actors)) if ranks is None else ranks
+        return [getattr(self.actors[r], method).remote(*args, **kwargs) for r in targets]
+
+
+def start_groups(
+    specs: list[GroupSpec], *, placement: str, device: str, dtype: str, seed: int
+) -> list[Group]:
+    """Create placement groups and actors, then each group's process group."""
+    remote_cls = ray.remote(enable_tensor_transport=True)(ModuleWorker)
+    gpus = device == "cuda"
+    if placement == "collocated":
+        pgs, bundle_of = _collocated(specs, gpus)
+    else:
+        pgs, bundle_of = _disaggregated(specs, gpus)
+    groups = []
+    for gi, spec in enumerate(specs):
+        pg_index = 0 if placement == "collocated" else gi
+        actors = []
+        for rank in range(spec.size):
+            num_gpus = _gpus_per_rank(spec, specs, placement, rank) if gpus else 0
+            actors.append(
+                remote_cls.options(
+                    num_cpus=spec.num_cpus,
+                    num_gpus=num_gpus,
+                    name=None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pgs[pg_index], placement_group_bundle_index=bundle_of(gi, rank)
+                    ),
+                ).remote(
+                    spec.module, rank, spec.size, spec.degree, spec.replicas, spec.family,
+                    spec.strategy_cls, spec.options, spec.optim, device, dtype, seed,
+                )
+            )
+        groups.append(Group(spec, actors, pgs[pg_index]))
+    # Start every group's torch.distributed world concurrently: set-up of one
+    # group blocks until all its ranks have joined.
+    setups = []
+    for g in groups:
+        addr, port = ray.get(g.actors[0].rendezvous.remote())
+        setups += g.call("setup", addr, port)
+    ray.get(setups)
+    for g in groups:
+        g.nodes = [p["node_id"] for p in ray.get(g.call("placement"))]
+    return groups
+
+
+def _gpus_per_rank(spec: GroupSpec, specs: list[GroupSpec], placement: str, rank: int) -> float:
+    if spec.num_gpus is not None:
+        return spec.num_gpus
+    if placement == "disaggregated":
+        return 1.0
+    # collocated: the ranks that share bundle `rank` split its GPU evenly
+    sharing = sum(1 for s in specs if s.size > rank)
+    return 1.0 / sharing
+
+
+def _collocated(specs: list[GroupSpec], gpus: bool):
+    """One bundle per device index; rank i of every group lives in bundle i."""
+    n = max(s.size for s in specs)
+    bundles = []
+    for i in range(n):
+        members = [s for s in specs if s.size > i]
+        b: dict[str, float] = {"CPU": sum(s.num_cpus for s in members)}
+        if gpus:
+            b["GPU"] = 1.0
+        bundles.append(b)
+    pg = placement_group(bundles, strategy="PACK")
+    ray.get(pg.ready(), timeout=_PG_TIMEOUT)
+    return [pg], (lambda gi, rank: rank)
+
+
+def _disaggregated(specs: list[GroupSpec], gpus: bool):
+    """A placement group per module, each aimed at a node no other group took
+    (when the cluster has enough nodes), so groups never share devices."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    free = {n["NodeID"]: dict(n.get("Resources", {})) for n in alive}
+    taken: set[str] = set()
+    pgs = []
+    for spec in specs:
+        need_cpu = spec.num_cpus * spec.size
+        need_gpu = (spec.num_gpus or 1.0) * spec.size if gpus else 0.0
+        target = next(
+            (nid for nid, r in free.items()
+             if nid not in taken and r.get("CPU", 0) >= need_cpu and r.get("GPU", 0) >= need_gpu),
+            None,
+        )
+        bundle: dict[str, float] = {"CPU": spec.num_cpus}
+        if gpus:
+            bundle["GPU"] = spec.num_gpus or 1.0
+        pg = placement_group([dict(bundle) for _ in range(spec.size)], strategy="PACK", _soft_target_node_id=target)
+        ray.get(pg.ready(), timeout=_PG_TIMEOUT)
+        if target:
+            taken.add(target)
+            free[target]["CPU"] -= need_cpu
+            if gpus:
+                free[target]["GPU"] = free[target].get("GPU", 0) - need_gpu
+        pgs.append(pg)
+    return pgs, (lambda gi, rank: rank)
+
+
+_PG_TIMEOUT = 120
+
+
+def stop_groups(groups: list[Group]) -> None:
+    """Tear down process groups, kill actors and free their placement groups."""
+    try:
+        ray.get([a.shutdown.remote() for g in groups for a in g.actors], timeout=30)
+    except Exception:  # a dead actor cannot shut down; killing it below is enough
+        pass
+    seen = set()
+    for g in groups:
+        for a in g.actors:
+            ray.kill(a)
+        if g.placement is not None and id(g.placement) not in seen:
+            seen.add(id(g.placement))
+            remove_placement_group(g.placement)

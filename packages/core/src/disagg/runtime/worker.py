@@ -1,0 +1,277 @@
+"""The Ray actor that holds one rank of one module group.
+
+It owns a ``torch.distributed`` world shared only with the other ranks of its
+module, a :class:`~disagg.interfaces.Strategy`, and the autograd graphs of the
+microbatches in flight. Every method that moves activations or gradients
+returns exactly one object (what Ray Direct Transport supports), addressed to
+one consumer, so the driver only wires ObjectRefs and never sees tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import ray
+import torch
+import torch.distributed as dist
+
+from disagg.interfaces import EmbeddingShard, Family, GroupContext, OptimSpec, Strategy, StrategyOptions
+
+
+class WorkerError(RuntimeError):
+    """An exception inside an actor, with the module and rank that raised it."""
+
+
+def _named(fn: Callable) -> Callable:
+    # Errors must name the module and rank; Ray alone reports an opaque actor id.
+    @functools.wraps(fn)
+    def wrapper(self: ModuleWorker, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        except WorkerError:
+            raise
+        except Exception as exc:
+            raise WorkerError(f"module {self.module!r} rank {self.rank}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    return wrapper
+
+
+class ModuleWorker:
+    """One rank of a module group (instantiated as a Ray actor by ``groups``)."""
+
+    def __init__(
+        self,
+        module: str,
+        rank: int,
+        world_size: int,
+        degree: int,
+        replicas: int,
+        family: Family,
+        strategy_cls: type[Strategy],
+        options: StrategyOptions,
+        optim: OptimSpec | None,
+        device: str,
+        dtype: str,
+        seed: int,
+    ) -> None:
+        self.module, self.rank = module, rank
+        self.world_size, self.degree, self.replicas = world_size, degree, replicas
+        self.family, self.strategy_cls, self.options = family, strategy_cls, options
+        self.optim, self.seed = optim, seed
+        self.device_kind, self.dtype_name = device, dtype
+        self.strategy: Strategy | None = None
+        # microbatch -> (sample ids, shards) kept until their gradients arrive
+        self.pending: dict[int, tuple[list[int], list[EmbeddingShard]]] = {}
+        # microbatch -> (sample ids, embedding leaves per sample)
+        self.llm_leaves: dict[int, tuple[list[int], list[dict[str, torch.Tensor]], list[dict[str, list]]]] = {}
+        self.busy_s = 0.0
+        self.sent_bytes = 0
+
+    # -- set-up -------------------------------------------------------------------------------------
+    def rendezvous(self) -> tuple[str, int]:
+        """Address and a free port for this group's ``torch.distributed`` store (rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def placement(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids()}
+
+    @_named
+    def setup(self, master_addr: str, master_port: int) -> None:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.device_kind == "cuda" else "cpu")
+        if self.device_kind == "cuda":
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s), so index 0 is ours.
+            device = torch.device("cuda", 0)
+            torch.cuda.set_device(device)
+            backend = "nccl"
+        else:
+            device, backend = torch.device("cpu"), "gloo"
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=600))
+        torch.manual_seed(self.seed)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype_name]
+        ctx = GroupContext(self.module, self.rank, self.world_size, self.degree, self.replicas, device, dtype)
+        self.strategy = self.strategy_cls(ctx, self.family, self.options)
+        # Weights load in fp32; strategies cast/autocast as the dtype says.
+        self.strategy.setup(self.family.build(torch.float32), self.optim)
+
+    # -- encoder role -------------------------------------------------------------------------------
+    @_named
+    def encode(self, mb: int, sample_ids: list[int], input_refs: list[Any]) -> None:
+        """Forward this rank's shard of each sample; outputs stay here until fetched."""
+        inputs = ray.get(input_refs)
+        shards = self.strategy.encode(inputs)  # type: ignore[union-attr]
+        if len(shards) != len(sample_ids):
+            raise RuntimeError(f"strategy returned {len(shards)} shards for {len(sample_ids)} samples")
+        self.pending[mb] = (list(sample_ids), shards)
+
+    @_named
+    def shards_for(self, mb: int, sample_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's shards of ``sample_ids`` — one object for one LLM replica."""
+        ids, shards = self.pending[mb]
+        by_id = dict(zip(ids, shards))
+        out = {}
+        for i in sample_ids:
+            s = by_id[i]
+            out[i] = (s.positions, s.value.detach(), s.total)
+            self.sent_bytes += s.value.numel() * s.value.element_size()
+        return out
+
+    @_named
+    def backward(self, mb: int, grad_refs: list[Any]) -> None:
+        """Backward from the gradients of this rank's shards (from every LLM replica)."""
+        ids, shards = self.pending.pop(mb)
+        grads: dict[int, torch.Tensor] = {}
+        for part in ray.get(grad_refs):
+            grads.update(part)
+        device = shards[0].value.device if shards else torch.device("cpu")
+        self.strategy.backward(  # type: ignore[union-attr]
+            [s.value for s in shards], [grads[i].to(device) for i in ids]
+        )
+
+    def drop(self, mb: int) -> None:
+        """Forget a microbatch whose gradients will not come (frozen module, eval)."""
+        self.pending.pop(mb, None)
+
+    # -- language-model role ------------------------------------------------------------------------
+    @_named
+    def loss_and_backward(
+        self,
+        mb: int,
+        sample_ids: list[int],
+        input_refs: list[Any],
+        shard_refs: list[Any],
+        needs_grad: list[str],
+        loss_scale: float,
+    ) -> float:
+        """Assemble each sample's embeddings from encoder shards, run forward and
+        backward; keep the embedding gradients for :meth:`grads_for`."""
+        inputs = ray.get(input_refs)
+        parts: list[dict[int, dict[str, Any]]] = []
+        for module, ref in shard_refs:  # (module, ref of {sample: shard}) from each encoder rank
+            parts.append((module, ray.get(ref)))
+        device = self.strategy.ctx.device  # type: ignore[union-attr]
+        embeds: list[dict[str, torch.Tensor]] = [{} for _ in sample_ids]
+        layout: list[dict[str, list]] = [{} for _ in sample_ids]  # module -> [(src, positions)]
+        index = {s: k for k, s in enumerate(sample_ids)}
+        for src, (module, part) in enumerate(parts):
+            for sid, (positions, value, total) in part.items():
+                k = index[sid]
+                if module not in embeds[k]:
+                    embeds[k][module] = torch.zeros(total, value.shape[-1], dtype=value.dtype, device=device)
+                embeds[k][module][positions.to(device)] = value.to(device)
+                layout[k].setdefault(module, []).append((src, positions))
+        for e in embeds:
+            for module, t in e.items():
+                t.requires_grad_(module in needs_grad)
+        loss_sum = self.strategy.loss_and_backward(inputs, embeds, loss_scale)  # type: ignore[union-attr]
+        self.llm_leaves[mb] = (list(sample_ids), embeds, layout)
+        return loss_sum
+
+    @_named
+    def grads_for(self, mb: int, module: str, src: int) -> dict[int, torch.Tensor]:
+        """Gradients of the shards that shard-ref ``src`` delivered — one object
+        for exactly the encoder rank that produced them."""
+        ids, embeds, layout = self.llm_leaves[mb]
+        out = {}
+        for k, sid in enumerate(ids):
+            for s, positions in layout[k].get(module, []):
+                if s == src:
+                    g = embeds[k][module].grad
+                    g = torch.zeros_like(embeds[k][module]) if g is None else g
+                    out[sid] = g[positions.to(g.device)].detach()
+                    self.sent_bytes += out[sid].numel() * out[sid].element_size()
+        return out
+
+    def release(self, mb: int) -> None:
+        self.llm_leaves.pop(mb, None)
+
+    @_named
+    def evaluate(self, sample_ids: list[int], input_refs: list[Any], shard_refs: list[Any]) -> tuple[float, int, int]:
+        """Forward only: (loss sum, correct argmax predictions, label tokens)."""
+        inputs = ray.get(input_refs)
+        embeds: list[dict[str, torch.Tensor]] = [{} for _ in sample_ids]
+        index = {s: k for k, s in enumerate(sample_ids)}
+        device = self.strategy.ctx.device  # type: ignore[union-attr]
+        for module, ref in shard_refs:
+            for sid, (positions, value, total) in ray.get(ref).items():
+                e = embeds[index[sid]]
+                if module not in e:
+                    e[module] = torch.zeros(total, value.shape[-1], dtype=value.dtype, device=device)
+                e[module][positions.to(device)] = value.to(device)
+        with torch.no_grad():
+            return self.strategy.evaluate(inputs, embeds)  # type: ignore[union-attr]
+
+    # -- optimizer step -----------------------------------------------------------------------------
+    @_named
+    def zero_grad(self) -> None:
+        self.strategy.zero_grad()  # type: ignore[union-attr]
+
+    @_named
+    def reduce_and_norm(self) -> float:
+        """Finish gradient reduction; return the group's squared grad norm."""
+        if self.optim is None:
+            return 0.0
+        self.strategy.reduce_gradients()  # type: ignore[union-attr]
+        return self.strategy.grad_norm_sq()  # type: ignore[union-attr]
+
+    @_named
+    def step(self, clip_coef: float) -> dict[str, Any]:
+        """Optimizer step; return this rank's metrics for the step and reset them."""
+        self.strategy.step(clip_coef)  # type: ignore[union-attr]
+        ctx = self.strategy.ctx  # type: ignore[union-attr]
+        if ctx.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(ctx.device)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        comm = ctx.comm.reset()
+        out = {
+            "rank": self.rank,
+            "peak_mem_bytes": int(peak),
+            "comm_bytes": int(sum(comm.values()) + self.sent_bytes),
+            "collective_bytes": comm,
+            "transfer_bytes": self.sent_bytes,
+            "busy_s": self.busy_s,
+            "lr": self.strategy.current_lr(),  # type: ignore[union-attr]
+        }
+        self.busy_s, self.sent_bytes = 0.0, 0
+        return out
+
+    # -- state --------------------------------------------------------------------------------------
+    @_named
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        sd = self.strategy.full_state_dict()  # type: ignore[union-attr]
+        return sd if self.rank == 0 else None
+
+    @_named
+    def full_grads(self) -> dict[str, torch.Tensor] | None:
+        g = self.strategy.full_grads()  # type: ignore[union-attr]
+        return g if self.rank == 0 else None
+
+    @_named
+    def save(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.strategy.save(path)  # type: ignore[union-attr]
+
+    @_named
+    def load(self, path: str) -> None:
+        self.strategy.load(path)  # type: ignore[union-attr]
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

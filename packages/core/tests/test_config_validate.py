@@ -1,0 +1,127 @@
+"""Actor-free checks against the plugins and the file system, all problems at once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg.config import ConfigError, load_config_and_source
+from disagg.config.validate import ResolvedConfig, validate
+from disagg.plugins import get_registry, register_plugin
+
+sys.path.insert(0, str(Path(__file__).parent))
+import disagg_cfgtest_plugin  # noqa: E402
+
+
+@pytest.fixture
+def reg(disagg_registry):
+    return register_plugin(disagg_cfgtest_plugin, name="cfgtest")
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    for d in ("enc", "llm", "media"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def base() -> dict:
+    return {
+        "model": {"vision": {"family": "cfgtest", "path": "enc"}, "llm": {"family": "cfgtest", "path": "llm"}},
+        "parallel": {"vision": {"strategy": "cfgtest_sp", "degree": 2, "replicas": 1}, "llm": {"replicas": 2}},
+        "data": {"train": "d.jsonl", "media_root": "media", "batch_size": 4},
+        "train": {"steps": 2, "microbatches": 2},
+    }
+
+
+def check(workdir: Path, cfg: dict, overrides: list[str] = ()):
+    p = workdir / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    loaded, source = load_config_and_source(p, list(overrides))
+    return validate(loaded, get_registry(), source=source)
+
+
+def problems(workdir: Path, cfg: dict, overrides: list[str] = ()) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        check(workdir, cfg, overrides)
+    return {p.key: f"{p.where}: {p.message}" for p in info.value.problems}
+
+
+def test_valid_config_resolves(reg, workdir):
+    resolved = check(workdir, base())
+    assert isinstance(resolved, ResolvedConfig)
+    assert resolved.modules["vision"].strategy.name == "cfgtest_sp"
+    assert resolved.modules["vision"].options.chunks == 1
+    assert resolved.modules["llm"].family.path == Path("llm")
+    assert resolved.modules["vision"].role == "encoder" and resolved.modules["llm"].role == "llm"
+
+
+def test_many_problems_are_collected(reg, workdir):
+    cfg = base()
+    cfg["parallel"]["vision"].update(degree=3, chunkz=2)
+    cfg["parallel"]["llm"].update(strategy="ddp", degree=2, ranks=3)
+    cfg["parallel"]["transport"] = "object-store"
+    cfg["parallel"]["audio"] = {"degree": 2}
+    cfg["model"]["llm"]["path"] = "missing-llm"
+    cfg["data"]["train"] = "missing.jsonl"
+    cfg["data"]["batch_size"] = 1
+    cfg["train"]["modules"] = {"audio": {"freeze": True}}
+    cfg["train"]["scheduler"] = "cosin"
+    found = problems(workdir, cfg)
+    assert set(found) == {
+        "parallel.vision.chunkz",
+        "parallel.llm.ranks",
+        "parallel.transport",
+        "parallel.audio",
+        "model.llm.path",
+        "data.train",
+        "data.batch_size",
+        "train.modules.audio",
+        "train.scheduler",
+    }
+    assert "did you mean 'chunks'" in found["parallel.vision.chunkz"]
+    assert "allowed: strategy, degree, replicas, ranks, resources, chunks" in found["parallel.vision.chunkz"]
+    assert "did you mean 'object_store'" in found["parallel.transport"]
+    assert "c.yaml:" in found["data.train"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "key", "needles"),
+    [
+        (lambda c: c["parallel"]["llm"].update(degree=2), "parallel.llm", ["strategy 'ddp'", "degree must be 1, got 2"]),
+        (lambda c: c["parallel"]["vision"].update(degree=3), "parallel.vision", ["not divisible by degree 3", "1, 2, 4"]),
+        (lambda c: c["parallel"]["vision"].update(chunks=0), "parallel.vision.chunks", ["0 is invalid", "greater than 0"]),
+        (lambda c: c["parallel"]["llm"].update(strategy="dpp"), "parallel.llm.strategy", ["unknown strategy 'dpp'", "allowed: cfgtest_sp, ddp", "did you mean 'ddp'"]),
+        (lambda c: c["model"]["vision"].update(family="cfgtst"), "model.vision.family", ["unknown encoder family 'cfgtst'", "allowed: cfgtest"]),
+        (lambda c: c["parallel"]["llm"].update(strategy="zero"), "parallel.llm.strategy", ["pip install disagg-zero"]),
+        (lambda c: c["model"]["vision"].update(family="siglip"), "model.vision.family", ["pip install disagg-vision-sp"]),
+        (lambda c: c["data"].update(media_root="nomedia"), "data.media_root", ["'nomedia' is not a directory"]),
+    ],
+)
+def test_single_problem(reg, workdir, mutate, key, needles):
+    cfg = base()
+    mutate(cfg)
+    found = problems(workdir, cfg)
+    assert list(found) == [key]
+    for needle in needles:
+        assert needle in found[key]
+
+
+def test_group_defaults_for_unconfigured_module_are_fine(reg, workdir):
+    cfg = base()
+    cfg["parallel"]["audio"] = {"strategy": "ddp", "degree": 1, "replicas": 1}
+    assert check(workdir, cfg).modules.keys() == {"vision", "llm"}
+
+
+def test_family_that_cannot_be_built_is_reported(reg, workdir, monkeypatch):
+    def boom(self, path, options=None):
+        raise OSError("no config.json")
+
+    monkeypatch.setattr(disagg_cfgtest_plugin.CfgLLM, "__init__", boom)
+    found = problems(workdir, base())
+    assert list(found) == ["model.llm"] and "OSError: no config.json" in found["model.llm"]
