@@ -22,7 +22,10 @@ HEADS = 4
 def _heads_check(degree: int) -> list[str]:
     if HEADS % degree:
         divisors = ", ".join(str(d) for d in range(1, HEADS + 1) if HEADS % d == 0)
-        return [f"{HEADS} attention heads are not divisible by degree {degree}; use a divisor of {HEADS}: {divisors}"]
+        return [
+            f"{HEADS} attention heads are not divisible by degree {degree}; "
+            f"use a divisor of {HEADS}: {divisors}"
+        ]
     return []
 
 

@@ -45,8 +45,14 @@ RUNNER = textwrap.dedent(
 
 def base() -> dict:
     return {
-        "model": {"vision": {"family": "cfgtest", "path": "enc"}, "llm": {"family": "cfgtest", "path": "llm"}},
-        "parallel": {"vision": {"strategy": "cfgtest_sp", "degree": 2}, "llm": {"strategy": "ddp", "replicas": 2}},
+        "model": {
+            "vision": {"family": "cfgtest", "path": "enc"},
+            "llm": {"family": "cfgtest", "path": "llm"},
+        },
+        "parallel": {
+            "vision": {"strategy": "cfgtest_sp", "degree": 2},
+            "llm": {"strategy": "ddp", "replicas": 2},
+        },
         "data": {"train": "d.jsonl", "media_root": ".", "batch_size": 4},
         "train": {"steps": 2, "lr": 1.0e-4, "microbatches": 2},
         "output_dir": "runs/x",
@@ -78,27 +84,95 @@ def _drop(path: str):
 # name -> (mutation of the base config, extra argv, substrings the message must contain)
 CASES: dict[str, tuple] = {
     "typo_key": (_set("train.stesp", 3), [], ["train.stesp", "unknown key 'stesp'", "did you mean 'steps'"]),
-    "typo_section": (lambda c: c.update(paralel=c.pop("parallel")), [], ["unknown key 'paralel'", "did you mean 'parallel'"]),
-    "unknown_strategy": (_set("parallel.llm.strategy", "dpp"), [], ["parallel.llm.strategy", "'dpp'", "allowed: cfgtest_sp, ddp"]),
-    "uninstalled_strategy": (_set("parallel.llm.strategy", "megatron_tp"), [], ["'megatron_tp'", "pip install disagg-llm-tp"]),
-    "uninstalled_family": (_set("model.vision.family", "qwen2_5_vl"), [], ["model.vision.family", "pip install disagg-vision-sp"]),
-    "unknown_family": (_set("model.llm.family", "gpt9"), [], ["model.llm.family", "'gpt9'", "allowed: cfgtest"]),
+    "typo_section": (
+        lambda c: c.update(paralel=c.pop("parallel")),
+        [],
+        ["unknown key 'paralel'", "did you mean 'parallel'"],
+    ),
+    "unknown_strategy": (
+        _set("parallel.llm.strategy", "dpp"),
+        [],
+        ["parallel.llm.strategy", "'dpp'", "allowed: cfgtest_sp, ddp"],
+    ),
+    "uninstalled_strategy": (
+        _set("parallel.llm.strategy", "megatron_tp"),
+        [],
+        ["'megatron_tp'", "pip install disagg-llm-tp"],
+    ),
+    "uninstalled_family": (
+        _set("model.vision.family", "qwen2_5_vl"),
+        [],
+        ["model.vision.family", "pip install disagg-vision-sp"],
+    ),
+    "unknown_family": (
+        _set("model.llm.family", "gpt9"),
+        [],
+        ["model.llm.family", "'gpt9'", "allowed: cfgtest"],
+    ),
     "ranks_mismatch": (_set("parallel.vision.ranks", 3), [], ["parallel.vision.ranks", "3", "2 × 1 = 2"]),
     "negative_lr": (_set("train.lr", -0.001), [], ["train.lr", "-0.001", "greater than 0"]),
-    "missing_model_path": (_set("model.llm.path", "no/such/dir"), [], ["model.llm.path", "'no/such/dir' does not exist"]),
-    "missing_data_file": (_set("data.train", "nope.jsonl"), [], ["data.train", "'nope.jsonl' does not exist"]),
-    "unknown_placement": (_set("parallel.placement", "colocated"), [], ["parallel.placement", "'colocated'", "collocated, disaggregated"]),
-    "bad_strategy_option": (_set("parallel.vision.chunkz", 2), [], ["parallel.vision.chunkz", "allowed:", "did you mean 'chunks'"]),
-    "bad_strategy_option_value": (_set("parallel.vision.chunks", 0), [], ["parallel.vision.chunks", "0", "greater than 0"]),
-    "ddp_degree_2": (_set("parallel.llm.degree", 2), [], ["parallel.llm", "'ddp'", "degree must be 1, got 2"]),
-    "family_divisibility": (_set("parallel.vision.degree", 3), [], ["parallel.vision", "degree 3", "1, 2, 4"]),
-    "unknown_module_in_train_modules": (_set("train.modules", {"visoin": {"freeze": True}}), [], ["train.modules", "'visoin'", "vision, audio, llm"]),
-    "unconfigured_module_in_train_modules": (_drop("model.vision"), [], ["train.modules.vision", "allowed: llm"]),
-    "bad_set_key": (None, ["--set", "train.lrr=0.1"], ["--set train.lrr=0.1", "train.lrr", "did you mean 'lr'"]),
+    "missing_model_path": (
+        _set("model.llm.path", "no/such/dir"),
+        [],
+        ["model.llm.path", "'no/such/dir' does not exist"],
+    ),
+    "missing_data_file": (
+        _set("data.train", "nope.jsonl"),
+        [],
+        ["data.train", "'nope.jsonl' does not exist"],
+    ),
+    "unknown_placement": (
+        _set("parallel.placement", "colocated"),
+        [],
+        ["parallel.placement", "'colocated'", "collocated, disaggregated"],
+    ),
+    "bad_strategy_option": (
+        _set("parallel.vision.chunkz", 2),
+        [],
+        ["parallel.vision.chunkz", "allowed:", "did you mean 'chunks'"],
+    ),
+    "bad_strategy_option_value": (
+        _set("parallel.vision.chunks", 0),
+        [],
+        ["parallel.vision.chunks", "0", "greater than 0"],
+    ),
+    "ddp_degree_2": (
+        _set("parallel.llm.degree", 2),
+        [],
+        ["parallel.llm", "'ddp'", "degree must be 1, got 2"],
+    ),
+    "family_divisibility": (
+        _set("parallel.vision.degree", 3),
+        [],
+        ["parallel.vision", "degree 3", "1, 2, 4"],
+    ),
+    "unknown_module_in_train_modules": (
+        _set("train.modules", {"visoin": {"freeze": True}}),
+        [],
+        ["train.modules", "'visoin'", "vision, audio, llm"],
+    ),
+    "unconfigured_module_in_train_modules": (
+        _drop("model.vision"),
+        [],
+        ["train.modules.vision", "allowed: llm"],
+    ),
+    "bad_set_key": (
+        None,
+        ["--set", "train.lrr=0.1"],
+        ["--set train.lrr=0.1", "train.lrr", "did you mean 'lr'"],
+    ),
     "malformed_set": (None, ["--set", "train.lr"], ["--set train.lr", "dotted.key=value"]),
     "batch_lt_microbatches": (_set("data.batch_size", 1), [], ["data.batch_size", "1", "microbatches = 2"]),
-    "unknown_transport": (_set("parallel.transport", "carrier_pigeon"), [], ["parallel.transport", "'carrier_pigeon'", "allowed: auto, gloo, nccl, object_store"]),
-    "audio_group_without_model": (_set("parallel.audio", {"degree": 2}), [], ["parallel.audio", "model.audio is not configured"]),
+    "unknown_transport": (
+        _set("parallel.transport", "carrier_pigeon"),
+        [],
+        ["parallel.transport", "'carrier_pigeon'", "allowed: auto, gloo, nccl, object_store"],
+    ),
+    "audio_group_without_model": (
+        _set("parallel.audio", {"degree": 2}),
+        [],
+        ["parallel.audio", "model.audio is not configured"],
+    ),
     "missing_config_file": (None, ["--set", "x=1"], ["does not exist"]),
 }
 
@@ -134,7 +208,11 @@ def results(tmp_path_factory):
     (root / "cases.json").write_text(json.dumps(_prepare(root)))
     proc = subprocess.run(
         [sys.executable, "-c", RUNNER, str(root / "cases.json")],
-        cwd=root, env=_env(), capture_output=True, text=True, timeout=600,
+        cwd=root,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

@@ -62,7 +62,11 @@ def test_literal_names_value_and_choices(tmp_path):
 
 
 def test_all_problems_reported_together(tmp_path):
-    text = BASE.replace("lr: 1.0e-3", "lr: -1").replace("batch_size: 4", "batch_size: 0").replace("model:", "modle:")
+    text = (
+        BASE.replace("lr: 1.0e-3", "lr: -1")
+        .replace("batch_size: 4", "batch_size: 0")
+        .replace("model:", "modle:")
+    )
     err = error_of(write(tmp_path, text))
     keys = {p.key for p in err.problems}
     assert {"modle", "train.lr", "data.batch_size"} <= keys
@@ -80,14 +84,22 @@ def test_union_noise_is_dropped(tmp_path):
 
 
 def test_missing_required_key(tmp_path):
-    err = error_of(write(tmp_path, BASE.replace("  llm: {family: cfgtest, path: llm}\n", "  llm: {family: cfgtest}\n")))
+    err = error_of(
+        write(tmp_path, BASE.replace("  llm: {family: cfgtest, path: llm}\n", "  llm: {family: cfgtest}\n"))
+    )
     assert [(p.key, p.message) for p in err.problems] == [("model.llm.path", "required key is missing")]
 
 
 def test_set_overrides_are_yaml_scalars_and_create_sections(tmp_path):
     p = write(tmp_path, BASE)
     cfg, source = load_config_and_source(
-        p, ["train.lr=2e-4", "parallel.llm.replicas=3", "train.clip_grad_norm=null", "train.modules.llm.freeze=true"]
+        p,
+        [
+            "train.lr=2e-4",
+            "parallel.llm.replicas=3",
+            "train.clip_grad_norm=null",
+            "train.modules.llm.freeze=true",
+        ],
     )
     assert cfg.train.lr == 2e-4 and cfg.parallel.llm.replicas == 3 and cfg.train.clip_grad_norm is None
     assert cfg.train.modules["llm"].freeze is True

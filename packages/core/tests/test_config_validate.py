@@ -32,8 +32,14 @@ def workdir(tmp_path, monkeypatch):
 
 def base() -> dict:
     return {
-        "model": {"vision": {"family": "cfgtest", "path": "enc"}, "llm": {"family": "cfgtest", "path": "llm"}},
-        "parallel": {"vision": {"strategy": "cfgtest_sp", "degree": 2, "replicas": 1}, "llm": {"replicas": 2}},
+        "model": {
+            "vision": {"family": "cfgtest", "path": "enc"},
+            "llm": {"family": "cfgtest", "path": "llm"},
+        },
+        "parallel": {
+            "vision": {"strategy": "cfgtest_sp", "degree": 2, "replicas": 1},
+            "llm": {"replicas": 2},
+        },
         "data": {"train": "d.jsonl", "media_root": "media", "batch_size": 4},
         "train": {"steps": 2, "microbatches": 2},
     }
@@ -93,14 +99,46 @@ def test_many_problems_are_collected(reg, workdir):
 @pytest.mark.parametrize(
     ("mutate", "key", "needles"),
     [
-        (lambda c: c["parallel"]["llm"].update(degree=2), "parallel.llm", ["strategy 'ddp'", "degree must be 1, got 2"]),
-        (lambda c: c["parallel"]["vision"].update(degree=3), "parallel.vision", ["not divisible by degree 3", "1, 2, 4"]),
-        (lambda c: c["parallel"]["vision"].update(chunks=0), "parallel.vision.chunks", ["0 is invalid", "greater than 0"]),
-        (lambda c: c["parallel"]["llm"].update(strategy="dpp"), "parallel.llm.strategy", ["unknown strategy 'dpp'", "allowed: cfgtest_sp, ddp", "did you mean 'ddp'"]),
-        (lambda c: c["model"]["vision"].update(family="cfgtst"), "model.vision.family", ["unknown encoder family 'cfgtst'", "allowed: cfgtest"]),
-        (lambda c: c["parallel"]["llm"].update(strategy="zero"), "parallel.llm.strategy", ["pip install disagg-zero"]),
-        (lambda c: c["model"]["vision"].update(family="siglip"), "model.vision.family", ["pip install disagg-vision-sp"]),
-        (lambda c: c["data"].update(media_root="nomedia"), "data.media_root", ["'nomedia' is not a directory"]),
+        (
+            lambda c: c["parallel"]["llm"].update(degree=2),
+            "parallel.llm",
+            ["strategy 'ddp'", "degree must be 1, got 2"],
+        ),
+        (
+            lambda c: c["parallel"]["vision"].update(degree=3),
+            "parallel.vision",
+            ["not divisible by degree 3", "1, 2, 4"],
+        ),
+        (
+            lambda c: c["parallel"]["vision"].update(chunks=0),
+            "parallel.vision.chunks",
+            ["0 is invalid", "greater than 0"],
+        ),
+        (
+            lambda c: c["parallel"]["llm"].update(strategy="dpp"),
+            "parallel.llm.strategy",
+            ["unknown strategy 'dpp'", "allowed: cfgtest_sp, ddp", "did you mean 'ddp'"],
+        ),
+        (
+            lambda c: c["model"]["vision"].update(family="cfgtst"),
+            "model.vision.family",
+            ["unknown encoder family 'cfgtst'", "allowed: cfgtest"],
+        ),
+        (
+            lambda c: c["parallel"]["llm"].update(strategy="zero"),
+            "parallel.llm.strategy",
+            ["pip install disagg-zero"],
+        ),
+        (
+            lambda c: c["model"]["vision"].update(family="siglip"),
+            "model.vision.family",
+            ["pip install disagg-vision-sp"],
+        ),
+        (
+            lambda c: c["data"].update(media_root="nomedia"),
+            "data.media_root",
+            ["'nomedia' is not a directory"],
+        ),
     ],
 )
 def test_single_problem(reg, workdir, mutate, key, needles):

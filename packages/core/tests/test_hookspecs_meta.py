@@ -10,9 +10,7 @@ import pytest
 from disagg import hookspecs
 
 ROOT = Path(__file__).resolve().parents[3]
-SPECS = sorted(
-    name for name, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, "disagg_spec")
-)
+SPECS = sorted(name for name, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, "disagg_spec"))
 
 
 def _test_sources() -> str:
@@ -25,8 +23,12 @@ def _test_sources() -> str:
 
 
 def test_there_are_hookspecs():
-    assert {"disagg_register_strategies", "disagg_register_families", "disagg_register_transports",
-            "disagg_log_metrics"} <= set(SPECS)
+    assert {
+        "disagg_register_strategies",
+        "disagg_register_families",
+        "disagg_register_transports",
+        "disagg_log_metrics",
+    } <= set(SPECS)
 
 
 @pytest.mark.parametrize("name", SPECS)

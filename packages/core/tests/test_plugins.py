@@ -106,7 +106,10 @@ def test_plugin_failing_inside_its_register_hook(fake_entry_points):
 def test_duplicate_name_names_both_plugins(fake_entry_points):
     fake_entry_points("first", GOOD.format(cls="A", strategy="same"))
     fake_entry_points("second", GOOD.format(cls="B", strategy="same"))
-    with pytest.raises(plugins.PluginConflict, match="strategy 'same' is registered by plugin 'first' and again by plugin 'second'"):
+    with pytest.raises(
+        plugins.PluginConflict,
+        match="strategy 'same' is registered by plugin 'first' and again by plugin 'second'",
+    ):
         load()
 
 
@@ -189,7 +192,12 @@ def test_fresh_plugin_manager_has_builtins_only(disagg_plugin_manager):
 
 
 def test_known_providers_name_first_party_distributions():
-    assert set(plugins.KNOWN_PROVIDERS.values()) <= {"disagg-vision-sp", "disagg-llm-tp", "disagg-zero", "disagg-audio"}
+    assert set(plugins.KNOWN_PROVIDERS.values()) <= {
+        "disagg-vision-sp",
+        "disagg-llm-tp",
+        "disagg-zero",
+        "disagg-audio",
+    }
     assert plugins.provider_of("strategy", "megatron_tp") == "disagg-llm-tp"
     assert plugins.provider_of("family", "whisper", "encoder") == "disagg-audio"
     assert plugins.provider_of("strategy", "nope") is None

@@ -30,14 +30,27 @@ def example_installed():
     already = _installed()
     if not already:
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(EXAMPLE)],
-            check=True, timeout=600,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "-e",
+                str(EXAMPLE),
+            ],
+            check=True,
+            timeout=600,
         )
     try:
         yield
     finally:
         if not already:
-            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", DIST], check=True, timeout=600)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "uninstall", "-y", "-q", DIST], check=True, timeout=600
+            )
 
 
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -78,7 +91,8 @@ def test_example_logger_is_called(example_installed, tmp_path):
     code = (
         "from disagg.plugins import notify\n"
         "for step in (1, 2):\n"
-        "    assert notify('disagg_log_metrics', step=step, metrics={'loss': 3.0 / step, 'comm_bytes': {}}) == []\n"
+        "    metrics = {'loss': 3.0 / step, 'comm_bytes': {}}\n"
+        "    assert notify('disagg_log_metrics', step=step, metrics=metrics) == []\n"
     )
     proc = _run([sys.executable, "-c", code], tmp_path, DISAGG_EXAMPLE_CSV=str(out), DISAGG_PLUGINS="example")
     assert proc.returncode == 0, proc.stderr
@@ -90,7 +104,9 @@ def test_example_strategy_options_are_validated(example_installed, tmp_path):
     (tmp_path / "c.yaml").write_text(
         "model: {llm: {family: nope, path: .}}\nparallel: {llm: {strategy: example_ddp, log_evry: 2}}\n"
     )
-    proc = _run([str(Path(sys.executable).with_name("disagg")), "train", "c.yaml"], tmp_path, DISAGG_PLUGINS="example")
+    proc = _run(
+        [str(Path(sys.executable).with_name("disagg")), "train", "c.yaml"], tmp_path, DISAGG_PLUGINS="example"
+    )
     assert proc.returncode == 2
     assert "parallel.llm.log_evry" in proc.stderr and "did you mean 'log_every'" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "train": "disagg.cli.train",
     "plugins": "disagg.cli.plugins",
+    "make-tiny": "disagg.cli.make_tiny",
 }
 
 EXIT_RUNTIME_ERROR = 1

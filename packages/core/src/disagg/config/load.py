@@ -69,7 +69,9 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], SourceMap]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(Problem("", f"the file must hold a mapping of sections, got {type(data).__name__}", file))
+        raise ConfigError(
+            Problem("", f"the file must hold a mapping of sections, got {type(data).__name__}", file)
+        )
     return data, source
 
 
@@ -88,14 +90,18 @@ def parse_override(item: str) -> tuple[tuple[str | int, ...], Any]:
     return path, value
 
 
-def apply_override(data: dict[str, Any], path: tuple[str | int, ...], value: Any, where: str | None = None) -> None:
+def apply_override(
+    data: dict[str, Any], path: tuple[str | int, ...], value: Any, where: str | None = None
+) -> None:
     """Write ``value`` at ``path``, creating sections on the way."""
     where = where or f"--set {dotted(path)}"
     node: Any = data
     for i, part in enumerate(path[:-1]):
         if isinstance(node, list) and isinstance(part, int):
             if part >= len(node):
-                raise ConfigError(Problem(dotted(path), f"index {part} is out of range ({len(node)} items)", where))
+                raise ConfigError(
+                    Problem(dotted(path), f"index {part} is out of range ({len(node)} items)", where)
+                )
             node = node[part]
             continue
         if not isinstance(node, dict):

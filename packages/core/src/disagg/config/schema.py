@@ -65,12 +65,17 @@ class GroupConfig(BaseModel):
 
 class ParallelConfig(Strict):
     placement: Literal["collocated", "disaggregated"] = "collocated"
-    """``collocated``: groups share devices (fractional GPUs); ``disaggregated``: each group its own devices, on its own node when the cluster has several."""
+    """``collocated``: groups share devices (fractional GPUs); ``disaggregated``: each group
+    its own devices, on its own node when the cluster has several."""
     transport: str = "auto"
-    """``auto`` (object store on CPU, direct transport on CUDA), ``object_store``, ``gloo``, ``nccl`` or a plugin's."""
+    """``auto`` (object store on CPU, direct transport on CUDA), ``object_store``, ``gloo``,
+    ``nccl`` or a plugin's."""
     vision: GroupConfig = Field(default_factory=GroupConfig)
+    """The vision encoder's group (ignored unless ``model.vision`` is set)."""
     audio: GroupConfig = Field(default_factory=GroupConfig)
+    """The audio encoder's group (ignored unless ``model.audio`` is set)."""
     llm: GroupConfig = Field(default_factory=GroupConfig)
+    """The language model's group."""
 
 
 class DatasetEntry(Strict):
@@ -109,8 +114,11 @@ class ModuleTrainConfig(Strict):
     lr: float | None = Field(None, gt=0)
     """Overrides ``train.lr`` for this module."""
     weight_decay: float | None = Field(None, ge=0)
+    """Overrides ``train.weight_decay`` for this module."""
     scheduler: str | None = None
+    """Overrides ``train.scheduler`` for this module."""
     warmup_steps: int | None = Field(None, ge=0)
+    """Overrides ``train.warmup_steps`` for this module."""
 
 
 class TrainConfig(Strict):
@@ -119,16 +127,21 @@ class TrainConfig(Strict):
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
     scheduler: str = "constant"
     """Any ``transformers.get_scheduler`` kind: constant, linear, cosine, constant_with_warmup, ..."""
     warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps of the scheduler."""
     microbatches: PositiveInt = 1
     """Gradient accumulation: the global batch is split into this many microbatches."""
     clip_grad_norm: float | None = Field(1.0, gt=0)
     """Max global grad norm over all modules; null disables clipping."""
     seed: int = 0
+    """Seeds data order and anything random in the run."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA when the actors see a GPU, else CPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -143,7 +156,8 @@ class TrainConfig(Strict):
             if k not in MODULES:
                 from disagg.config.errors import did_you_mean
 
-                raise ValueError(f"unknown module {k!r}; allowed: {', '.join(MODULES)}{did_you_mean(k, MODULES)}")
+                hint = did_you_mean(k, MODULES)
+                raise ValueError(f"unknown module {k!r}; allowed: {', '.join(MODULES)}{hint}")
         return v
 
 
@@ -156,18 +170,24 @@ class CheckpointConfig(Strict):
 
 class RayConfig(Strict):
     address: str | None = None
-    """``None`` starts an embedded local Ray; ``auto`` joins a running cluster."""
+    """``null`` starts an embedded local Ray; ``auto`` joins a running cluster."""
     num_cpus: int | None = None
     """Logical CPUs of the embedded Ray (more than cores, so several actors fit)."""
 
 
 class Config(Strict):
     model: ModelConfig
+    """Which modules the model has, and where each is loaded from."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """How each module is parallelized, placed and connected."""
     data: DataConfig | None = None
+    """Training data."""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimization."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
     ray: RayConfig = Field(default_factory=RayConfig)
+    """The Ray cluster to run on."""
     output_dir: str = "runs/default"
     """Run dir: resolved config, metrics.jsonl, checkpoints/."""
 

@@ -89,7 +89,11 @@ class _Checker:
         group: GroupConfig = getattr(self.cfg.parallel, m)
         role = role_of(m)
         strategy_cls = self.lookup(
-            ("parallel", m, "strategy"), "strategy", group.strategy, self.reg.strategies, provider_of("strategy", group.strategy)
+            ("parallel", m, "strategy"),
+            "strategy",
+            group.strategy,
+            self.reg.strategies,
+            provider_of("strategy", group.strategy),
         )
         family_cls = self.lookup(
             ("model", m, "family"),
@@ -99,7 +103,9 @@ class _Checker:
             provider_of("family", spec.family, role),
         )
         if not Path(spec.path).exists():
-            self.add(("model", m, "path"), f"{spec.path!r} does not exist (relative paths are from {Path.cwd()})")
+            self.add(
+                ("model", m, "path"), f"{spec.path!r} does not exist (relative paths are from {Path.cwd()})"
+            )
             family_cls = None  # families read their config from the path
         if group.ranks is not None and group.ranks != group.degree * group.replicas:
             self.add(
@@ -113,11 +119,16 @@ class _Checker:
         try:
             family = family_cls(spec.path, spec.options)
         except Exception as exc:
-            self.add(("model", m), f"family {spec.family!r} cannot read {spec.path!r}: {type(exc).__name__}: {exc}")
+            self.add(
+                ("model", m), f"family {spec.family!r} cannot read {spec.path!r}: {type(exc).__name__}: {exc}"
+            )
             return None
         before = len(self.problems)
         for who, call in (
-            (f"strategy {group.strategy!r}", lambda: strategy_cls.check(family, group.degree, group.replicas, options)),
+            (
+                f"strategy {group.strategy!r}",
+                lambda: strategy_cls.check(family, group.degree, group.replicas, options),
+            ),
             (f"family {spec.family!r}", lambda: family.check(group.strategy, group.degree, group.replicas)),
         ):
             try:
@@ -174,23 +185,33 @@ class _Checker:
         configured = self.cfg.modules()
         for m in MODULES:
             if m not in configured and getattr(self.cfg.parallel, m).model_dump() != default:
-                self.add(("parallel", m), f"is set but model.{m} is not configured; add model.{m} or remove parallel.{m}")
+                self.add(
+                    ("parallel", m),
+                    f"is set but model.{m} is not configured; add model.{m} or remove parallel.{m}",
+                )
 
     def transport(self) -> None:
         name = self.cfg.parallel.transport
         names = ["auto", *self.reg.transport_names()]
         if name not in names:
-            self.add(("parallel", "transport"), f"unknown transport {name!r}; {allowed(names)}{did_you_mean(name, names)}")
+            self.add(
+                ("parallel", "transport"),
+                f"unknown transport {name!r}; {allowed(names)}{did_you_mean(name, names)}",
+            )
 
     def train(self) -> None:
         t = self.cfg.train
         configured = self.cfg.modules()
         for m in t.modules:
             if m not in configured:
-                self.add(("train", "modules", m), f"module {m!r} is not configured in model; {allowed(configured)}")
+                self.add(
+                    ("train", "modules", m), f"module {m!r} is not configured in model; {allowed(configured)}"
+                )
         kinds = _scheduler_kinds()
         for path, kind in [(("train", "scheduler"), t.scheduler)] + [
-            (("train", "modules", m, "scheduler"), mt.scheduler) for m, mt in t.modules.items() if mt.scheduler
+            (("train", "modules", m, "scheduler"), mt.scheduler)
+            for m, mt in t.modules.items()
+            if mt.scheduler
         ]:
             if kinds and kind not in kinds:
                 self.add(path, f"unknown scheduler {kind!r}; {allowed(kinds)}{did_you_mean(kind, kinds)}")
@@ -199,9 +220,11 @@ class _Checker:
         d = self.cfg.data
         if d is None:
             return
-        entries = [(("data", "train"), d.train, None)] if isinstance(d.train, str) else [
-            (("data", "train", i, "path"), e.path, e.media_root) for i, e in enumerate(d.train)
-        ]
+        entries = (
+            [(("data", "train"), d.train, None)]
+            if isinstance(d.train, str)
+            else [(("data", "train", i, "path"), e.path, e.media_root) for i, e in enumerate(d.train)]
+        )
         if d.eval:
             entries.append((("data", "eval"), d.eval, None))
         for path, file, media_root in entries:

@@ -1,7 +1,7 @@
 """``build_data_source``: datasets -> validated records -> preprocessed ObjectRefs -> batches.
 
-All samples are preprocessed once, when the source is built, by ``num_workers``
-parallel Ray workers; so every bad sample (structure, media, length) is known
+All samples are preprocessed once, when the source is built, by up to
+``num_workers`` parallel Ray tasks; so every bad sample (structure, media, length) is known
 before the first step, skip/drop counts are exact, and an epoch boundary or a
 resumed run never re-decodes media. The driver keeps only ObjectRefs and a few
 integers per sample.
@@ -21,7 +21,7 @@ from disagg.data.order import batch_positions
 from disagg.data.preprocess import modality_modules
 from disagg.data.records import Record, read_dataset
 from disagg.data.types import SampleRefs
-from disagg.data.workers import start_workers, unwrap
+from disagg.data.workers import run_preprocessing
 
 log = logging.getLogger("disagg.data")
 
@@ -101,43 +101,28 @@ def build_data_source(cfg: Config, families: dict[str, Any], *, split: str = "tr
     if not ray.is_initialized():
         ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False)
     modules = [m for m in families if m != "llm"] + ["llm"]
-    n_workers = max(1, min(data.num_workers, uid))
-    workers = start_workers(n_workers, families, modules, data.max_tokens, data.on_too_long, data.on_error)
-    try:
-        pending = []
-        for k, rec in enumerate(r for recs in records for r in recs):
-            refs = workers[k % n_workers].run.options(num_returns=1 + len(modules)).remote(rec)
-            pending.append((rec, refs))
-        datasets: list[list[SampleRefs]] = [[] for _ in entries]
-        for rec, refs in pending:
-            try:
-                meta = ray.get(refs[0])
-            except Exception as exc:
-                err = unwrap(exc)
-                if isinstance(err, DataError):
-                    raise err from None
-                if isinstance(exc, ray.exceptions.ActorDiedError):
-                    raise RuntimeError(f"a data preprocessing worker failed to start: {exc}") from exc
-                raise RuntimeError(f"{rec.source}: preprocessing failed: {exc}") from exc
-            if meta["status"] != "ok":
-                stats["skipped" if meta["status"] == "skipped" else "dropped_too_long"] += 1
-                problems.append(meta["error"])
-                log.warning("%s sample %s", meta["status"], meta["error"])
-                continue
-            inputs = {m: ref for m, ref in zip(modules, refs[1:]) if m == "llm" or m in meta["num_media_tokens"]}
-            datasets[rec.dataset].append(
-                SampleRefs(
-                    index=rec.uid,
-                    inputs=inputs,
-                    num_label_tokens=meta["num_label_tokens"],
-                    num_tokens=meta["num_tokens"],
-                    source=rec.source,
-                    num_media_tokens=meta["num_media_tokens"],
-                )
+    datasets: list[list[SampleRefs]] = [[] for _ in entries]
+    done = run_preprocessing(
+        (r for recs in records for r in recs), families, modules, num_workers=data.num_workers,
+        max_tokens=data.max_tokens, on_too_long=data.on_too_long, on_error=data.on_error,
+    )
+    for rec, meta, refs in done:
+        if meta["status"] != "ok":
+            stats["skipped" if meta["status"] == "skipped" else "dropped_too_long"] += 1
+            problems.append(meta["error"])
+            log.warning("%s sample %s", meta["status"], meta["error"])
+            continue
+        inputs = {m: ref for m, ref in zip(modules, refs) if m == "llm" or m in meta["num_media_tokens"]}
+        datasets[rec.dataset].append(
+            SampleRefs(
+                index=rec.uid,
+                inputs=inputs,
+                num_label_tokens=meta["num_label_tokens"],
+                num_tokens=meta["num_tokens"],
+                source=rec.source,
+                num_media_tokens=meta["num_media_tokens"],
             )
-    finally:
-        for w in workers:
-            ray.kill(w)
+        )
     stats["samples"] = sum(len(d) for d in datasets)
     if stats["samples"] == 0:
         files = ", ".join(str(Path(e.path)) for e in entries)

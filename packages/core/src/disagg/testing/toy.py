@@ -231,8 +231,28 @@ def put_samples(samples: list[dict[str, dict[str, torch.Tensor]]], start: int = 
         out.append(SampleRefs(
             index=start + i,
             inputs={m: ray.put(d) for m, d in s.items()},
-            num_label_tokens=int((s["llm"]["labels"] != -100).sum()),
+            # the first token is never predicted (labels are shifted by one)
+            num_label_tokens=int((s["llm"]["labels"][1:] != -100).sum()),
             num_tokens=int(s["llm"]["input_ids"].numel()),
             source=f"toy:{start + i}",
         ))
     return out
+
+
+class ToyDataSource:
+    """A deterministic stream of toy batches (a ``DataSource``), resumable by step."""
+
+    def __init__(self, batch_size: int, seed: int = 0, text_only_every: int = 4):
+        self.batch_size, self.seed, self.text_only_every = batch_size, seed, text_only_every
+
+    def batch(self, step: int) -> list[dict[str, dict[str, torch.Tensor]]]:
+        return toy_samples(self.batch_size, seed=self.seed + step, text_only_every=self.text_only_every)
+
+    def batches(self, start_step: int = 0):
+        step = start_step
+        while True:
+            yield put_samples(self.batch(step), start=step * self.batch_size)
+            step += 1
+
+    def stats(self) -> dict[str, int]:
+        return {"skipped": 0, "dropped_too_long": 0}

@@ -1,0 +1,1 @@
+"""An example third-party disagg plugin (see ``plugin.py``)."""

@@ -1,0 +1,65 @@
+"""What a third-party disagg plugin looks like.
+
+Declared in ``pyproject.toml`` as an entry point of group ``disagg``::
+
+    [project.entry-points.disagg]
+    example = "disagg_example_plugin.plugin"
+
+It implements two hooks of :mod:`disagg.hookspecs`:
+
+- ``disagg_log_metrics``: appends each step's metrics to the CSV file named by
+  ``DISAGG_EXAMPLE_CSV`` (does nothing when it is unset);
+- ``disagg_register_strategies``: registers ``example_ddp``, plain data
+  parallelism with one option, to show how a strategy declares and validates
+  its extra ``parallel.<module>`` keys.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from pydantic import Field
+
+import disagg
+from disagg.builtin.ddp import DDPStrategy
+from disagg.interfaces import StrategyOptions
+
+CSV_ENV = "DISAGG_EXAMPLE_CSV"
+
+
+class ExampleOptions(StrategyOptions):
+    log_every: int = Field(1, ge=1)
+    """An option users write as ``parallel.<module>.log_every``."""
+
+
+class ExampleDDP(DDPStrategy):
+    """``ddp`` under another name, with an options model."""
+
+    name: ClassVar[str] = "example_ddp"
+    distribution: ClassVar[str] = "disagg-example-plugin"
+    options_model: ClassVar[type[StrategyOptions]] = ExampleOptions
+
+
+@disagg.hookimpl
+def disagg_register_strategies(register: Callable[[type], None]) -> None:
+    register(ExampleDDP)
+
+
+@disagg.hookimpl
+def disagg_log_metrics(step: int, metrics: dict[str, Any]) -> None:
+    path = os.environ.get(CSV_ENV)
+    if not path:
+        return
+    # Only scalar fields: per-group dicts (peak memory, comm bytes) stay in metrics.jsonl.
+    row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}}
+    file = Path(path)
+    # The first step fixes the columns; later steps fill those they have.
+    header = next(csv.reader(file.open()), None) if file.exists() else None
+    with file.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header or list(row), extrasaction="ignore")
+        if header is None:
+            writer.writeheader()
+        writer.writerow(row)

@@ -1,0 +1,86 @@
+"""Sessions: ``tests`` (everything installed), ``isolation`` (core + one plugin),
+``lint``, ``demo`` (the main job: a tiny multimodal run on local Ray, CPU) and
+``bench``.
+
+torch is pinned here, never in the packages (users bring the build that
+matches their hardware); it is installed first so that no package pulls
+another build. Set ``TORCH_INDEX_URL`` (e.g. https://download.pytorch.org/whl/cpu)
+to install it from a specific index.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint"]
+
+PYTHON = "3.11"
+TORCH = "torch==2.13.0"
+ROOT = Path(__file__).parent
+PLUGINS = ["vision-sp", "llm-tp", "zero-backend", "audio"]
+EXAMPLE = "examples/disagg-example-plugin"
+# DeepSpeed must not look for CUDA on CPU-only machines.
+ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+def install_torch(session: nox.Session) -> None:
+    index = os.environ.get("TORCH_INDEX_URL")
+    session.install(TORCH, *(["--index-url", index] if index else []))
+
+
+def install(session: nox.Session, *paths: str) -> None:
+    for path in paths:
+        if not (ROOT / path / "pyproject.toml").is_file():
+            session.error(f"{path}/pyproject.toml is missing")
+    install_torch(session)
+    args = [a for p in paths for a in ("-e", p)]
+    session.install(*args, "pytest")
+
+
+def pytest(session: nox.Session, tests_dir: str) -> None:
+    """One pytest process per tests dir: packages' test helpers have plain
+    module names (conftest, fakes) that must not collide across packages."""
+    if any((ROOT / tests_dir).glob("**/test_*.py")):
+        session.run("pytest", "-q", tests_dir, *session.posargs, env=ENV)
+    else:
+        session.log(f"{tests_dir}: no tests yet")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Every package and the example plugin installed together; all tests."""
+    packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
+    install(session, *packages, EXAMPLE)
+    for tests_dir in [*(f"{p}/tests" for p in packages), f"{EXAMPLE}/tests", "tests"]:
+        pytest(session, tests_dir)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("plugin", PLUGINS)
+def isolation(session: nox.Session, plugin: str) -> None:
+    """Core plus one plugin only: the plugin must not need its siblings."""
+    install(session, "packages/core", f"packages/{plugin}")
+    pytest(session, f"packages/{plugin}/tests")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: a tiny multimodal training run on local Ray, on CPU."""
+    install(session, "packages/core", *(f"packages/{p}" for p in PLUGINS))
+    session.run("python", "-m", "disagg.demo", *session.posargs, env=ENV)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    install(session, "packages/core", *(f"packages/{p}" for p in PLUGINS))
+    session.run("disagg", "bench", *session.posargs, env=ENV)

@@ -1,0 +1,43 @@
+"""Turn an orchestrator step result into the ``metrics.jsonl`` record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg.runtime.orchestrator import StepResult
+
+
+def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[str, Any]:
+    """The fields DESIGN.md promises, plus per-group detail."""
+    return {
+        "step": step,
+        "loss": res.loss,
+        "grad_norm": res.grad_norm,
+        "step_time_s": res.step_time_s,
+        "tokens_per_s": res.tokens / res.step_time_s if res.step_time_s > 0 else 0.0,
+        "tokens": res.tokens,
+        "label_tokens": res.label_tokens,
+        "peak_mem_bytes": {m: g["peak_mem_bytes"] for m, g in res.groups.items()},
+        "comm_bytes": {m: g["comm_bytes"] for m, g in res.groups.items()},
+        "comm_bytes_per_rank": {m: g["comm_bytes_per_rank"] for m, g in res.groups.items()},
+        "group_time_s": {m: g["time_s"] for m, g in res.groups.items()},
+        "lr": {m: g["lr"] for m, g in res.groups.items()},
+        "skipped_samples": int(data_stats.get("skipped", 0)),
+        "dropped_too_long": int(data_stats.get("dropped_too_long", 0)),
+    }
+
+
+def summarize(records: list[dict[str, Any]], run_dir: str, status: str = "ok") -> dict[str, Any]:
+    if not records:
+        return {"status": status, "steps": 0, "run_dir": run_dir}
+    tps = [r["tokens_per_s"] for r in records[1:]] or [records[0]["tokens_per_s"]]  # step 1 includes warm-up
+    return {
+        "status": status,
+        "steps": records[-1]["step"],
+        "first_loss": records[0]["loss"],
+        "last_loss": records[-1]["loss"],
+        "mean_tokens_per_s": sum(tps) / len(tps),
+        "skipped_samples": records[-1]["skipped_samples"],
+        "dropped_too_long": records[-1]["dropped_too_long"],
+        "run_dir": run_dir,
+    }

@@ -1,0 +1,84 @@
+"""From a validated config to what the orchestrator needs: families, group
+specs, optimizer settings, device, dtype and transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from disagg.config.schema import Config
+from disagg.interfaces import Family, OptimSpec, Transport
+from disagg.plugins import Registry
+from disagg.runtime.groups import GroupSpec
+
+
+@dataclass
+class Plan:
+    families: dict[str, Family]
+    specs: list[GroupSpec]
+    device: str
+    dtype: str
+    transport: Transport
+
+
+def families_for(cfg: Config, registry: Registry) -> dict[str, Family]:
+    out = {}
+    for m in cfg.modules():
+        mm = getattr(cfg.model, m)
+        role = "llm" if m == "llm" else "encoder"
+        out[m] = registry.family(role, mm.family)(mm.path, mm.options)
+    return out
+
+
+def optim_for(cfg: Config, module: str) -> OptimSpec | None:
+    t = cfg.train
+    o = t.modules.get(module)
+    if o is not None and o.freeze:
+        return None
+
+    def pick(name: str) -> Any:
+        v = getattr(o, name, None) if o is not None else None
+        return getattr(t, name) if v is None else v
+
+    return OptimSpec(
+        lr=pick("lr"),
+        weight_decay=pick("weight_decay"),
+        betas=tuple(t.betas),  # type: ignore[arg-type]
+        eps=t.eps,
+        scheduler=pick("scheduler"),
+        warmup_steps=pick("warmup_steps"),
+        total_steps=t.steps,
+    )
+
+
+def make_plan(cfg: Config, registry: Registry, cluster_gpus: float) -> Plan:
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if cluster_gpus > 0 else "cpu"
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    families = families_for(cfg, registry)
+    specs = []
+    for m in cfg.modules():
+        g = getattr(cfg.parallel, m)
+        cls = registry.strategies[g.strategy]
+        specs.append(GroupSpec(
+            module=m,
+            family=families[m],
+            strategy_cls=cls,
+            options=cls.options_model(**g.strategy_options()),
+            degree=g.degree,
+            replicas=g.replicas,
+            optim=optim_for(cfg, m),
+            num_cpus=g.resources.num_cpus,
+            num_gpus=g.resources.num_gpus,
+        ))
+    name = cfg.parallel.transport
+    if name == "auto":
+        name = "nccl" if device == "cuda" else "object_store"
+    transport = registry.transports[name]()
+    if device not in transport.devices:
+        raise ValueError(f"parallel.transport: {name!r} does not work on {device}; "
+                         f"allowed there: {sorted(n for n, t in registry.transports.items() if device in t.devices)}")
+    return Plan(families, specs, device, dtype, transport)

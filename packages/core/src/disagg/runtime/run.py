@@ -1,0 +1,119 @@
+"""``disagg train``: the training loop, read as a short story."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from disagg.config.dump import dump_resolved
+from disagg.config.schema import Config
+from disagg.metrics.jsonl import JsonlMetricsLogger
+from disagg.metrics.step import step_record, summarize
+from disagg.plugins import Registry, get_registry
+from disagg.runtime.checkpoint import checkpoint_step, save_checkpoint
+from disagg.runtime.orchestrator import Orchestrator
+from disagg.runtime.plan import make_plan
+
+
+def run_training(
+    cfg: Config,
+    *,
+    address: str | None = None,
+    registry: Registry | None = None,
+    data_source: Any = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train as ``cfg`` says; return the final summary (with ``run_dir``).
+
+    ``cfg`` must already be validated (``disagg.config.validate``): nothing
+    here re-checks what could have failed before actors start.
+    """
+    registry = registry or get_registry()
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_resolved(cfg, run_dir)
+    ensure_ray(address or cfg.ray.address, cfg.ray.num_cpus)
+    plan = make_plan(cfg, registry, ray.cluster_resources().get("GPU", 0.0))
+    if data_source is None:
+        from disagg.data import build_data_source
+
+        data_source = build_data_source(cfg, plan.families)
+
+    start = 0
+    orch = Orchestrator(
+        plan.specs,
+        placement=cfg.parallel.placement,
+        device=plan.device,
+        dtype=plan.dtype,
+        seed=cfg.train.seed,
+        microbatches=cfg.train.microbatches,
+        clip_grad_norm=cfg.train.clip_grad_norm,
+        transport=plan.transport,
+    )
+    pm = registry.pm
+    logger = JsonlMetricsLogger(run_dir / "metrics.jsonl")
+    pm.register(logger, name=f"disagg.metrics.jsonl:{id(logger)}")
+    records: list[dict[str, Any]] = []
+    status = "failed"
+    try:
+        if cfg.checkpoint.resume_from:
+            orch.load(cfg.checkpoint.resume_from)
+            start = checkpoint_step(cfg.checkpoint.resume_from)
+        bar = _progress(cfg.train.steps, start, progress)
+        for step, batch in zip(range(start + 1, cfg.train.steps + 1), data_source.batches(start)):
+            result = orch.step(batch)
+            record = step_record(step, result, data_source.stats())
+            records.append(record)
+            _log(pm, step, record)
+            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
+                save_checkpoint(orch, cfg, run_dir, step)
+        bar.close()
+        last = records[-1]["step"] if records else start
+        if records and last < cfg.train.steps:
+            raise RuntimeError(f"the data ran out after step {last} of train.steps={cfg.train.steps}")
+        save_checkpoint(orch, cfg, run_dir, last)
+        status = "ok"
+    finally:
+        summary = summarize(records, str(run_dir), status)
+        if records:
+            summary["checkpoint"] = str(run_dir / "checkpoints" / f"step-{records[-1]['step']}")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        try:
+            pm.hook.disagg_run_finished(summary=summary)
+        finally:
+            pm.unregister(logger)
+            orch.shutdown()
+    return summary
+
+
+def ensure_ray(address: str | None, num_cpus: int | None) -> None:
+    """Join ``address`` or start an embedded local Ray (once per process)."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address)
+        return
+    # More logical CPUs than cores, so that every group's actors fit on a laptop.
+    ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False)
+
+
+def _log(pm: Any, step: int, record: dict[str, Any]) -> None:
+    for impl in pm.hook.disagg_log_metrics.get_hookimpls():
+        try:
+            impl.function(step=step, metrics=record)
+        except Exception as exc:  # one broken logger must not stop training
+            import warnings
+
+            warnings.warn(f"metrics logger {impl.plugin_name!r} failed at step {step}: {exc}", stacklevel=2)
+
+
+def _progress(total: int, start: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", disable=not enabled)

@@ -1,0 +1,1 @@
+"""Language-model families: ``qwen2``, ``llama``, ``qwen2_5_vl``."""

@@ -1,0 +1,246 @@
+"""What every Hugging Face decoder family here shares: padding a microbatch,
+scattering encoder embeddings at placeholder tokens, the tensor-parallel layer
+map, checks against a degree, and export back to the dir's key names.
+
+A family subclass says where the decoder lives in the module ``build`` returns
+(``prefix``), which placeholder tokens it uses, and how to call the HF forward.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces import LanguageFamily, LayerMap
+
+
+def allowed_degrees(heads: int, kv_heads: int) -> list[int]:
+    """Degrees megatron_tp can use: divide the query heads, and split or
+    replicate the key/value heads evenly."""
+    return [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+
+
+class HFDecoderFamily(LanguageFamily):
+    """Base of the decoder families; subclasses set the class attributes."""
+
+    #: model_type values of whole multimodal dirs whose language model this family runs
+    vlm_model_types: ClassVar[tuple[str, ...]] = ()
+    #: module name -> placeholder token text, used when the config names no id
+    placeholder_tokens: ClassVar[dict[str, str]] = {}
+    #: module name -> config attributes that may hold the placeholder id
+    placeholder_config_keys: ClassVar[dict[str, tuple[str, ...]]] = {
+        "vision": ("image_token_id", "image_token_index"),
+        "audio": ("audio_token_id", "audio_token_index"),
+    }
+
+    # -- config ----------------------------------------------------------------------------------------
+    @cached_property
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path)
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.config.model_type in self.vlm_model_types
+
+    @property
+    def text_config(self) -> Any:
+        return self.config.get_text_config() if self.is_vlm else self.config
+
+    @property
+    def prefix(self) -> str:
+        """Dotted path of the decoder (embeddings + layers) in ``build()``'s module."""
+        return "model.language_model" if self.is_vlm else "model"
+
+    def _load_kwargs(self, dtype: torch.dtype) -> dict[str, Any]:
+        kw: dict[str, Any] = {"dtype": dtype}
+        if "attn_implementation" in self.options:
+            kw["attn_implementation"] = self.options["attn_implementation"]
+        return kw
+
+    # -- validation ------------------------------------------------------------------------------------
+    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        if strategy != "megatron_tp" or degree == 1:
+            return []
+        tc = self.text_config
+        heads, kv = tc.num_attention_heads, tc.num_key_value_heads or tc.num_attention_heads
+        ok = ", ".join(map(str, allowed_degrees(heads, kv)))
+        problems = []
+        if heads % degree:
+            problems.append(
+                f"{heads} attention heads of {self.path} are not divisible by parallel.llm.degree {degree}; "
+                f"allowed degrees: {ok}"
+            )
+        if kv % degree and degree % kv:
+            problems.append(
+                f"{kv} key/value heads of {self.path} can be neither split nor replicated evenly over "
+                f"parallel.llm.degree {degree}; allowed degrees: {ok}"
+            )
+        # The vocabulary never blocks a degree: megatron_tp pads it to a multiple of the degree.
+        return problems
+
+    # -- tensor-parallel description --------------------------------------------------------------------
+    def layer_map(self) -> LayerMap:
+        tc, p = self.text_config, self.prefix
+        attn = f"{p}.layers.*.self_attn"
+        return LayerMap(
+            column=(f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj", f"{p}.layers.*.mlp.gate_proj", f"{p}.layers.*.mlp.up_proj"),
+            row=(f"{attn}.o_proj", f"{p}.layers.*.mlp.down_proj"),
+            vocab=(f"{p}.embed_tokens",),
+            output=("lm_head",),
+            heads={attn: self.head_attrs},
+            extra={
+                "attention": {
+                    attn: {
+                        "num_heads": tc.num_attention_heads,
+                        "num_kv_heads": tc.num_key_value_heads or tc.num_attention_heads,
+                        "k": "k_proj",
+                        "v": "v_proj",
+                        "groups_attr": "num_key_value_groups",
+                        "kv_heads_attr": "num_key_value_heads",
+                    }
+                }
+            },
+        )
+
+    #: attributes of the attention module holding the query-head count, if any
+    head_attrs: ClassVar[tuple[str, ...]] = ()
+
+    # -- placeholders ----------------------------------------------------------------------------------
+    def placeholder_token_id(self, module: str) -> int:
+        override = self.options.get("placeholder_tokens", {}).get(module)
+        if override is None:
+            for key in self.placeholder_config_keys.get(module, ()):
+                value = getattr(self.config, key, None)
+                if isinstance(value, int):
+                    return value
+        token = override or self.placeholder_tokens.get(module)
+        if token is None:
+            raise ValueError(
+                f"family {self.name!r} has no placeholder token for module {module!r}; "
+                f"set model.llm.options.placeholder_tokens.{module}; known modules: {', '.join(self.placeholder_tokens)}"
+            )
+        tid = self.tokenizer().convert_tokens_to_ids(token)
+        if tid is None or tid == self.tokenizer().unk_token_id:
+            raise ValueError(f"placeholder token {token!r} for module {module!r} is not in the tokenizer of {self.path}")
+        return int(tid)
+
+    @cached_property
+    def _placeholder_ids(self) -> dict[str, int]:
+        return {}
+
+    def _pid(self, module: str) -> int:
+        if module not in self._placeholder_ids:
+            self._placeholder_ids[module] = self.placeholder_token_id(module)
+        return self._placeholder_ids[module]
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def pad_batch(self, inputs: list[dict[str, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Right-pad ragged samples: ids, attention mask, labels (-100 on padding)."""
+        n = max(int(x["input_ids"].shape[-1]) for x in inputs)
+        pad = self.text_config.pad_token_id
+        pad = 0 if pad is None else int(pad)
+        ids = torch.full((len(inputs), n), pad, dtype=torch.long, device=device)
+        mask = torch.zeros((len(inputs), n), dtype=torch.long, device=device)
+        labels = torch.full((len(inputs), n), -100, dtype=torch.long, device=device)
+        for i, x in enumerate(inputs):
+            length = int(x["input_ids"].shape[-1])
+            ids[i, :length] = x["input_ids"].reshape(-1)
+            labels[i, :length] = x["labels"].reshape(-1)
+            mask[i, :length] = 1
+        return ids, mask, labels
+
+    def scatter(self, embeds: torch.Tensor, ids: torch.Tensor, rows: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Put each sample's encoder rows at its placeholder tokens, in order."""
+        out = []
+        for i, sample in enumerate(rows):
+            e = embeds[i]
+            for module, value in sample.items():
+                where = ids[i] == self._pid(module)
+                if int(where.sum()) != value.shape[0]:
+                    raise ValueError(
+                        f"sample {i} has {int(where.sum())} placeholder tokens for {module!r} "
+                        f"but its encoder produced {value.shape[0]} rows"
+                    )
+                e = e.masked_scatter(where[:, None], value.to(e.dtype))
+            out.append(e)
+        return torch.stack(out)
+
+    def forward(
+        self,
+        module: nn.Module,
+        inputs: list[dict[str, torch.Tensor]],
+        embeds: list[dict[str, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        device = next(module.parameters()).device
+        ids, mask, labels = self.pad_batch(inputs, device)
+        x = self.scatter(module.get_input_embeddings()(ids), ids, embeds)
+        logits = self.run(module, ids, x, mask, inputs)
+        logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+        return logits, labels[:, 1:].reshape(-1)
+
+    def run(
+        self, module: nn.Module, ids: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor, inputs: list[dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Logits of the padded batch (HF forward from ``inputs_embeds``)."""
+        return module(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
+
+    # -- export ----------------------------------------------------------------------------------------
+    def checkpoint_keys(self) -> set[str]:
+        """Tensor names in the dir's safetensors files (read from headers only)."""
+        from safetensors import safe_open
+
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            return set(json.loads(index.read_text())["weight_map"])
+        keys: set[str] = set()
+        for f in sorted(self.path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as fh:
+                keys.update(fh.keys())
+        return keys
+
+    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        keys = self.checkpoint_keys()
+        out = {}
+        for name, t in state.items():
+            if name == "lm_head.weight" and "lm_head.weight" not in keys and self._tied():
+                continue  # tied to the input embedding: HF saves it once
+            out[self._checkpoint_name(name, keys)] = t
+        return out
+
+    def _tied(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False) or getattr(self.text_config, "tie_word_embeddings", False))
+
+    def _checkpoint_name(self, name: str, keys: set[str]) -> str:
+        if name in keys or not self.is_vlm:
+            return name
+        # Dirs saved before transformers 4.52 keep the decoder at "model.*"
+        # (Qwen2.5-VL) or "language_model.model.*" (LLaVA).
+        for old in ("model.", "language_model.model.", "language_model."):
+            cand = old + name[len("model.language_model.") :] if name.startswith("model.language_model.") else None
+            if cand and cand in keys:
+                return cand
+        if name == "lm_head.weight" and "language_model.lm_head.weight" in keys:
+            return "language_model.lm_head.weight"
+        return name
+
+
+def write_hf_dir(src: Path, out: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """Copy ``src``'s config/tokenizer/processor files and write ``tensors`` as
+    ``model.safetensors`` (what ``disagg export`` does for one family)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -1,0 +1,100 @@
+"""``qwen2_5_vl`` (role llm): the language model and ``lm_head`` inside a whole
+Qwen2.5-VL dir, with HF's own 3D mRoPE positions.
+
+``build`` loads ``Qwen2_5_VLForConditionalGeneration`` and drops its vision
+tower (the vision group owns it), so parameter names stay the checkpoint's
+(``model.language_model.*``, ``lm_head.weight``) and the forward is HF's:
+``Qwen2_5_VLModel`` computes the positions with ``get_rope_index`` from
+``input_ids``, ``mm_token_type_ids`` and ``image_grid_thw``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from disagg_llm_tp.families.base import HFDecoderFamily
+from disagg_llm_tp.families.tiny import decoder_sizes, qwen_tokenizer, save_random
+
+
+class Qwen25VLLanguageFamily(HFDecoderFamily):
+    name: ClassVar[str] = "qwen2_5_vl"
+    vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_vl",)
+    placeholder_tokens: ClassVar[dict[str, str]] = {"vision": "<|image_pad|>"}
+    head_attrs: ClassVar[tuple[str, ...]] = ("num_heads",)
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(self.path, **self._load_kwargs(dtype))
+        model.model.visual = None  # owned by the vision group; not trained here
+        return model
+
+    def placeholder_text(self, module: str, n_tokens: int) -> str:
+        return "<|vision_start|>" + "<|image_pad|>" * n_tokens + "<|vision_end|>"
+
+    def extra_inputs(self, encoder_inputs: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        vision = encoder_inputs.get("vision") or {}
+        grid = vision.get("image_grid_thw", vision.get("grid_thw"))
+        return {} if grid is None else {"image_grid_thw": grid}
+
+    def run(self, module, ids, embeds, mask, inputs):
+        cfg = self.config
+        types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+        grids = [x["image_grid_thw"].reshape(-1, 3) for x in inputs if "image_grid_thw" in x]
+        grid = torch.cat(grids).to(ids.device) if grids else None
+        module.model.rope_deltas = None  # never reuse positions cached by an earlier call
+        return module(
+            input_ids=ids, inputs_embeds=embeds, attention_mask=mask, image_grid_thw=grid,
+            mm_token_type_ids=types, use_cache=False,
+        ).logits
+
+    @classmethod
+    def make_tiny(
+        cls,
+        out_dir: Path,
+        tokenizer_dir: Path | None = None,
+        *,
+        vocab_size: int | None = None,
+        tie_word_embeddings: bool = False,
+        seed: int = 0,
+    ) -> Path:
+        """A whole tiny Qwen2.5-VL dir (vision tower included, random weights),
+        its tokenizer with the Qwen special tokens, and ``preprocessor_config.json``."""
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        out = Path(out_dir)
+        tok = qwen_tokenizer(out)
+        ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+        text = decoder_sizes(vocab_size or len(tok))
+        # head_dim 16 -> 8 rotary frequencies, split over (t, h, w) as HF's 16/24/24 is for 128.
+        text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=56, out_hidden_size=text["hidden_size"], fullatt_block_indexes=[1])
+        config = Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        )
+        save_random(Qwen2_5_VLForConditionalGeneration, config, out, seed)
+        _write_preprocessor(out)
+        return out
+
+
+def _write_preprocessor(out: Path) -> None:
+    """Qwen2-VL image processor settings for tiny images (patch 14, merge 2)."""
+    cfg = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16,
+        "size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16},
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(cfg, indent=2))

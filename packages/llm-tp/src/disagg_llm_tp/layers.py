@@ -1,0 +1,195 @@
+"""megatron-core tensor-parallel layers that drop in for Hugging Face ``nn.Linear`` /
+``nn.Embedding`` and keep their parameter names (``weight``, ``bias``).
+
+Hugging Face code calls ``q_proj(x)`` on ``[batch, seq, hidden]`` (decoders) or
+``[seq, hidden]`` (vision encoders) and expects one tensor back; Megatron's
+layers take ``[seq, batch, hidden]`` and return ``(output, bias)``. The thin
+subclasses below adapt the calling convention only; the math, the autograd
+functions and the collectives are megatron-core's.
+
+Each parameter carries a :class:`ShardSpec` (``param.tp_spec``) that says how
+its full tensor is cut, so the strategy can reduce, count and merge gradients
+and state exactly.
+
+Bytes moved by megatron's own collectives are counted analytically here (they
+are issued inside megatron's autograd functions, which cannot route them
+through ``CommCounter``): ColumnParallelLinear's backward all-reduce of the
+input gradient, RowParallelLinear's and VocabParallelEmbedding's forward
+all-reduce of the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from torch import nn
+
+from disagg.runtime.comm import CommCounter
+
+Kind = Literal["column", "row", "vocab", "kv_replicated", "replicated"]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter's full tensor maps to this rank's local tensor.
+
+    column: dim 0 cut in ``degree`` contiguous pieces inside each of ``chunks``
+        equal blocks (``chunks=3`` for a fused qkv projection).
+    vocab: dim 0 padded to a multiple of the degree, then cut; ``full_rows``
+        is the unpadded size.
+    row: dim 1 cut in ``degree`` pieces.
+    kv_replicated: one key/value head (``head``) whose copies live on the
+        ``kv_share`` consecutive TP ranks that use it; ``num_heads`` heads in all.
+    replicated: identical full copy on every TP rank.
+    """
+
+    kind: Kind
+    chunks: int = 1
+    full_rows: int = 0
+    head: int = 0
+    kv_share: int = 1
+    num_heads: int = 0
+
+
+def _noop_init(_: torch.Tensor) -> None:
+    """Weights are copied from the HF module right after construction."""
+
+
+def _to_sbh(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+    """HF layout -> Megatron's ``[seq, batch, hidden]``: every token becomes one
+    "sequence" position of batch 1, in HF's own (batch-major) order, so that the
+    weight-gradient reductions run over tokens in the order HF's do (without
+    sequence parallelism Megatron treats all leading positions alike)."""
+    return x.reshape(-1, 1, x.shape[-1]), x.shape
+
+
+def _from_sbh(y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _allreduce_bytes(t: torch.Tensor, n: int) -> int:
+    return 2 * (n - 1) * t.numel() * t.element_size() // n if n > 1 else 0
+
+
+class TPColumnLinear(ColumnParallelLinear):
+    """ColumnParallelLinear called like ``nn.Linear`` (output stays split)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig, comm: CommCounter):
+        super().__init__(
+            in_features, out_features, config=config, init_method=_noop_init, bias=bias,
+            gather_output=False, skip_bias_add=False,
+        )
+        self.comm = comm
+        self.tp_size = config.tensor_model_parallel_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x3, shape = _to_sbh(x)
+        if x.requires_grad:  # the backward all-reduce of the input gradient
+            self.comm.add("all_reduce", _allreduce_bytes(x3, self.tp_size))
+        out, _ = super().forward(x3)
+        return _from_sbh(out, shape)
+
+
+class TPRowLinear(RowParallelLinear):
+    """RowParallelLinear called like ``nn.Linear`` on an already split input."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig, comm: CommCounter):
+        super().__init__(
+            in_features, out_features, config=config, init_method=_noop_init, bias=bias,
+            input_is_parallel=True, skip_bias_add=False,
+        )
+        self.comm = comm
+        self.tp_size = config.tensor_model_parallel_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x3, shape = _to_sbh(x)
+        out, _ = super().forward(x3)
+        self.comm.add("all_reduce", _allreduce_bytes(out, self.tp_size))
+        return _from_sbh(out, shape)
+
+
+class TPVocabEmbedding(VocabParallelEmbedding):
+    """VocabParallelEmbedding with ``nn.Embedding``'s ``padding_idx`` semantics
+    (that row never receives gradient), so training matches HF exactly."""
+
+    def __init__(
+        self,
+        padded_vocab: int,
+        hidden: int,
+        padding_idx: int | None,
+        config: ModelParallelConfig,
+        comm: CommCounter,
+    ):
+        super().__init__(padded_vocab, hidden, init_method=_noop_init, config=config)
+        self.comm = comm
+        self.tp_size = config.tensor_model_parallel_size
+        self.padding_idx = padding_idx
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = super().forward(input_ids)
+        self.comm.add("all_reduce", _allreduce_bytes(out, self.tp_size))
+        if self.padding_idx is not None:
+            # Lookups of padding_idx send no gradient to the table; a tied
+            # output layer still updates that row, exactly as in nn.Embedding.
+            pad = (input_ids == self.padding_idx).unsqueeze(-1)
+            out = torch.where(pad, out.detach(), out)
+        return out
+
+
+# -- slicing full HF tensors into this rank's piece ---------------------------------------------------
+def local_slice(full: torch.Tensor, spec: ShardSpec, shard: int, degree: int) -> torch.Tensor:
+    """This rank's piece of a full tensor (the inverse of :func:`merge`)."""
+    if spec.kind == "replicated":
+        return full
+    if spec.kind == "row":
+        k = full.shape[1] // degree
+        return full[:, shard * k : (shard + 1) * k]
+    if spec.kind == "kv_replicated":
+        rows = full.shape[0] // spec.num_heads
+        return full[spec.head * rows : (spec.head + 1) * rows]
+    if spec.kind == "vocab":
+        padded = _pad_rows(full, degree)
+        m = padded.shape[0] // degree
+        return padded[shard * m : (shard + 1) * m]
+    blocks = full.chunk(spec.chunks, dim=0)
+    m = blocks[0].shape[0] // degree
+    return torch.cat([b[shard * m : (shard + 1) * m] for b in blocks], dim=0)
+
+
+def merge(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """Full tensor from the pieces of every TP rank of one replica, in shard order."""
+    if spec.kind == "replicated":
+        return pieces[0]
+    if spec.kind == "row":
+        return torch.cat(pieces, dim=1)
+    if spec.kind == "kv_replicated":
+        return torch.cat([pieces[h * spec.kv_share] for h in range(spec.num_heads)], dim=0)
+    if spec.kind == "vocab":
+        return torch.cat(pieces, dim=0)[: spec.full_rows]
+    split = [p.chunk(spec.chunks, dim=0) for p in pieces]
+    return torch.cat([torch.cat([s[c] for s in split], dim=0) for c in range(spec.chunks)], dim=0)
+
+
+def _pad_rows(t: torch.Tensor, degree: int) -> torch.Tensor:
+    extra = (-t.shape[0]) % degree
+    if not extra:
+        return t
+    return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))], dim=0)
+
+
+def padded_size(n: int, degree: int) -> int:
+    return n + (-n) % degree
+
+
+def copy_into(param: nn.Parameter, full: torch.Tensor, shard: int, degree: int) -> None:
+    spec: ShardSpec = param.tp_spec  # type: ignore[attr-defined]
+    with torch.no_grad():
+        param.copy_(local_slice(full.detach(), spec, shard, degree))
+
+
+def mark(param: nn.Parameter, spec: ShardSpec) -> None:
+    param.tp_spec = spec  # type: ignore[attr-defined]

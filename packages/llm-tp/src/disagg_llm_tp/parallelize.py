@@ -1,0 +1,203 @@
+"""Rewrite an unpartitioned Hugging Face module for one tensor-parallel rank.
+
+Driven only by the family's :class:`~disagg.interfaces.LayerMap`:
+
+- ``vocab`` embeddings -> :class:`TPVocabEmbedding` over the vocabulary padded
+  to a multiple of the degree; ``output`` linears -> column-parallel over the
+  same padded vocabulary (tied to the embedding when HF ties them);
+- ``column`` / ``row`` linears -> megatron Column/RowParallelLinear;
+- ``heads`` attributes are divided by the degree;
+- ``extra["attention"]`` (``{pattern: {"num_heads", "num_kv_heads", "k", "v",
+  "groups_attr", "kv_heads_attr"}}``) declares grouped-query attention: key/value
+  heads are split when ``num_kv_heads`` is divisible by the degree, otherwise
+  each rank keeps a copy of the one key/value head its query heads use
+  (``kv_replicated``; needs ``degree % num_kv_heads == 0``);
+- ``extra["column_chunks"]`` (``{pattern: n}``) marks fused projections (a
+  vision ``qkv`` is 3 blocks) whose blocks are each split separately.
+
+Every parameter leaves with a ``tp_spec`` (:class:`ShardSpec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+from torch import nn
+
+from disagg.interfaces import LayerMap
+from disagg.runtime.comm import CommCounter
+from disagg_llm_tp.layers import (
+    ShardSpec,
+    TPColumnLinear,
+    TPRowLinear,
+    TPVocabEmbedding,
+    copy_into,
+    mark,
+    padded_size,
+)
+
+
+@dataclass
+class TPPlan:
+    """What parallelization did, for the strategy's loss, reductions and checks."""
+
+    #: unpadded vocabulary of the output layer (None: no output layer, e.g. an encoder)
+    output_vocab: int | None = None
+    #: (start, end) of this rank's slice of the padded output vocabulary
+    output_range: tuple[int, int] = (0, 0)
+    #: number of key/value heads replicated across ranks and how many ranks share each
+    kv_replication: tuple[int, int] | None = None
+    swapped: list[str] = field(default_factory=list)
+
+
+def _match(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    return any(fnmatchcase(name, p) for p in patterns)
+
+
+def _lookup(name: str, table: dict) -> object | None:
+    for pat, val in table.items():
+        if fnmatchcase(name, pat):
+            return val
+    return None
+
+
+def _set_child(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+
+
+def parallelize_module(
+    module: nn.Module,
+    lmap: LayerMap,
+    shard: int,
+    degree: int,
+    config: ModelParallelConfig,
+    comm: CommCounter,
+) -> TPPlan:
+    plan = TPPlan()
+    attention: dict = dict(lmap.extra.get("attention", {}))
+    chunks: dict = dict(lmap.extra.get("column_chunks", {}))
+    named = dict(module.named_modules())
+    tied: dict[int, nn.Parameter] = {}
+
+    # Embeddings first so that an output layer tied to one can share its new weight.
+    for name, mod in named.items():
+        if not name or not _match(name, lmap.vocab):
+            continue
+        if not isinstance(mod, nn.Embedding):
+            raise TypeError(f"layer map vocab pattern matched {name!r}, a {type(mod).__name__}, not nn.Embedding")
+        vocab, hidden = mod.weight.shape
+        new = TPVocabEmbedding(padded_size(vocab, degree), hidden, mod.padding_idx, config, comm)
+        mark(new.weight, ShardSpec("vocab", full_rows=vocab))
+        copy_into(new.weight, mod.weight, shard, degree)
+        new.weight.requires_grad_(mod.weight.requires_grad)
+        tied[id(mod.weight)] = new.weight
+        _set_child(module, name, new)
+        plan.swapped.append(name)
+
+    for name, mod in named.items():
+        if not name or name in plan.swapped:
+            continue
+        if _match(name, lmap.output):
+            _swap_output(module, name, mod, shard, degree, config, comm, tied, plan)
+        elif _match(name, lmap.column):
+            _swap_column(module, name, mod, shard, degree, config, comm, attention, chunks, plan)
+        elif _match(name, lmap.row):
+            _check_linear(name, mod, "row")
+            new = TPRowLinear(mod.in_features, mod.out_features, mod.bias is not None, config, comm)
+            mark(new.weight, ShardSpec("row"))
+            copy_into(new.weight, mod.weight, shard, degree)
+            if mod.bias is not None:
+                # Added after the all-reduce: the same full bias on every rank.
+                mark(new.bias, ShardSpec("replicated"))
+                copy_into(new.bias, mod.bias, shard, degree)
+            _set_child(module, name, new)
+            plan.swapped.append(name)
+
+    for name, mod in module.named_modules():
+        attrs = _lookup(name, lmap.heads) if name else None
+        for attr in attrs or ():
+            value = getattr(mod, attr)
+            if value % degree:
+                raise ValueError(f"{name}.{attr} = {value} is not divisible by tensor-parallel degree {degree}")
+            setattr(mod, attr, value // degree)
+        spec = _lookup(name, attention) if name else None
+        if spec is not None:
+            q_local = spec["num_heads"] // degree
+            kv = spec["num_kv_heads"]
+            kv_local = kv // degree if kv % degree == 0 else 1
+            setattr(mod, spec.get("groups_attr", "num_key_value_groups"), q_local // kv_local)
+            kv_attr = spec.get("kv_heads_attr")
+            if kv_attr and hasattr(mod, kv_attr):
+                setattr(mod, kv_attr, kv_local)
+
+    for p in module.parameters():
+        if not hasattr(p, "tp_spec"):
+            mark(p, ShardSpec("replicated"))
+    return plan
+
+
+def _check_linear(name: str, mod: nn.Module, kind: str) -> None:
+    if not isinstance(mod, nn.Linear):
+        raise TypeError(f"layer map {kind} pattern matched {name!r}, a {type(mod).__name__}, not nn.Linear")
+
+
+def _swap_output(module, name, mod, shard, degree, config, comm, tied, plan) -> None:
+    _check_linear(name, mod, "output")
+    vocab = mod.out_features
+    padded = padded_size(vocab, degree)
+    new = TPColumnLinear(mod.in_features, padded, mod.bias is not None, config, comm)
+    if id(mod.weight) in tied:
+        # Tied input/output embeddings: one parameter, cut the same way in both.
+        del new.weight
+        new.weight = tied[id(mod.weight)]
+    else:
+        mark(new.weight, ShardSpec("vocab", full_rows=vocab))
+        copy_into(new.weight, mod.weight, shard, degree)
+        new.weight.requires_grad_(mod.weight.requires_grad)
+    if mod.bias is not None:
+        mark(new.bias, ShardSpec("vocab", full_rows=vocab))
+        copy_into(new.bias, mod.bias, shard, degree)
+    per = padded // degree
+    plan.output_vocab = vocab
+    plan.output_range = (shard * per, (shard + 1) * per)
+    _set_child(module, name, new)
+    plan.swapped.append(name)
+
+
+def _swap_column(module, name, mod, shard, degree, config, comm, attention, chunks, plan) -> None:
+    _check_linear(name, mod, "column")
+    parent, _, child = name.rpartition(".")
+    attn = _lookup(parent, attention) if parent else None
+    if attn is not None and child in (attn.get("k", "k_proj"), attn.get("v", "v_proj")) and attn["num_kv_heads"] % degree:
+        kv, heads = attn["num_kv_heads"], attn["num_heads"]
+        if degree % kv:
+            raise ValueError(f"{kv} key/value heads cannot be split or replicated over degree {degree}")
+        head_dim = mod.out_features // kv
+        share = degree // kv
+        # Megatron sees a column layer of degree*head_dim outputs, head_dim per rank;
+        # its weight is the full key/value head this rank's query heads attend with.
+        new = TPColumnLinear(mod.in_features, head_dim * degree, mod.bias is not None, config, comm)
+        spec = ShardSpec("kv_replicated", head=shard // share, kv_share=share, num_heads=kv)
+        plan.kv_replication = (kv, share)
+        del heads
+    else:
+        n = int(_lookup(name, chunks) or 1)
+        if mod.out_features % (n * degree):
+            raise ValueError(f"{name} has {mod.out_features} output features, not divisible by {n} x degree {degree}")
+        new = TPColumnLinear(mod.in_features, mod.out_features, mod.bias is not None, config, comm)
+        spec = ShardSpec("column", chunks=n)
+    mark(new.weight, spec)
+    copy_into(new.weight, mod.weight, shard, degree)
+    if mod.bias is not None:
+        mark(new.bias, spec)
+        copy_into(new.bias, mod.bias, shard, degree)
+    _set_child(module, name, new)
+    plan.swapped.append(name)
+
+
+def dtype_of(module: nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype

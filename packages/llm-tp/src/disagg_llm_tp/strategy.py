@@ -1,0 +1,220 @@
+"""``megatron_tp``: Megatron tensor parallelism inside one module group.
+
+The group's default process group is handed to megatron-core's
+``parallel_state`` with ``tensor_model_parallel_size = degree``; Megatron's
+contiguous TP groups then coincide with core's layout
+``rank = replica * degree + shard`` and its data-parallel groups with
+:meth:`GroupContext.replica_peers`.
+
+Gradient bookkeeping (the loss is already divided by the global label count):
+
+- TP-sharded parameters: each rank owns a disjoint piece; summed over replicas.
+- TP-replicated parameters (norms, row biases): every TP rank computes the same
+  full gradient (Megatron all-reduces activation gradients at the column
+  layers), so they are summed over replicas only and counted once in the norm.
+- key/value heads replicated for GQA: each copy sees only its own query heads,
+  so copies are summed over the ranks that share the head (and replicas).
+
+The input-embedding gradient is complete on every TP rank for the same reason
+(ColumnParallelLinear all-reduces its input gradient), and core collects it from
+shard 0 of each replica.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, Strategy, StrategyOptions
+from disagg_llm_tp.layers import ShardSpec, merge
+from disagg_llm_tp.parallelize import TPPlan, parallelize_module
+
+
+class MegatronTPOptions(StrategyOptions):
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism for the norm/dropout regions (not available yet:
+    megatron-core's sequence-parallel backward is CUDA-only and the decoder
+    wiring is not written; ``true`` is rejected at config time)."""
+
+
+class MegatronTPStrategy(Strategy):
+    """Tensor parallelism with megatron-core layers swapped into the HF module."""
+
+    name: ClassVar[str] = "megatron_tp"
+    distribution: ClassVar[str] = "disagg-llm-tp"
+    options_model: ClassVar[type[StrategyOptions]] = MegatronTPOptions
+
+    @classmethod
+    def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
+        problems: list[str] = []
+        if family.layer_map() is None:
+            problems.append(
+                f"family {family.name!r} declares no layer map, so strategy 'megatron_tp' cannot split it; "
+                "use strategy 'ddp', 'zero' or 'ulysses'"
+            )
+        if getattr(options, "sequence_parallel", False):
+            problems.append(
+                "sequence_parallel = true is not supported by strategy 'megatron_tp' yet; allowed: false"
+            )
+        return problems
+
+    def __init__(self, ctx, family, options) -> None:
+        super().__init__(ctx, family, options)
+        self.plan = TPPlan()
+        self._pending: list[torch.Tensor] = []
+
+    # -- groups ----------------------------------------------------------------------------------------
+    def _init_megatron(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        d = self.ctx.degree
+        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() != d:
+            ps.destroy_model_parallel()
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=d, create_gloo_process_groups=False)
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        assert dist.get_process_group_ranks(self.tp_group) == self.ctx.shard_ranks(), "megatron TP group != core layout"
+
+    def _kv_groups(self) -> dict[int, dist.ProcessGroup]:
+        """One group per replicated key/value head: its copies in every replica."""
+        if self.plan.kv_replication is None:
+            return {}
+        kv, share = self.plan.kv_replication
+        groups = {}
+        for h in range(kv):  # every rank creates every group, in the same order
+            ranks = [r * self.ctx.degree + s for r in range(self.ctx.replicas) for s in range(h * share, (h + 1) * share)]
+            groups[h] = dist.new_group(ranks)
+        return groups
+
+    # -- parallelize -----------------------------------------------------------------------------------
+    def parallelize(self, module: nn.Module) -> nn.Module:
+        from megatron.core.model_parallel_config import ModelParallelConfig
+
+        lmap = self.family.layer_map()
+        if lmap is None:
+            raise ValueError(f"family {self.family.name!r} has no layer map; strategy 'megatron_tp' cannot split it")
+        self._init_megatron()
+        dtype = next(module.parameters()).dtype
+        config = ModelParallelConfig(
+            tensor_model_parallel_size=self.ctx.degree,
+            # Layers are built on the CPU and moved: the same code on CPU and CUDA.
+            use_cpu_initialization=True,
+            perform_initialization=False,
+            params_dtype=dtype,
+        )
+        self.plan = parallelize_module(module, lmap, self.ctx.shard, self.ctx.degree, config, self.ctx.comm)
+        self.kv_groups = self._kv_groups()
+        return module.to(self.ctx.device)
+
+    # -- llm role --------------------------------------------------------------------------------------
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        start, end = self.plan.output_range
+        logits = logits.float()
+        pad_from = (self.plan.output_vocab or end) - start
+        if pad_from < logits.shape[-1]:
+            # Padding columns of the vocabulary must not enter the softmax.
+            cols = torch.arange(logits.shape[-1], device=logits.device) >= pad_from
+            logits = logits.masked_fill(cols, torch.finfo(logits.dtype).min)
+        else:
+            logits = logits.clone()  # megatron's CE works in place on its input
+        keep = labels != -100
+        target = torch.where(keep, labels, torch.zeros_like(labels))
+        n = self.ctx.degree
+        self.ctx.comm.add("all_reduce", 3 * 2 * (n - 1) * 4 * labels.numel() // n)
+        losses = vocab_parallel_cross_entropy(logits.unsqueeze(1), target.unsqueeze(1)).squeeze(1)
+        return (losses * keep).sum()
+
+    # -- encoder role ----------------------------------------------------------------------------------
+    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+        """Every TP rank computes the whole output; shard 0 alone ships it."""
+        assert isinstance(self.family, EncoderFamily) and self.module is not None
+        self._pending = [self.family.encode(self.module, x) for x in inputs]
+        if self.ctx.shard == 0:
+            return [EmbeddingShard.whole(o) for o in self._pending]
+        return [EmbeddingShard.empty(o.shape[0], o.shape[1], like=o) for o in self._pending]
+
+    def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Shard 0 received the gradients; its TP peers need them too."""
+        src = self.ctx.shard_ranks()[0]
+        full = []
+        for out, g in zip(self._pending, grads if self.ctx.shard == 0 else [None] * len(self._pending)):
+            buf = g.to(out.device, out.dtype).contiguous() if g is not None else torch.empty_like(out)
+            self.ctx.comm.broadcast(buf, src=src, group=self.tp_group)
+            full.append(buf)
+        pairs = [(o, g) for o, g in zip(self._pending, full) if o.requires_grad and o.numel()]
+        self._pending = []
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    # -- gradients -------------------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        buckets: dict[object, list[torch.Tensor]] = {}
+        for p in self.trainable_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            spec: ShardSpec = p.tp_spec
+            if spec.kind == "kv_replicated":
+                buckets.setdefault(("kv", spec.head), []).append(p.grad)
+            elif self.ctx.replicas > 1:
+                buckets.setdefault("dp", []).append(p.grad)
+        for key, grads in buckets.items():
+            group = self.dp_group if key == "dp" else self.kv_groups[key[1]]
+            if dist.get_world_size(group) == 1:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.ctx.comm.all_reduce(flat, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def grad_norm_sq(self) -> float:
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.replica == 0:  # replicas hold identical reduced gradients
+            for p in self.trainable_parameters():
+                if p.grad is not None and self._owns(p.tp_spec):
+                    total += p.grad.detach().double().pow(2).sum()
+        self.ctx.comm.all_reduce(total)
+        return float(total)
+
+    def _owns(self, spec: ShardSpec) -> bool:
+        """Whether this rank counts the parameter's elements in the norm."""
+        if spec.kind == "replicated":
+            return self.ctx.shard == 0
+        if spec.kind == "kv_replicated":
+            return self.ctx.shard % spec.kv_share == 0
+        return True
+
+    # -- state -----------------------------------------------------------------------------------------
+    def _gather(self, t: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+        if spec.kind == "replicated" or self.ctx.degree == 1:
+            return merge([t.detach()], spec) if spec.kind == "vocab" else t.detach()
+        t = t.detach().contiguous()
+        pieces = [torch.empty_like(t) for _ in range(self.ctx.degree)]
+        self.ctx.comm.all_gather_bytes(t, group=self.tp_group)
+        dist.all_gather(pieces, t, group=self.tp_group)
+        return merge(pieces, spec)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.module is not None
+        out = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            if k.endswith("_extra_state") or not isinstance(v, torch.Tensor):
+                continue  # megatron's placeholder for TE state
+            spec = getattr(v, "tp_spec", ShardSpec("replicated"))
+            out[k] = self._gather(v, spec).cpu().clone()
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        assert self.module is not None
+        return {
+            n: self._gather(p.grad, p.tp_spec).cpu().clone()
+            for n, p in self.module.named_parameters()
+            if p.grad is not None
+        }

@@ -1,0 +1,208 @@
+"""Shared pieces of the equivalence tests: a batch with fake encoder rows, the
+single-process Hugging Face reference, and the per-rank megatron_tp run.
+
+Rank functions live here (not in a test module) so spawned ranks can import them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from disagg.interfaces import GroupContext, OptimSpec
+from disagg.interfaces.strategy import clip_coefficient
+
+MAX_NORM = 0.05  # small enough that clipping is active in every step
+LR = 1e-3
+
+
+@dataclass
+class Case:
+    family: str
+    path: str
+    degree: int
+    replicas: int = 1
+    steps: int = 3
+    samples: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    embeds: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def family_cls(name: str):
+    from disagg_llm_tp.families.llama import LlamaFamily
+    from disagg_llm_tp.families.qwen2 import Qwen2Family
+    from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
+
+    return {"qwen2": Qwen2Family, "llama": LlamaFamily, "qwen2_5_vl": Qwen25VLLanguageFamily}[name]
+
+
+def make_batch(family, n_samples: int = 4, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Ragged samples with 0, 2 or 4 image placeholders and fixed random encoder rows."""
+    g = torch.Generator().manual_seed(seed)
+    pid = family.placeholder_token_id("vision")
+    vocab = family.text_config.vocab_size
+    hidden = family.text_config.hidden_size
+    samples, embeds = [], []
+    for i in range(n_samples):
+        n_img = (0, 4, 2, 4)[i % 4]
+        # Real-text ids stay away from the special tokens (low ids); some ids may
+        # lie beyond the tokenizer, exercising the whole (padded) vocabulary.
+        text = torch.randint(20, vocab, (7 + 3 * i,), generator=g)
+        ids = torch.cat([text[:3], torch.full((n_img,), pid), text[3:]])
+        labels = ids.clone()
+        labels[: 3 + n_img] = -100
+        s = {"input_ids": ids, "labels": labels}
+        e = {}
+        if n_img:
+            e["vision"] = torch.randn(n_img, hidden, generator=g)
+            s.update(family.extra_inputs({"vision": {"image_grid_thw": torch.tensor([[1, 2, n_img * 2]])}}))
+        samples.append(s)
+        embeds.append(e)
+    return samples, embeds
+
+
+def replica_slice(items: list, replica: int, replicas: int) -> list:
+    per = len(items) // replicas
+    return items[replica * per : (replica + 1) * per]
+
+
+def label_count(samples: list[dict]) -> int:
+    return sum(int((s["labels"][1:] != -100).sum()) for s in samples)
+
+
+# -- reference: one process, unpartitioned HF model -------------------------------------------------------
+def reference(case: Case) -> dict:
+    fam = family_cls(case.family)(case.path)
+    torch.manual_seed(0)
+    model = _hf_model(case)
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(params.values(), lr=LR, foreach=False)
+    total = label_count(case.samples)
+    out: dict = {}
+    for step in range(case.steps):
+        leaves = [{k: v.clone().requires_grad_(True) for k, v in e.items()} for e in case.embeds]
+        loss_sum = torch.zeros(())
+        logits_all = []
+        for s, e in zip(case.samples, leaves):
+            logits = _hf_logits(case, fam, model, s, e)[0]
+            logits_all.append(logits[:-1])
+            loss_sum = loss_sum + torch.nn.functional.cross_entropy(logits[:-1], s["labels"][1:], ignore_index=-100, reduction="sum")
+        (loss_sum / total).backward()
+        if step == 0:
+            out["loss"] = float(loss_sum.detach())
+            out["logits"] = torch.cat(logits_all).detach()
+            out["grads"] = {n: p.grad.detach().clone() for n, p in params.items()}
+            out["embed_grads"] = [{k: v.grad.clone() for k, v in e.items()} for e in leaves]
+        torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = {n: p.detach().clone() for n, p in params.items()}
+    return out
+
+
+def _hf_model(case: Case):
+    from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
+
+    if case.family == "qwen2_5_vl":
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(case.path, dtype=torch.float32)
+        model.model.visual.requires_grad_(False)  # the vision group's parameters, not the LLM's
+        return model
+    return AutoModelForCausalLM.from_pretrained(case.path, dtype=torch.float32)
+
+
+def _hf_logits(case: Case, fam, model, s: dict, e: dict) -> torch.Tensor:
+    ids = s["input_ids"][None]
+    if case.family == "qwen2_5_vl":
+        # HF's own multimodal path: encoder outputs handed in, mRoPE from image_grid_thw.
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        cfg = model.config
+        kw = {"mm_token_type_ids": (ids == cfg.image_token_id).int()}
+        if e:
+            kw["image_grid_thw"] = s["image_grid_thw"]
+            kw["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=[e["vision"]])}
+        model.model.rope_deltas = None
+        return model(input_ids=ids, use_cache=False, **kw).logits
+    x = model.get_input_embeddings()(ids)[0]
+    if e:
+        where = (s["input_ids"] == fam.placeholder_token_id("vision")).nonzero().squeeze(1)
+        x = x.index_put((where,), e["vision"])
+    return model(inputs_embeds=x[None], use_cache=False).logits
+
+
+# -- the megatron_tp run: one call per rank ------------------------------------------------------------
+def tp_rank(rank: int, case_bytes: bytes) -> bytes:
+    """Tensors cross the process boundary as bytes: shared-memory handles of a
+    rank that has already exited cannot be opened by the parent."""
+    out = _tp_rank(rank, _loads(case_bytes))
+    return dumps(out)
+
+
+def dumps(obj) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(b: bytes):
+    import io
+
+    return torch.load(io.BytesIO(b), weights_only=False)
+
+
+def run_tp(case: Case) -> list[dict]:
+    from disagg.testing.dist import run_ranks
+
+    return [_loads(b) for b in run_ranks(tp_rank, case.degree * case.replicas, dumps(case))]
+
+
+def _tp_rank(rank: int, case: Case) -> dict:
+    from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+
+    ctx = GroupContext(
+        module="llm", rank=rank, world_size=case.degree * case.replicas, degree=case.degree,
+        replicas=case.replicas, device=torch.device("cpu"), dtype=torch.float32,
+    )
+    fam = family_cls(case.family)(case.path)
+    strat = MegatronTPStrategy(ctx, fam, MegatronTPOptions())
+    strat.setup(fam.build(torch.float32), OptimSpec(lr=LR))
+    samples = replica_slice(case.samples, ctx.replica, case.replicas)
+    embeds = replica_slice(case.embeds, ctx.replica, case.replicas)
+    total = label_count(case.samples)
+    out: dict = {"rank": rank}
+    for step in range(case.steps):
+        leaves = [{k: v.clone().requires_grad_(True) for k, v in e.items()} for e in embeds]
+        if step == 0:
+            with torch.no_grad():
+                logits, _ = fam.forward(strat.module, samples, leaves)
+                n = max(len(x["input_ids"]) for x in samples)
+                real = torch.cat([torch.arange(n - 1) < len(x["input_ids"]) - 1 for x in samples])
+                out["logits"] = _gather_vocab(logits, strat)[real]
+        loss = strat.loss_and_backward(samples, leaves, 1.0 / total)
+        strat.reduce_gradients()
+        norm_sq = strat.grad_norm_sq()
+        if step == 0:
+            out["loss"] = loss
+            out["norm_sq"] = norm_sq
+            out["grads"] = strat.full_grads()
+            out["embed_grads"] = [{k: v.grad.clone() for k, v in e.items()} for e in leaves]
+        strat.step(clip_coefficient(math.sqrt(norm_sq), MAX_NORM))
+        strat.zero_grad()
+    out["params"] = strat.full_state_dict()
+    out["comm_bytes"] = ctx.comm.total()
+    return out
+
+
+def _gather_vocab(logits: torch.Tensor, strat) -> torch.Tensor:
+    pieces = [torch.empty_like(logits) for _ in range(strat.ctx.degree)]
+    dist.all_gather(pieces, logits.contiguous(), group=strat.tp_group)
+    return torch.cat(pieces, dim=-1)[:, : strat.plan.output_vocab]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

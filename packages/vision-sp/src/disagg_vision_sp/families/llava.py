@@ -1,0 +1,181 @@
+"""``llava`` vision family: a LLaVA dir's SigLIP vision tower + MLP ``multi_modal_projector``.
+
+``encode`` is ``LlavaModel.get_image_features`` for one sample (an int
+``vision_feature_layer``). Under ``ulysses`` every image is one full-attention
+segment of the concatenated sequence, so every layer's attention spans shards
+and cuts may fall on any token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces import EncoderFamily, LayerMap
+from disagg_vision_sp.families.common import (
+    check_attn_implementation,
+    checkpoint_keys,
+    find_prefix,
+    image_processor,
+    load_image,
+    quiet_transformers,
+)
+from disagg_vision_sp.ulysses.layout import AttentionScope, SeqLayout, UlyssesFamily
+
+_PREFIXES = ("", "model.")
+_TOWERS = ("siglip_vision_model",)
+
+
+def _encoder_class() -> type:
+    """The module ``build`` returns: LLaVA minus its language model, loadable
+    with ``from_pretrained`` from a whole LLaVA dir (other tensors are skipped)."""
+    from transformers import AutoModel
+    from transformers.models.llava.modeling_llava import LlavaMultiModalProjector, LlavaPreTrainedModel
+
+    class LlavaVisionEncoder(LlavaPreTrainedModel):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.vision_tower = AutoModel.from_config(config.vision_config)
+            self.multi_modal_projector = LlavaMultiModalProjector(config)
+            self.post_init()
+
+    return LlavaVisionEncoder
+
+
+class LlavaVision(UlyssesFamily, EncoderFamily):
+    """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
+
+    name: ClassVar[str] = "llava"
+    modality: ClassVar[str] = "image"
+
+    # -- config ---------------------------------------------------------------------------------
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path)
+
+    def hidden_size(self) -> int:
+        return int(self.config().text_config.hidden_size)
+
+    def _feature_layers(self) -> int:
+        """Tower layers that run: LLaVA reads ``hidden_states[vision_feature_layer]``
+        (index 0 = embeddings), so later layers never influence the output."""
+        cfg = self.config()
+        layer = cfg.vision_feature_layer
+        n = cfg.vision_config.num_hidden_layers
+        return layer if layer >= 0 else n + 1 + layer
+
+    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        problems = check_attn_implementation(self.options)
+        cfg = self.config()
+        if cfg.vision_config.model_type not in _TOWERS:
+            problems.append(
+                f"model.vision.path={str(self.path)!r}: vision tower {cfg.vision_config.model_type!r} is not "
+                f"supported by family 'llava'; allowed: {', '.join(_TOWERS)}"
+            )
+        if not isinstance(cfg.vision_feature_layer, int):
+            problems.append(
+                f"vision_feature_layer={cfg.vision_feature_layer!r} in {self.path}/config.json: family 'llava' "
+                "supports one int layer only"
+            )
+        if cfg.vision_feature_select_strategy != "full":
+            # 'default' drops the first token, a CLS that SigLIP towers do not have.
+            problems.append(
+                f"vision_feature_select_strategy={cfg.vision_feature_select_strategy!r} in {self.path}/config.json: "
+                "family 'llava' (SigLIP towers, no CLS token) supports 'full' only"
+            )
+        return problems
+
+    # -- building -------------------------------------------------------------------------------
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        with quiet_transformers():
+            return _encoder_class().from_pretrained(
+                self.path,
+                key_mapping={r"^model\.vision_tower\.": "vision_tower.",
+                             r"^model\.multi_modal_projector\.": "multi_modal_projector."},
+                dtype=dtype,
+                attn_implementation=self.options.get("attn_implementation", "sdpa"),
+            )
+
+    def layer_map(self) -> LayerMap:
+        layers = "vision_tower.encoder.layers.*"
+        return LayerMap(
+            column=(f"{layers}.self_attn.q_proj", f"{layers}.self_attn.k_proj", f"{layers}.self_attn.v_proj",
+                    f"{layers}.mlp.fc1", "multi_modal_projector.linear_1"),
+            row=(f"{layers}.self_attn.out_proj", f"{layers}.mlp.fc2", "multi_modal_projector.linear_2"),
+            heads={f"{layers}.self_attn": ("num_heads",)},
+        )
+
+    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        probe = "multi_modal_projector.linear_1.weight"
+        prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)
+        return {prefix + k: v for k, v in state.items()}
+
+    @classmethod
+    def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
+        from disagg_vision_sp.families.tiny_llava import make_tiny_llava
+
+        return make_tiny_llava(Path(out_dir))
+
+    # -- data -----------------------------------------------------------------------------------
+    def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
+        proc = image_processor(str(self.path))
+        out = proc(images=[load_image(m) for m in media], return_tensors="pt")
+        return {"pixel_values": out["pixel_values"].to(torch.float32)}
+
+    def _patches(self) -> int:
+        v = self.config().vision_config
+        return (v.image_size // v.patch_size) ** 2
+
+    def num_tokens(self, inputs: dict[str, torch.Tensor]) -> list[int]:
+        return [self._patches()] * int(inputs["pixel_values"].shape[0])
+
+    def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixels = inputs["pixel_values"].to(module.device, module.dtype)
+        out = module.vision_tower(pixels, output_hidden_states=True, return_dict=True)
+        features = out.hidden_states[self.config().vision_feature_layer]
+        return module.multi_modal_projector(features).reshape(-1, self.hidden_size())
+
+    # -- ulysses hook points --------------------------------------------------------------------
+    def ulysses_heads(self) -> int:
+        return int(self.config().vision_config.num_attention_heads)
+
+    def ulysses_layout(self, inputs: list[dict[str, torch.Tensor]]) -> SeqLayout:
+        per_image = self._patches()
+        sample_rows = [sum(self.num_tokens(x)) for x in inputs]
+        n = sum(sample_rows)
+        row_sample = torch.repeat_interleave(torch.arange(len(inputs)), torch.tensor(sample_rows))
+        starts = torch.tensor([0] + sample_rows).cumsum(0)
+        return SeqLayout(
+            n_tokens=n,
+            cuts=list(range(n + 1)),
+            unit=1,
+            row_sample=row_sample,
+            row_pos=torch.arange(n) - starts[row_sample],
+            sample_rows=sample_rows,
+            extra={"segments": [per_image] * (n // per_image), "per_image": per_image},
+        )
+
+    def ulysses_forward(
+        self,
+        module: nn.Module,
+        inputs: list[dict[str, torch.Tensor]],
+        layout: SeqLayout,
+        lo: int,
+        hi: int,
+        scope: AttentionScope,
+    ) -> torch.Tensor:
+        p = layout.extra["per_image"]
+        first, last = lo // p, -(-hi // p)  # images overlapping [lo, hi)
+        pixels = torch.cat([x["pixel_values"] for x in inputs])[first:last].to(module.device, module.dtype)
+        tower = module.vision_tower
+        # Patch + position embeddings are per token: embed the overlapping images, keep our tokens.
+        hidden = tower.embeddings(pixels).reshape(-1, tower.config.hidden_size)
+        hidden = hidden[lo - first * p : hi - first * p].unsqueeze(0)
+        for layer in tower.encoder.layers[: self._feature_layers()]:
+            with scope.spanning(layout.extra["segments"]):
+                hidden = layer(hidden, None)
+        return module.multi_modal_projector(hidden[0])

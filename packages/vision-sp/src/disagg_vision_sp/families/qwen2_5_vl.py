@@ -1,0 +1,173 @@
+"""``qwen2_5_vl`` vision family: the ``visual`` tower of a Qwen2.5-VL dir, merger included.
+
+``encode`` is the unpartitioned HF forward. ``ulysses_forward`` runs the same
+HF submodules on a slice of the window-permuted sequence: patch embedding and
+rotary embeddings are per token, window blocks are local because cuts fall on
+window boundaries, full-attention blocks span shards, and the merger sees
+whole 2x2 merge units because windows are made of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces import EncoderFamily, LayerMap
+from disagg_vision_sp.families.common import (
+    check_attn_implementation,
+    checkpoint_keys,
+    find_prefix,
+    image_processor,
+    load_image,
+    quiet_transformers,
+)
+from disagg_vision_sp.ulysses.layout import AttentionScope, SeqLayout, UlyssesFamily
+
+#: where the tower lives in the files of a whole-VLM dir (legacy and transformers-5 layouts)
+_PREFIXES = ("visual.", "model.visual.", "")
+
+
+class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
+    """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
+
+    name: ClassVar[str] = "qwen2_5_vl"
+    modality: ClassVar[str] = "image"
+
+    # -- config ---------------------------------------------------------------------------------
+    def vision_config(self) -> Any:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(self.path)
+        # A whole-VLM dir nests it; a vision-only dir is it.
+        return getattr(cfg, "vision_config", cfg)
+
+    def hidden_size(self) -> int:
+        return int(self.vision_config().out_hidden_size)
+
+    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        return check_attn_implementation(self.options)
+
+    # -- building -------------------------------------------------------------------------------
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        # Load only the tower's tensors, whatever dir layout: key_mapping strips the prefix.
+        with quiet_transformers():
+            return Qwen2_5_VisionTransformerPretrainedModel.from_pretrained(
+                self.path,
+                config=self.vision_config(),
+                key_mapping={r"^model\.visual\.": "", r"^visual\.": ""},
+                dtype=dtype,
+                attn_implementation=self.options.get("attn_implementation", "sdpa"),
+            )
+
+    def layer_map(self) -> LayerMap:
+        return LayerMap(
+            column=("blocks.*.attn.qkv", "blocks.*.mlp.gate_proj", "blocks.*.mlp.up_proj", "merger.mlp.0"),
+            row=("blocks.*.attn.proj", "blocks.*.mlp.down_proj", "merger.mlp.2"),
+            heads={"blocks.*.attn": ("num_heads",)},
+            # qkv is one Linear whose output is [3, heads, head_dim]: split each of the 3 blocks.
+            extra={"fused_column": {"blocks.*.attn.qkv": 3}},
+        )
+
+    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        prefix = find_prefix(checkpoint_keys(self.path), "patch_embed.proj.weight", _PREFIXES)
+        return {prefix + k: v for k, v in state.items()}
+
+    @classmethod
+    def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
+        from disagg_vision_sp.families.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
+
+        return make_tiny_qwen2_5_vl(Path(out_dir))
+
+    # -- data -----------------------------------------------------------------------------------
+    def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
+        proc = image_processor(str(self.path))
+        out = proc(images=[load_image(m) for m in media], return_tensors="pt")
+        return {
+            "pixel_values": out["pixel_values"].to(torch.float32),
+            "image_grid_thw": out["image_grid_thw"].to(torch.long),
+        }
+
+    def num_tokens(self, inputs: dict[str, torch.Tensor]) -> list[int]:
+        merge = int(self.vision_config().spatial_merge_size)
+        return [int(t * h * w) // merge**2 for t, h, w in inputs["image_grid_thw"].tolist()]
+
+    def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixels = inputs["pixel_values"].to(module.device, module.dtype)
+        return module(pixels, grid_thw=inputs["image_grid_thw"].to(module.device)).pooler_output
+
+    # -- ulysses hook points --------------------------------------------------------------------
+    def ulysses_heads(self) -> int:
+        return int(self.vision_config().num_heads)
+
+    def ulysses_layout(self, inputs: list[dict[str, torch.Tensor]]) -> SeqLayout:
+        from transformers.vision_utils import (
+            get_vision_cu_seqlens,
+            get_vision_position_ids,
+            get_vision_window_index,
+        )
+
+        cfg = self.vision_config()
+        merge = int(cfg.spatial_merge_size)
+        unit = merge * merge
+        grid = torch.cat([x["image_grid_thw"] for x in inputs]).to(torch.long)
+        # The same helpers HF's forward uses, over the whole microbatch at once.
+        window_index, cu_window = get_vision_window_index(
+            grid, spatial_merge_size=merge, window_size=cfg.window_size, patch_size=cfg.patch_size
+        )
+        full_cu = get_vision_cu_seqlens(grid)
+        sample_rows = [sum(self.num_tokens(x)) for x in inputs]
+        starts = torch.tensor([0] + sample_rows).cumsum(0)
+        row_sample = torch.searchsorted(starts, window_index, right=True) - 1
+        return SeqLayout(
+            n_tokens=int(full_cu[-1]),
+            cuts=[int(c) for c in cu_window.tolist()],
+            unit=unit,
+            row_sample=row_sample,
+            row_pos=window_index - starts[row_sample],
+            sample_rows=sample_rows,
+            extra={
+                "window_index": window_index,
+                "cu_window": cu_window.to(torch.long),
+                "full_segments": (full_cu[1:] - full_cu[:-1]).tolist(),
+                "position_ids": get_vision_position_ids(grid, merge),
+            },
+        )
+
+    def ulysses_forward(
+        self,
+        module: nn.Module,
+        inputs: list[dict[str, torch.Tensor]],
+        layout: SeqLayout,
+        lo: int,
+        hi: int,
+        scope: AttentionScope,
+    ) -> torch.Tensor:
+        unit, dev = layout.unit, module.device
+        units = layout.extra["window_index"][lo // unit : hi // unit]
+        # original (processor-order) token index of every local token, in window order
+        tokens = (units[:, None] * unit + torch.arange(unit)).reshape(-1)
+        pixels = torch.cat([x["pixel_values"] for x in inputs])[tokens].to(dev, module.dtype)
+        hidden = module.patch_embed(pixels)
+        rotary = module.rotary_pos_emb(hidden, layout.extra["position_ids"][tokens].to(dev))
+
+        cu_window = layout.extra["cu_window"]
+        local_windows = cu_window[(cu_window >= lo) & (cu_window <= hi)] - lo
+        if local_windows.numel() < 2:  # an empty shard still runs every block (collectives)
+            local_windows = torch.zeros(2, dtype=torch.long)
+        local_windows = local_windows.to(dev, torch.int32)
+        whole = torch.tensor([0, hi - lo], device=dev, dtype=torch.int32)
+        full = set(module.fullatt_block_indexes)
+        for i, block in enumerate(module.blocks):
+            if i in full:
+                with scope.spanning(layout.extra["full_segments"]):
+                    hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary)
+            else:
+                hidden = block(hidden, cu_seqlens=local_windows, position_embeddings=rotary)
+        return module.merger(hidden)

@@ -1,0 +1,117 @@
+"""A whole tiny Qwen2.5-VL HF dir (random weights), built offline.
+
+Sizes are chosen so that tiny images still exercise everything the real model
+does: several attention windows per image, window and full-attention blocks,
+the 2x2 spatial merge, and a vision width different from the LLM width.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+#: Qwen2.5-VL's special tokens, in the order they get their ids.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+#: A Qwen2-VL style chat template (images become vision_start + image_pad + vision_end).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+#: patch 4 px, merge 2 -> one LLM token per 8x8 px; window 16 px -> 2x2 merged tokens per window.
+VISION = dict(
+    depth=4,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=4,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    window_size=16,
+    fullatt_block_indexes=[1, 3],
+    hidden_act="silu",
+)
+#: smallest image: 2x2 merged tokens; largest: 8x8 merged tokens
+PROCESSOR = dict(min_pixels=16 * 16, max_pixels=64 * 64)
+
+
+def make_tiny_qwen2_5_vl(out_dir: Path, seed: int = 0) -> Path:
+    """Write config, safetensors weights, tokenizer and image processor; deterministic for ``seed``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from disagg.tiny import train_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(
+        out,
+        SPECIAL_TOKENS,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        vocab_size=400,
+        tokenizer_class="Qwen2TokenizerFast",
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    text_hidden = 48
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=text_hidden,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]},
+            bos_token_id=None,
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(VISION, out_hidden_size=text_hidden),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+
+    proc = Qwen2VLImageProcessorPil(
+        patch_size=VISION["patch_size"],
+        temporal_patch_size=VISION["temporal_patch_size"],
+        merge_size=VISION["spatial_merge_size"],
+        **PROCESSOR,
+    )
+    proc.save_pretrained(out)
+    # Name the canonical class so installs with torchvision get the fast processor.
+    cfg_path = out / "preprocessor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["image_processor_type"] = "Qwen2VLImageProcessor"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return out

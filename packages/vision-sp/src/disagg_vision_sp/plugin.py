@@ -1,0 +1,23 @@
+"""Entry point (group ``disagg``): registers ``ulysses`` and the vision families."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from disagg import hookimpl
+
+
+@hookimpl
+def disagg_register_strategies(register: Callable[[type], None]) -> None:
+    from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
+
+    register(UlyssesStrategy)
+
+
+@hookimpl
+def disagg_register_families(register: Callable[[type], None]) -> None:
+    from disagg_vision_sp.families.llava import LlavaVision
+    from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+
+    register(Qwen2_5_VLVision)
+    register(LlavaVision)

@@ -1,0 +1,1 @@
+"""Ulysses sequence parallelism: layout and cuts, the attention hook, the strategy."""

@@ -1,0 +1,139 @@
+"""``ulysses``: DeepSpeed-Ulysses sequence parallelism for vision encoders.
+
+Every rank holds the whole encoder. The microbatch of a replica (all images of
+all its samples, concatenated in the family's compute order) is cut into
+``degree`` contiguous shards on boundaries the family allows; attention that
+spans shards goes through all-to-all (see ``attention.py``). Outputs stay
+sharded: each rank returns its rows of each sample, tagged with their
+positions in the sample, and gets exactly their gradient back.
+
+Gradients: a rank's parameter gradients are sums over its own tokens only
+(the all-to-all backward routes q/k/v gradients to the rank that owns the
+token), so the base class's single all-reduce over the group (shards and
+replicas) gives the single-process gradient, each contribution counted once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagg.interfaces import EmbeddingShard, Family, Strategy, StrategyOptions
+from disagg_vision_sp.ulysses import attention
+from disagg_vision_sp.ulysses.layout import UlyssesFamily, plan_bounds
+
+
+class UlyssesStrategy(Strategy):
+    name: ClassVar[str] = "ulysses"
+    distribution: ClassVar[str] = "disagg-vision-sp"
+
+    @classmethod
+    def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
+        if not isinstance(family, UlyssesFamily):
+            return [
+                f"family {family.name!r} does not support strategy 'ulysses' (it has no ulysses hook points); "
+                "use strategy 'ddp', 'zero' or 'megatron_tp', or a family that subclasses "
+                "disagg_vision_sp.UlyssesFamily (qwen2_5_vl, llava)"
+            ]
+        problems = list(family.check("ulysses", degree, replicas))
+        heads = family.ulysses_heads()
+        if heads % degree:
+            divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+            problems.append(
+                f"parallel.vision.degree={degree}: {heads} attention heads of family {family.name!r} "
+                f"are not divisible by it; use a divisor of {heads}: {divisors}"
+            )
+        return problems
+
+    def __init__(self, ctx: Any, family: Family, options: StrategyOptions) -> None:
+        super().__init__(ctx, family, options)
+        self.group: dist.ProcessGroup | None = None
+        self.base_attention = "sdpa"
+        #: (local output rows, the shard values cut from them) per encoded, not yet backwarded microbatch
+        self._pending: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+    def parallelize(self, module: nn.Module) -> nn.Module:
+        assert isinstance(self.family, UlyssesFamily)
+        attention.register()
+        for sub in self.family.ulysses_attention_modules(module):
+            impl = sub.config._attn_implementation
+            if impl != attention.ATTN_NAME:
+                self.base_attention = impl or "sdpa"
+                sub.config._attn_implementation = attention.ATTN_NAME
+        self.group = self._replica_group()
+        return module
+
+    def _replica_group(self) -> dist.ProcessGroup | None:
+        ctx = self.ctx
+        if ctx.degree == 1:
+            return None
+        if ctx.replicas == 1:
+            return dist.group.WORLD
+        # new_group is collective over the whole world: every rank creates every replica's group.
+        groups = [dist.new_group(ctx.shard_ranks(r)) for r in range(ctx.replicas)]
+        return groups[ctx.replica]
+
+    # -- encoder role -----------------------------------------------------------------------------
+    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+        fam = self.family
+        assert isinstance(fam, UlyssesFamily) and self.module is not None
+        layout = fam.ulysses_layout(inputs)
+        bounds = plan_bounds(layout.cuts, layout.n_tokens, self.ctx.degree)
+        if any(b % layout.unit for b in bounds):
+            raise ValueError(f"family {fam.name!r} allowed cuts {bounds} that split its {layout.unit}-token units")
+        lo, hi = bounds[self.ctx.shard], bounds[self.ctx.shard + 1]
+        runtime = attention.UlyssesRuntime(
+            base=self.base_attention,
+            group=self.group,
+            degree=self.ctx.degree,
+            shard=self.ctx.shard,
+            sizes=[b - a for a, b in zip(bounds, bounds[1:])],
+            comm=self.ctx.comm,
+        )
+        with runtime.active(), self._autocast():
+            rows = fam.ulysses_forward(self.module, inputs, layout, lo, hi, runtime)
+        shards = self._split(rows, layout, lo // layout.unit, hi // layout.unit)
+        if rows.requires_grad:
+            self._pending.append((rows, [s.value for s in shards]))
+        return shards
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.ctx.dtype == torch.bfloat16:
+            return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def _split(rows: torch.Tensor, layout: Any, r0: int, r1: int) -> list[EmbeddingShard]:
+        """One shard per sample: the local rows of each sample are contiguous
+        because samples are concatenated in compute order."""
+        owner = layout.row_sample[r0:r1]
+        shards = []
+        for s, total in enumerate(layout.sample_rows):
+            idx = torch.nonzero(owner == s).flatten()
+            if idx.numel() == 0:
+                shards.append(EmbeddingShard.empty(total, rows.shape[-1], like=rows))
+                continue
+            a, b = int(idx[0]), int(idx[-1]) + 1
+            shards.append(EmbeddingShard(layout.row_pos[r0 + a : r0 + b].clone(), rows[a:b], total))
+        return shards
+
+    def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Backward of one encoded microbatch. Runs even when this rank's rows
+        are empty: the all-to-all backward needs every rank of the replica."""
+        if not self._pending:
+            return
+        index = next(
+            (i for i, (_, vals) in enumerate(self._pending) if len(vals) == len(outputs)
+             and all(v is o for v, o in zip(vals, outputs))),
+            0,  # outputs that crossed a process boundary are new objects: microbatches are FIFO
+        )
+        rows, values = self._pending.pop(index)
+        parts = [g.to(rows.device, rows.dtype).reshape(v.shape) for v, g in zip(values, grads)]
+        grad = torch.cat(parts) if parts else torch.zeros_like(rows)
+        if grad.shape != rows.shape:
+            raise ValueError(f"gradients cover {tuple(grad.shape)}, the encoded shard is {tuple(rows.shape)}")
+        torch.autograd.backward(rows, grad)

@@ -1,0 +1,21 @@
+"""Tiny model dirs, built once per test session (random weights, offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+
+    return Qwen2_5_VLVision.make_tiny(tmp_path_factory.mktemp("tiny") / "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from disagg_vision_sp.families.llava import LlavaVision
+
+    return LlavaVision.make_tiny(tmp_path_factory.mktemp("tiny") / "llava")

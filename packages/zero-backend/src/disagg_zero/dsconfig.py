@@ -1,0 +1,86 @@
+"""The DeepSpeed config the ``zero`` strategy runs with, and its validation.
+
+Settings here are what makes a ZeRO group equal the single-process model:
+
+* no DeepSpeed clipping (``gradient_clipping: 0``): the driver clips with the
+  global norm over every module, applied by the strategy;
+* gradients are **summed** over ranks, because core's loss is already divided
+  by the global label count. Stages 1-2 ask DeepSpeed for a sum
+  (``gradient_allreduce_op: sum``); stage 3 only averages, so the strategy
+  scales its backward seed by the world size (:func:`backward_scale`);
+* one micro-batch per engine step as far as DeepSpeed is concerned; the
+  strategy marks the accumulation boundary itself (core decides microbatches).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from disagg_zero.options import ZeroOptions
+
+
+def build_ds_config(options: ZeroOptions, dtype: torch.dtype) -> dict[str, Any]:
+    """DeepSpeed config dict for ``options`` (``ds_config`` merged last)."""
+    zero: dict[str, Any] = {"stage": options.stage}
+    if options.reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = options.reduce_bucket_size
+    if options.allgather_bucket_size is not None:
+        zero["allgather_bucket_size"] = options.allgather_bucket_size
+    if options.overlap_comm is not None:
+        zero["overlap_comm"] = options.overlap_comm
+    if options.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "gradient_allreduce_op": "mean" if options.stage == 3 else "sum",
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_optimization": zero,
+        # The optimizer is a torch AdamW (or DeepSpeedCPUAdam when offloading)
+        # built from train.*; DeepSpeed must take it as given.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+    return merge(cfg, options.ds_config)
+
+
+def backward_scale(options: ZeroOptions, world_size: int) -> float:
+    """Factor on the backward seed that turns DeepSpeed's reduction into a sum."""
+    return float(world_size) if options.stage == 3 else 1.0
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; ``extra`` wins."""
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def zero_section_problems(options: ZeroOptions) -> list[str]:
+    """What DeepSpeed's own schema says about ``zero_optimization`` (config time)."""
+    from pydantic import ValidationError
+
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError as exc:  # deepspeed is a hard dependency; say so plainly
+        return [f"strategy 'zero' needs deepspeed, which failed to import: {exc}"]
+    section = build_ds_config(options, torch.float32)["zero_optimization"]
+    try:
+        DeepSpeedZeroConfig(**section)
+    except ValidationError as exc:
+        return [
+            f"ds_config.zero_optimization.{'.'.join(str(p) for p in err['loc'])}: {err['msg']} "
+            f"(got {err.get('input')!r}; DeepSpeed rejected it)"
+            for err in exc.errors()
+        ]
+    return []

@@ -1,0 +1,96 @@
+"""What DeepSpeed needs around it inside a group: environment, errors, norms, gathering."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagg.interfaces import Family, GroupContext
+
+
+def prepare(ctx: GroupContext) -> ModuleType:
+    """Import DeepSpeed for this rank's device and attach it to the group's
+    existing default process group (the user sets nothing by hand)."""
+    accelerator = "cpu" if ctx.device.type == "cpu" else "cuda"
+    # DeepSpeed picks its accelerator once, at first use; it must match ours.
+    os.environ.setdefault("DS_ACCELERATOR", accelerator)
+    if not dist.is_initialized():
+        raise RuntimeError("strategy 'zero' needs the group's torch.distributed process group to be initialized first")
+    # The engine reads these (ranks for logging, LOCAL_RANK for the device).
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    os.environ.setdefault("LOCAL_RANK", str(ctx.device.index or 0))
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    got = get_accelerator().device_name()
+    if got != accelerator:
+        raise RuntimeError(
+            f"DeepSpeed chose accelerator {got!r} but group {ctx.module!r} runs on {ctx.device}; "
+            f"set DS_ACCELERATOR={accelerator} before deepspeed is first imported in this process"
+        )
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+    return deepspeed
+
+
+@contextlib.contextmanager
+def config_errors(where: str) -> Iterator[None]:
+    """Re-raise DeepSpeed's rejection of a config with the disagg key it came from."""
+    from pydantic import ValidationError
+
+    try:
+        yield
+    except ValidationError as exc:
+        lines = [
+            f"{where}.ds_config.{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
+            for e in exc.errors()
+        ]
+        raise ValueError("DeepSpeed rejected the config:\n  " + "\n  ".join(lines)) from exc
+    except (ValueError, AssertionError, KeyError, TypeError) as exc:
+        raise ValueError(f"{where} (strategy 'zero', ds_config): DeepSpeed rejected the config: {exc}") from exc
+
+
+def enable_activation_checkpointing(module: nn.Module, family: Family) -> None:
+    """Hugging Face gradient checkpointing, non-reentrant (works with ZeRO-3 hooks)."""
+    if not getattr(module, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"activation_checkpointing: true, but family {family.name!r} builds a {type(module).__name__}, "
+            f"which does not support Hugging Face gradient checkpointing; set activation_checkpointing: false"
+        )
+    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def global_grad_norm(ds_optimizer: Any, stage: int) -> float:
+    """The group's gradient L2 norm from DeepSpeed's reduced, partitioned fp32
+    gradients: each element once (its owner rank), summed over the group, so
+    identical on every rank. Non-finite norms come back as ``inf``."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    if stage == 3:
+        norm = combine_grad_norm_groups(ds_optimizer._get_norm_groups())  # noqa: SLF001
+    else:
+        norm = ds_optimizer.scaled_global_norm()
+    # loss_scale is 1 in fp32/bf16; divide anyway so fp16 configs stay right.
+    return float(norm) / float(getattr(ds_optimizer, "loss_scale", 1.0) or 1.0)
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module, stage: int, has_engine: bool) -> Iterator[None]:
+    """Full parameters inside the block (ZeRO-3 all-gathers; collective)."""
+    if stage < 3 or not has_engine:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        yield
+
+

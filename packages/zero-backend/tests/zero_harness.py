@@ -1,0 +1,195 @@
+"""Single-process references and per-rank drivers for the ``zero`` equivalence tests.
+
+Rank functions live here (not in the test files) so that spawned ranks can
+import them by module name.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disagg.interfaces import GroupContext, OptimSpec
+from disagg.interfaces.strategy import clip_coefficient, make_scheduler
+from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, toy_samples
+
+OPTIM = OptimSpec(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, scheduler="linear", warmup_steps=1, total_steps=4)
+CLIP = 0.5  # small enough that every step clips
+STEPS = 3
+MICROBATCHES = 2
+
+
+# -- data -------------------------------------------------------------------------------------------
+def llm_batches(world: int, steps: int = STEPS) -> list[list[dict[str, Any]]]:
+    """Per step: samples with fixed "encoder" rows as the vision embeddings."""
+    out = []
+    for s in range(steps):
+        samples = toy_samples(2 * world, seed=100 + s)
+        g = torch.Generator().manual_seed(200 + s)
+        for x in samples:
+            n = int(x["vision"]["sizes"].sum()) if "vision" in x else 0
+            x["embeds"] = {"vision": torch.randn(n, 24, generator=g)} if n else {}
+        out.append(samples)
+    return out
+
+
+def encoder_batches(world: int, steps: int = STEPS) -> list[list[dict[str, Any]]]:
+    """Per step: samples dealt so that every rank sees the same number of items
+    per sample, in the same order (ZeRO-3 gathers per module call, so ranks must
+    make the same calls), each with a fixed external output gradient."""
+    pool = [x for x in toy_samples(80, seed=7) if "vision" in x]
+    by_items = {1: [x for x in pool if len(x["vision"]["sizes"]) == 1], 2: [x for x in pool if len(x["vision"]["sizes"]) == 2]}
+    out = []
+    for s in range(steps):
+        samples = []
+        for k in range(2):  # two samples per rank: one with 1 item, one with 2
+            for _ in range(world):
+                samples.append(by_items[1 + (k + s) % 2].pop())
+        g = torch.Generator().manual_seed(300 + s)
+        for x in samples:
+            x["out_grad"] = torch.randn(int(x["vision"]["sizes"].sum()), 24, generator=g) * 0.1
+        out.append(samples)
+    return out
+
+
+def label_count(samples: list[dict[str, Any]]) -> int:
+    return sum(int((x["llm"]["labels"][1:] != -100).sum()) for x in samples)
+
+
+def mine(samples: list[Any], rank: int, world: int) -> list[Any]:
+    return samples[rank::world]
+
+
+def split(xs: list[Any], parts: int) -> list[list[Any]]:
+    k = math.ceil(len(xs) / parts)
+    return [xs[i : i + k] for i in range(0, len(xs), k)]
+
+
+# -- references -------------------------------------------------------------------------------------
+def _ref_step(module: torch.nn.Module, opt: Any, sched: Any, loss: torch.Tensor) -> tuple[float, dict]:
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for p in module.parameters() if p.requires_grad]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP))
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    opt.step()
+    sched.step()
+    return norm, grads
+
+
+def _ref_optim(module: torch.nn.Module) -> tuple[Any, Any]:
+    opt = torch.optim.AdamW(module.parameters(), lr=OPTIM.lr, weight_decay=OPTIM.weight_decay, betas=OPTIM.betas,
+                            eps=OPTIM.eps, foreach=False)
+    return opt, make_scheduler(opt, OPTIM)
+
+
+def reference_llm(lm_dir: Path, world: int) -> dict[str, Any]:
+    fam = ToyLMFamily(lm_dir)
+    module = fam.build()
+    opt, sched = _ref_optim(module)
+    out: dict[str, Any] = {"loss": [], "norm": [], "grads": [], "embed_grads": []}
+    for samples in llm_batches(world):
+        embeds = [{k: v.clone().requires_grad_(True) for k, v in x["embeds"].items()} for x in samples]
+        logits, labels = fam.forward(module, [x["llm"] for x in samples], embeds)
+        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / label_count(samples)
+        norm, grads = _ref_step(module, opt, sched, loss)
+        out["loss"].append(float(loss))
+        out["norm"].append(norm)
+        out["grads"].append(grads)
+        out["embed_grads"].append([{k: v.grad.clone() for k, v in e.items()} for e in embeds])
+    out["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return out
+
+
+def reference_encoder(enc_dir: Path, world: int) -> dict[str, Any]:
+    fam = ToyEncoderFamily(enc_dir)
+    module = fam.build()
+    opt, sched = _ref_optim(module)
+    out: dict[str, Any] = {"norm": [], "grads": []}
+    for samples in encoder_batches(world):
+        loss = sum((fam.encode(module, x["vision"]) * x["out_grad"]).sum() for x in samples)
+        norm, grads = _ref_step(module, opt, sched, loss)
+        out["norm"].append(norm)
+        out["grads"].append(grads)
+    out["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return out
+
+
+def portable(x: Any) -> Any:
+    """Tensors -> numpy, recursively: run_ranks pickles results through a
+    torch.multiprocessing queue, which shares tensor storage by file
+    descriptor and breaks once the rank process has exited."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    if isinstance(x, dict):
+        return {k: portable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [portable(v) for v in x]
+    return x
+
+
+def tensors(x: Any) -> Any:
+    """Inverse of :func:`portable`."""
+    if hasattr(x, "__array__") and not isinstance(x, (dict, list, float, int)):
+        return torch.from_numpy(x)
+    if isinstance(x, dict):
+        return {k: tensors(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [tensors(v) for v in x]
+    return x
+
+
+# -- ranks ------------------------------------------------------------------------------------------
+def _strategy(rank: int, world: int, module: str, family: Any, options: dict[str, Any]) -> Any:
+    from disagg_zero import ZeroOptions, ZeroStrategy
+
+    ctx = GroupContext(module, rank, world, 1, world, torch.device("cpu"), torch.float32)
+    strat = ZeroStrategy(ctx, family, ZeroOptions(**options))
+    strat.setup(family.build(torch.float32), OPTIM)
+    return strat
+
+
+def _finish_step(strat: Any, rec: dict[str, Any]) -> None:
+    strat.reduce_gradients()
+    nsq = strat.grad_norm_sq()
+    rec["norm"].append(math.sqrt(nsq))
+    rec["grads"].append(strat.full_grads())
+    strat.step(clip_coefficient(math.sqrt(nsq), CLIP))
+    strat.zero_grad()
+
+
+def rank_llm(rank: int, lm_dir: Path, world: int, options: dict[str, Any]) -> dict[str, Any]:
+    fam = ToyLMFamily(lm_dir)
+    strat = _strategy(rank, world, "llm", fam, options)
+    rec: dict[str, Any] = {"loss_sum": [], "norm": [], "grads": [], "embed_grads": []}
+    for samples in llm_batches(world):
+        n = label_count(samples)
+        idx = list(range(len(samples)))
+        loss_sum, egrads = 0.0, {}
+        for part in split(mine(idx, rank, world), MICROBATCHES):
+            embeds = [{k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part]
+            loss_sum += strat.loss_and_backward([samples[i]["llm"] for i in part], embeds, 1.0 / n)
+            egrads.update({i: {k: v.grad.clone() for k, v in e.items()} for i, e in zip(part, embeds)})
+        rec["loss_sum"].append(loss_sum)
+        rec["embed_grads"].append(egrads)
+        _finish_step(strat, rec)
+    rec["params"] = strat.full_state_dict()
+    return portable(rec)
+
+
+def rank_encoder(rank: int, enc_dir: Path, world: int, options: dict[str, Any]) -> dict[str, Any]:
+    fam = ToyEncoderFamily(enc_dir)
+    strat = _strategy(rank, world, "vision", fam, options)
+    rec: dict[str, Any] = {"norm": [], "grads": []}
+    for samples in encoder_batches(world):
+        for part in split(mine(samples, rank, world), MICROBATCHES):
+            shards = strat.encode([x["vision"] for x in part])
+            for s, x in zip(shards, part):
+                assert s.total == x["out_grad"].shape[0] and s.positions.tolist() == list(range(s.total))
+            strat.backward([s.value for s in shards], [x["out_grad"] for x in part])
+        _finish_step(strat, rec)
+    rec["params"] = strat.full_state_dict()
+    return portable(rec)
