@@ -61,8 +61,17 @@ def offline_env() -> dict[str, str]:
 
 def test_make_tiny_dirs_load_offline(tmp_path: Path):
     out = tmp_path / "tiny"
-    cli = [sys.executable, "-m", "disagg.cli.main", "make-tiny", str(out), "--train-per-class", "1",
-           "--eval-per-class", "1"]
+    cli = [
+        sys.executable,
+        "-m",
+        "disagg.cli.main",
+        "make-tiny",
+        str(out),
+        "--train-per-class",
+        "1",
+        "--eval-per-class",
+        "1",
+    ]
     done = subprocess.run(cli, env=offline_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
@@ -70,8 +79,13 @@ def test_make_tiny_dirs_load_offline(tmp_path: Path):
     # one whole-VLM dir although qwen2_5_vl is registered for both roles
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted([*manifest["models"], "data"])
 
-    load = subprocess.run([sys.executable, "-c", LOAD, str(out / "manifest.json")], env=offline_env(),
-                          capture_output=True, text=True, timeout=900)
+    load = subprocess.run(
+        [sys.executable, "-c", LOAD, str(out / "manifest.json")],
+        env=offline_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert load.returncode == 0, load.stderr[-3000:]
     report = json.loads(load.stdout.split("REPORT", 1)[1])
     vl = report["qwen2_5_vl"]

@@ -35,10 +35,20 @@ def photos(tmp_path_factory):
         Image.fromarray(array).save(root / name, quality=95)
         names.append(name)
     rows = [
-        {"image": names[0], "conversations": [{"from": "human", "value": "<image>\nDescribe the image."},
-                                              {"from": "gpt", "value": "A temple."}]},
-        {"image": names, "conversations": [{"from": "human", "value": "<image> and <image>: which is a flower?"},
-                                           {"from": "gpt", "value": "The second."}]},
+        {
+            "image": names[0],
+            "conversations": [
+                {"from": "human", "value": "<image>\nDescribe the image."},
+                {"from": "gpt", "value": "A temple."},
+            ],
+        },
+        {
+            "image": names,
+            "conversations": [
+                {"from": "human", "value": "<image> and <image>: which is a flower?"},
+                {"from": "gpt", "value": "The second."},
+            ],
+        },
     ]
     (root / "photos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -59,18 +69,26 @@ def tiny_dir(tmp_path: Path, min_pixels: int, max_pixels: int) -> Path:
 
 @pytest.mark.parametrize("max_side", [64, 128])
 def test_photos_resized_within_pixel_budget(photos, tmp_path: Path, max_side: int):
-    from transformers import AutoConfig, AutoImageProcessor
     from PIL import Image
+    from transformers import AutoConfig, AutoImageProcessor
 
     from disagg.data import build_data_source
 
     root, names = photos
     vlm = tiny_dir(tmp_path, min_pixels=32 * 32, max_pixels=max_side * max_side)
     fams = {"vision": reg.family("encoder", "qwen2_5_vl")(vlm), "llm": reg.family("llm", "qwen2_5_vl")(vlm)}
-    cfg = Config(model={"vision": {"family": "qwen2_5_vl", "path": str(vlm)},
-                        "llm": {"family": "qwen2_5_vl", "path": str(vlm)}},
-                 data={"train": str(root / "photos.jsonl"), "media_root": str(root), "batch_size": 2,
-                       "shuffle": False})
+    cfg = Config(
+        model={
+            "vision": {"family": "qwen2_5_vl", "path": str(vlm)},
+            "llm": {"family": "qwen2_5_vl", "path": str(vlm)},
+        },
+        data={
+            "train": str(root / "photos.jsonl"),
+            "media_root": str(root),
+            "batch_size": 2,
+            "shuffle": False,
+        },
+    )
     src = build_data_source(cfg, fams)
     assert src.stats() == {"samples": 2, "skipped": 0, "dropped_too_long": 0}
     one, two = src.samples()
@@ -87,11 +105,14 @@ def test_photos_resized_within_pixel_budget(photos, tmp_path: Path, max_side: in
         assert 32 * 32 <= pixels <= max_side * max_side
         assert h % merge == 0 and w % merge == 0 and t == 1
         assert math.isclose((w / h), orig.width / orig.height, rel_tol=0.25)
-    assert max(grid[:, 1:].prod(1).tolist()) * patch * patch > (max_side * max_side) // 4  # really used the budget
+    assert (
+        max(grid[:, 1:].prod(1).tolist()) * patch * patch > (max_side * max_side) // 4
+    )  # really used the budget
 
     # identical to Hugging Face's own processor on the same photos
-    ref = AutoImageProcessor.from_pretrained(vlm)(images=[Image.open(root / n).convert("RGB") for n in names],
-                                                  return_tensors="pt")
+    ref = AutoImageProcessor.from_pretrained(vlm)(
+        images=[Image.open(root / n).convert("RGB") for n in names], return_tensors="pt"
+    )
     torch.testing.assert_close(vision["pixel_values"], ref["pixel_values"].float(), rtol=1e-5, atol=1e-6)
     assert torch.equal(grid, ref["image_grid_thw"])
 

@@ -16,8 +16,11 @@ from disagg.tiny import COLOURS, SHAPES
 
 
 def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_demo_data_is_deterministic_and_readable(tmp_path: Path):
@@ -39,9 +42,13 @@ def test_demo_data_is_deterministic_and_readable(tmp_path: Path):
     assert not any(load_image(r.media["image"][0]).tobytes() in train_pixels for r in held)
     assert load_image(train[0].media["image"][0]).size == (32, 32)
 
-    tones = read_dataset(a["audio_train"], tmp_path / "a", dataset=0, first_uid=0, modalities={"audio"}, on_bad=bad)
+    tones = read_dataset(
+        a["audio_train"], tmp_path / "a", dataset=0, first_uid=0, modalities={"audio"}, on_bad=bad
+    )
     clip = load_audio(tones[0].media["audio"][0])
-    assert clip["sampling_rate"] == 16000 and clip["array"].shape == (8000,) and abs(clip["array"]).max() <= 1.0
+    assert (
+        clip["sampling_rate"] == 16000 and clip["array"].shape == (8000,) and abs(clip["array"]).max() <= 1.0
+    )
 
 
 def test_make_tiny_writes_every_family_once(tmp_path: Path):

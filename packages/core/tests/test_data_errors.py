@@ -33,9 +33,13 @@ def local_ray():
 
 
 def config(root: Path, train, **data) -> Config:
-    return Config(model={"vision": {"family": "fake_image", "path": str(root / "tok")},
-                         "llm": {"family": "fake_lm", "path": str(root / "tok")}},
-                  data={"train": train, "media_root": str(root), "batch_size": 2, "num_workers": 1, **data})
+    return Config(
+        model={
+            "vision": {"family": "fake_image", "path": str(root / "tok")},
+            "llm": {"family": "fake_lm", "path": str(root / "tok")},
+        },
+        data={"train": train, "media_root": str(root), "batch_size": 2, "num_workers": 1, **data},
+    )
 
 
 def turns(*pairs):
@@ -47,16 +51,25 @@ GOOD = caption_sample("ok.png", "A red square.")
 STRUCTURAL = [
     ('{"image": "ok.png", "conversations": [', "malformed JSON"),
     (caption_sample("missing.png", "A cat."), "missing image file 'missing.png'"),
-    ({"image": "ok.png", "conversations": turns(("human", "Describe."), ("gpt", "A."))},
-     "0 <image> placeholder(s) in the text but 1 image file(s)"),
+    (
+        {"image": "ok.png", "conversations": turns(("human", "Describe."), ("gpt", "A."))},
+        "0 <image> placeholder(s) in the text but 1 image file(s)",
+    ),
     ({"conversations": turns(("human", "<image> <image>"), ("gpt", "A."))}, "2 <image> placeholder(s)"),
     ({"image": "ok.png", "conversations": []}, "empty conversation"),
-    ({"image": "ok.png", "conversations": turns(("human", "<image>"), ("robot", "A."))},
-     "unknown role 'robot'; allowed: system, human, user, gpt, assistant"),
+    (
+        {"image": "ok.png", "conversations": turns(("human", "<image>"), ("robot", "A."))},
+        "unknown role 'robot'; allowed: system, human, user, gpt, assistant",
+    ),
     ({"image": "ok.png", "conversations": turns(("human", "<image>"))}, "no assistant"),
-    ({"audio": "x.wav", "conversations": turns(("human", "<audio>"), ("gpt", "A."))},
-     "sample has audio but no audio encoder is configured"),
-    ({"image": 3, "conversations": turns(("human", "<image>"), ("gpt", "A."))}, "'image' must be a file name"),
+    (
+        {"audio": "x.wav", "conversations": turns(("human", "<audio>"), ("gpt", "A."))},
+        "sample has audio but no audio encoder is configured",
+    ),
+    (
+        {"image": 3, "conversations": turns(("human", "<image>"), ("gpt", "A."))},
+        "'image' must be a file name",
+    ),
     ([1, 2], "a sample must be a JSON object"),
 ]
 
@@ -99,12 +112,16 @@ def test_corrupt_image_error_names_sample(root: Path, local_ray):
 def test_too_long_error_and_drop(root: Path, local_ray):
     long = caption_sample("ok.png", " ".join(["A red square."] * 20))
     path = write_jsonl(root / "long.jsonl", [GOOD, long, GOOD])
-    with pytest.raises(DataError, match=rf"long\.jsonl:2: \d+ tokens exceed data\.max_tokens=60.*allowed: error, drop"):
+    with pytest.raises(
+        DataError, match=r"long\.jsonl:2: \d+ tokens exceed data\.max_tokens=60.*allowed: error, drop"
+    ):
         build_data_source(config(root, str(path), max_tokens=60), families(root / "tok"))
     # too long is its own policy: on_error: skip does not swallow it
     with pytest.raises(DataError, match="exceed data.max_tokens"):
         build_data_source(config(root, str(path), max_tokens=60, on_error="skip"), families(root / "tok"))
-    src = build_data_source(config(root, str(path), max_tokens=60, on_too_long="drop"), families(root / "tok"))
+    src = build_data_source(
+        config(root, str(path), max_tokens=60, on_too_long="drop"), families(root / "tok")
+    )
     assert src.stats() == {"samples": 2, "skipped": 0, "dropped_too_long": 1}
     assert {s.source for b in [next(src.batches())] for s in b} <= {f"{path}:1", f"{path}:3"}
 
@@ -117,7 +134,9 @@ def test_skip_counts_every_bad_sample(root: Path, local_ray):
     src = build_data_source(config(root, str(path), on_error="skip"), families(root / "tok"))
     assert src.stats() == {"samples": 2, "skipped": len(bad), "dropped_too_long": 0}
     # nothing silent: each skip is recorded with its location
-    assert sorted(p.split(": ")[0] for p in src.problems) == sorted(f"{path}:{i}" for i in range(2, len(lines)))
+    assert sorted(p.split(": ")[0] for p in src.problems) == sorted(
+        f"{path}:{i}" for i in range(2, len(lines))
+    )
     srcs = {s.source for s in next(src.batches())}
     assert srcs <= {f"{path}:1", f"{path}:{len(lines)}"}
 

@@ -19,11 +19,19 @@ import torch
 from disagg.interfaces import EncoderFamily, LanguageFamily
 from disagg.tiny import train_tokenizer
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-           "<|image_pad|>", "<|audio_pad|>"]
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|audio_pad|>",
+]
 CHATML = (
     "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -137,5 +145,10 @@ def write_jsonl(path: Path, samples: list[Any]) -> Path:
 
 
 def caption_sample(image: str, caption: str) -> dict[str, Any]:
-    return {"image": image, "conversations": [{"from": "human", "value": "<image>\nDescribe."},
-                                              {"from": "gpt", "value": caption}]}
+    return {
+        "image": image,
+        "conversations": [
+            {"from": "human", "value": "<image>\nDescribe."},
+            {"from": "gpt", "value": caption},
+        ],
+    }

@@ -9,7 +9,7 @@ import torch
 from test_data_fakes import SYSTEM, caption_sample, families, make_tokenizer_dir, write_image, write_wav
 
 from disagg.data.preprocess import IGNORE, preprocess_record
-from disagg.data.records import parse_sample, Record
+from disagg.data.records import Record, parse_sample
 
 PAD4 = "<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>"
 
@@ -40,9 +40,9 @@ def label_text(tok, out) -> list[str]:
     lab = out.inputs["llm"]["labels"]
     ids = out.inputs["llm"]["input_ids"]
     runs, cur = [], []
-    for i, l in zip(ids.tolist(), lab.tolist()):
-        if l != IGNORE:
-            assert l == i
+    for i, label in zip(ids.tolist(), lab.tolist()):
+        if label != IGNORE:
+            assert label == i
             cur.append(i)
         elif cur:
             runs.append(cur)
@@ -56,7 +56,8 @@ def test_single_turn(env):
     out, tok = run(env, caption_sample("small.png", "A red square."))
     llm = out.inputs["llm"]
     assert decode(tok, llm["input_ids"]) == (
-        SYSTEM + f"<|im_start|>user\n{PAD4}\nDescribe.<|im_end|>\n<|im_start|>assistant\nA red square.<|im_end|>\n"
+        SYSTEM
+        + f"<|im_start|>user\n{PAD4}\nDescribe.<|im_end|>\n<|im_start|>assistant\nA red square.<|im_end|>\n"
     )
     assert label_text(tok, out) == ["A red square.<|im_end|>\n"]
     assert llm["input_ids"].dtype == torch.int64 and llm["labels"].dtype == torch.int64
@@ -72,33 +73,49 @@ def test_single_turn(env):
 
 
 def test_multi_turn(env):
-    item = {"image": "small.png", "conversations": [
-        {"from": "human", "value": "<image>\nDescribe."},
-        {"from": "gpt", "value": "A red square."},
-        {"from": "human", "value": "Answer briefly."},
-        {"from": "gpt", "value": "A square."},
-    ]}
+    item = {
+        "image": "small.png",
+        "conversations": [
+            {"from": "human", "value": "<image>\nDescribe."},
+            {"from": "gpt", "value": "A red square."},
+            {"from": "human", "value": "Answer briefly."},
+            {"from": "gpt", "value": "A square."},
+        ],
+    }
     out, tok = run(env, item)
     assert decode(tok, out.inputs["llm"]["input_ids"]) == (
-        SYSTEM + f"<|im_start|>user\n{PAD4}\nDescribe.<|im_end|>\n<|im_start|>assistant\nA red square.<|im_end|>\n"
+        SYSTEM
+        + f"<|im_start|>user\n{PAD4}\nDescribe.<|im_end|>\n<|im_start|>assistant\nA red square.<|im_end|>\n"
         "<|im_start|>user\nAnswer briefly.<|im_end|>\n<|im_start|>assistant\nA square.<|im_end|>\n"
     )
     assert label_text(tok, out) == ["A red square.<|im_end|>\n", "A square.<|im_end|>\n"]
 
 
 def test_multi_image_and_audio_in_order(env):
-    item = {"image": ["wide.png", "small.png"], "audio": "beep.wav", "messages": [
-        {"role": "system", "content": "Answer briefly."},
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " and "}, {"type": "image"},
-                                     {"type": "text", "text": " <audio>"}]},
-        {"role": "assistant", "content": "A blue square."},
-    ]}
+    item = {
+        "image": ["wide.png", "small.png"],
+        "audio": "beep.wav",
+        "messages": [
+            {"role": "system", "content": "Answer briefly."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image"},
+                    {"type": "text", "text": " and "},
+                    {"type": "image"},
+                    {"type": "text", "text": " <audio>"},
+                ],
+            },
+            {"role": "assistant", "content": "A blue square."},
+        ],
+    }
     out, tok = run(env, item)
     pad8 = "<|vision_start|>" + "<|image_pad|>" * 8 + "<|vision_end|>"
     aud3 = "<|vision_start|>" + "<|audio_pad|>" * 3 + "<|vision_end|>"
     assert decode(tok, out.inputs["llm"]["input_ids"]) == (
         "<|im_start|>system\nAnswer briefly.<|im_end|>\n"
-        f"<|im_start|>user\n{pad8} and {PAD4} {aud3}<|im_end|>\n<|im_start|>assistant\nA blue square.<|im_end|>\n"
+        f"<|im_start|>user\n{pad8} and {PAD4} {aud3}<|im_end|>\n"
+        "<|im_start|>assistant\nA blue square.<|im_end|>\n"
     )
     assert label_text(tok, out) == ["A blue square.<|im_end|>\n"]
     assert out.num_media_tokens == {"vision": 12, "audio": 3}
@@ -107,13 +124,18 @@ def test_multi_image_and_audio_in_order(env):
 
 
 def test_text_only(env):
-    item = {"conversations": [{"from": "human", "value": "What is in the picture?"},
-                              {"from": "gpt", "value": "A circle."}]}
+    item = {
+        "conversations": [
+            {"from": "human", "value": "What is in the picture?"},
+            {"from": "gpt", "value": "A circle."},
+        ]
+    }
     out, tok = run(env, item)
     assert set(out.inputs) == {"llm"}
     assert set(out.inputs["llm"]) == {"input_ids", "labels"}
     assert decode(tok, out.inputs["llm"]["input_ids"]) == (
-        SYSTEM + "<|im_start|>user\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\nA circle.<|im_end|>\n"
+        SYSTEM
+        + "<|im_start|>user\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\nA circle.<|im_end|>\n"
     )
     assert label_text(tok, out) == ["A circle.<|im_end|>\n"]
     assert out.num_media_tokens == {}
@@ -141,7 +163,11 @@ def test_tokenizer_without_chat_template_is_reported(env, tmp_path: Path):
     from test_data_fakes import FakeLMFamily
 
     fam = FakeLMFamily(bare)
-    messages, media = parse_sample({"conversations": [{"from": "human", "value": "hi"},
-                                                     {"from": "gpt", "value": "A tone."}]}, "x", root, set())
+    messages, media = parse_sample(
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "A tone."}]},
+        "x",
+        root,
+        set(),
+    )
     with pytest.raises(ValueError, match="no chat template"):
         preprocess_record(Record(0, 0, "x", messages, media), {"llm": fam}, fam.tokenizer())

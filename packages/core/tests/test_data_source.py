@@ -25,18 +25,32 @@ def root(tmp_path_factory):
     make_tokenizer_dir(root)
     write_image(root / "img" / "a.png", 8, 8)
     write_jsonl(root / "a.jsonl", [caption_sample("img/a.png", f"A red square {i}.") for i in range(N)])
-    write_jsonl(root / "b.jsonl", [{"conversations": [{"from": "human", "value": "Answer briefly."},
-                                                      {"from": "gpt", "value": f"A tone {i}."}]} for i in range(4)])
+    write_jsonl(
+        root / "b.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": "Answer briefly."},
+                    {"from": "gpt", "value": f"A tone {i}."},
+                ]
+            }
+            for i in range(4)
+        ],
+    )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield root
     ray.shutdown()
 
 
 def config(root: Path, train, seed: int = 0, **data) -> Config:
-    return Config(model={"vision": {"family": "fake_image", "path": str(root / "tok")},
-                         "llm": {"family": "fake_lm", "path": str(root / "tok")}},
-                  data={"train": train, "media_root": str(root), "batch_size": 4, **data},
-                  train={"seed": seed})
+    return Config(
+        model={
+            "vision": {"family": "fake_image", "path": str(root / "tok")},
+            "llm": {"family": "fake_lm", "path": str(root / "tok")},
+        },
+        data={"train": train, "media_root": str(root), "batch_size": 4, **data},
+        train={"seed": seed},
+    )
 
 
 def ids(batches, steps: int) -> list[list[int]]:
@@ -60,7 +74,9 @@ def test_refs_and_metadata(src, root):
     assert s.num_tokens == len(llm["input_ids"]) and s.num_label_tokens == int((llm["labels"] != -100).sum())
     assert s.num_media_tokens == {"vision": 4} and vision["grid"].tolist() == [[2, 2]]
     assert s.source == f"{root / 'a.jsonl'}:{s.index + 1}"
-    assert f"square {s.index}." in test_data_fakes.FakeLMFamily(root / "tok").tokenizer().decode(llm["input_ids"])
+    assert f"square {s.index}." in test_data_fakes.FakeLMFamily(root / "tok").tokenizer().decode(
+        llm["input_ids"]
+    )
 
 
 def test_same_seed_same_order_and_epochs_reshuffled(src, root):

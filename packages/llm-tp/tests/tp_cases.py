@@ -78,7 +78,7 @@ def reference(case: Case) -> dict:
     torch.manual_seed(0)
     model = _hf_model(case)
     params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(params.values(), lr=LR, foreach=False)
+    opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=0.0, foreach=False)
     total = label_count(case.samples)
     out: dict = {}
     for step in range(case.steps):
@@ -192,6 +192,9 @@ def _tp_rank(rank: int, case: Case) -> dict:
             out["embed_grads"] = [{k: v.grad.clone() for k, v in e.items()} for e in leaves]
         strat.step(clip_coefficient(math.sqrt(norm_sq), MAX_NORM))
         strat.zero_grad()
+    with torch.no_grad():  # the trained model's loss on its samples, for the export test
+        logits, labels = fam.forward(strat.module, samples, embeds)
+        out["final_loss"] = float(strat.loss_sum(logits, labels))
     out["params"] = strat.full_state_dict()
     out["comm_bytes"] = ctx.comm.total()
     return out

@@ -72,9 +72,10 @@ def split(xs: list[Any], parts: int) -> list[list[Any]]:
 def _ref_step(module: torch.nn.Module, opt: Any, sched: Any, loss: torch.Tensor) -> tuple[float, dict]:
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    # merged gradients are compared before clipping (full_grads runs before step)
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     params = [p for p in module.parameters() if p.requires_grad]
     norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP))
-    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     opt.step()
     sched.step()
     return norm, grads

@@ -23,8 +23,20 @@ class DirectTransport(Transport):
 
     @classmethod
     def for_backend(cls, backend: str) -> type[DirectTransport]:
-        devices = frozenset({"cuda"}) if backend == "nccl" else frozenset({"cpu", "cuda"})
-        return type(f"DirectTransport_{backend}", (cls,), {"name": backend, "backend": backend, "devices": devices})
+        attrs: dict[str, Any] = {"name": backend, "backend": backend}
+        if backend == "nccl":
+            attrs["devices"] = frozenset({"cuda"})
+        else:
+            # Ray's torch_gloo communicator initialises *the* default
+            # torch.distributed group of each actor over all actors, but every
+            # disagg actor's default group is its own module's world (Megatron
+            # and DeepSpeed require that), so the two cannot coexist.
+            attrs["devices"] = frozenset()
+            attrs["unavailable_reason"] = (
+                "Ray's gloo direct transport needs the actors' default torch.distributed group, which disagg "
+                "gives to each module's own world; use 'object_store' on CPU (or 'nccl' on CUDA)"
+            )
+        return type(f"DirectTransport_{backend}", (cls,), attrs)
 
     def setup(self, actors: list[Any]) -> None:
         from ray.experimental.collective import create_collective_group

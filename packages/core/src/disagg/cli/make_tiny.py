@@ -23,12 +23,17 @@ ROLE_ORDER = ("encoder", "llm")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write <family>/ dirs and data/")
     parser.add_argument(
-        "--families", default=None,
+        "--families",
+        default=None,
         help="comma-separated family names to build (default: every installed family)",
     )
     parser.add_argument("--no-data", action="store_true", help="do not write the demo dataset")
-    parser.add_argument("--train-per-class", type=int, default=10, help="training images per colour+shape (default 10)")
-    parser.add_argument("--eval-per-class", type=int, default=2, help="held-out images per colour+shape (default 2)")
+    parser.add_argument(
+        "--train-per-class", type=int, default=10, help="training images per colour+shape (default 10)"
+    )
+    parser.add_argument(
+        "--eval-per-class", type=int, default=2, help="held-out images per colour+shape (default 2)"
+    )
     parser.add_argument("--image-size", type=int, default=32, help="side of the square demo images in pixels")
 
 
@@ -75,8 +80,11 @@ def make_tiny(
 
         audio = any(getattr(cls, "modality", None) == "audio" for cls in reg.families.values())
         files = make_demo_data(
-            out / "data", train_per_class=train_per_class, eval_per_class=eval_per_class,
-            image_size=image_size, audio=audio,
+            out / "data",
+            train_per_class=train_per_class,
+            eval_per_class=eval_per_class,
+            image_size=image_size,
+            audio=audio,
         )
         manifest["data"] = {k: str(v) for k, v in files.items()}
         manifest["media_root"] = str(out / "data")
@@ -88,8 +96,12 @@ def make_tiny(
 def run(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.families.split(",") if n.strip()] if args.families else None
     manifest = make_tiny(
-        args.out_dir, names, data=not args.no_data, train_per_class=args.train_per_class,
-        eval_per_class=args.eval_per_class, image_size=args.image_size,
+        args.out_dir,
+        names,
+        data=not args.no_data,
+        train_per_class=args.train_per_class,
+        eval_per_class=args.eval_per_class,
+        image_size=args.image_size,
     )
     for name, path in manifest["models"].items():
         print(f"{name}: {path}")

@@ -198,6 +198,11 @@ class _Checker:
                 ("parallel", "transport"),
                 f"unknown transport {name!r}; {allowed(names)}{did_you_mean(name, names)}",
             )
+            return
+        cls = self.reg.transports.get(name)
+        if cls is not None and cls.unavailable_reason:
+            usable = ["auto", *(n for n, t in self.reg.transports.items() if not t.unavailable_reason)]
+            self.add(("parallel", "transport"), f"{name!r} cannot be used: {cls.unavailable_reason}; {allowed(usable)}")
 
     def train(self) -> None:
         t = self.cfg.train

@@ -99,7 +99,10 @@ def make_demo_data(
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    for split, per_class, split_seed in (("train", train_per_class, seed), ("eval", eval_per_class, seed + 10_000)):
+    for split, per_class, split_seed in (
+        ("train", train_per_class, seed),
+        ("eval", eval_per_class, seed + 10_000),
+    ):
         rng = random.Random(split_seed)
         rows: list[dict[str, Any]] = []
         for k in range(per_class):
@@ -113,10 +116,13 @@ def make_demo_data(
         written[split] = _write_jsonl(out / f"{split}.jsonl", rows)
     if audio:
         (out / "audio").mkdir(exist_ok=True)
-        for split, per_class, split_seed in (("train", train_per_class, seed), ("eval", eval_per_class, seed + 10_000)):
+        for split, per_class, split_seed in (
+            ("train", train_per_class, seed),
+            ("eval", eval_per_class, seed + 10_000),
+        ):
             rng = random.Random(split_seed + 2)
             rows = []
-            for k in range(per_class):
+            for _ in range(per_class):
                 for text, (lo, hi) in TONES.items():
                     name = f"audio/{split}_{len(rows):04d}.wav"
                     write_wav(out / name, tone(rng.uniform(lo, hi), 0.5, audio_rate, rng), audio_rate)
@@ -126,7 +132,10 @@ def make_demo_data(
 
 
 def _sample(kind: str, path: str, prompt: str, answer: str) -> dict[str, Any]:
-    return {kind: path, "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}]}
+    return {
+        kind: path,
+        "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}],
+    }
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -50,6 +50,8 @@ def load_audio(path: str) -> dict[str, Any]:
     try:
         import soundfile  # optional: other formats when the user has it installed
     except ImportError:
-        raise ValueError(f"cannot read {path!r}: only .wav is supported without the 'soundfile' package") from None
+        raise ValueError(
+            f"cannot read {path!r}: only .wav is supported without the 'soundfile' package"
+        ) from None
     data, rate = soundfile.read(path, dtype="float32", always_2d=True)
     return {"array": data.mean(axis=1).astype(np.float32), "sampling_rate": int(rate)}

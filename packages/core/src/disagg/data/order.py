@@ -13,7 +13,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 
-def sample_stream(sizes: Sequence[int], weights: Sequence[float], seed: int, shuffle: bool) -> Iterator[tuple[int, int]]:
+def sample_stream(
+    sizes: Sequence[int], weights: Sequence[float], seed: int, shuffle: bool
+) -> Iterator[tuple[int, int]]:
     """Endless ``(dataset, index within dataset)`` pairs.
 
     Each dataset is walked through a permutation per pass (file order without
@@ -51,7 +53,12 @@ def _walk(n: int, seed: int, dataset: int, shuffle: bool) -> Iterator[int]:
 
 
 def batch_positions(
-    sizes: Sequence[int], weights: Sequence[float], seed: int, shuffle: bool, batch_size: int, start_step: int = 0
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    seed: int,
+    shuffle: bool,
+    batch_size: int,
+    start_step: int = 0,
 ) -> Iterator[list[tuple[int, int]]]:
     """Global batches of ``batch_size`` stream entries, from step ``start_step`` on."""
     stream = sample_stream(sizes, weights, seed, shuffle)

@@ -81,7 +81,9 @@ def preprocess_record(
         except DataError:
             raise
         except Exception as exc:
-            raise DataError(rec.source, f"{module} preprocessing failed: {type(exc).__name__}: {exc}") from exc
+            raise DataError(
+                rec.source, f"{module} preprocessing failed: {type(exc).__name__}: {exc}"
+            ) from exc
         counts[module] = [int(n) for n in families[module].num_tokens(enc_inputs[module])]
         if len(counts[module]) != len(items):
             raise RuntimeError(
@@ -164,8 +166,9 @@ def tokenize_conversation(
         upto = render(messages[: i + 1], False)
         if not (upto.startswith(prompt) and full.startswith(upto)):
             raise DataError(
-                source, "the tokenizer's chat template renders earlier turns differently when later ones "
-                "follow, so assistant turns cannot be located for the labels"
+                source,
+                "the tokenizer's chat template renders earlier turns differently when later ones "
+                "follow, so assistant turns cannot be located for the labels",
             )
         spans.append((len(prompt), len(upto)))
 

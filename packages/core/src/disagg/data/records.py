@@ -76,9 +76,13 @@ def read_dataset(
         try:
             items = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{exc.lineno}", f"malformed JSON: {exc.msg} (column {exc.colno})") from None
+            raise DataError(
+                f"{path}:{exc.lineno}", f"malformed JSON: {exc.msg} (column {exc.colno})"
+            ) from None
         if not isinstance(items, list):
-            raise DataError(str(path), f"a .json dataset must be a list of samples, got {type(items).__name__}")
+            raise DataError(
+                str(path), f"a .json dataset must be a list of samples, got {type(items).__name__}"
+            )
         raw = [(f"{path}[{i}]", item) for i, item in enumerate(items)]
 
     out: list[Record] = []
@@ -113,17 +117,22 @@ def parse_sample(
         count = sum(text.count(marker) for _, text in messages)
         if count != len(files):
             raise DataError(
-                loc, f"{count} {marker} placeholder(s) in the text but {len(files)} {kind} file(s) in '{kind}'"
+                loc,
+                f"{count} {marker} placeholder(s) in the text but {len(files)} {kind} file(s) in '{kind}'",
             )
         for role, text in messages:
             if role == "assistant" and marker in text:
-                raise DataError(loc, f"{marker} in an assistant turn; media may only appear in user/system turns")
+                raise DataError(
+                    loc, f"{marker} in an assistant turn; media may only appear in user/system turns"
+                )
         if not files:
             continue
         if kind not in modalities:
             configured = ", ".join(sorted(modalities)) or "none"
             raise DataError(
-                loc, f"sample has {kind} but no {kind} encoder is configured (media the model reads: {configured})"
+                loc,
+                f"sample has {kind} but no {kind} encoder is configured (media the model reads: "
+                f"{configured})",
             )
         resolved = []
         for f in files:
@@ -146,7 +155,9 @@ def _turn(turn: Any, loc: str, i: int) -> tuple[str, str]:
     if isinstance(content, list):
         content = "".join(_part(p, loc, i) for p in content)
     if not isinstance(content, str):
-        raise DataError(loc, f"turn {i} has no text: 'value'/'content' must be a string, got {type(content).__name__}")
+        raise DataError(
+            loc, f"turn {i} has no text: 'value'/'content' must be a string, got {type(content).__name__}"
+        )
     return ROLES[role], content
 
 
@@ -157,7 +168,9 @@ def _part(part: Any, loc: str, i: int) -> str:
         return part["text"]
     if kind in PLACEHOLDERS:
         return PLACEHOLDERS[kind]
-    raise DataError(loc, f"turn {i} has a content part {part!r}; allowed types: text, {', '.join(PLACEHOLDERS)}")
+    raise DataError(
+        loc, f"turn {i} has a content part {part!r}; allowed types: text, {', '.join(PLACEHOLDERS)}"
+    )
 
 
 def _media_list(value: Any, loc: str, kind: str) -> list[str]:

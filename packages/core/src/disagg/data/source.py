@@ -29,8 +29,17 @@ log = logging.getLogger("disagg.data")
 class RayDataSource:
     """Global batches of :class:`SampleRefs`, deterministic for a seed and resumable at a step."""
 
-    def __init__(self, datasets: list[list[SampleRefs]], weights: list[float], *, batch_size: int,
-                 seed: int, shuffle: bool, stats: dict[str, int], problems: list[str]) -> None:
+    def __init__(
+        self,
+        datasets: list[list[SampleRefs]],
+        weights: list[float],
+        *,
+        batch_size: int,
+        seed: int,
+        shuffle: bool,
+        stats: dict[str, int],
+        problems: list[str],
+    ) -> None:
         self.datasets = datasets
         self.weights = weights
         self.batch_size = batch_size
@@ -49,7 +58,9 @@ class RayDataSource:
 
     def batches(self, start_step: int = 0) -> Iterator[list[SampleRefs]]:
         sizes = [len(d) for d in self.datasets]
-        for batch in batch_positions(sizes, self.weights, self.seed, self.shuffle, self.batch_size, start_step):
+        for batch in batch_positions(
+            sizes, self.weights, self.seed, self.shuffle, self.batch_size, start_step
+        ):
             yield [self.datasets[d][i] for d, i in batch]
 
     def stats(self) -> dict[str, int]:
@@ -103,8 +114,13 @@ def build_data_source(cfg: Config, families: dict[str, Any], *, split: str = "tr
     modules = [m for m in families if m != "llm"] + ["llm"]
     datasets: list[list[SampleRefs]] = [[] for _ in entries]
     done = run_preprocessing(
-        (r for recs in records for r in recs), families, modules, num_workers=data.num_workers,
-        max_tokens=data.max_tokens, on_too_long=data.on_too_long, on_error=data.on_error,
+        (r for recs in records for r in recs),
+        families,
+        modules,
+        num_workers=data.num_workers,
+        max_tokens=data.max_tokens,
+        on_too_long=data.on_too_long,
+        on_error=data.on_error,
     )
     for rec, meta, refs in done:
         if meta["status"] != "ok":
@@ -127,9 +143,17 @@ def build_data_source(cfg: Config, families: dict[str, Any], *, split: str = "tr
     if stats["samples"] == 0:
         files = ", ".join(str(Path(e.path)) for e in entries)
         raise DataError(
-            files, f"no usable samples ({stats['skipped']} skipped, {stats['dropped_too_long']} too long); "
-            + "; ".join(problems[:3])
+            files,
+            f"no usable samples ({stats['skipped']} skipped, {stats['dropped_too_long']} too long); "
+            + "; ".join(problems[:3]),
         )
     weights = [e.weight for e in entries]
-    return RayDataSource(datasets, weights, batch_size=data.batch_size, seed=cfg.train.seed,
-                         shuffle=data.shuffle if split == "train" else False, stats=stats, problems=problems)
+    return RayDataSource(
+        datasets,
+        weights,
+        batch_size=data.batch_size,
+        seed=cfg.train.seed,
+        shuffle=data.shuffle if split == "train" else False,
+        stats=stats,
+        problems=problems,
+    )

@@ -29,8 +29,14 @@ def _tokenizer(llm: Any) -> Any:
     return _TOKENIZERS[key]
 
 
-def preprocess_task(rec: Record, families: dict[str, Any], modules: list[str], max_tokens: int | None,
-                    on_too_long: str, on_error: str) -> tuple[Any, ...]:
+def preprocess_task(
+    rec: Record,
+    families: dict[str, Any],
+    modules: list[str],
+    max_tokens: int | None,
+    on_too_long: str,
+    on_error: str,
+) -> tuple[Any, ...]:
     """``(meta, inputs[module] or None for each module)``."""
     import torch
 
@@ -58,9 +64,16 @@ def preprocess_task(rec: Record, families: dict[str, Any], modules: list[str], m
     return (meta, *(out.inputs.get(m) for m in modules))
 
 
-def run_preprocessing(records: Iterable[Record], families: dict[str, Any], modules: list[str], *,
-                      num_workers: int, max_tokens: int | None, on_too_long: str,
-                      on_error: str) -> Iterator[tuple[Record, dict[str, Any], list[Any]]]:
+def run_preprocessing(
+    records: Iterable[Record],
+    families: dict[str, Any],
+    modules: list[str],
+    *,
+    num_workers: int,
+    max_tokens: int | None,
+    on_too_long: str,
+    on_error: str,
+) -> Iterator[tuple[Record, dict[str, Any], list[Any]]]:
     """``(record, meta, module refs)`` in record order; a DataError is re-raised
     as itself (not wrapped in Ray's task error) so its location reaches the user."""
     # num_cpus=0: preprocessing must never wait for CPUs the training groups reserved;

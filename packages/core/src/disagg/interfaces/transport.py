@@ -16,6 +16,8 @@ class Transport:
     name: ClassVar[str]
     #: devices it works on: {"cpu"}, {"cuda"} or both
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    #: why it cannot be used in this build, if it cannot (shown at config time)
+    unavailable_reason: ClassVar[str | None] = None
 
     def setup(self, actors: list[Any]) -> None:
         """Prepare the actors of every group (driver side)."""

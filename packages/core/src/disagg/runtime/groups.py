@@ -134,7 +134,10 @@ def _disaggregated(specs: list[GroupSpec], gpus: bool):
         bundle: dict[str, float] = {"CPU": spec.num_cpus}
         if gpus:
             bundle["GPU"] = spec.num_gpus or 1.0
-        pg = placement_group([dict(bundle) for _ in range(spec.size)], strategy="PACK", _soft_target_node_id=target)
+        # Ray honours a target node only for STRICT_PACK; a group too big for
+        # any single free node falls back to PACK anywhere.
+        pg = placement_group([dict(bundle) for _ in range(spec.size)],
+                             strategy="STRICT_PACK" if target else "PACK", _soft_target_node_id=target)
         ray.get(pg.ready(), timeout=_PG_TIMEOUT)
         if target:
             taken.add(target)

@@ -78,6 +78,8 @@ def make_plan(cfg: Config, registry: Registry, cluster_gpus: float) -> Plan:
     if name == "auto":
         name = "nccl" if device == "cuda" else "object_store"
     transport = registry.transports[name]()
+    if transport.unavailable_reason:
+        raise ValueError(f"parallel.transport: {name!r} cannot be used: {transport.unavailable_reason}")
     if device not in transport.devices:
         raise ValueError(f"parallel.transport: {name!r} does not work on {device}; "
                          f"allowed there: {sorted(n for n, t in registry.transports.items() if device in t.devices)}")

@@ -1,0 +1,65 @@
+"""Families and plugin wiring: registration, checks, placeholders, layer maps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tp_cases import family_cls
+
+from disagg.plugins import build_registry, make_plugin_manager
+from disagg_llm_tp.families.base import allowed_degrees
+from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+
+
+def test_plugin_registers_strategy_and_families():
+    reg = build_registry(*make_plugin_manager())
+    assert reg.strategies["megatron_tp"] is MegatronTPStrategy
+    for name in ("qwen2", "llama", "qwen2_5_vl"):
+        assert ("llm", name) in reg.families
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen2_5_vl"])
+def test_placeholder_ids_come_from_config_or_tokenizer(tiny_dirs, family):
+    fam = family_cls(family)(tiny_dirs[family])
+    pid = fam.placeholder_token_id("vision")
+    token = fam.tokenizer().convert_ids_to_tokens(pid)
+    assert token == fam.placeholder_tokens["vision"]
+    if family == "qwen2_5_vl":
+        assert pid == fam.config.image_token_id
+
+
+def test_check_names_value_and_allowed_degrees(tiny_dirs):
+    fam = family_cls("qwen2")(tiny_dirs["qwen2"])  # 4 heads, 2 KV heads
+    assert fam.check("megatron_tp", 2, 1) == [] and fam.check("megatron_tp", 4, 1) == []
+    problems = fam.check("megatron_tp", 3, 1)
+    assert any("4 attention heads" in p and "degree 3" in p and "1, 2, 4" in p for p in problems)
+    assert any("2 key/value heads" in p for p in problems)
+    assert fam.check("ddp", 3, 1) == []
+    assert allowed_degrees(8, 2) == [1, 2, 4, 8]
+    assert allowed_degrees(12, 4) == [1, 2, 4]
+
+
+def test_strategy_check_rejects_unsupported_options(tiny_dirs):
+    fam = family_cls("llama")(tiny_dirs["llama"])
+    assert MegatronTPStrategy.check(fam, 2, 1, MegatronTPOptions()) == []
+    problems = MegatronTPStrategy.check(fam, 2, 1, MegatronTPOptions(sequence_parallel=True))
+    assert problems and "sequence_parallel" in problems[0] and "allowed: false" in problems[0]
+
+
+def test_scatter_count_mismatch_is_a_clear_error(tiny_dirs):
+    fam = family_cls("llama")(tiny_dirs["llama"])
+    pid = fam.placeholder_token_id("vision")
+    ids = torch.tensor([30, pid, pid, 31])
+    with pytest.raises(ValueError, match="2 placeholder tokens for 'vision' but its encoder produced 3 rows"):
+        fam.forward(fam.build(), [{"input_ids": ids, "labels": ids}], [{"vision": torch.zeros(3, 64)}])
+
+
+def test_layer_map_matches_module(tiny_dirs):
+    from fnmatch import fnmatchcase
+
+    for family in ("qwen2", "llama", "qwen2_5_vl"):
+        fam = family_cls(family)(tiny_dirs[family])
+        names = [n for n, _ in fam.build().named_modules()]
+        lmap = fam.layer_map()
+        for pat in (*lmap.column, *lmap.row, *lmap.vocab, *lmap.output):
+            assert any(fnmatchcase(n, pat) for n in names), (family, pat)
