@@ -54,8 +54,14 @@ def test_run_writes_metrics_checkpoints_and_exports(ray_local, toy_registry, tmp
     assert (run / "checkpoints" / "step-2" / "meta.json").exists()
     last = run / "checkpoints" / "step-4"
     out = export_checkpoint(last, tmp_path / "export", toy_registry)
+    assert sorted(p.name for p in out) == ["llm", "vision"]  # two source dirs -> one HF dir each
+    # the same through the CLI (the toy family is registered in this process)
+    from disagg.cli.main import main
+
+    assert main(["export", str(last), str(tmp_path / "export-cli")]) == 0
+    assert main(["export", str(tmp_path), str(tmp_path / "x")]) == 2  # not a checkpoint: config error
     # the LLM's export loads with from_pretrained and equals the trained weights
-    lm_dir = next(p for p in out if "llm" in p.name)
+    lm_dir = tmp_path / "export-cli" / "llm"
     model = ToyLM.from_pretrained(lm_dir)
     from safetensors.torch import load_file
 

@@ -24,6 +24,8 @@ COMMANDS: dict[str, str] = {
     "train": "disagg.cli.train",
     "plugins": "disagg.cli.plugins",
     "make-tiny": "disagg.cli.make_tiny",
+    "export": "disagg.cli.export",
+    "bench": "disagg.cli.bench",
 }
 
 EXIT_RUNTIME_ERROR = 1

@@ -180,6 +180,19 @@ class Strategy(ABC):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
+    def state_bytes(self) -> int:
+        """Bytes of parameters + gradients + optimizer state held by this rank."""
+        assert self.module is not None
+        total = 0
+        for p in self.module.parameters():
+            total += p.numel() * p.element_size()
+            if p.grad is not None:
+                total += p.grad.numel() * p.grad.element_size()
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                total += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+        return total
+
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
 

@@ -21,6 +21,8 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
         "comm_bytes": {m: g["comm_bytes"] for m, g in res.groups.items()},
         "comm_bytes_per_rank": {m: g["comm_bytes_per_rank"] for m, g in res.groups.items()},
         "group_time_s": {m: g["time_s"] for m, g in res.groups.items()},
+        "activation_bytes_per_rank": {m: g["activation_bytes_per_rank"] for m, g in res.groups.items()},
+        "state_bytes_per_rank": {m: g["state_bytes_per_rank"] for m, g in res.groups.items()},
         "lr": {m: g["lr"] for m, g in res.groups.items()},
         "skipped_samples": int(data_stats.get("skipped", 0)),
         "dropped_too_long": int(data_stats.get("dropped_too_long", 0)),

@@ -99,6 +99,8 @@ class Orchestrator:
                 "comm_bytes": sum(r["comm_bytes"] for r in ranks),
                 "comm_bytes_per_rank": max(r["comm_bytes"] for r in ranks),
                 "time_s": max(r["busy_s"] for r in ranks),
+                "activation_bytes_per_rank": max(r["activation_bytes"] for r in ranks),
+                "state_bytes_per_rank": max(r["state_bytes"] for r in ranks),
                 "lr": ranks[0]["lr"],
             }
         return StepResult(

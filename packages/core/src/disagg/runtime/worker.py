@@ -75,6 +75,7 @@ class ModuleWorker:
         self.llm_leaves: dict[int, tuple[list[int], list[dict[str, torch.Tensor]], list[dict[str, list]]]] = {}
         self.busy_s = 0.0
         self.sent_bytes = 0
+        self.saved_bytes = 0
 
     # -- set-up -------------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -114,7 +115,8 @@ class ModuleWorker:
     def encode(self, mb: int, sample_ids: list[int], input_refs: list[Any]) -> None:
         """Forward this rank's shard of each sample; outputs stay here until fetched."""
         inputs = ray.get(input_refs)
-        shards = self.strategy.encode(inputs)  # type: ignore[union-attr]
+        with self._count_saved():
+            shards = self.strategy.encode(inputs)  # type: ignore[union-attr]
         if len(shards) != len(sample_ids):
             raise RuntimeError(f"strategy returned {len(shards)} shards for {len(sample_ids)} samples")
         self.pending[mb] = (list(sample_ids), shards)
@@ -178,7 +180,8 @@ class ModuleWorker:
         for e in embeds:
             for module, t in e.items():
                 t.requires_grad_(module in needs_grad)
-        loss_sum = self.strategy.loss_and_backward(inputs, embeds, loss_scale)  # type: ignore[union-attr]
+        with self._count_saved():
+            loss_sum = self.strategy.loss_and_backward(inputs, embeds, loss_scale)  # type: ignore[union-attr]
         self.llm_leaves[mb] = (list(sample_ids), embeds, layout)
         return loss_sum
 
@@ -247,10 +250,25 @@ class ModuleWorker:
             "collective_bytes": comm,
             "transfer_bytes": self.sent_bytes,
             "busy_s": self.busy_s,
+            "activation_bytes": self.saved_bytes,
+            "state_bytes": self.strategy.state_bytes(),  # type: ignore[union-attr]
             "lr": self.strategy.current_lr(),  # type: ignore[union-attr]
         }
-        self.busy_s, self.sent_bytes = 0.0, 0
+        self.busy_s, self.sent_bytes, self.saved_bytes = 0.0, 0, 0
         return out
+
+    def _count_saved(self) -> Any:
+        """Count bytes autograd saves for backward (machine-independent activation memory)."""
+
+        module = self.strategy.module  # type: ignore[union-attr]
+        params = {p.data_ptr() for p in module.parameters()} if module is not None else set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() not in params:  # weights are model state, not activations
+                self.saved_bytes += t.numel() * t.element_size()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     # -- state --------------------------------------------------------------------------------------
     @_named
