@@ -17,9 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+# A demo should show its own progress, not every worker's weight-loading bar and
+# library advisories; set these yourself to see them (Ray workers inherit them).
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -36,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--train-per-class", type=int, default=10, help="training images per colour+shape")
+    p.add_argument("--image-size", type=int, default=32, help="side of the square demo images in pixels")
     p.add_argument("--eval-samples", type=int, default=48, help="held-out samples to caption")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -85,7 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     t0 = time.time()
     print(f"[1/4] tiny {FAMILY} model and shapes dataset -> {out / 'tiny'}", flush=True)
-    manifest = make_tiny(out / "tiny", [FAMILY], train_per_class=args.train_per_class, eval_per_class=2)
+    manifest = make_tiny(
+        out / "tiny",
+        [FAMILY],
+        train_per_class=args.train_per_class,
+        eval_per_class=2,
+        image_size=args.image_size,
+    )
     config_path = out / "demo.yaml"
     config_path.write_text(yaml.safe_dump(demo_config(out / "tiny", manifest, out, args), sort_keys=False))
     cfg = load_config(config_path)

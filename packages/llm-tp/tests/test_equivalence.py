@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_cases import Case, family_cls, make_batch, reference, rel, run_tp
+from tp_cases import LR, Case, family_cls, make_batch, reference, rel, run_tp
 
 TOL = 1e-5
-# A key bias adds the same amount to every attention logit of a query, which the
-# softmax cancels: its true gradient is 0 and the computed one is rounding noise
-# that Adam normalises into O(lr) steps of arbitrary sign. Its gradient is
-# checked to be ~0; its value after the steps is not comparable.
-ZERO_GRAD = ("self_attn.k_proj.bias",)
+# A key bias only matters through RoPE (without it the softmax would cancel it),
+# so its gradient has elements ~1e-6 of the others whose rounding error is large
+# relative to themselves; Adam normalises each element, turning that into update
+# differences. Its gradient is checked like every other; its value after the
+# steps is checked in units of the learning rate (each Adam step moves an
+# element by at most ~lr).
+ADAM_NOISY = ("self_attn.k_proj.bias",)
 
 CASES = [
     # name, dir key, family, degree, replicas
@@ -53,11 +55,9 @@ def test_matches_hf(tiny_dirs, name, key, family, degree, replicas):
         assert first["grads"][n].shape == g.shape, n
         assert rel(first["grads"][n], g) <= TOL, f"gradient of {n}: {rel(first['grads'][n], g):.2e}"
 
-    total_norm = ref_norm_sq**0.5
     for n, p in ref["params"].items():
-        if n.endswith(ZERO_GRAD):
-            assert float(ref["grads"][n].norm()) <= 1e-6 * total_norm, n
-            assert float(first["grads"][n].norm()) <= 1e-6 * total_norm, n
+        if n.endswith(ADAM_NOISY):
+            assert float((first["params"][n] - p).abs().max()) <= 1e-3 * LR, n
             continue
         assert rel(first["params"][n], p) <= TOL, f"{n} after 3 steps: {rel(first['params'][n], p):.2e}"
     assert first["comm_bytes"] > 0

@@ -36,7 +36,7 @@ def test_check_names_value_and_allowed_degrees(tiny_dirs):
     assert any("2 key/value heads" in p for p in problems)
     assert fam.check("ddp", 3, 1) == []
     assert allowed_degrees(8, 2) == [1, 2, 4, 8]
-    assert allowed_degrees(12, 4) == [1, 2, 4]
+    assert allowed_degrees(12, 4) == [1, 2, 4, 12]
 
 
 def test_strategy_check_rejects_unsupported_options(tiny_dirs):

@@ -37,7 +37,8 @@ def test_encode_is_hf_get_image_features(case):
     cfg = hf.config
     for x, out in zip(inputs, outs):
         feats = hf.model.get_image_features(
-            x["pixel_values"], vision_feature_layer=cfg.vision_feature_layer,
+            x["pixel_values"],
+            vision_feature_layer=cfg.vision_feature_layer,
             vision_feature_select_strategy=cfg.vision_feature_select_strategy,
         ).pooler_output
         assert torch.equal(torch.cat(list(feats)).detach(), out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
 from disagg_vision_sp.testing import (

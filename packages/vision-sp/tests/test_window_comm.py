@@ -11,8 +11,9 @@ from disagg_vision_sp.ulysses.layout import plan_bounds
 SAMPLES = [[(64, 40), (16, 16)], [(40, 24)]]
 
 
-def analytic_all_to_all_bytes(n_local: int, n_total: int, degree: int, heads: int, head_dim: int,
-                              full_layers: int, elem: int = 4) -> int:
+def analytic_all_to_all_bytes(
+    n_local: int, n_total: int, degree: int, heads: int, head_dim: int, full_layers: int, elem: int = 4
+) -> int:
     """Bytes one rank sends per step: per full-attention block, forward q/k/v
     (its tokens, other shards' heads) and output (other shards' tokens, its
     heads), then the same two exchanges reversed in backward."""
@@ -40,12 +41,18 @@ def test_only_full_attention_blocks_communicate(tiny_qwen):
     assert 0 < full_layers < cfg.depth
     for r, res in enumerate(results):
         n_local = bounds[r + 1] - bounds[r]
-        kw = dict(n_total=layout.n_tokens, degree=degree, heads=cfg.num_heads,
-                  head_dim=cfg.hidden_size // cfg.num_heads)
+        kw = dict(
+            n_total=layout.n_tokens,
+            degree=degree,
+            heads=cfg.num_heads,
+            head_dim=cfg.hidden_size // cfg.num_heads,
+        )
         expected = analytic_all_to_all_bytes(n_local, full_layers=full_layers, **kw)
         if_every_block = analytic_all_to_all_bytes(n_local, full_layers=cfg.depth, **kw)
         measured = res["all_to_all_bytes"]
-        print(f"rank {r}: {n_local} tokens, all-to-all bytes measured={measured} analytic={expected} "
-              f"(if every block communicated: {if_every_block})")
+        print(
+            f"rank {r}: {n_local} tokens, all-to-all bytes measured={measured} analytic={expected} "
+            f"(if every block communicated: {if_every_block})"
+        )
         assert measured == pytest.approx(expected, rel=0.01)
         assert measured < if_every_block

@@ -102,6 +102,7 @@ def reference_llm(lm_dir: Path, world: int) -> dict[str, Any]:
         out["grads"].append(grads)
         out["embed_grads"].append([{k: v.grad.clone() for k, v in e.items()} for e in embeds])
     out["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    out["lr"] = opt.param_groups[0]["lr"]
     return out
 
 
@@ -116,6 +117,7 @@ def reference_encoder(enc_dir: Path, world: int) -> dict[str, Any]:
         out["norm"].append(norm)
         out["grads"].append(grads)
     out["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    out["lr"] = opt.param_groups[0]["lr"]
     return out
 
 
@@ -178,6 +180,7 @@ def rank_llm(rank: int, lm_dir: Path, world: int, options: dict[str, Any]) -> di
         rec["embed_grads"].append(egrads)
         _finish_step(strat, rec)
     rec["params"] = strat.full_state_dict()
+    rec["lr"] = strat.current_lr()
     return portable(rec)
 
 
@@ -193,4 +196,56 @@ def rank_encoder(rank: int, enc_dir: Path, world: int, options: dict[str, Any]) 
             strat.backward([s.value for s in shards], [x["out_grad"] for x in part])
         _finish_step(strat, rec)
     rec["params"] = strat.full_state_dict()
+    rec["lr"] = strat.current_lr()
     return portable(rec)
+
+
+# -- one spawn per world size: every configuration in the same ranks ----------------------------
+def configs(world: int) -> dict[str, dict[str, Any]]:
+    """Label -> options. Stage 3 partitions every parameter (no persistence
+    threshold), so the gathering hooks run on the tiny toy modules too."""
+    z3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    out = {"1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3, "ds_config": z3}}
+    if world == 2:
+        out["2-offload"] = {"stage": 2, "offload_optimizer": True}
+        out["3-offload"] = {"stage": 3, "offload_optimizer": True, "ds_config": z3}
+    return out
+
+
+def rank_all(rank: int, enc_dir: Path, lm_dir: Path, world: int, ckpt_root: Path | None) -> dict[str, Any]:
+    out = {}
+    for label, options in configs(world).items():
+        out[label] = {"llm": rank_llm(rank, lm_dir, world, options), "encoder": rank_encoder(rank, enc_dir, world, options)}
+        if ckpt_root is not None and label in ("2", "3"):
+            out[label]["checkpoint"] = checkpoint_roundtrip(rank, lm_dir, world, options, Path(ckpt_root) / label)
+    return out
+
+
+def checkpoint_roundtrip(rank: int, lm_dir: Path, world: int, options: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Train 2 steps, save, train a 3rd; a fresh strategy that loads the
+    checkpoint and trains the same 3rd step must end identical."""
+    fam = ToyLMFamily(lm_dir)
+    batches = llm_batches(world)
+
+    def one_step(strat: Any, samples: list[dict[str, Any]]) -> None:
+        n = label_count(samples)
+        part = mine(list(range(len(samples))), rank, world)
+        embeds = [{k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part]
+        strat.loss_and_backward([samples[i]["llm"] for i in part], embeds, 1.0 / n)
+        strat.reduce_gradients()
+        strat.step(clip_coefficient(math.sqrt(strat.grad_norm_sq()), CLIP))
+        strat.zero_grad()
+
+    a = _strategy(rank, world, "llm", fam, options)
+    one_step(a, batches[0])
+    one_step(a, batches[1])
+    a.save(path)
+    saved = a.full_state_dict()
+    one_step(a, batches[2])
+    b = _strategy(rank, world, "llm", fam, options)
+    b.load(path)
+    loaded = b.full_state_dict()
+    lr_loaded = b.current_lr()
+    one_step(b, batches[2])
+    return portable({"saved": saved, "loaded": loaded, "after_a": a.full_state_dict(), "after_b": b.full_state_dict(),
+                     "lr_a": a.current_lr(), "lr_b": b.current_lr(), "lr_loaded": lr_loaded})

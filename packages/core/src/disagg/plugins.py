@@ -29,6 +29,7 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "family:encoder:qwen2_5_vl": "disagg-vision-sp",
     "family:encoder:siglip": "disagg-vision-sp",
     "family:encoder:clip": "disagg-vision-sp",
+    "family:encoder:llava": "disagg-vision-sp",
     "family:encoder:whisper": "disagg-audio",
     "family:llm:qwen2_5_vl": "disagg-llm-tp",
     "family:llm:qwen2": "disagg-llm-tp",

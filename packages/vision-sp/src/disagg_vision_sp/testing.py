@@ -29,7 +29,9 @@ def random_images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Any]:
     return out
 
 
-def upstream_grads(family: EncoderFamily, inputs: list[dict[str, torch.Tensor]], seed: int = 1) -> list[torch.Tensor]:
+def upstream_grads(
+    family: EncoderFamily, inputs: list[dict[str, torch.Tensor]], seed: int = 1
+) -> list[torch.Tensor]:
     """The fixed 'gradient from the LLM' of each sample's full embedding."""
     g = torch.Generator().manual_seed(seed)
     hidden = family.hidden_size()
@@ -69,8 +71,13 @@ def ulysses_rank(
     from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
 
     ctx = GroupContext(
-        module="vision", rank=rank, world_size=degree * replicas, degree=degree, replicas=replicas,
-        device=torch.device("cpu"), dtype=torch.float32,
+        module="vision",
+        rank=rank,
+        world_size=degree * replicas,
+        degree=degree,
+        replicas=replicas,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
     )
     family = family_cls(Path(path), options)
     strategy = UlyssesStrategy(ctx, family, StrategyOptions())
@@ -95,14 +102,26 @@ def ulysses_rank(
     return buf.getvalue()
 
 
-def run_ulysses(degree: int, replicas: int, family: EncoderFamily, inputs: list[dict[str, torch.Tensor]],
-                grads: list[torch.Tensor]) -> list[dict[str, Any]]:
+def run_ulysses(
+    degree: int,
+    replicas: int,
+    family: EncoderFamily,
+    inputs: list[dict[str, torch.Tensor]],
+    grads: list[torch.Tensor],
+) -> list[dict[str, Any]]:
     """Run :func:`ulysses_rank` on ``degree * replicas`` gloo ranks; results by rank."""
     from disagg.testing.dist import run_ranks
 
     raw = run_ranks(
-        ulysses_rank, degree * replicas, degree, replicas, type(family), str(family.path), family.options,
-        inputs, grads,
+        ulysses_rank,
+        degree * replicas,
+        degree,
+        replicas,
+        type(family),
+        str(family.path),
+        family.options,
+        inputs,
+        grads,
     )
     return [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
 
@@ -133,10 +152,14 @@ def assert_close(
     ignores it), where only rounding noise is left to compare."""
     if scale is None:
         scale = float(expected.abs().max()) if expected.numel() else 0.0
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * max(scale, 1e-12), msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual, expected, rtol=rtol, atol=rtol * max(scale, 1e-12), msg=lambda m: f"{what}: {m}"
+    )
 
 
-def assert_grads_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = 1e-5) -> None:
+def assert_grads_close(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = 1e-5
+) -> None:
     """Every parameter gradient within ``rtol`` of its own scale, with a noise
     floor of 1% of the largest gradient element (for gradients that are 0 by symmetry)."""
     assert set(actual) == set(expected), sorted(set(actual) ^ set(expected))

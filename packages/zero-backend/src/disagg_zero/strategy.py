@@ -148,6 +148,13 @@ class ZeroStrategy(Strategy):
         logits, labels = self._forward(lambda m: family.forward(m, inputs, embeds))
         loss_sum = self.loss_sum(logits, labels)
         self._backward(loss_sum * loss_scale)
+        if self._seed_scale != 1.0:
+            # The seed scale is for DeepSpeed's averaging of parameter
+            # gradients only; input gradients go back to the encoders unscaled.
+            for e in embeds:
+                for t in e.values():
+                    if t.grad is not None:
+                        t.grad.div_(self._seed_scale)
         return float(loss_sum.detach())
 
     def evaluate(

@@ -33,5 +33,21 @@ def run(args: argparse.Namespace) -> int:
     from disagg.runtime.run import run_training
 
     address = args.address if args.address is not None else cfg.ray.address
-    run_training(cfg, address=address)
+    summary = run_training(cfg, address=address)
+    print(format_summary(summary))
     return 0
+
+
+def format_summary(summary: dict) -> str:
+    """The final summary a person reads after the progress bar."""
+    if not summary.get("steps"):
+        return f"no steps run; run dir: {summary.get('run_dir')}"
+    lines = [
+        f"trained {summary['steps']} steps: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
+        f"mean throughput: {summary['mean_tokens_per_s']:.1f} tokens/s",
+        f"skipped samples: {summary['skipped_samples']}, dropped (too long): {summary['dropped_too_long']}",
+        f"run dir: {summary['run_dir']}",
+    ]
+    if summary.get("checkpoint"):
+        lines.append(f"checkpoint: {summary['checkpoint']}  (export: disagg export {summary['checkpoint']} OUT_DIR)")
+    return "\n".join(lines)

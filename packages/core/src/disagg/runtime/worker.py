@@ -235,6 +235,7 @@ class ModuleWorker:
     @_named
     def step(self, clip_coef: float) -> dict[str, Any]:
         """Optimizer step; return this rank's metrics for the step and reset them."""
+        lr = self.strategy.current_lr()  # type: ignore[union-attr]  # the rate this step uses
         self.strategy.step(clip_coef)  # type: ignore[union-attr]
         ctx = self.strategy.ctx  # type: ignore[union-attr]
         if ctx.device.type == "cuda":
@@ -252,7 +253,7 @@ class ModuleWorker:
             "busy_s": self.busy_s,
             "activation_bytes": self.saved_bytes,
             "state_bytes": self.strategy.state_bytes(),  # type: ignore[union-attr]
-            "lr": self.strategy.current_lr(),  # type: ignore[union-attr]
+            "lr": lr,
         }
         self.busy_s, self.sent_bytes, self.saved_bytes = 0.0, 0, 0
         return out

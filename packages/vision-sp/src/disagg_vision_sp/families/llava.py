@@ -78,13 +78,15 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
             )
         if not isinstance(cfg.vision_feature_layer, int):
             problems.append(
-                f"vision_feature_layer={cfg.vision_feature_layer!r} in {self.path}/config.json: family 'llava' "
+                f"vision_feature_layer={cfg.vision_feature_layer!r} in {self.path}/config.json: "
+                "family 'llava' "
                 "supports one int layer only"
             )
         if cfg.vision_feature_select_strategy != "full":
             # 'default' drops the first token, a CLS that SigLIP towers do not have.
             problems.append(
-                f"vision_feature_select_strategy={cfg.vision_feature_select_strategy!r} in {self.path}/config.json: "
+                f"vision_feature_select_strategy={cfg.vision_feature_select_strategy!r} "
+                f"in {self.path}/config.json: "
                 "family 'llava' (SigLIP towers, no CLS token) supports 'full' only"
             )
         return problems
@@ -94,8 +96,10 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
         with quiet_transformers():
             return _encoder_class().from_pretrained(
                 self.path,
-                key_mapping={r"^model\.vision_tower\.": "vision_tower.",
-                             r"^model\.multi_modal_projector\.": "multi_modal_projector."},
+                key_mapping={
+                    r"^model\.vision_tower\.": "vision_tower.",
+                    r"^model\.multi_modal_projector\.": "multi_modal_projector.",
+                },
                 dtype=dtype,
                 attn_implementation=self.options.get("attn_implementation", "sdpa"),
             )
@@ -103,8 +107,13 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
     def layer_map(self) -> LayerMap:
         layers = "vision_tower.encoder.layers.*"
         return LayerMap(
-            column=(f"{layers}.self_attn.q_proj", f"{layers}.self_attn.k_proj", f"{layers}.self_attn.v_proj",
-                    f"{layers}.mlp.fc1", "multi_modal_projector.linear_1"),
+            column=(
+                f"{layers}.self_attn.q_proj",
+                f"{layers}.self_attn.k_proj",
+                f"{layers}.self_attn.v_proj",
+                f"{layers}.mlp.fc1",
+                "multi_modal_projector.linear_1",
+            ),
             row=(f"{layers}.self_attn.out_proj", f"{layers}.mlp.fc2", "multi_modal_projector.linear_2"),
             heads={f"{layers}.self_attn": ("num_heads",)},
         )

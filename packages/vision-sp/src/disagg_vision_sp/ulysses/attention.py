@@ -91,7 +91,8 @@ def ulysses_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention signature: q/k/v ``[1, heads, n_local, head_dim]`` -> ``[1, n_local, heads, head_dim]``."""
+    """HF attention signature: q/k/v ``[1, heads, n_local, head_dim]`` ->
+    ``[1, n_local, heads, head_dim]``."""
     rt = _RUNTIME.get()
     if rt is None:
         raise RuntimeError(f"attn_implementation {ATTN_NAME!r} used outside a ulysses forward")
@@ -144,8 +145,16 @@ def _segmented(
     if "flash" in base:
         cu = torch.tensor([0] + segments, device=q.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         out, _ = fn(
-            module, q, k, v, None, is_causal=False,
-            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(segments), max_length_k=max(segments),
+            module,
+            q,
+            k,
+            v,
+            None,
+            is_causal=False,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=max(segments),
+            max_length_k=max(segments),
             **kwargs,
         )
         return out
@@ -156,7 +165,9 @@ def _segmented(
     return torch.cat(parts, dim=1)
 
 
-def _all_to_all(rt: UlyssesRuntime, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+def _all_to_all(
+    rt: UlyssesRuntime, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
+) -> torch.Tensor:
     """Autograd-aware all-to-all along dim 0, with every byte counted (both directions)."""
     if rt.degree == 1:
         return x

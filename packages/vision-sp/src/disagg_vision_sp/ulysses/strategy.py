@@ -35,7 +35,8 @@ class UlyssesStrategy(Strategy):
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
         if not isinstance(family, UlyssesFamily):
             return [
-                f"family {family.name!r} does not support strategy 'ulysses' (it has no ulysses hook points); "
+                f"family {family.name!r} does not support strategy 'ulysses' "
+                "(it has no ulysses hook points); "
                 "use strategy 'ddp', 'zero' or 'megatron_tp', or a family that subclasses "
                 "disagg_vision_sp.UlyssesFamily (qwen2_5_vl, llava)"
             ]
@@ -81,10 +82,14 @@ class UlyssesStrategy(Strategy):
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         fam = self.family
         assert isinstance(fam, UlyssesFamily) and self.module is not None
+        if not inputs:  # a replica without images this microbatch: its ranks all skip together
+            return []
         layout = fam.ulysses_layout(inputs)
         bounds = plan_bounds(layout.cuts, layout.n_tokens, self.ctx.degree)
         if any(b % layout.unit for b in bounds):
-            raise ValueError(f"family {fam.name!r} allowed cuts {bounds} that split its {layout.unit}-token units")
+            raise ValueError(
+                f"family {fam.name!r} allowed cuts {bounds} that split its {layout.unit}-token units"
+            )
         lo, hi = bounds[self.ctx.shard], bounds[self.ctx.shard + 1]
         runtime = attention.UlyssesRuntime(
             base=self.base_attention,
@@ -127,8 +132,11 @@ class UlyssesStrategy(Strategy):
         if not self._pending:
             return
         index = next(
-            (i for i, (_, vals) in enumerate(self._pending) if len(vals) == len(outputs)
-             and all(v is o for v, o in zip(vals, outputs))),
+            (
+                i
+                for i, (_, vals) in enumerate(self._pending)
+                if len(vals) == len(outputs) and all(v is o for v, o in zip(vals, outputs))
+            ),
             0,  # outputs that crossed a process boundary are new objects: microbatches are FIFO
         )
         rows, values = self._pending.pop(index)
