@@ -55,6 +55,9 @@ class Orchestrator:
         self._opts = transport.call_options() if transport is not None else {}
         self._mb_counter = 0
         self._side_refs: list[Any] = []
+        global _ACTOR_NAMES
+        _ACTOR_NAMES.update({a._actor_id.hex(): f"module {g.module!r} rank {r}"
+                             for g in self.groups for r, a in enumerate(g.actors)})
 
     @property
     def llm(self) -> Group:
@@ -251,8 +254,13 @@ def _wait(refs: list[Any]) -> list[Any]:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise GroupFailure(_last_line(cause)) from None
         except ray.exceptions.RayActorError as exc:
-            raise GroupFailure(f"an actor died: {_last_line(exc)}") from None
+            who = _ACTOR_NAMES.get(getattr(exc, "actor_id", None) or "", "an actor of unknown module")
+            raise GroupFailure(f"{who} died: {_last_line(exc)}") from None
     return ray.get(list(refs))
+
+
+#: actor id (hex) -> "module 'x' rank n", so a dead process is reported by name
+_ACTOR_NAMES: dict[str, str] = {}
 
 
 def _wait_nested(groups: list[list[Any]]) -> list[list[Any]]:
