@@ -77,7 +77,7 @@ def reference(case: Case) -> dict:
     fam = family_cls(case.family)(case.path)
     torch.manual_seed(0)
     model = _hf_model(case)
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=0.0, foreach=False)
     total = label_count(case.samples)
     out: dict = {}

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import zero_harness as H
+
 from disagg.testing.dist import run_ranks
 from disagg.testing.reference import assert_close_dicts
 from disagg.testing.toy import make_toy_dirs
@@ -48,8 +48,10 @@ def run(world: int, toy_dirs: tuple[Path, Path], tmp: Path) -> tuple[list[dict],
 
 
 def _labels(world: int) -> list[Any]:
-    return [pytest.param(world, label, marks=pytest.mark.slow) if world == 3 else (world, label)
-            for label in H.configs(world)]
+    return [
+        pytest.param(world, label, marks=pytest.mark.slow) if world == 3 else (world, label)
+        for label in H.configs(world)
+    ]
 
 
 CASES = _labels(2) + _labels(3)

@@ -16,7 +16,9 @@ from disagg.interfaces import GroupContext, OptimSpec
 from disagg.interfaces.strategy import clip_coefficient, make_scheduler
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, toy_samples
 
-OPTIM = OptimSpec(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, scheduler="linear", warmup_steps=1, total_steps=4)
+OPTIM = OptimSpec(
+    lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, scheduler="linear", warmup_steps=1, total_steps=4
+)
 CLIP = 0.5  # small enough that every step clips
 STEPS = 3
 MICROBATCHES = 2
@@ -41,7 +43,10 @@ def encoder_batches(world: int, steps: int = STEPS) -> list[list[dict[str, Any]]
     per sample, in the same order (ZeRO-3 gathers per module call, so ranks must
     make the same calls), each with a fixed external output gradient."""
     pool = [x for x in toy_samples(80, seed=7) if "vision" in x]
-    by_items = {1: [x for x in pool if len(x["vision"]["sizes"]) == 1], 2: [x for x in pool if len(x["vision"]["sizes"]) == 2]}
+    by_items = {
+        1: [x for x in pool if len(x["vision"]["sizes"]) == 1],
+        2: [x for x in pool if len(x["vision"]["sizes"]) == 2],
+    }
     out = []
     for s in range(steps):
         samples = []
@@ -82,8 +87,14 @@ def _ref_step(module: torch.nn.Module, opt: Any, sched: Any, loss: torch.Tensor)
 
 
 def _ref_optim(module: torch.nn.Module) -> tuple[Any, Any]:
-    opt = torch.optim.AdamW(module.parameters(), lr=OPTIM.lr, weight_decay=OPTIM.weight_decay, betas=OPTIM.betas,
-                            eps=OPTIM.eps, foreach=False)
+    opt = torch.optim.AdamW(
+        module.parameters(),
+        lr=OPTIM.lr,
+        weight_decay=OPTIM.weight_decay,
+        betas=OPTIM.betas,
+        eps=OPTIM.eps,
+        foreach=False,
+    )
     return opt, make_scheduler(opt, OPTIM)
 
 
@@ -95,9 +106,11 @@ def reference_llm(lm_dir: Path, world: int) -> dict[str, Any]:
     for samples in llm_batches(world):
         embeds = [{k: v.clone().requires_grad_(True) for k, v in x["embeds"].items()} for x in samples]
         logits, labels = fam.forward(module, [x["llm"] for x in samples], embeds)
-        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / label_count(samples)
+        loss = torch.nn.functional.cross_entropy(
+            logits, labels, ignore_index=-100, reduction="sum"
+        ) / label_count(samples)
         norm, grads = _ref_step(module, opt, sched, loss)
-        out["loss"].append(float(loss))
+        out["loss"].append(float(loss.detach()))
         out["norm"].append(norm)
         out["grads"].append(grads)
         out["embed_grads"].append([{k: v.grad.clone() for k, v in e.items()} for e in embeds])
@@ -173,7 +186,9 @@ def rank_llm(rank: int, lm_dir: Path, world: int, options: dict[str, Any]) -> di
         idx = list(range(len(samples)))
         loss_sum, egrads = 0.0, {}
         for part in split(mine(idx, rank, world), MICROBATCHES):
-            embeds = [{k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part]
+            embeds = [
+                {k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part
+            ]
             loss_sum += strat.loss_and_backward([samples[i]["llm"] for i in part], embeds, 1.0 / n)
             egrads.update({i: {k: v.grad.clone() for k, v in e.items()} for i, e in zip(part, embeds)})
         rec["loss_sum"].append(loss_sum)
@@ -215,13 +230,20 @@ def configs(world: int) -> dict[str, dict[str, Any]]:
 def rank_all(rank: int, enc_dir: Path, lm_dir: Path, world: int, ckpt_root: Path | None) -> dict[str, Any]:
     out = {}
     for label, options in configs(world).items():
-        out[label] = {"llm": rank_llm(rank, lm_dir, world, options), "encoder": rank_encoder(rank, enc_dir, world, options)}
+        out[label] = {
+            "llm": rank_llm(rank, lm_dir, world, options),
+            "encoder": rank_encoder(rank, enc_dir, world, options),
+        }
         if ckpt_root is not None and label in ("2", "3"):
-            out[label]["checkpoint"] = checkpoint_roundtrip(rank, lm_dir, world, options, Path(ckpt_root) / label)
+            out[label]["checkpoint"] = checkpoint_roundtrip(
+                rank, lm_dir, world, options, Path(ckpt_root) / label
+            )
     return out
 
 
-def checkpoint_roundtrip(rank: int, lm_dir: Path, world: int, options: dict[str, Any], path: Path) -> dict[str, Any]:
+def checkpoint_roundtrip(
+    rank: int, lm_dir: Path, world: int, options: dict[str, Any], path: Path
+) -> dict[str, Any]:
     """Train 2 steps, save, train a 3rd; a fresh strategy that loads the
     checkpoint and trains the same 3rd step must end identical."""
     fam = ToyLMFamily(lm_dir)
@@ -247,5 +269,14 @@ def checkpoint_roundtrip(rank: int, lm_dir: Path, world: int, options: dict[str,
     loaded = b.full_state_dict()
     lr_loaded = b.current_lr()
     one_step(b, batches[2])
-    return portable({"saved": saved, "loaded": loaded, "after_a": a.full_state_dict(), "after_b": b.full_state_dict(),
-                     "lr_a": a.current_lr(), "lr_b": b.current_lr(), "lr_loaded": lr_loaded})
+    return portable(
+        {
+            "saved": saved,
+            "loaded": loaded,
+            "after_a": a.full_state_dict(),
+            "after_b": b.full_state_dict(),
+            "lr_a": a.current_lr(),
+            "lr_b": b.current_lr(),
+            "lr_loaded": lr_loaded,
+        }
+    )

@@ -37,7 +37,9 @@ class ClipScaledAdamW(ClipScaled, torch.optim.AdamW):
     bit for bit on DeepSpeed's flat partitions (AdamW is elementwise)."""
 
 
-def make_clip_scaled_adamw(params: list[nn.Parameter], optim: OptimSpec, cpu_adam: bool = False) -> torch.optim.Optimizer:
+def make_clip_scaled_adamw(
+    params: list[nn.Parameter], optim: OptimSpec, cpu_adam: bool = False
+) -> torch.optim.Optimizer:
     """AdamW over ``params`` with ``optim``'s settings.
 
     ``cpu_adam`` picks DeepSpeed's vectorised CPU AdamW (``adamw_mode``) for

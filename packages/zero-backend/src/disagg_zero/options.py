@@ -43,7 +43,8 @@ class ZeroOptions(StrategyOptions):
     activation_checkpointing: bool = False
     """Recompute activations in backward (Hugging Face gradient checkpointing, non-reentrant)."""
     ds_config: dict[str, Any] = {}
-    """Anything else, merged into the DeepSpeed config (e.g. ``{zero_optimization: {stage3_prefetch_bucket_size: 0}}``)."""
+    """Anything else, merged into the DeepSpeed config last
+    (e.g. ``{zero_optimization: {stage3_prefetch_bucket_size: 0}}``)."""
 
     @field_validator("stage", mode="before")
     @classmethod
@@ -62,5 +63,7 @@ class ZeroOptions(StrategyOptions):
         if not isinstance(zero, dict):
             raise ValueError(f"ds_config.zero_optimization must be a mapping, got {zero!r}")
         if "stage" in zero:
-            raise ValueError("ds_config.zero_optimization.stage cannot be set: use the `stage` option (1, 2, 3)")
+            raise ValueError(
+                "ds_config.zero_optimization.stage cannot be set: use the `stage` option (1, 2, 3)"
+            )
         return v

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -23,7 +21,9 @@ def prepare(ctx: GroupContext) -> ModuleType:
     # DeepSpeed picks its accelerator once, at first use; it must match ours.
     os.environ.setdefault("DS_ACCELERATOR", accelerator)
     if not dist.is_initialized():
-        raise RuntimeError("strategy 'zero' needs the group's torch.distributed process group to be initialized first")
+        raise RuntimeError(
+            "strategy 'zero' needs the group's torch.distributed process group to be initialized first"
+        )
     # The engine reads these (ranks for logging, LOCAL_RANK for the device).
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
@@ -55,7 +55,9 @@ def config_errors(where: str) -> Iterator[None]:
         ]
         raise ValueError("DeepSpeed rejected the config:\n  " + "\n  ".join(lines)) from exc
     except (ValueError, AssertionError, KeyError, TypeError) as exc:
-        raise ValueError(f"{where} (strategy 'zero', ds_config): DeepSpeed rejected the config: {exc}") from exc
+        raise ValueError(
+            f"{where} (strategy 'zero', ds_config): DeepSpeed rejected the config: {exc}"
+        ) from exc
 
 
 def enable_activation_checkpointing(module: nn.Module, family: Family) -> None:
@@ -92,5 +94,3 @@ def gathered(module: nn.Module, stage: int, has_engine: bool) -> Iterator[None]:
 
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         yield
-
-

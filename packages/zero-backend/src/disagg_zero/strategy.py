@@ -89,7 +89,8 @@ class ZeroStrategy(Strategy):
                 return
         else:
             self.optimizer = make_clip_scaled_adamw(
-                self.trainable_parameters(), optim,
+                self.trainable_parameters(),
+                optim,
                 cpu_adam=self.options.offload_optimizer and self.ctx.device.type == "cuda",
             )
             self.scheduler = make_scheduler(self.optimizer, optim)
@@ -129,7 +130,8 @@ class ZeroStrategy(Strategy):
             if self.engine is not None and self.options.stage >= 2:
                 raise RuntimeError(
                     f"ZeRO stage {self.options.stage} reduces gradients inside backward, so every rank of "
-                    f"group {self.ctx.module!r} needs gradients every microbatch; rank {self.ctx.rank} got none"
+                    f"group {self.ctx.module!r} needs gradients every microbatch; "
+                    f"rank {self.ctx.rank} got none"
                 )
             return
         # <out, grad> has exactly ``grad`` as its gradient w.r.t. ``out``: the
@@ -212,7 +214,9 @@ class ZeroStrategy(Strategy):
             if p.requires_grad:  # collective: every rank, same order
                 g = safe_get_full_grad(p)
                 if g is not None:
-                    out[name] = g.detach().float().cpu().view(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+                    out[name] = (
+                        g.detach().float().cpu().view(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+                    )
         return out
 
     def save(self, path: Path) -> None:

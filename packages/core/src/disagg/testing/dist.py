@@ -9,6 +9,7 @@ in the caller with that rank named.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -28,7 +29,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         out = fn(rank, *args)
-        queue.put((rank, True, out))
+        # plain pickle copies tensor data; the queue's own pickler would share
+        # it by file descriptor, which dies with this process before the parent reads it
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report every failure to the parent, with its rank
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -53,7 +56,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for _ in range(world_size):
             rank, ok, out = queue.get(timeout=timeout)
             if ok:
-                results[rank] = out
+                results[rank] = pickle.loads(out)
             else:
                 errors.append(f"rank {rank} failed:\n{out}")
                 break
