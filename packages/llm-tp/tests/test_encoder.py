@@ -4,8 +4,8 @@ TP ranks ship empty shards, and gradients equal the single-process module."""
 from __future__ import annotations
 
 import torch
-from tp_cases import rel
 from toy_encoder import ToyEncoderFamily, encoder_rank
+from tp_cases import rel
 
 from disagg.testing.dist import run_ranks
 

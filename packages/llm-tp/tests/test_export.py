@@ -10,8 +10,8 @@ from disagg_llm_tp.families.base import write_hf_dir
 
 
 def test_export_roundtrip(tiny_dirs, tmp_path):
-    from transformers import AutoModelForCausalLM
     from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
 
     src = tiny_dirs["qwen2"]
     fam = family_cls("qwen2")(src)
