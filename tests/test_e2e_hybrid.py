@@ -115,9 +115,11 @@ def test_all_ddp_first_step_equals_hugging_face_model(ray_local, tiny, all_ddp, 
         kw = {}
         if "vision" in s.inputs:
             v = ray.get(s.inputs["vision"])
-            kw = {"pixel_values": v["pixel_values"], "image_grid_thw": v["image_grid_thw"]}
+            # mm_token_type_ids is what the HF processor returns; mRoPE needs it
+            kw = {"pixel_values": v["pixel_values"], "image_grid_thw": v["image_grid_thw"],
+                  "mm_token_type_ids": (llm["input_ids"][None] == model.config.image_token_id).int()}
         out = model(input_ids=llm["input_ids"][None], labels=llm["labels"][None], **kw)
         n = int((llm["labels"][1:] != -100).sum())
-        total += float(out.loss) * n
+        total += float(out.loss.detach()) * n
         count += n
     assert all_ddp[0][0] == pytest.approx(total / count, rel=1e-5)

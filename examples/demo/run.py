@@ -38,12 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/demo", help="where tiny models, data and the run dir go")
     p.add_argument(
-        "--steps", type=int, default=120, help="optimizer steps (default 120, a few minutes on 2 cores)"
+        "--steps", type=int, default=200, help="optimizer steps (default 200, a few minutes on 2 cores)"
     )
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--train-per-class", type=int, default=10, help="training images per colour+shape")
-    p.add_argument("--image-size", type=int, default=32, help="side of the square demo images in pixels")
+    p.add_argument("--image-size", type=int, default=48, help="side of the square demo images in pixels")
     p.add_argument("--eval-samples", type=int, default=48, help="held-out samples to caption")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)

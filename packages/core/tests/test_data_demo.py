@@ -40,7 +40,7 @@ def test_demo_data_is_deterministic_and_readable(tmp_path: Path):
     # held-out images are new drawings, not copies of training ones
     train_pixels = {load_image(r.media["image"][0]).tobytes() for r in train}
     assert not any(load_image(r.media["image"][0]).tobytes() in train_pixels for r in held)
-    assert load_image(train[0].media["image"][0]).size == (32, 32)
+    assert load_image(train[0].media["image"][0]).size == (48, 48)
 
     tones = read_dataset(
         a["audio_train"], tmp_path / "a", dataset=0, first_uid=0, modalities={"audio"}, on_bad=bad

@@ -53,6 +53,9 @@ class ZeroStrategy(Strategy):
     name: ClassVar[str] = "zero"
     distribution: ClassVar[str] = "disagg-zero"
     options_model: ClassVar[type[ZeroOptions]] = ZeroOptions  # type: ignore[assignment]
+    # DeepSpeed reduces gradients inside backward (stage 2) and gathers
+    # parameters inside forward (stage 3): every rank must run every microbatch.
+    lockstep: ClassVar[bool] = True
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: ZeroOptions) -> list[str]:  # type: ignore[override]

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eval-per-class", type=int, default=2, help="held-out images per colour+shape (default 2)"
     )
-    parser.add_argument("--image-size", type=int, default=32, help="side of the square demo images in pixels")
+    parser.add_argument("--image-size", type=int, default=48, help="side of the square demo images in pixels")
 
 
 def make_tiny(
@@ -44,7 +44,7 @@ def make_tiny(
     data: bool = True,
     train_per_class: int = 10,
     eval_per_class: int = 2,
-    image_size: int = 32,
+    image_size: int = 48,
     registry: Any = None,
 ) -> dict[str, Any]:
     """Build the dirs; return the manifest also written to ``OUT_DIR/manifest.json``:

@@ -136,6 +136,14 @@ class _Checker:
                     self.add(("parallel", m), msg)
             except Exception as exc:
                 self.add(("parallel", m), f"{who} check failed: {type(exc).__name__}: {exc}")
+        per_mb = self.cfg.data.batch_size // self.cfg.train.microbatches if self.cfg.data else None
+        if getattr(strategy_cls, "lockstep", False) and per_mb is not None and per_mb < group.replicas:
+            self.add(
+                ("parallel", m, "replicas"),
+                f"{group.replicas} replicas of strategy {group.strategy!r} need a sample each in every microbatch "
+                f"(its ranks run in lockstep), but a microbatch has data.batch_size // train.microbatches = {per_mb}; "
+                f"use replicas <= {per_mb} or a larger batch",
+            )
         if len(self.problems) > before:
             return None
         return ResolvedModule(m, role, strategy_cls, options, family, group.degree, group.replicas)

@@ -39,16 +39,18 @@ def caption(colour: str, shape: str) -> str:
 
 
 def draw_shape(colour: str, shape: str, size: int, rng: random.Random):
-    """One RGB image: the shape at a random place and scale on a random mid-grey background
+    """One RGB image: the shape at a jittered place and scale on a random mid-grey background
     (grey, so that both white and black shapes stand out)."""
     from PIL import Image, ImageDraw
 
     grey = rng.randint(100, 150)
     im = Image.new("RGB", (size, size), (grey, grey, grey))
     d = ImageDraw.Draw(im)
-    extent = rng.uniform(0.45, 0.8) * size
-    cx = rng.uniform(extent / 2, size - extent / 2)
-    cy = rng.uniform(extent / 2, size - extent / 2)
+    # big and near the centre: a tiny vision tower must tell shapes apart in minutes
+    extent = rng.uniform(0.6, 0.85) * size
+    room = (size - extent) / 2
+    cx = size / 2 + rng.uniform(-room, room) * 0.5
+    cy = size / 2 + rng.uniform(-room, room) * 0.5
     x0, y0, x1, y1 = cx - extent / 2, cy - extent / 2, cx + extent / 2, cy + extent / 2
     fill = RGB[colour]
     if shape == "square":
@@ -87,7 +89,7 @@ def make_demo_data(
     *,
     train_per_class: int = 10,
     eval_per_class: int = 2,
-    image_size: int = 32,
+    image_size: int = 48,
     audio: bool = False,
     audio_rate: int = 16000,
     seed: int = 0,

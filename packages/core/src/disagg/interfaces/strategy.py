@@ -46,6 +46,10 @@ class Strategy(ABC):
     name: ClassVar[str]
     #: the plugin distribution that provides it (for error messages)
     distribution: ClassVar[str] = "disagg-core"
+    #: every rank must run the same module calls in every microbatch (ZeRO-3
+    #: gathers parameters inside forward): config validation then requires each
+    #: microbatch to give every replica at least one sample
+    lockstep: ClassVar[bool] = False
     options_model: ClassVar[type[StrategyOptions]] = StrategyOptions
 
     # -- validation, before any actor starts -------------------------------------------------
@@ -118,6 +122,8 @@ class Strategy(ABC):
         complete gradient on the ranks for which :meth:`returns_input_grads` is
         true (TP strategies reduce it across TP ranks first)."""
         assert isinstance(self.family, LanguageFamily) and self.module is not None
+        if not inputs:  # a replica with no sample in this microbatch
+            return 0.0
         logits, labels = self.family.forward(self.module, inputs, embeds)
         loss_sum = self.loss_sum(logits, labels)
         (loss_sum * loss_scale).backward()
@@ -135,6 +141,8 @@ class Strategy(ABC):
         whose argmax prediction is right, label tokens)``. Strategies with
         vocab-sharded logits override it."""
         assert isinstance(self.family, LanguageFamily) and self.module is not None
+        if not inputs:
+            return 0.0, 0, 0
         logits, labels = self.family.forward(self.module, inputs, embeds)
         mask = labels != -100
         correct = int((logits.argmax(-1)[mask] == labels[mask]).sum())

@@ -126,18 +126,20 @@ class Orchestrator:
                 llm_owner[ids[p]] = r
         # encoders: forward, then one shard object per (encoder rank, LLM replica)
         shard_refs: dict[int, list[tuple[str, Any, Group, int]]] = {r: [] for r in range(len(llm_parts))}
+        encoded: dict[str, list[int]] = {}  # module -> ranks that ran encode for this microbatch
         for g in self.encoders:
             with_media = [s for s in mb if g.module in s.inputs]
             if not with_media:
-                continue
+                continue  # every rank of the group skips alike: no collective is left waiting
+            # Every replica is called, even with no samples: strategies that
+            # communicate inside forward/backward (ZeRO-3) need every rank in step.
             for r, part in enumerate(assign(len(with_media), g.spec.replicas)):
                 samples = [with_media[p] for p in part]
-                if not samples:
-                    continue
                 sids = [s.index for s in samples]
                 refs = [s.inputs[g.module] for s in samples]
                 ranks = list(range(r * g.spec.degree, (r + 1) * g.spec.degree))
                 self._side_refs += g.call("encode", mb_id, sids, refs, ranks=ranks)
+                encoded.setdefault(g.module, []).extend(ranks)
                 for llm_r in range(len(llm_parts)):
                     wanted = [i for i in sids if llm_owner[i] == llm_r]
                     if not wanted:
@@ -149,9 +151,7 @@ class Orchestrator:
         needs_grad = [g.module for g in self.encoders if g.spec.optim is not None]
         loss_refs = []
         for r, part in enumerate(llm_parts):
-            if not part:
-                continue
-            samples = [mb[p] for p in part]
+            samples = [mb[p] for p in part]  # possibly none: the replica still runs in step
             sids = [s.index for s in samples]
             ins = [s.inputs["llm"] for s in samples]
             srcs = [(m, ref) for m, ref, _, _ in shard_refs[r]]
@@ -170,11 +170,11 @@ class Orchestrator:
                     head.grads_for.options(**self._opts).remote(mb_id, module, src)
                 )
         for g in self.encoders:
-            for rank in range(len(g.actors)):
-                if (g.module, rank) in grads_to:
-                    self._side_refs.append(g.actors[rank].backward.remote(mb_id, grads_to[(g.module, rank)]))
-                elif g.spec.optim is None:
+            for rank in encoded.get(g.module, []):
+                if g.spec.optim is None:
                     g.actors[rank].drop.remote(mb_id)
+                else:  # every rank that encoded runs backward, with no gradients if it had no samples
+                    self._side_refs.append(g.actors[rank].backward.remote(mb_id, grads_to.get((g.module, rank), [])))
         for a in self.llm.actors:
             a.release.remote(mb_id)
         return loss_refs
@@ -190,10 +190,10 @@ class Orchestrator:
         srcs: dict[int, list[tuple[str, Any]]] = {r: [] for r in range(len(llm_parts))}
         for g in self.encoders:
             with_media = [s for s in batch if g.module in s.inputs]
+            if not with_media:
+                continue
             for r, part in enumerate(assign(len(with_media), g.spec.replicas)):
-                samples = [with_media[p] for p in part]
-                if not samples:
-                    continue
+                samples = [with_media[p] for p in part]  # every replica runs, as in training
                 sids = [s.index for s in samples]
                 ranks = list(range(r * g.spec.degree, (r + 1) * g.spec.degree))
                 g.call("encode", mb_id, sids, [s.inputs[g.module] for s in samples], ranks=ranks)
@@ -205,11 +205,10 @@ class Orchestrator:
                     g.actors[rank].drop.remote(mb_id)
         outs = []
         for r, part in enumerate(llm_parts):
-            if part:
-                samples = [batch[p] for p in part]
-                ranks = list(range(r * self.llm.spec.degree, (r + 1) * self.llm.spec.degree))
-                outs.append(self.llm.call("evaluate", [s.index for s in samples],
-                                          [s.inputs["llm"] for s in samples], srcs[r], ranks=ranks)[0])
+            samples = [batch[p] for p in part]
+            ranks = list(range(r * self.llm.spec.degree, (r + 1) * self.llm.spec.degree))
+            outs.append(self.llm.call("evaluate", [s.index for s in samples],
+                                      [s.inputs["llm"] for s in samples], srcs[r], ranks=ranks)[0])
         res = _wait(outs)
         loss, correct, total = (sum(x[i] for x in res) for i in range(3))
         return {"loss": loss / max(total, 1), "token_accuracy": correct / max(total, 1), "label_tokens": total}

@@ -72,7 +72,7 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
             row=("blocks.*.attn.proj", "blocks.*.mlp.down_proj", "merger.mlp.2"),
             heads={"blocks.*.attn": ("num_heads",)},
             # qkv is one Linear whose output is [3, heads, head_dim]: split each of the 3 blocks.
-            extra={"fused_column": {"blocks.*.attn.qkv": 3}},
+            extra={"column_chunks": {"blocks.*.attn.qkv": 3}},
         )
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
