@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--vision-lr", type=float, default=None, help="learning rate of the vision tower (default --lr)")
     p.add_argument("--train-per-class", type=int, default=10, help="training images per colour+shape")
     p.add_argument("--image-size", type=int, default=48, help="side of the square demo images in pixels")
     p.add_argument("--eval-samples", type=int, default=48, help="held-out samples to caption")
@@ -72,6 +73,7 @@ def demo_config(tiny: Path, manifest: dict, out: Path, args: argparse.Namespace)
             "clip_grad_norm": 1.0,
             "scheduler": "cosine",
             "warmup_steps": max(1, args.steps // 20),
+            "modules": {"vision": {"lr": args.vision_lr}} if args.vision_lr else {},
         },
         "checkpoint": {"every": 0},
         "output_dir": str(out / "run"),
