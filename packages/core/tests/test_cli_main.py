@@ -37,15 +37,17 @@ def fake_runtime(monkeypatch):
         calls.append((cfg, address))
         if cfg.train.steps == 13:
             raise RuntimeError("actor vision/rank 1 died")
+        return {"status": "ok", "steps": 0, "run_dir": cfg.output_dir}
 
     mod.run_training = run_training
     monkeypatch.setitem(sys.modules, "disagg.runtime.run", mod)
     return calls
 
 
-def test_valid_config_reaches_the_runtime_with_overrides(valid_config, fake_runtime):
+def test_valid_config_reaches_the_runtime_with_overrides(valid_config, fake_runtime, capsys):
     assert cli.main(["train", str(valid_config), "--set", "train.steps=7", "--address", "auto"]) == 0
     ((cfg, address),) = fake_runtime
+    assert "run dir:" in capsys.readouterr().out  # the final summary names the run dir
     assert cfg.train.steps == 7 and address == "auto"
 
 

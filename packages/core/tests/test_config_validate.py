@@ -130,7 +130,7 @@ def test_many_problems_are_collected(reg, workdir):
             ["pip install disagg-zero"],
         ),
         (
-            lambda c: c["model"]["vision"].update(family="siglip"),
+            lambda c: c["model"]["vision"].update(family="llava"),
             "model.vision.family",
             ["pip install disagg-vision-sp"],
         ),

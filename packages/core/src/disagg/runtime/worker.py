@@ -91,6 +91,10 @@ class ModuleWorker:
 
     @_named
     def setup(self, master_addr: str, master_port: int) -> None:
+        import transformers
+
+        # one progress bar per rank per weight file drowns the driver's training bar
+        transformers.utils.logging.disable_progress_bar()
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.device_kind == "cuda" else "cpu")
         if self.device_kind == "cuda":
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s), so index 0 is ours.
