@@ -1,6 +1,6 @@
 """The demo: a tiny VLM learns to caption coloured shapes, on local Ray, on CPU.
 
-    python examples/demo/run.py [--out runs/demo] [--steps 120]
+    python examples/demo/run.py [--out runs/demo] [--steps 200]
 
 1. ``disagg make-tiny``: a tiny random-weight Qwen2.5-VL dir and the shapes dataset.
 2. A config: vision ``ulysses`` degree 2 (sequence parallel), LLM
@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--vision-lr", type=float, default=None, help="learning rate of the vision tower (default --lr)")
+    p.add_argument(
+        "--vision-lr", type=float, default=None, help="learning rate of the vision tower (default --lr)"
+    )
     p.add_argument("--train-per-class", type=int, default=10, help="training images per colour+shape")
     p.add_argument("--image-size", type=int, default=48, help="side of the square demo images in pixels")
     p.add_argument("--eval-samples", type=int, default=48, help="held-out samples to caption")

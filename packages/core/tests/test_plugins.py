@@ -199,5 +199,5 @@ def test_known_providers_name_first_party_distributions():
         "disagg-audio",
     }
     assert plugins.provider_of("strategy", "megatron_tp") == "disagg-llm-tp"
-    assert plugins.provider_of("family", "whisper", "encoder") == "disagg-audio"
+    assert plugins.provider_of("family", "llava", "encoder") == "disagg-vision-sp"
     assert plugins.provider_of("strategy", "nope") is None

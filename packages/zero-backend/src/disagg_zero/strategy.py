@@ -111,7 +111,28 @@ class ZeroStrategy(Strategy):
     def _forward(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.engine is None:
             return fn(self.module, *args)
+        self._forwards = getattr(self, "_forwards", 0) + 1
         return self.engine(fn, *args)
+
+    def _count_comm(self) -> None:
+        """DeepSpeed's collectives are internal, so count what ZeRO moves per
+        step analytically (ring algorithms: each rank sends (n-1)/n of a buffer)."""
+        n = self.ctx.world_size
+        if n == 1 or self.module is None:
+            return
+        elem = self.ctx.dtype.itemsize if hasattr(self.ctx.dtype, "itemsize") else 4
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters()) * elem
+        grads = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainable_parameters()) * elem
+        f = (n - 1) / n
+        forwards = getattr(self, "_forwards", 0)
+        if self.options.stage == 1:
+            sent = 2 * f * grads + f * params  # all-reduce gradients, all-gather updated params
+        elif self.options.stage == 2:
+            sent = f * grads + f * params  # reduce-scatter gradients, all-gather updated params
+        else:  # gather params in every forward and again in backward, reduce-scatter gradients
+            sent = 2 * forwards * f * params + f * grads
+        self.ctx.comm.add(f"zero{self.options.stage}_analytic", int(sent))
+        self._forwards = 0
 
     def _backward(self, seed: torch.Tensor) -> None:
         if self.engine is None:
@@ -193,6 +214,7 @@ class ZeroStrategy(Strategy):
         if self.engine is None or self.optimizer is None:
             return
         self.optimizer.clip_coef = float(clip_coef)  # type: ignore[attr-defined]
+        self._count_comm()
         self.engine.step()  # the engine also steps the scheduler
         self.optimizer.clip_coef = 1.0  # type: ignore[attr-defined]
 
