@@ -62,7 +62,7 @@ def test_single_turn(env):
     assert label_text(tok, out) == ["A red square.<|im_end|>\n"]
     assert llm["input_ids"].dtype == torch.int64 and llm["labels"].dtype == torch.int64
     assert out.num_tokens == len(llm["input_ids"])
-    assert out.num_label_tokens == int((llm["labels"] != IGNORE).sum())
+    assert out.num_label_tokens == int((llm["labels"][1:] != IGNORE).sum())
     assert out.num_media_tokens == {"vision": 4}
     # the family's extra inputs ride along with the LLM inputs; the encoder gets its preprocess output
     assert llm["image_grid"].tolist() == [[2, 2]]

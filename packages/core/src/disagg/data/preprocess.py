@@ -112,7 +112,8 @@ def preprocess_record(
             f"{len(ids)} tokens exceed data.max_tokens={max_tokens}; raise data.max_tokens or set "
             "data.on_too_long: drop (allowed: error, drop)",
         )
-    n_labels = int((labels != IGNORE).sum())
+    # the first token is never predicted (labels shift by one): count what the loss counts
+    n_labels = int((labels[1:] != IGNORE).sum())
     if n_labels == 0:
         raise DataError(rec.source, "no label tokens: the assistant turns are empty")
 
