@@ -40,17 +40,23 @@ def tiny(tmp_path_factory):
 
 def _config(tiny, out: Path, vision: dict, llm: dict) -> Config:
     path = tiny["models"][FAMILY]
-    cfg = Config.model_validate({
-        "model": {"vision": {"family": FAMILY, "path": path}, "llm": {"family": FAMILY, "path": path}},
-        "parallel": {"vision": vision, "llm": llm},
-        "data": {"train": tiny["data"]["train"], "media_root": tiny["media_root"], "batch_size": 4,
-                 "num_workers": 1},
-        # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
-        # summation-order noise in near-zero gradients cannot flip parameters.
-        "train": {"steps": STEPS, "lr": 1e-3, "eps": 1e-3, "seed": 0, "clip_grad_norm": 1.0},
-        "checkpoint": {"every": 0},
-        "output_dir": str(out),
-    })
+    cfg = Config.model_validate(
+        {
+            "model": {"vision": {"family": FAMILY, "path": path}, "llm": {"family": FAMILY, "path": path}},
+            "parallel": {"vision": vision, "llm": llm},
+            "data": {
+                "train": tiny["data"]["train"],
+                "media_root": tiny["media_root"],
+                "batch_size": 4,
+                "num_workers": 1,
+            },
+            # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
+            # summation-order noise in near-zero gradients cannot flip parameters.
+            "train": {"steps": STEPS, "lr": 1e-3, "eps": 1e-3, "seed": 0, "clip_grad_norm": 1.0},
+            "checkpoint": {"every": 0},
+            "output_dir": str(out),
+        }
+    )
     validate(cfg, get_registry())
     return cfg
 
@@ -76,13 +82,23 @@ def _assert_equivalent(got, want):
 
 HYBRIDS = {
     "vision_ulysses2+llm_ddp": ({"strategy": "ulysses", "degree": 2}, DDP),
-    "vision_ulysses2+llm_tp2 (the paper's DHP)": ({"strategy": "ulysses", "degree": 2},
-                                                  {"strategy": "megatron_tp", "degree": 2}),
+    "vision_ulysses2+llm_tp2 (the paper's DHP)": (
+        {"strategy": "ulysses", "degree": 2},
+        {"strategy": "megatron_tp", "degree": 2},
+    ),
     "uniform_tp2": ({"strategy": "megatron_tp", "degree": 2}, {"strategy": "megatron_tp", "degree": 2}),
-    "vision_zero2+llm_tp2": ({"strategy": "zero", "stage": 2, "replicas": 2},
-                             {"strategy": "megatron_tp", "degree": 2}),
-    "vision_ulysses2+llm_zero3": ({"strategy": "ulysses", "degree": 2}, {"strategy": "zero", "stage": 3, "replicas": 2}),
-    "uniform_zero3": ({"strategy": "zero", "stage": 3, "replicas": 2}, {"strategy": "zero", "stage": 3, "replicas": 2}),
+    "vision_zero2+llm_tp2": (
+        {"strategy": "zero", "stage": 2, "replicas": 2},
+        {"strategy": "megatron_tp", "degree": 2},
+    ),
+    "vision_ulysses2+llm_zero3": (
+        {"strategy": "ulysses", "degree": 2},
+        {"strategy": "zero", "stage": 3, "replicas": 2},
+    ),
+    "uniform_zero3": (
+        {"strategy": "zero", "stage": 3, "replicas": 2},
+        {"strategy": "zero", "stage": 3, "replicas": 2},
+    ),
 }
 
 
@@ -98,9 +114,8 @@ def test_mix_equals_all_ddp(ray_local, tiny, all_ddp, tmp_path, name):
 
 def test_all_ddp_first_step_equals_hugging_face_model(ray_local, tiny, all_ddp, tmp_path):
     """The first global batch through the single-process HF VLM gives the first logged loss."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     import ray
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     from disagg.data import build_data_source
     from disagg.runtime.plan import families_for
@@ -108,7 +123,9 @@ def test_all_ddp_first_step_equals_hugging_face_model(ray_local, tiny, all_ddp, 
     cfg = _config(tiny, tmp_path / "x", DDP, DDP)
     source = build_data_source(cfg, families_for(cfg, get_registry()))
     batch = next(source.batches(0))
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny["models"][FAMILY], torch_dtype=torch.float32)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tiny["models"][FAMILY], torch_dtype=torch.float32
+    )
     total, count = 0.0, 0
     for s in batch:
         llm = ray.get(s.inputs["llm"])
@@ -116,8 +133,11 @@ def test_all_ddp_first_step_equals_hugging_face_model(ray_local, tiny, all_ddp, 
         if "vision" in s.inputs:
             v = ray.get(s.inputs["vision"])
             # mm_token_type_ids is what the HF processor returns; mRoPE needs it
-            kw = {"pixel_values": v["pixel_values"], "image_grid_thw": v["image_grid_thw"],
-                  "mm_token_type_ids": (llm["input_ids"][None] == model.config.image_token_id).int()}
+            kw = {
+                "pixel_values": v["pixel_values"],
+                "image_grid_thw": v["image_grid_thw"],
+                "mm_token_type_ids": (llm["input_ids"][None] == model.config.image_token_id).int(),
+            }
         out = model(input_ids=llm["input_ids"][None], labels=llm["labels"][None], **kw)
         n = int((llm["labels"][1:] != -100).sum())
         total += float(out.loss.detach()) * n

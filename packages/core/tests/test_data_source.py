@@ -71,7 +71,9 @@ def test_refs_and_metadata(src, root):
     assert all(isinstance(r, ray.ObjectRef) for r in s.inputs.values())
     llm = ray.get(s.inputs["llm"])
     vision = ray.get(s.inputs["vision"])
-    assert s.num_tokens == len(llm["input_ids"]) and s.num_label_tokens == int((llm["labels"][1:] != -100).sum())
+    assert s.num_tokens == len(llm["input_ids"]) and s.num_label_tokens == int(
+        (llm["labels"][1:] != -100).sum()
+    )
     assert s.num_media_tokens == {"vision": 4} and vision["grid"].tolist() == [[2, 2]]
     assert s.source == f"{root / 'a.jsonl'}:{s.index + 1}"
     assert f"square {s.index}." in test_data_fakes.FakeLMFamily(root / "tok").tokenizer().decode(

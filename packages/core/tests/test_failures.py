@@ -27,10 +27,12 @@ def _gone(pids: list[int], timeout: float = 30) -> bool:
 def test_dead_actor_is_named_and_shutdown_is_clean(ray_local, tmp_path):
     enc, lm = make_toy_dirs(tmp_path)
     optim = OptimSpec(lr=1e-2)
-    orch = Orchestrator([
-        GroupSpec("vision", ToyEncoderFamily(enc), DDPStrategy, StrategyOptions(), 1, 1, optim),
-        GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, 2, optim),
-    ])
+    orch = Orchestrator(
+        [
+            GroupSpec("vision", ToyEncoderFamily(enc), DDPStrategy, StrategyOptions(), 1, 1, optim),
+            GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, 2, optim),
+        ]
+    )
     pids = [p["pid"] for g in orch.groups for p in ray.get(g.call("placement"))]
     try:
         orch.step(put_samples(toy_samples(4)))

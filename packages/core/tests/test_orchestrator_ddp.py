@@ -25,9 +25,20 @@ def _specs(toy_dirs, enc_replicas, llm_replicas, optims):
     enc, lm = toy_dirs
     out = []
     if "vision" in optims:
-        out.append(GroupSpec("vision", ToyEncoderFamily(enc), DDPStrategy, StrategyOptions(), 1, enc_replicas,
-                             optims["vision"]))
-    out.append(GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, llm_replicas, optims["llm"]))
+        out.append(
+            GroupSpec(
+                "vision",
+                ToyEncoderFamily(enc),
+                DDPStrategy,
+                StrategyOptions(),
+                1,
+                enc_replicas,
+                optims["vision"],
+            )
+        )
+    out.append(
+        GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, llm_replicas, optims["llm"])
+    )
     return out
 
 
@@ -40,8 +51,9 @@ EPS = 1e-3
 
 def _optims(total=STEPS, vision_lr=1e-2, llm_lr=2e-2, frozen=()):
     specs = {
-        "vision": OptimSpec(lr=vision_lr, weight_decay=0.1, eps=EPS, total_steps=total, scheduler="linear",
-                            warmup_steps=1),
+        "vision": OptimSpec(
+            lr=vision_lr, weight_decay=0.1, eps=EPS, total_steps=total, scheduler="linear", warmup_steps=1
+        ),
         "llm": OptimSpec(lr=llm_lr, weight_decay=0.0, eps=EPS, total_steps=total),
     }
     return {m: (None if m in frozen else s) for m, s in specs.items()}
@@ -52,8 +64,9 @@ def _run(toy_dirs, enc_replicas, llm_replicas, *, clip=0.5, microbatches=1, froz
     batches = [toy_samples(BATCH, seed=10 + s, text_only_every=4) for s in range(STEPS)]
     ref = ReferenceModel({"vision": ToyEncoderFamily(toy_dirs[0]), "llm": ToyLMFamily(toy_dirs[1])}, optims)
     initial = {m: {k: v.clone() for k, v in mod.state_dict().items()} for m, mod in ref.modules.items()}
-    orch = Orchestrator(_specs(toy_dirs, enc_replicas, llm_replicas, optims), microbatches=microbatches,
-                        clip_grad_norm=clip)
+    orch = Orchestrator(
+        _specs(toy_dirs, enc_replicas, llm_replicas, optims), microbatches=microbatches, clip_grad_norm=clip
+    )
     results = []
     try:
         for s, samples in enumerate(batches):

@@ -70,8 +70,12 @@ def test_run_writes_metrics_checkpoints_and_exports(ray_local, toy_registry, tmp
         torch.testing.assert_close(v, trained[k])
 
     # resume from step 2 reproduces steps 3 and 4 exactly
-    cfg2 = _cfg(tmp_path, dirs, output_dir=str(tmp_path / "resumed"),
-                checkpoint={"every": 0, "resume_from": str(run / "checkpoints" / "step-2")})
+    cfg2 = _cfg(
+        tmp_path,
+        dirs,
+        output_dir=str(tmp_path / "resumed"),
+        checkpoint={"every": 0, "resume_from": str(run / "checkpoints" / "step-2")},
+    )
     run_training(cfg2, registry=toy_registry, data_source=ToyDataSource(4), progress=False)
     resumed = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [3, 4]

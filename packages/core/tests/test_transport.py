@@ -16,11 +16,16 @@ from disagg.testing.toy import make_toy_dirs
 
 def _cfg(tmp_path, transport):
     enc, lm = make_toy_dirs(tmp_path)
-    return Config.model_validate({
-        "model": {"vision": {"family": "toy", "path": str(enc)}, "llm": {"family": "toy", "path": str(lm)}},
-        "parallel": {"transport": transport},
-        "output_dir": str(tmp_path / "run"),
-    })
+    return Config.model_validate(
+        {
+            "model": {
+                "vision": {"family": "toy", "path": str(enc)},
+                "llm": {"family": "toy", "path": str(lm)},
+            },
+            "parallel": {"transport": transport},
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
 
 
 def test_auto_transport_is_object_store_on_cpu_and_nccl_on_cuda(disagg_registry, tmp_path):
@@ -33,5 +38,7 @@ def test_auto_transport_is_object_store_on_cpu_and_nccl_on_cuda(disagg_registry,
 
 def test_gloo_direct_transport_is_refused_with_reason(disagg_registry, tmp_path):
     reg = register_plugin(toy, name="disagg.testing.toy")
-    with pytest.raises(ConfigError, match=r"parallel.transport.*default torch.distributed group.*object_store"):
+    with pytest.raises(
+        ConfigError, match=r"parallel.transport.*default torch.distributed group.*object_store"
+    ):
         validate(_cfg(tmp_path, "gloo"), reg)

@@ -24,7 +24,10 @@ def main() -> None:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     enc, lm = make_toy_dirs(Path(tempfile.mkdtemp()))
-    optims = {"vision": OptimSpec(lr=1e-2, eps=1e-3, total_steps=2), "llm": OptimSpec(lr=1e-2, eps=1e-3, total_steps=2)}
+    optims = {
+        "vision": OptimSpec(lr=1e-2, eps=1e-3, total_steps=2),
+        "llm": OptimSpec(lr=1e-2, eps=1e-3, total_steps=2),
+    }
     specs = [
         GroupSpec("vision", ToyEncoderFamily(enc), DDPStrategy, StrategyOptions(), 1, 2, optims["vision"]),
         GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, 2, optims["llm"]),

@@ -29,7 +29,11 @@ def test_export_roundtrip(tiny_dirs, tmp_path):
         loss = 0.0
         for s, e in zip(samples, embeds):
             logits = _hf_logits(case, fam, model, s, e)[0]
-            loss += float(torch.nn.functional.cross_entropy(logits[:-1], s["labels"][1:], ignore_index=-100, reduction="sum"))
+            loss += float(
+                torch.nn.functional.cross_entropy(
+                    logits[:-1], s["labels"][1:], ignore_index=-100, reduction="sum"
+                )
+            )
     assert abs(loss - outs[0]["final_loss"]) <= 1e-5 * abs(loss)
     # The export is the trained model, not the initial one.
     orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)

@@ -45,8 +45,10 @@ class ToyEncoderFamily(EncoderFamily):
 
     def layer_map(self) -> LayerMap:
         return LayerMap(
-            column=("attn.qkv", "fc1"), row=("attn.proj", "fc2"),
-            heads={"attn": ("num_heads",)}, extra={"column_chunks": {"attn.qkv": 3}},
+            column=("attn.qkv", "fc1"),
+            row=("attn.proj", "fc2"),
+            heads={"attn": ("num_heads",)},
+            extra={"column_chunks": {"attn.qkv": 3}},
         )
 
     def preprocess(self, media):

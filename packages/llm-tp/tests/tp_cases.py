@@ -88,7 +88,9 @@ def reference(case: Case) -> dict:
         for s, e in zip(case.samples, leaves):
             logits = _hf_logits(case, fam, model, s, e)[0]
             logits_all.append(logits[:-1])
-            loss_sum = loss_sum + torch.nn.functional.cross_entropy(logits[:-1], s["labels"][1:], ignore_index=-100, reduction="sum")
+            loss_sum = loss_sum + torch.nn.functional.cross_entropy(
+                logits[:-1], s["labels"][1:], ignore_index=-100, reduction="sum"
+            )
         (loss_sum / total).backward()
         if step == 0:
             out["loss"] = float(loss_sum.detach())
@@ -164,8 +166,13 @@ def _tp_rank(rank: int, case: Case) -> dict:
     from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
     ctx = GroupContext(
-        module="llm", rank=rank, world_size=case.degree * case.replicas, degree=case.degree,
-        replicas=case.replicas, device=torch.device("cpu"), dtype=torch.float32,
+        module="llm",
+        rank=rank,
+        world_size=case.degree * case.replicas,
+        degree=case.degree,
+        replicas=case.replicas,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
     )
     fam = family_cls(case.family)(case.path)
     strat = MegatronTPStrategy(ctx, fam, MegatronTPOptions())

@@ -21,7 +21,15 @@ def corpus() -> list[str]:
         for s in SHAPES:
             lines.append(f"A {c} {s}.")
             lines.append(f"The picture shows a {c} {s} on a dark background.")
-    lines += ["A tone.", "A high tone.", "A low tone.", "user", "assistant", "system", "You are a helpful assistant."]
+    lines += [
+        "A tone.",
+        "A high tone.",
+        "A low tone.",
+        "user",
+        "assistant",
+        "system",
+        "You are a helpful assistant.",
+    ]
     return lines
 
 
@@ -63,7 +71,9 @@ def train_tokenizer(
         eos_token=eos_token,
         pad_token=pad_token,
         unk_token=unk_token,
-        additional_special_tokens=[t for t in special_tokens if t not in {bos_token, eos_token, pad_token, unk_token}],
+        additional_special_tokens=[
+            t for t in special_tokens if t not in {bos_token, eos_token, pad_token, unk_token}
+        ],
         model_max_length=model_max_length,
     )
     if chat_template:

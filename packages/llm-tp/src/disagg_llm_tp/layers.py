@@ -78,10 +78,17 @@ def _allreduce_bytes(t: torch.Tensor, n: int) -> int:
 class TPColumnLinear(ColumnParallelLinear):
     """ColumnParallelLinear called like ``nn.Linear`` (output stays split)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig, comm: CommCounter):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig, comm: CommCounter
+    ):
         super().__init__(
-            in_features, out_features, config=config, init_method=_noop_init, bias=bias,
-            gather_output=False, skip_bias_add=False,
+            in_features,
+            out_features,
+            config=config,
+            init_method=_noop_init,
+            bias=bias,
+            gather_output=False,
+            skip_bias_add=False,
         )
         self.comm = comm
         self.tp_size = config.tensor_model_parallel_size
@@ -97,10 +104,17 @@ class TPColumnLinear(ColumnParallelLinear):
 class TPRowLinear(RowParallelLinear):
     """RowParallelLinear called like ``nn.Linear`` on an already split input."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig, comm: CommCounter):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig, comm: CommCounter
+    ):
         super().__init__(
-            in_features, out_features, config=config, init_method=_noop_init, bias=bias,
-            input_is_parallel=True, skip_bias_add=False,
+            in_features,
+            out_features,
+            config=config,
+            init_method=_noop_init,
+            bias=bias,
+            input_is_parallel=True,
+            skip_bias_add=False,
         )
         self.comm = comm
         self.tp_size = config.tensor_model_parallel_size

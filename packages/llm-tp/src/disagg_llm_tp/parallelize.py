@@ -88,7 +88,9 @@ def parallelize_module(
         if not name or not _match(name, lmap.vocab):
             continue
         if not isinstance(mod, nn.Embedding):
-            raise TypeError(f"layer map vocab pattern matched {name!r}, a {type(mod).__name__}, not nn.Embedding")
+            raise TypeError(
+                f"layer map vocab pattern matched {name!r}, a {type(mod).__name__}, not nn.Embedding"
+            )
         vocab, hidden = mod.weight.shape
         new = TPVocabEmbedding(padded_size(vocab, degree), hidden, mod.padding_idx, config, comm)
         mark(new.weight, ShardSpec("vocab", full_rows=vocab))
@@ -122,7 +124,9 @@ def parallelize_module(
         for attr in attrs or ():
             value = getattr(mod, attr)
             if value % degree:
-                raise ValueError(f"{name}.{attr} = {value} is not divisible by tensor-parallel degree {degree}")
+                raise ValueError(
+                    f"{name}.{attr} = {value} is not divisible by tensor-parallel degree {degree}"
+                )
             setattr(mod, attr, value // degree)
         spec = _lookup(name, attention) if name else None
         if spec is not None:
@@ -172,7 +176,11 @@ def _swap_column(module, name, mod, shard, degree, config, comm, attention, chun
     _check_linear(name, mod, "column")
     parent, _, child = name.rpartition(".")
     attn = _lookup(parent, attention) if parent else None
-    if attn is not None and child in (attn.get("k", "k_proj"), attn.get("v", "v_proj")) and attn["num_kv_heads"] % degree:
+    if (
+        attn is not None
+        and child in (attn.get("k", "k_proj"), attn.get("v", "v_proj"))
+        and attn["num_kv_heads"] % degree
+    ):
         kv, heads = attn["num_kv_heads"], attn["num_heads"]
         if degree % kv:
             raise ValueError(f"{kv} key/value heads cannot be split or replicated over degree {degree}")
@@ -187,7 +195,9 @@ def _swap_column(module, name, mod, shard, degree, config, comm, attention, chun
     else:
         n = int(_lookup(name, chunks) or 1)
         if mod.out_features % (n * degree):
-            raise ValueError(f"{name} has {mod.out_features} output features, not divisible by {n} x degree {degree}")
+            raise ValueError(
+                f"{name} has {mod.out_features} output features, not divisible by {n} x degree {degree}"
+            )
         new = TPColumnLinear(mod.in_features, mod.out_features, mod.bias is not None, config, comm)
         spec = ShardSpec("column", chunks=n)
     mark(new.weight, spec)

@@ -77,7 +77,9 @@ class MegatronTPStrategy(Strategy):
             ps.initialize_model_parallel(tensor_model_parallel_size=d, create_gloo_process_groups=False)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
-        assert dist.get_process_group_ranks(self.tp_group) == self.ctx.shard_ranks(), "megatron TP group != core layout"
+        assert dist.get_process_group_ranks(self.tp_group) == self.ctx.shard_ranks(), (
+            "megatron TP group != core layout"
+        )
 
     def _kv_groups(self) -> dict[int, dist.ProcessGroup]:
         """One group per replicated key/value head: its copies in every replica."""
@@ -86,7 +88,11 @@ class MegatronTPStrategy(Strategy):
         kv, share = self.plan.kv_replication
         groups = {}
         for h in range(kv):  # every rank creates every group, in the same order
-            ranks = [r * self.ctx.degree + s for r in range(self.ctx.replicas) for s in range(h * share, (h + 1) * share)]
+            ranks = [
+                r * self.ctx.degree + s
+                for r in range(self.ctx.replicas)
+                for s in range(h * share, (h + 1) * share)
+            ]
             groups[h] = dist.new_group(ranks)
         return groups
 
@@ -96,7 +102,9 @@ class MegatronTPStrategy(Strategy):
 
         lmap = self.family.layer_map()
         if lmap is None:
-            raise ValueError(f"family {self.family.name!r} has no layer map; strategy 'megatron_tp' cannot split it")
+            raise ValueError(
+                f"family {self.family.name!r} has no layer map; strategy 'megatron_tp' cannot split it"
+            )
         self._init_megatron()
         dtype = next(module.parameters()).dtype
         config = ModelParallelConfig(

@@ -12,12 +12,16 @@ from disagg.plugins import Registry
 from disagg.runtime.run import run_training
 
 
-def run_variants(base: Config, variants: dict[str, dict[str, Any]], registry: Registry,
-                 out_dir: Path) -> list[dict[str, Any]]:
+def run_variants(
+    base: Config, variants: dict[str, dict[str, Any]], registry: Registry, out_dir: Path
+) -> list[dict[str, Any]]:
     rows = []
     for name, parallel in variants.items():
         raw = base.model_dump(mode="json")
-        raw["parallel"] = {**{k: v for k, v in raw["parallel"].items() if k in ("placement", "transport")}, **parallel}
+        raw["parallel"] = {
+            **{k: v for k, v in raw["parallel"].items() if k in ("placement", "transport")},
+            **parallel,
+        }
         raw["output_dir"] = str(out_dir / name)
         raw["checkpoint"] = {"every": 0}
         cfg = Config.model_validate(raw)
@@ -50,11 +54,17 @@ def summarize(name: str, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["variant"]
-    lines = [f"{'variant':<18} {'tok/s x' + base:>22} {'comm B/rank':>24} {'activ B/rank':>26} {'state B/rank':>26}"]
+    lines = [
+        f"{'variant':<18} {'tok/s x' + base:>22} {'comm B/rank':>24} "
+        f"{'activ B/rank':>26} {'state B/rank':>26}"
+    ]
     for r in rows:
+
         def fmt(d: dict[str, int]) -> str:
             return ",".join(f"{k}={v}" for k, v in sorted(d.items()))
 
-        lines.append(f"{r['variant']:<18} {r['throughput_vs_' + base]:>22.3f} {fmt(r['comm_bytes_per_rank']):>24} "
-                     f"{fmt(r['activation_bytes_per_rank']):>26} {fmt(r['state_bytes_per_rank']):>26}")
+        lines.append(
+            f"{r['variant']:<18} {r['throughput_vs_' + base]:>22.3f} {fmt(r['comm_bytes_per_rank']):>24} "
+            f"{fmt(r['activation_bytes_per_rank']):>26} {fmt(r['state_bytes_per_rank']):>26}"
+        )
     return "\n".join(lines)

@@ -19,7 +19,10 @@ class DDPStrategy(Strategy):
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
         if degree != 1:
-            return [f"strategy 'ddp' has no sharding: degree must be 1, got {degree}; use replicas for data parallelism"]
+            return [
+                f"strategy 'ddp' has no sharding: degree must be 1, got {degree}; "
+                "use replicas for data parallelism"
+            ]
         return []
 
     def parallelize(self, module: nn.Module) -> nn.Module:

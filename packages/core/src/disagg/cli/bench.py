@@ -8,9 +8,14 @@ HELP = "run the same model and data under several parallel layouts; report ratio
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="a train config (model, data, train); its parallel section is replaced")
-    parser.add_argument("--preset", default="paper", help="variants to compare (default: paper = "
-                        "uniform_tp, dhp_ulysses_tp, uniform_zero3)")
+    parser.add_argument(
+        "config", help="a train config (model, data, train); its parallel section is replaced"
+    )
+    parser.add_argument(
+        "--preset",
+        default="paper",
+        help="variants to compare (default: paper = uniform_tp, dhp_ulysses_tp, uniform_zero3)",
+    )
     parser.add_argument("--degree", type=int, default=2, help="SP/TP degree (and ZeRO ranks) of every group")
     parser.add_argument("--steps", type=int, default=6, help="steps per variant (the first is not timed)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -28,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
     from disagg.plugins import get_registry
 
     if args.preset not in PRESETS:
-        raise ConfigError([Problem("--preset", f"unknown preset {args.preset!r}; allowed: {', '.join(PRESETS)}")])
+        raise ConfigError(
+            [Problem("--preset", f"unknown preset {args.preset!r}; allowed: {', '.join(PRESETS)}")]
+        )
     cfg = load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
     variants = PRESETS[args.preset](args.degree, cfg.modules())
     out_dir = Path(cfg.output_dir) / "bench"

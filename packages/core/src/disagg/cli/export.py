@@ -21,8 +21,14 @@ def run(args: argparse.Namespace) -> int:
 
     ckpt = Path(args.checkpoint)
     if not (ckpt / "meta.json").is_file():
-        raise ConfigError([Problem(key="CHECKPOINT", message=f"{ckpt} is not a checkpoint dir (no meta.json); "
-                                   "pass a run's checkpoints/step-N")])
+        raise ConfigError(
+            [
+                Problem(
+                    key="CHECKPOINT",
+                    message=f"{ckpt} is not a checkpoint dir (no meta.json); pass a run's checkpoints/step-N",
+                )
+            ]
+        )
     for path in export_checkpoint(ckpt, args.out_dir, get_registry()):
         print(path)
     return 0

@@ -49,5 +49,7 @@ def format_summary(summary: dict) -> str:
         f"run dir: {summary['run_dir']}",
     ]
     if summary.get("checkpoint"):
-        lines.append(f"checkpoint: {summary['checkpoint']}  (export: disagg export {summary['checkpoint']} OUT_DIR)")
+        lines.append(
+            f"checkpoint: {summary['checkpoint']}  (export: disagg export {summary['checkpoint']} OUT_DIR)"
+        )
     return "\n".join(lines)

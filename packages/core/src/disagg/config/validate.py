@@ -140,8 +140,9 @@ class _Checker:
         if getattr(strategy_cls, "lockstep", False) and per_mb is not None and per_mb < group.replicas:
             self.add(
                 ("parallel", m, "replicas"),
-                f"{group.replicas} replicas of strategy {group.strategy!r} need a sample each in every microbatch "
-                f"(its ranks run in lockstep), but a microbatch has data.batch_size // train.microbatches = {per_mb}; "
+                f"{group.replicas} replicas of strategy {group.strategy!r} need a sample each in every "
+                f"microbatch (its ranks run in lockstep), but a microbatch has "
+                f"data.batch_size // train.microbatches = {per_mb}; "
                 f"use replicas <= {per_mb} or a larger batch",
             )
         if len(self.problems) > before:
@@ -210,7 +211,10 @@ class _Checker:
         cls = self.reg.transports.get(name)
         if cls is not None and cls.unavailable_reason:
             usable = ["auto", *(n for n, t in self.reg.transports.items() if not t.unavailable_reason)]
-            self.add(("parallel", "transport"), f"{name!r} cannot be used: {cls.unavailable_reason}; {allowed(usable)}")
+            self.add(
+                ("parallel", "transport"),
+                f"{name!r} cannot be used: {cls.unavailable_reason}; {allowed(usable)}",
+            )
 
     def train(self) -> None:
         t = self.cfg.train

@@ -30,6 +30,4 @@ class EmbeddingShard:
     @staticmethod
     def empty(total: int, hidden: int, like: torch.Tensor | None = None) -> EmbeddingShard:
         dtype = like.dtype if like is not None else torch.float32
-        return EmbeddingShard(
-            torch.zeros(0, dtype=torch.long), torch.zeros(0, hidden, dtype=dtype), total
-        )
+        return EmbeddingShard(torch.zeros(0, dtype=torch.long), torch.zeros(0, hidden, dtype=dtype), total)

@@ -130,9 +130,7 @@ class Strategy(ABC):
         return float(loss_sum.detach())
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(
-            logits.float(), labels, ignore_index=-100, reduction="sum"
-        )
+        return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
 
     def evaluate(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
@@ -216,9 +214,7 @@ class Strategy(ABC):
         :meth:`full_state_dict`; collective like it."""
         assert self.module is not None
         return {
-            n: p.grad.detach().cpu().clone()
-            for n, p in self.module.named_parameters()
-            if p.grad is not None
+            n: p.grad.detach().cpu().clone() for n, p in self.module.named_parameters() if p.grad is not None
         }
 
     def save(self, path: Path) -> None:

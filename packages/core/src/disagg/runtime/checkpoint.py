@@ -29,7 +29,9 @@ def save_checkpoint(orch: Orchestrator, cfg: Config, run_dir: Path, step: int) -
     for g in orch.groups:
         full = orch.full_state_dict(g.module)
         save_file(_contiguous(full), str(path / g.module / "full.safetensors"))
-    (path / "meta.json").write_text(json.dumps({"step": step, "config": cfg.model_dump(mode="json")}, indent=2))
+    (path / "meta.json").write_text(
+        json.dumps({"step": step, "config": cfg.model_dump(mode="json")}, indent=2)
+    )
     return path
 
 
@@ -63,7 +65,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, registry: Reg
 def _copy_non_weights(source: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
+        if (
+            f.is_file()
+            and not f.name.endswith((".safetensors", ".bin"))
+            and f.name != "model.safetensors.index.json"
+        ):
             shutil.copy2(f, dest / f.name)
 
 

@@ -74,8 +74,18 @@ def start_groups(
                         placement_group=pgs[pg_index], placement_group_bundle_index=bundle_of(gi, rank)
                     ),
                 ).remote(
-                    spec.module, rank, spec.size, spec.degree, spec.replicas, spec.family,
-                    spec.strategy_cls, spec.options, spec.optim, device, dtype, seed,
+                    spec.module,
+                    rank,
+                    spec.size,
+                    spec.degree,
+                    spec.replicas,
+                    spec.family,
+                    spec.strategy_cls,
+                    spec.options,
+                    spec.optim,
+                    device,
+                    dtype,
+                    seed,
                 )
             )
         groups.append(Group(spec, actors, pgs[pg_index]))
@@ -127,8 +137,11 @@ def _disaggregated(specs: list[GroupSpec], gpus: bool):
         need_cpu = spec.num_cpus * spec.size
         need_gpu = (spec.num_gpus or 1.0) * spec.size if gpus else 0.0
         target = next(
-            (nid for nid, r in free.items()
-             if nid not in taken and r.get("CPU", 0) >= need_cpu and r.get("GPU", 0) >= need_gpu),
+            (
+                nid
+                for nid, r in free.items()
+                if nid not in taken and r.get("CPU", 0) >= need_cpu and r.get("GPU", 0) >= need_gpu
+            ),
             None,
         )
         bundle: dict[str, float] = {"CPU": spec.num_cpus}
@@ -136,8 +149,11 @@ def _disaggregated(specs: list[GroupSpec], gpus: bool):
             bundle["GPU"] = spec.num_gpus or 1.0
         # Ray honours a target node only for STRICT_PACK; a group too big for
         # any single free node falls back to PACK anywhere.
-        pg = placement_group([dict(bundle) for _ in range(spec.size)],
-                             strategy="STRICT_PACK" if target else "PACK", _soft_target_node_id=target)
+        pg = placement_group(
+            [dict(bundle) for _ in range(spec.size)],
+            strategy="STRICT_PACK" if target else "PACK",
+            _soft_target_node_id=target,
+        )
         ray.get(pg.ready(), timeout=_PG_TIMEOUT)
         if target:
             taken.add(target)

@@ -48,7 +48,9 @@ class Orchestrator:
         self.specs = specs
         self.microbatches = microbatches
         self.clip_grad_norm = clip_grad_norm
-        self.groups: list[Group] = start_groups(specs, placement=placement, device=device, dtype=dtype, seed=seed)
+        self.groups: list[Group] = start_groups(
+            specs, placement=placement, device=device, dtype=dtype, seed=seed
+        )
         self.transport = transport
         if transport is not None:
             transport.setup([a for g in self.groups for a in g.actors])
@@ -56,8 +58,13 @@ class Orchestrator:
         self._mb_counter = 0
         self._side_refs: list[Any] = []
         global _ACTOR_NAMES
-        _ACTOR_NAMES.update({a._actor_id.hex(): f"module {g.module!r} rank {r}"
-                             for g in self.groups for r, a in enumerate(g.actors)})
+        _ACTOR_NAMES.update(
+            {
+                a._actor_id.hex(): f"module {g.module!r} rank {r}"
+                for g in self.groups
+                for r, a in enumerate(g.actors)
+            }
+        )
 
     @property
     def llm(self) -> Group:
@@ -75,7 +82,9 @@ class Orchestrator:
         t0 = time.perf_counter()
         label_tokens = sum(s.num_label_tokens for s in batch)
         if label_tokens == 0:
-            raise ValueError("global batch has no label tokens: nothing to learn from (check the assistant turns)")
+            raise ValueError(
+                "global batch has no label tokens: nothing to learn from (check the assistant turns)"
+            )
         loss_scale = 1.0 / label_tokens
         _wait([r for g in self.groups for r in g.call("zero_grad")])
         loss_refs: list[Any] = []
@@ -156,7 +165,9 @@ class Orchestrator:
             ins = [s.inputs["llm"] for s in samples]
             srcs = [(m, ref) for m, ref, _, _ in shard_refs[r]]
             ranks = list(range(r * self.llm.spec.degree, (r + 1) * self.llm.spec.degree))
-            refs = self.llm.call("loss_and_backward", mb_id, sids, ins, srcs, needs_grad, loss_scale, ranks=ranks)
+            refs = self.llm.call(
+                "loss_and_backward", mb_id, sids, ins, srcs, needs_grad, loss_scale, ranks=ranks
+            )
             loss_refs.append(refs[0])  # every TP rank computes the same replica loss; count it once
             self._side_refs += refs[1:]
         # gradients back to the rank that produced each shard
@@ -174,7 +185,9 @@ class Orchestrator:
                 if g.spec.optim is None:
                     g.actors[rank].drop.remote(mb_id)
                 else:  # every rank that encoded runs backward, with no gradients if it had no samples
-                    self._side_refs.append(g.actors[rank].backward.remote(mb_id, grads_to.get((g.module, rank), [])))
+                    self._side_refs.append(
+                        g.actors[rank].backward.remote(mb_id, grads_to.get((g.module, rank), []))
+                    )
         for a in self.llm.actors:
             a.release.remote(mb_id)
         return loss_refs
@@ -207,11 +220,22 @@ class Orchestrator:
         for r, part in enumerate(llm_parts):
             samples = [batch[p] for p in part]
             ranks = list(range(r * self.llm.spec.degree, (r + 1) * self.llm.spec.degree))
-            outs.append(self.llm.call("evaluate", [s.index for s in samples],
-                                      [s.inputs["llm"] for s in samples], srcs[r], ranks=ranks)[0])
+            outs.append(
+                self.llm.call(
+                    "evaluate",
+                    [s.index for s in samples],
+                    [s.inputs["llm"] for s in samples],
+                    srcs[r],
+                    ranks=ranks,
+                )[0]
+            )
         res = _wait(outs)
         loss, correct, total = (sum(x[i] for x in res) for i in range(3))
-        return {"loss": loss / max(total, 1), "token_accuracy": correct / max(total, 1), "label_tokens": total}
+        return {
+            "loss": loss / max(total, 1),
+            "token_accuracy": correct / max(total, 1),
+            "label_tokens": total,
+        }
 
     # -- state -------------------------------------------------------------------------------------------
     def full_state_dict(self, module: str) -> dict[str, Any]:

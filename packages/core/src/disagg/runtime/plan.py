@@ -63,17 +63,19 @@ def make_plan(cfg: Config, registry: Registry, cluster_gpus: float) -> Plan:
     for m in cfg.modules():
         g = getattr(cfg.parallel, m)
         cls = registry.strategies[g.strategy]
-        specs.append(GroupSpec(
-            module=m,
-            family=families[m],
-            strategy_cls=cls,
-            options=cls.options_model(**g.strategy_options()),
-            degree=g.degree,
-            replicas=g.replicas,
-            optim=optim_for(cfg, m),
-            num_cpus=g.resources.num_cpus,
-            num_gpus=g.resources.num_gpus,
-        ))
+        specs.append(
+            GroupSpec(
+                module=m,
+                family=families[m],
+                strategy_cls=cls,
+                options=cls.options_model(**g.strategy_options()),
+                degree=g.degree,
+                replicas=g.replicas,
+                optim=optim_for(cfg, m),
+                num_cpus=g.resources.num_cpus,
+                num_gpus=g.resources.num_gpus,
+            )
+        )
     name = cfg.parallel.transport
     if name == "auto":
         name = "nccl" if device == "cuda" else "object_store"
@@ -81,6 +83,8 @@ def make_plan(cfg: Config, registry: Registry, cluster_gpus: float) -> Plan:
     if transport.unavailable_reason:
         raise ValueError(f"parallel.transport: {name!r} cannot be used: {transport.unavailable_reason}")
     if device not in transport.devices:
-        raise ValueError(f"parallel.transport: {name!r} does not work on {device}; "
-                         f"allowed there: {sorted(n for n, t in registry.transports.items() if device in t.devices)}")
+        raise ValueError(
+            f"parallel.transport: {name!r} does not work on {device}; "
+            f"allowed there: {sorted(n for n, t in registry.transports.items() if device in t.devices)}"
+        )
     return Plan(families, specs, device, dtype, transport)

@@ -38,7 +38,9 @@ def _named(fn: Callable) -> Callable:
         except WorkerError:
             raise
         except Exception as exc:
-            raise WorkerError(f"module {self.module!r} rank {self.rank}: {type(exc).__name__}: {exc}") from exc
+            raise WorkerError(
+                f"module {self.module!r} rank {self.rank}: {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             self.busy_s += time.perf_counter() - t0
 
@@ -72,7 +74,9 @@ class ModuleWorker:
         # microbatch -> (sample ids, shards) kept until their gradients arrive
         self.pending: dict[int, tuple[list[int], list[EmbeddingShard]]] = {}
         # microbatch -> (sample ids, embedding leaves per sample)
-        self.llm_leaves: dict[int, tuple[list[int], list[dict[str, torch.Tensor]], list[dict[str, list]]]] = {}
+        self.llm_leaves: dict[
+            int, tuple[list[int], list[dict[str, torch.Tensor]], list[dict[str, list]]]
+        ] = {}
         self.busy_s = 0.0
         self.sent_bytes = 0
         self.saved_bytes = 0
@@ -103,10 +107,20 @@ class ModuleWorker:
             backend = "nccl"
         else:
             device, backend = torch.device("cpu"), "gloo"
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=600))
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",
+        )
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=600),
+        )
         torch.manual_seed(self.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype_name]
         ctx = GroupContext(self.module, self.rank, self.world_size, self.degree, self.replicas, device, dtype)
@@ -208,7 +222,9 @@ class ModuleWorker:
         self.llm_leaves.pop(mb, None)
 
     @_named
-    def evaluate(self, sample_ids: list[int], input_refs: list[Any], shard_refs: list[Any]) -> tuple[float, int, int]:
+    def evaluate(
+        self, sample_ids: list[int], input_refs: list[Any], shard_refs: list[Any]
+    ) -> tuple[float, int, int]:
         """Forward only: (loss sum, correct argmax predictions, label tokens)."""
         inputs = ray.get(input_refs)
         embeds: list[dict[str, torch.Tensor]] = [{} for _ in sample_ids]

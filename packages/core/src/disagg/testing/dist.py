@@ -27,7 +27,9 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
         out = fn(rank, *args)
         # plain pickle copies tensor data; the queue's own pickler would share
         # it by file descriptor, which dies with this process before the parent reads it
@@ -47,7 +49,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

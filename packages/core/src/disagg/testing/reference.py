@@ -36,8 +36,14 @@ class ReferenceModel:
             if spec is None:
                 mod.requires_grad_(False)
                 continue
-            opt = torch.optim.AdamW(mod.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
-                                    betas=spec.betas, eps=spec.eps, foreach=False)
+            opt = torch.optim.AdamW(
+                mod.parameters(),
+                lr=spec.lr,
+                weight_decay=spec.weight_decay,
+                betas=spec.betas,
+                eps=spec.eps,
+                foreach=False,
+            )
             self.optimizers[m] = opt
             self.schedulers[m] = make_scheduler(opt, spec)
 
@@ -54,7 +60,9 @@ class ReferenceModel:
             embeds.append(e)
         logits, labels = llm_family.forward(self.modules["llm"], [s["llm"] for s in samples], embeds)
         n = int((labels != -100).sum())
-        loss_sum = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+        loss_sum = torch.nn.functional.cross_entropy(
+            logits.float(), labels, ignore_index=-100, reduction="sum"
+        )
         return loss_sum / n, n
 
     def step(self, samples: list[dict[str, dict[str, torch.Tensor]]], clip: float | None) -> ReferenceStep:
@@ -68,18 +76,29 @@ class ReferenceModel:
         else:
             norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None)))
         grads = {
-            m: {n: p.grad.detach().clone() for n, p in self.modules[m].named_parameters() if p.grad is not None}
+            m: {
+                n: p.grad.detach().clone()
+                for n, p in self.modules[m].named_parameters()
+                if p.grad is not None
+            }
             for m in self.optimizers
         }
         for m, opt in self.optimizers.items():
             opt.step()
             self.schedulers[m].step()
-        state = {m: {k: v.detach().clone() for k, v in mod.state_dict().items()} for m, mod in self.modules.items()}
+        state = {
+            m: {k: v.detach().clone() for k, v in mod.state_dict().items()} for m, mod in self.modules.items()
+        }
         return ReferenceStep(float(loss.detach()), norm, grads, state)
 
 
-def assert_close_dicts(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float = 1e-5,
-                       atol: float | None = None, what: str = "") -> None:
+def assert_close_dicts(
+    got: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    rtol: float = 1e-5,
+    atol: float | None = None,
+    what: str = "",
+) -> None:
     """Every tensor equal within ``rtol`` relative to its own scale.
 
     The absolute floor is ``rtol * max|want|`` per tensor: elements that are
@@ -90,4 +109,6 @@ def assert_close_dicts(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     for k in want:
         w = want[k].float()
         floor = atol if atol is not None else rtol * float(w.abs().max()) if w.numel() else 0.0
-        torch.testing.assert_close(got[k].float(), w, rtol=rtol, atol=floor, msg=lambda m: f"{what}{k}: {m}")
+        torch.testing.assert_close(
+            got[k].float(), w, rtol=rtol, atol=floor, msg=lambda m, k=k: f"{what}{k}: {m}"
+        )

@@ -31,8 +31,16 @@ class ToyEncoderConfig(PretrainedConfig):
 class ToyLMConfig(PretrainedConfig):
     model_type = "disagg_toy_lm"
 
-    def __init__(self, vocab_size: int = 40, hidden: int = 24, heads: int = 2, layers: int = 2,
-                 image_token_id: int = 3, audio_token_id: int = 4, **kw: Any):
+    def __init__(
+        self,
+        vocab_size: int = 40,
+        hidden: int = 24,
+        heads: int = 2,
+        layers: int = 2,
+        image_token_id: int = 3,
+        audio_token_id: int = 4,
+        **kw: Any,
+    ):
         self.vocab_size, self.hidden, self.heads, self.layers = vocab_size, hidden, heads, layers
         self.image_token_id, self.audio_token_id = image_token_id, audio_token_id
         super().__init__(**kw)
@@ -81,7 +89,9 @@ class ToyLM(PreTrainedModel):
     def __init__(self, config: ToyLMConfig):
         super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.hidden)
-        self.blocks = nn.ModuleList(Block(config.hidden, config.heads, causal=True) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(
+            Block(config.hidden, config.heads, causal=True) for _ in range(config.layers)
+        )
         self.norm = nn.LayerNorm(config.hidden)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.post_init()
@@ -124,7 +134,9 @@ class ToyEncoderFamily(EncoderFamily):
         return ToyEncoderConfig.from_pretrained(self.path).out_hidden
 
     def layer_map(self) -> LayerMap:
-        return LayerMap(column=("block.qkv", "block.up"), row=("block.proj", "block.down"), heads={"block": ("heads",)})
+        return LayerMap(
+            column=("block.qkv", "block.up"), row=("block.proj", "block.down"), heads={"block": ("heads",)}
+        )
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(state)
@@ -170,8 +182,13 @@ class ToyLMFamily(LanguageFamily):
         return logits[:, :-1].reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1)
 
     def layer_map(self) -> LayerMap:
-        return LayerMap(column=("blocks.*.qkv", "blocks.*.up"), row=("blocks.*.proj", "blocks.*.down"),
-                        vocab=("embed",), output=("lm_head",), heads={"blocks.*": ("heads",)})
+        return LayerMap(
+            column=("blocks.*.qkv", "blocks.*.up"),
+            row=("blocks.*.proj", "blocks.*.down"),
+            vocab=("embed",),
+            output=("lm_head",),
+            heads={"blocks.*": ("heads",)},
+        )
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(state)
@@ -196,8 +213,9 @@ def make_toy_dirs(root: Path, seed: int = 0, **lm_kw: Any) -> tuple[Path, Path]:
     return enc, lm
 
 
-def toy_samples(n: int, seed: int = 0, in_dim: int = 6, vocab: int = 40, image_token_id: int = 3,
-                text_only_every: int = 0) -> list[dict[str, dict[str, torch.Tensor]]]:
+def toy_samples(
+    n: int, seed: int = 0, in_dim: int = 6, vocab: int = 40, image_token_id: int = 3, text_only_every: int = 0
+) -> list[dict[str, dict[str, torch.Tensor]]]:
     """Synthetic ragged samples: some images (1-2 items of 2-5 patches), text with
     the right number of placeholders, labels on the second half of the text."""
     g = torch.Generator().manual_seed(seed)
@@ -210,11 +228,12 @@ def toy_samples(n: int, seed: int = 0, in_dim: int = 6, vocab: int = 40, image_t
         answer = torch.randint(5, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)
         ids = torch.cat([torch.full((sum(sizes),), image_token_id), prompt, answer])
         labels = torch.full_like(ids, -100)
-        labels[-len(answer):] = answer
+        labels[-len(answer) :] = answer
         sample = {"llm": {"input_ids": ids, "labels": labels}}
         if n_items:
             sample["vision"] = ToyEncoderFamily.preprocess(
-                None, [torch.randn(s, in_dim, generator=g) for s in sizes]  # type: ignore[arg-type]
+                None,
+                [torch.randn(s, in_dim, generator=g) for s in sizes],  # type: ignore[arg-type]
             )
         out.append(sample)
     return out
@@ -228,14 +247,16 @@ def put_samples(samples: list[dict[str, dict[str, torch.Tensor]]], start: int = 
 
     out = []
     for i, s in enumerate(samples):
-        out.append(SampleRefs(
-            index=start + i,
-            inputs={m: ray.put(d) for m, d in s.items()},
-            # the first token is never predicted (labels are shifted by one)
-            num_label_tokens=int((s["llm"]["labels"][1:] != -100).sum()),
-            num_tokens=int(s["llm"]["input_ids"].numel()),
-            source=f"toy:{start + i}",
-        ))
+        out.append(
+            SampleRefs(
+                index=start + i,
+                inputs={m: ray.put(d) for m, d in s.items()},
+                # the first token is never predicted (labels are shifted by one)
+                num_label_tokens=int((s["llm"]["labels"][1:] != -100).sum()),
+                num_tokens=int(s["llm"]["input_ids"].numel()),
+                source=f"toy:{start + i}",
+            )
+        )
     return out
 
 

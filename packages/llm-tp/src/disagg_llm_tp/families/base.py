@@ -90,7 +90,13 @@ class HFDecoderFamily(LanguageFamily):
         tc, p = self.text_config, self.prefix
         attn = f"{p}.layers.*.self_attn"
         return LayerMap(
-            column=(f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj", f"{p}.layers.*.mlp.gate_proj", f"{p}.layers.*.mlp.up_proj"),
+            column=(
+                f"{attn}.q_proj",
+                f"{attn}.k_proj",
+                f"{attn}.v_proj",
+                f"{p}.layers.*.mlp.gate_proj",
+                f"{p}.layers.*.mlp.up_proj",
+            ),
             row=(f"{attn}.o_proj", f"{p}.layers.*.mlp.down_proj"),
             vocab=(f"{p}.embed_tokens",),
             output=("lm_head",),
@@ -124,11 +130,14 @@ class HFDecoderFamily(LanguageFamily):
         if token is None:
             raise ValueError(
                 f"family {self.name!r} has no placeholder token for module {module!r}; "
-                f"set model.llm.options.placeholder_tokens.{module}; known modules: {', '.join(self.placeholder_tokens)}"
+                f"set model.llm.options.placeholder_tokens.{module}; "
+                f"known modules: {', '.join(self.placeholder_tokens)}"
             )
         tid = self.tokenizer().convert_tokens_to_ids(token)
         if tid is None or tid == self.tokenizer().unk_token_id:
-            raise ValueError(f"placeholder token {token!r} for module {module!r} is not in the tokenizer of {self.path}")
+            raise ValueError(
+                f"placeholder token {token!r} for module {module!r} is not in the tokenizer of {self.path}"
+            )
         return int(tid)
 
     @cached_property
@@ -141,7 +150,9 @@ class HFDecoderFamily(LanguageFamily):
         return self._placeholder_ids[module]
 
     # -- forward ---------------------------------------------------------------------------------------
-    def pad_batch(self, inputs: list[dict[str, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    def pad_batch(
+        self, inputs: list[dict[str, torch.Tensor]], device: torch.device
+    ) -> tuple[torch.Tensor, ...]:
         """Right-pad ragged samples: ids, attention mask, labels (-100 on padding)."""
         n = max(int(x["input_ids"].shape[-1]) for x in inputs)
         pad = self.text_config.pad_token_id
@@ -156,7 +167,9 @@ class HFDecoderFamily(LanguageFamily):
             mask[i, :length] = 1
         return ids, mask, labels
 
-    def scatter(self, embeds: torch.Tensor, ids: torch.Tensor, rows: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def scatter(
+        self, embeds: torch.Tensor, ids: torch.Tensor, rows: list[dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
         """Put each sample's encoder rows at its placeholder tokens, in order."""
         out = []
         for i, sample in enumerate(rows):
@@ -186,7 +199,12 @@ class HFDecoderFamily(LanguageFamily):
         return logits, labels[:, 1:].reshape(-1)
 
     def run(
-        self, module: nn.Module, ids: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor, inputs: list[dict[str, torch.Tensor]]
+        self,
+        module: nn.Module,
+        ids: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        inputs: list[dict[str, torch.Tensor]],
     ) -> torch.Tensor:
         """Logits of the padded batch (HF forward from ``inputs_embeds``)."""
         return module(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
@@ -215,7 +233,10 @@ class HFDecoderFamily(LanguageFamily):
         return out
 
     def _tied(self) -> bool:
-        return bool(getattr(self.config, "tie_word_embeddings", False) or getattr(self.text_config, "tie_word_embeddings", False))
+        return bool(
+            getattr(self.config, "tie_word_embeddings", False)
+            or getattr(self.text_config, "tie_word_embeddings", False)
+        )
 
     def _checkpoint_name(self, name: str, keys: set[str]) -> str:
         if name in keys or not self.is_vlm:
@@ -223,7 +244,11 @@ class HFDecoderFamily(LanguageFamily):
         # Dirs saved before transformers 4.52 keep the decoder at "model.*"
         # (Qwen2.5-VL) or "language_model.model.*" (LLaVA).
         for old in ("model.", "language_model.model.", "language_model."):
-            cand = old + name[len("model.language_model.") :] if name.startswith("model.language_model.") else None
+            cand = (
+                old + name[len("model.language_model.") :]
+                if name.startswith("model.language_model.")
+                else None
+            )
             if cand and cand in keys:
                 return cand
         if name == "lm_head.weight" and "language_model.lm_head.weight" in keys:
@@ -242,5 +267,9 @@ def write_hf_dir(src: Path, out: Path, tensors: dict[str, torch.Tensor]) -> Path
     for f in Path(src).iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return out

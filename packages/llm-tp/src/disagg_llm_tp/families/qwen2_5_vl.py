@@ -49,8 +49,12 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
         grid = torch.cat(grids).to(ids.device) if grids else None
         module.model.rope_deltas = None  # never reuse positions cached by an earlier call
         return module(
-            input_ids=ids, inputs_embeds=embeds, attention_mask=mask, image_grid_thw=grid,
-            mm_token_type_ids=types, use_cache=False,
+            input_ids=ids,
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            image_grid_thw=grid,
+            mm_token_type_ids=types,
+            use_cache=False,
         ).logits
 
     @classmethod
@@ -69,17 +73,38 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
 
         out = Path(out_dir)
         tok = qwen_tokenizer(out)
-        ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+        ids = {
+            t: tok.convert_tokens_to_ids(t)
+            for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+        }
         text = decoder_sizes(vocab_size or len(tok))
         # head_dim 16 -> 8 rotary frequencies, split over (t, h, w) as HF's 16/24/24 is for 128.
-        text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
-                      temporal_patch_size=2, window_size=56, out_hidden_size=text["hidden_size"], fullatt_block_indexes=[1])
+        text.update(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            bos_token_id=None,
+        )
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            out_hidden_size=text["hidden_size"],
+            fullatt_block_indexes=[1],
+        )
         config = Qwen2_5_VLConfig(
-            text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
-            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+            text_config=text,
+            vision_config=vision,
+            tie_word_embeddings=tie_word_embeddings,
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
         )
         save_random(Qwen2_5_VLForConditionalGeneration, config, out, seed)
         _write_preprocessor(out)
@@ -90,11 +115,18 @@ def _write_preprocessor(out: Path) -> None:
     """Qwen2-VL image processor settings for tiny images (patch 14, merge 2)."""
     cfg = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
         "do_convert_rgb": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-        "min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_pixels": 28 * 28 * 4,
+        "max_pixels": 28 * 28 * 16,
         "size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16},
     }
     (out / "preprocessor_config.json").write_text(json.dumps(cfg, indent=2))

@@ -31,30 +31,60 @@ LLAMA_TEMPLATE = (
 )
 
 QWEN_SPECIALS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|image_pad|>", "<|video_pad|>", "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|AUDIO|>",
 ]
-LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<image>", "<audio>"]
+LLAMA_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<image>",
+    "<audio>",
+]
 
 
 def qwen_tokenizer(out_dir: Path, vocab_size: int = 480) -> Any:
     return train_tokenizer(
-        out_dir, QWEN_SPECIALS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        chat_template=CHATML, vocab_size=vocab_size,
+        out_dir,
+        QWEN_SPECIALS,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+        vocab_size=vocab_size,
     )
 
 
 def llama_tokenizer(out_dir: Path, vocab_size: int = 480) -> Any:
     return train_tokenizer(
-        out_dir, LLAMA_SPECIALS, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-        pad_token="<|end_of_text|>", chat_template=LLAMA_TEMPLATE, vocab_size=vocab_size,
+        out_dir,
+        LLAMA_SPECIALS,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|end_of_text|>",
+        chat_template=LLAMA_TEMPLATE,
+        vocab_size=vocab_size,
     )
 
 
 def decoder_sizes(vocab_size: int, **overrides: Any) -> dict[str, Any]:
     sizes = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
     )
     sizes.update(overrides)
     return sizes
