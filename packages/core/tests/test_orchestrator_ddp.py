@@ -79,6 +79,13 @@ def _run(toy_dirs, enc_replicas, llm_replicas, *, clip=0.5, microbatches=1, froz
                 assert_close_dicts(orch.full_grads(m), want.grads[m], what=f"step {s} {m} grad ")
             for m in want.params:
                 assert_close_dicts(orch.full_state_dict(m), want.params[m], what=f"step {s} {m} param ")
+        # forward-only evaluation through the groups equals the reference's loss and greedy accuracy
+        held_out = toy_samples(BATCH, seed=99, text_only_every=3)
+        with torch.no_grad():
+            want_loss, _ = ref.loss(held_out)
+        ev = orch.evaluate(put_samples(held_out, start=1000))
+        assert ev["loss"] == pytest.approx(float(want_loss), rel=1e-5)
+        assert 0.0 <= ev["token_accuracy"] <= 1.0 and ev["label_tokens"] > 0
         for m in frozen:  # a frozen module gets no parameter change at all
             assert_close_dicts(orch.full_state_dict(m), initial[m], rtol=0, atol=0, what=f"frozen {m} ")
         for m in {"vision", "llm"} - set(frozen):
