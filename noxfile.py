@@ -41,13 +41,21 @@ def install(session: nox.Session, *paths: str) -> None:
     session.install(*args, "pytest")
 
 
-def pytest(session: nox.Session, tests_dir: str) -> None:
+def pytest(session: nox.Session, *tests_dirs: str) -> None:
     """One pytest process per tests dir: packages' test helpers have plain
-    module names (conftest, fakes) that must not collide across packages."""
-    if any((ROOT / tests_dir).glob("**/test_*.py")):
-        session.run("pytest", "-q", tests_dir, *session.posargs, env=ENV)
-    else:
-        session.log(f"{tests_dir}: no tests yet")
+    module names (conftest, fakes) that must not collide across packages.
+    Every dir runs even when an earlier one fails, so one run shows every failure."""
+    failed = []
+    for tests_dir in tests_dirs:
+        if not any((ROOT / tests_dir).glob("**/test_*.py")):
+            session.log(f"{tests_dir}: no tests yet")
+            continue
+        try:
+            session.run("pytest", "-q", tests_dir, *session.posargs, env=ENV)
+        except nox.command.CommandFailed:
+            failed.append(tests_dir)
+    if failed:
+        session.error(f"tests failed in: {', '.join(failed)}")
 
 
 @nox.session(python=PYTHON)
@@ -55,8 +63,7 @@ def tests(session: nox.Session) -> None:
     """Every package and the example plugin installed together; all tests."""
     packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
     install(session, *packages, EXAMPLE)
-    for tests_dir in [*(f"{p}/tests" for p in packages), f"{EXAMPLE}/tests", "tests"]:
-        pytest(session, tests_dir)
+    pytest(session, *(f"{p}/tests" for p in packages), f"{EXAMPLE}/tests", "tests")
 
 
 @nox.session(python=PYTHON)
