@@ -63,6 +63,7 @@ def tests(session: nox.Session) -> None:
     """Every package and the example plugin installed together; all tests."""
     packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
     install(session, *packages, EXAMPLE)
+    session.install("scikit-learn")  # its sample photographs feed the real-image pipeline test
     pytest(session, *(f"{p}/tests" for p in packages), f"{EXAMPLE}/tests", "tests")
 
 

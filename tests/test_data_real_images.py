@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
+def photos(tmp_path_factory, ray_local):
     from PIL import Image
     from sklearn.datasets import load_sample_images
 
@@ -51,9 +51,7 @@ def photos(tmp_path_factory):
         },
     ]
     (root / "photos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield root, names
-    ray.shutdown()
+    return root, names
 
 
 def tiny_dir(tmp_path: Path, min_pixels: int, max_pixels: int) -> Path:
