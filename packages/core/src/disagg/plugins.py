@@ -186,14 +186,16 @@ def provider_of(kind: str, name: str, role: str | None = None) -> str | None:
     return KNOWN_PROVIDERS.get(key)
 
 
-def notify(hook: str, **kwargs: Any) -> list[str]:
+def notify(hook: str, *, pm: pluggy.PluginManager | None = None, **kwargs: Any) -> list[str]:
     """Call an observer hook (``disagg_log_metrics``, ``disagg_run_finished``)
-    on every plugin; an exception in one plugin is warned about and returned,
-    never raised, so that a broken logger cannot stop a run."""
-    reg = get_registry()
-    assert reg.pm is not None
+    on every plugin of ``pm`` (default: the process-wide registry's); an
+    exception in one plugin is warned about and returned, never raised, so
+    that a broken logger cannot stop a run."""
+    if pm is None:
+        pm = get_registry().pm
+    assert pm is not None
     errors: list[str] = []
-    for impl in getattr(reg.pm.hook, hook).get_hookimpls():
+    for impl in getattr(pm.hook, hook).get_hookimpls():
         try:
             impl.function(**{k: kwargs[k] for k in impl.argnames})
         except Exception as exc:

@@ -13,7 +13,7 @@ from disagg.config.dump import dump_resolved
 from disagg.config.schema import Config
 from disagg.metrics.jsonl import JsonlMetricsLogger
 from disagg.metrics.step import step_record, summarize
-from disagg.plugins import Registry, get_registry
+from disagg.plugins import Registry, get_registry, notify
 from disagg.runtime.checkpoint import checkpoint_step, save_checkpoint
 from disagg.runtime.orchestrator import Orchestrator
 from disagg.runtime.plan import make_plan
@@ -68,7 +68,7 @@ def run_training(
             result = orch.step(batch)
             record = step_record(step, result, data_source.stats())
             records.append(record)
-            _log(pm, step, record)
+            notify("disagg_log_metrics", pm=pm, step=step, metrics=record)
             bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
@@ -85,7 +85,7 @@ def run_training(
             summary["checkpoint"] = str(run_dir / "checkpoints" / f"step-{records[-1]['step']}")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         try:
-            pm.hook.disagg_run_finished(summary=summary)
+            notify("disagg_run_finished", pm=pm, summary=summary)
         finally:
             pm.unregister(logger)
             orch.shutdown()
@@ -101,16 +101,6 @@ def ensure_ray(address: str | None, num_cpus: int | None) -> None:
         return
     # More logical CPUs than cores, so that every group's actors fit on a laptop.
     ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False)
-
-
-def _log(pm: Any, step: int, record: dict[str, Any]) -> None:
-    for impl in pm.hook.disagg_log_metrics.get_hookimpls():
-        try:
-            impl.function(step=step, metrics=record)
-        except Exception as exc:  # one broken logger must not stop training
-            import warnings
-
-            warnings.warn(f"metrics logger {impl.plugin_name!r} failed at step {step}: {exc}", stacklevel=2)
 
 
 def _progress(total: int, start: int, enabled: bool) -> Any:
