@@ -18,21 +18,27 @@ TOL = 1e-5
 ADAM_NOISY = ("self_attn.k_proj.bias",)
 
 CASES = [
-    # name, dir key, family, degree, replicas
-    ("qwen2-tied-d2", "qwen2", "qwen2", 2, 1),
-    ("qwen2-tied-d4-kv-replicated", "qwen2", "qwen2", 4, 1),
-    ("qwen2-untied-d2-r2", "qwen2_untied", "qwen2", 2, 2),
-    ("llama-d2", "llama", "llama", 2, 1),
-    ("llama-d4-kv-replicated", "llama", "llama", 4, 1),
-    ("qwen2_5_vl-mrope-d2", "qwen2_5_vl", "qwen2_5_vl", 2, 1),
+    # name, dir key, family, degree, replicas, sequence_parallel
+    ("qwen2-tied-d2", "qwen2", "qwen2", 2, 1, False),
+    ("qwen2-tied-d4-kv-replicated", "qwen2", "qwen2", 4, 1, False),
+    ("qwen2-untied-d2-r2", "qwen2_untied", "qwen2", 2, 2, False),
+    ("llama-d2", "llama", "llama", 2, 1, False),
+    ("llama-d4-kv-replicated", "llama", "llama", 4, 1, False),
+    ("qwen2_5_vl-mrope-d2", "qwen2_5_vl", "qwen2_5_vl", 2, 1, False),
+    # Megatron sequence parallelism; with 3 samples (2 over 2 replicas) the token
+    # counts (45; 7 and 14) are not multiples of the degree, so shards are padded.
+    ("qwen2-tied-d4-kv-replicated-sp", "qwen2", "qwen2", 4, 1, True),
+    ("qwen2-untied-d2-r2-sp", "qwen2_untied", "qwen2", 2, 2, True),
+    ("llama-d2-sp", "llama", "llama", 2, 1, True),
+    ("qwen2_5_vl-mrope-d2-sp", "qwen2_5_vl", "qwen2_5_vl", 2, 1, True),
 ]
 
 
-@pytest.mark.parametrize("name,key,family,degree,replicas", CASES, ids=[c[0] for c in CASES])
-def test_matches_hf(tiny_dirs, name, key, family, degree, replicas):
+@pytest.mark.parametrize("name,key,family,degree,replicas,sp", CASES, ids=[c[0] for c in CASES])
+def test_matches_hf(tiny_dirs, name, key, family, degree, replicas, sp):
     fam = family_cls(family)(tiny_dirs[key])
-    samples, embeds = make_batch(fam, n_samples=4)
-    case = Case(family, tiny_dirs[key], degree, replicas, steps=3, samples=samples, embeds=embeds)
+    samples, embeds = make_batch(fam, n_samples=(2 if replicas > 1 else 3) if sp else 4)
+    case = Case(family, tiny_dirs[key], degree, replicas, 3, sp, samples=samples, embeds=embeds)
     ref = reference(case)
     outs = run_tp(case)
     first = outs[0]
@@ -61,3 +67,5 @@ def test_matches_hf(tiny_dirs, name, key, family, degree, replicas):
             continue
         assert rel(first["params"][n], p) <= TOL, f"{n} after 3 steps: {rel(first['params'][n], p):.2e}"
     assert first["comm_bytes"] > 0
+    if sp:  # the regions really were split: sequence-parallel collectives ran
+        assert first["collectives"].get("reduce_scatter", 0) > 0 and first["collectives"]["all_gather"] > 0

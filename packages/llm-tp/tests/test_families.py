@@ -8,7 +8,7 @@ from tp_cases import family_cls
 
 from disagg.plugins import build_registry, make_plugin_manager
 from disagg_llm_tp.families.base import allowed_degrees
-from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+from disagg_llm_tp.strategy import MegatronTPStrategy
 
 
 def test_plugin_registers_strategy_and_families():
@@ -37,13 +37,6 @@ def test_check_names_value_and_allowed_degrees(tiny_dirs):
     assert fam.check("ddp", 3, 1) == []
     assert allowed_degrees(8, 2) == [1, 2, 4, 8]
     assert allowed_degrees(12, 4) == [1, 2, 4, 12]
-
-
-def test_strategy_check_rejects_unsupported_options(tiny_dirs):
-    fam = family_cls("llama")(tiny_dirs["llama"])
-    assert MegatronTPStrategy.check(fam, 2, 1, MegatronTPOptions()) == []
-    problems = MegatronTPStrategy.check(fam, 2, 1, MegatronTPOptions(sequence_parallel=True))
-    assert problems and "sequence_parallel" in problems[0] and "allowed: false" in problems[0]
 
 
 def test_scatter_count_mismatch_is_a_clear_error(tiny_dirs):

@@ -6,6 +6,7 @@ Rank functions live here (not in a test module) so spawned ranks can import them
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class Case:
     degree: int
     replicas: int = 1
     steps: int = 3
+    sequence_parallel: bool = False
     samples: list[dict[str, torch.Tensor]] = field(default_factory=list)
     embeds: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
@@ -175,7 +177,7 @@ def _tp_rank(rank: int, case: Case) -> dict:
         dtype=torch.float32,
     )
     fam = family_cls(case.family)(case.path)
-    strat = MegatronTPStrategy(ctx, fam, MegatronTPOptions())
+    strat = MegatronTPStrategy(ctx, fam, MegatronTPOptions(sequence_parallel=case.sequence_parallel))
     strat.setup(fam.build(torch.float32), OptimSpec(lr=LR))
     samples = replica_slice(case.samples, ctx.replica, case.replicas)
     embeds = replica_slice(case.embeds, ctx.replica, case.replicas)
@@ -189,12 +191,14 @@ def _tp_rank(rank: int, case: Case) -> dict:
                 n = max(len(x["input_ids"]) for x in samples)
                 real = torch.cat([torch.arange(n - 1) < len(x["input_ids"]) - 1 for x in samples])
                 out["logits"] = _gather_vocab(logits, strat)[real]
-        loss = strat.loss_and_backward(samples, leaves, 1.0 / total)
+        with count_saved_bytes(strat.module) as saved:
+            loss = strat.loss_and_backward(samples, leaves, 1.0 / total)
         strat.reduce_gradients()
         norm_sq = strat.grad_norm_sq()
         if step == 0:
             out["loss"] = loss
             out["norm_sq"] = norm_sq
+            out["activation_bytes"] = saved[0]
             out["grads"] = strat.full_grads()
             out["embed_grads"] = [{k: v.grad.clone() for k, v in e.items()} for e in leaves]
         strat.step(clip_coefficient(math.sqrt(norm_sq), MAX_NORM))
@@ -204,7 +208,23 @@ def _tp_rank(rank: int, case: Case) -> dict:
         out["final_loss"] = float(strat.loss_sum(logits, labels))
     out["params"] = strat.full_state_dict()
     out["comm_bytes"] = ctx.comm.total()
+    out["collectives"] = dict(ctx.comm.bytes_by_op)
     return out
+
+
+@contextlib.contextmanager
+def count_saved_bytes(module: torch.nn.Module):
+    """Bytes autograd saves for backward, weights excluded (as the worker's metric)."""
+    params = {p.data_ptr() for p in module.parameters()}
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
 
 
 def _gather_vocab(logits: torch.Tensor, strat) -> torch.Tensor:

@@ -16,6 +16,11 @@ are issued inside megatron's autograd functions, which cannot route them
 through ``CommCounter``): ColumnParallelLinear's backward all-reduce of the
 input gradient, RowParallelLinear's and VocabParallelEmbedding's forward
 all-reduce of the output.
+
+With sequence parallelism (``sp``, see :mod:`disagg_llm_tp.sequence_parallel`)
+column linears read an already gathered input whose backward reduce-scatter
+sums their input gradients, so they do not all-reduce them; row linears
+reduce-scatter their output instead of all-reducing it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from disagg.runtime.comm import CommCounter
+from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 Kind = Literal["column", "row", "vocab", "kv_replicated", "replicated"]
 
@@ -45,6 +51,9 @@ class ShardSpec:
     kv_replicated: one key/value head (``head``) whose copies live on the
         ``kv_share`` consecutive TP ranks that use it; ``num_heads`` heads in all.
     replicated: identical full copy on every TP rank.
+
+    ``sp_partial``: a replicated parameter used on this rank's tokens only
+    (sequence parallelism), so each TP rank holds part of its gradient.
     """
 
     kind: Kind
@@ -53,6 +62,7 @@ class ShardSpec:
     head: int = 0
     kv_share: int = 1
     num_heads: int = 0
+    sp_partial: bool = False
 
 
 def _noop_init(_: torch.Tensor) -> None:
@@ -79,7 +89,13 @@ class TPColumnLinear(ColumnParallelLinear):
     """ColumnParallelLinear called like ``nn.Linear`` (output stays split)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig, comm: CommCounter
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        config: ModelParallelConfig,
+        comm: CommCounter,
+        sp: SequenceParallelRegion | None = None,
     ):
         super().__init__(
             in_features,
@@ -89,12 +105,19 @@ class TPColumnLinear(ColumnParallelLinear):
             bias=bias,
             gather_output=False,
             skip_bias_add=False,
+            # Under sequence parallelism the gather before this layer sums the input gradient.
+            disable_grad_reduce=sp is not None,
         )
         self.comm = comm
         self.tp_size = config.tensor_model_parallel_size
+        self.sp = sp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         x3, shape = _to_sbh(x)
+        if self.sp is not None:
+            with self.sp.save_shards():
+                out, _ = super().forward(x3)
+            return _from_sbh(out, shape)
         if x.requires_grad:  # the backward all-reduce of the input gradient
             self.comm.add("all_reduce", _allreduce_bytes(x3, self.tp_size))
         out, _ = super().forward(x3)
@@ -105,7 +128,13 @@ class TPRowLinear(RowParallelLinear):
     """RowParallelLinear called like ``nn.Linear`` on an already split input."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig, comm: CommCounter
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        config: ModelParallelConfig,
+        comm: CommCounter,
+        sp: SequenceParallelRegion | None = None,
     ):
         super().__init__(
             in_features,
@@ -118,9 +147,25 @@ class TPRowLinear(RowParallelLinear):
         )
         self.comm = comm
         self.tp_size = config.tensor_model_parallel_size
+        self.sp = sp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         x3, shape = _to_sbh(x)
+        if self.sp is not None:
+            # RowParallelLinear.forward with sequence_parallel, minus megatron's
+            # CUDA-only reduce-scatter: megatron's matmul, then ours, then the bias.
+            out = self._forward_impl(
+                input=x3,
+                weight=self.weight,
+                bias=None,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                allreduce_dgrad=False,
+                sequence_parallel=False,
+                tp_group=None,
+                grad_output_buffer=None,
+            )
+            out = self.sp.reduce_scatter(out)
+            return out + self.bias if self.bias is not None else out
         out, _ = super().forward(x3)
         self.comm.add("all_reduce", _allreduce_bytes(out, self.tp_size))
         return _from_sbh(out, shape)

@@ -13,7 +13,12 @@ Driven only by the family's :class:`~disagg.interfaces.LayerMap`:
   each rank keeps a copy of the one key/value head its query heads use
   (``kv_replicated``; needs ``degree % num_kv_heads == 0``);
 - ``extra["column_chunks"]`` (``{pattern: n}``) marks fused projections (a
-  vision ``qkv`` is 3 blocks) whose blocks are each split separately.
+  vision ``qkv`` is 3 blocks) whose blocks are each split separately;
+- ``extra["sequence_parallel"]`` (``{"split", "gather", "reduce_scatter"}``,
+  each a tuple of patterns) declares the sequence-parallel regions: modules
+  whose ``hidden_states`` input enters a region, norms whose output leaves it
+  (every column/output linear must read such an output), and the row linears
+  whose output re-enters it (every row linear inside a region).
 
 Every parameter leaves with a ``tp_spec`` (:class:`ShardSpec`).
 """
@@ -38,6 +43,7 @@ from disagg_llm_tp.layers import (
     mark,
     padded_size,
 )
+from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 
 @dataclass
@@ -76,8 +82,10 @@ def parallelize_module(
     degree: int,
     config: ModelParallelConfig,
     comm: CommCounter,
+    sp: SequenceParallelRegion | None = None,
 ) -> TPPlan:
     plan = TPPlan()
+    sp_rows = _wire_sequence_parallel(module, lmap, sp) if sp is not None else set()
     attention: dict = dict(lmap.extra.get("attention", {}))
     chunks: dict = dict(lmap.extra.get("column_chunks", {}))
     named = dict(module.named_modules())
@@ -104,17 +112,20 @@ def parallelize_module(
         if not name or name in plan.swapped:
             continue
         if _match(name, lmap.output):
-            _swap_output(module, name, mod, shard, degree, config, comm, tied, plan)
+            _swap_output(module, name, mod, shard, degree, config, comm, tied, plan, sp)
         elif _match(name, lmap.column):
-            _swap_column(module, name, mod, shard, degree, config, comm, attention, chunks, plan)
+            _swap_column(module, name, mod, shard, degree, config, comm, attention, chunks, plan, sp)
         elif _match(name, lmap.row):
             _check_linear(name, mod, "row")
-            new = TPRowLinear(mod.in_features, mod.out_features, mod.bias is not None, config, comm)
+            region = sp if name in sp_rows else None
+            new = TPRowLinear(mod.in_features, mod.out_features, mod.bias is not None, config, comm, region)
             mark(new.weight, ShardSpec("row"))
             copy_into(new.weight, mod.weight, shard, degree)
             if mod.bias is not None:
-                # Added after the all-reduce: the same full bias on every rank.
-                mark(new.bias, ShardSpec("replicated"))
+                # Added after the all-reduce (or reduce-scatter): the same full bias on
+                # every rank, applied to all tokens (or, under sequence parallelism, to
+                # this rank's tokens, so its gradient is partial).
+                mark(new.bias, ShardSpec("replicated", sp_partial=region is not None))
                 copy_into(new.bias, mod.bias, shard, degree)
             _set_child(module, name, new)
             plan.swapped.append(name)
@@ -149,11 +160,11 @@ def _check_linear(name: str, mod: nn.Module, kind: str) -> None:
         raise TypeError(f"layer map {kind} pattern matched {name!r}, a {type(mod).__name__}, not nn.Linear")
 
 
-def _swap_output(module, name, mod, shard, degree, config, comm, tied, plan) -> None:
+def _swap_output(module, name, mod, shard, degree, config, comm, tied, plan, sp) -> None:
     _check_linear(name, mod, "output")
     vocab = mod.out_features
     padded = padded_size(vocab, degree)
-    new = TPColumnLinear(mod.in_features, padded, mod.bias is not None, config, comm)
+    new = TPColumnLinear(mod.in_features, padded, mod.bias is not None, config, comm, sp)
     if id(mod.weight) in tied:
         # Tied input/output embeddings: one parameter, cut the same way in both.
         del new.weight
@@ -172,7 +183,7 @@ def _swap_output(module, name, mod, shard, degree, config, comm, tied, plan) -> 
     plan.swapped.append(name)
 
 
-def _swap_column(module, name, mod, shard, degree, config, comm, attention, chunks, plan) -> None:
+def _swap_column(module, name, mod, shard, degree, config, comm, attention, chunks, plan, sp) -> None:
     _check_linear(name, mod, "column")
     parent, _, child = name.rpartition(".")
     attn = _lookup(parent, attention) if parent else None
@@ -188,7 +199,7 @@ def _swap_column(module, name, mod, shard, degree, config, comm, attention, chun
         share = degree // kv
         # Megatron sees a column layer of degree*head_dim outputs, head_dim per rank;
         # its weight is the full key/value head this rank's query heads attend with.
-        new = TPColumnLinear(mod.in_features, head_dim * degree, mod.bias is not None, config, comm)
+        new = TPColumnLinear(mod.in_features, head_dim * degree, mod.bias is not None, config, comm, sp)
         spec = ShardSpec("kv_replicated", head=shard // share, kv_share=share, num_heads=kv)
         plan.kv_replication = (kv, share)
         del heads
@@ -198,7 +209,7 @@ def _swap_column(module, name, mod, shard, degree, config, comm, attention, chun
             raise ValueError(
                 f"{name} has {mod.out_features} output features, not divisible by {n} x degree {degree}"
             )
-        new = TPColumnLinear(mod.in_features, mod.out_features, mod.bias is not None, config, comm)
+        new = TPColumnLinear(mod.in_features, mod.out_features, mod.bias is not None, config, comm, sp)
         spec = ShardSpec("column", chunks=n)
     mark(new.weight, spec)
     copy_into(new.weight, mod.weight, shard, degree)
@@ -207,6 +218,37 @@ def _swap_column(module, name, mod, shard, degree, config, comm, attention, chun
         copy_into(new.bias, mod.bias, shard, degree)
     _set_child(module, name, new)
     plan.swapped.append(name)
+
+
+def _wire_sequence_parallel(module: nn.Module, lmap: LayerMap, sp: SequenceParallelRegion) -> set[str]:
+    """Hook the region transitions into the HF module; returns the names of the
+    row linears whose output re-enters a region."""
+    decl = lmap.extra.get("sequence_parallel")
+    if not decl:
+        raise ValueError("the family's layer map declares no sequence-parallel regions")
+    named = dict(module.named_modules())
+    found: dict[str, list[str]] = {}
+    for key in ("split", "gather", "reduce_scatter"):
+        found[key] = [n for n in named if n and _match(n, tuple(decl.get(key, ())))]
+        if not found[key]:
+            raise ValueError(f"sequence_parallel {key} patterns {decl.get(key)} match no module")
+
+    def split(_mod, args, kwargs):
+        if args:
+            return (sp.split(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": sp.split(kwargs["hidden_states"])}
+
+    def gather(_mod, _args, output):
+        return sp.gather(output)
+
+    for name in found["split"]:
+        named[name].register_forward_pre_hook(split, with_kwargs=True)
+    for name in found["gather"]:
+        named[name].register_forward_hook(gather)
+        for p in named[name].parameters(recurse=True):
+            mark(p, ShardSpec("replicated", sp_partial=True))  # a norm on this rank's tokens only
+    # Rows outside every region (e.g. a vision merger's) keep their all-reduce.
+    return set(found["reduce_scatter"])
 
 
 def dtype_of(module: nn.Module) -> torch.dtype:

@@ -15,9 +15,14 @@ Gradient bookkeeping (the loss is already divided by the global label count):
 - key/value heads replicated for GQA: each copy sees only its own query heads,
   so copies are summed over the ranks that share the head (and replicas).
 
+- with ``sequence_parallel``, replicated parameters used on this rank's tokens
+  only (norms, row biases inside a region; ``ShardSpec.sp_partial``) hold partial
+  gradients and are summed over the whole group (TP ranks and replicas).
+
 The input-embedding gradient is complete on every TP rank for the same reason
-(ColumnParallelLinear all-reduces its input gradient), and core collects it from
-shard 0 of each replica.
+(ColumnParallelLinear all-reduces its input gradient; under sequence parallelism
+the split's backward all-gathers it), and core collects it from shard 0 of each
+replica.
 """
 
 from __future__ import annotations
@@ -31,13 +36,15 @@ from torch import nn
 from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, Strategy, StrategyOptions
 from disagg_llm_tp.layers import ShardSpec, merge
 from disagg_llm_tp.parallelize import TPPlan, parallelize_module
+from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 
 class MegatronTPOptions(StrategyOptions):
     sequence_parallel: bool = False
-    """Megatron sequence parallelism for the norm/dropout regions (not available yet:
-    megatron-core's sequence-parallel backward is CUDA-only and the decoder
-    wiring is not written; ``true`` is rejected at config time)."""
+    """Megatron sequence parallelism: the norm/residual/dropout regions between the
+    tensor-parallel blocks hold 1/degree of the tokens per rank instead of a replica
+    (less activation memory, the same bytes on the wire). Needs degree >= 2 and a
+    family whose layer map declares its regions."""
 
 
 class MegatronTPStrategy(Strategy):
@@ -55,10 +62,18 @@ class MegatronTPStrategy(Strategy):
                 f"family {family.name!r} declares no layer map, so strategy 'megatron_tp' cannot split it; "
                 "use strategy 'ddp', 'zero' or 'ulysses'"
             )
+        lmap = family.layer_map()
         if getattr(options, "sequence_parallel", False):
-            problems.append(
-                "sequence_parallel = true is not supported by strategy 'megatron_tp' yet; allowed: false"
-            )
+            if degree < 2:
+                problems.append(
+                    f"sequence_parallel = true needs degree >= 2 (tokens are split over the TP ranks), "
+                    f"but degree is {degree}; set sequence_parallel: false or raise the degree"
+                )
+            if lmap is not None and not lmap.extra.get("sequence_parallel"):
+                problems.append(
+                    f"family {family.name!r} declares no sequence-parallel regions in its layer map, so "
+                    "sequence_parallel = true cannot be used with it; allowed: false"
+                )
         return problems
 
     def __init__(self, ctx, family, options) -> None:
@@ -114,7 +129,12 @@ class MegatronTPStrategy(Strategy):
             perform_initialization=False,
             params_dtype=dtype,
         )
-        self.plan = parallelize_module(module, lmap, self.ctx.shard, self.ctx.degree, config, self.ctx.comm)
+        sp = None
+        if self.options.sequence_parallel and self.ctx.degree > 1:
+            sp = SequenceParallelRegion(self.tp_group, self.ctx.degree, self.ctx.shard, self.ctx.comm)
+        self.plan = parallelize_module(
+            module, lmap, self.ctx.shard, self.ctx.degree, config, self.ctx.comm, sp
+        )
         self.kv_groups = self._kv_groups()
         return module.to(self.ctx.device)
 
@@ -169,10 +189,13 @@ class MegatronTPStrategy(Strategy):
             spec: ShardSpec = p.tp_spec
             if spec.kind == "kv_replicated":
                 buckets.setdefault(("kv", spec.head), []).append(p.grad)
+            elif spec.sp_partial:
+                buckets.setdefault("all", []).append(p.grad)
             elif self.ctx.replicas > 1:
                 buckets.setdefault("dp", []).append(p.grad)
+        groups = {"dp": self.dp_group, "all": None}  # None: the module's own world
         for key, grads in buckets.items():
-            group = self.dp_group if key == "dp" else self.kv_groups[key[1]]
+            group = groups[key] if isinstance(key, str) else self.kv_groups[key[1]]
             if dist.get_world_size(group) == 1:
                 continue
             flat = torch.cat([g.reshape(-1) for g in grads])

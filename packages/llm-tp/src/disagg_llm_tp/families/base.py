@@ -111,7 +111,18 @@ class HFDecoderFamily(LanguageFamily):
                         "groups_attr": "num_key_value_groups",
                         "kv_heads_attr": "num_key_value_heads",
                     }
-                }
+                },
+                # Sequence parallelism: the residual stream from the first layer's input on;
+                # each norm's output is gathered for the column linears it feeds.
+                "sequence_parallel": {
+                    "split": (f"{p}.layers.0",),
+                    "gather": (
+                        f"{p}.layers.*.input_layernorm",
+                        f"{p}.layers.*.post_attention_layernorm",
+                        f"{p}.norm",
+                    ),
+                    "reduce_scatter": (f"{attn}.o_proj", f"{p}.layers.*.mlp.down_proj"),
+                },
             },
         )
 

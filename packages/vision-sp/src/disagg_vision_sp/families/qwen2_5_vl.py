@@ -71,8 +71,17 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
             column=("blocks.*.attn.qkv", "blocks.*.mlp.gate_proj", "blocks.*.mlp.up_proj", "merger.mlp.0"),
             row=("blocks.*.attn.proj", "blocks.*.mlp.down_proj", "merger.mlp.2"),
             heads={"blocks.*.attn": ("num_heads",)},
-            # qkv is one Linear whose output is [3, heads, head_dim]: split each of the 3 blocks.
-            extra={"column_chunks": {"blocks.*.attn.qkv": 3}},
+            extra={
+                # qkv is one Linear whose output is [3, heads, head_dim]: split each of the 3 blocks.
+                "column_chunks": {"blocks.*.attn.qkv": 3},
+                # Sequence parallelism over the patches of the blocks' residual stream; the
+                # merger's norm leaves it, since merging groups neighbouring patches.
+                "sequence_parallel": {
+                    "split": ("blocks.0",),
+                    "gather": ("blocks.*.norm1", "blocks.*.norm2", "merger.ln_q"),
+                    "reduce_scatter": ("blocks.*.attn.proj", "blocks.*.mlp.down_proj"),
+                },
+            },
         )
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
