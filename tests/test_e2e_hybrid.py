@@ -87,6 +87,14 @@ HYBRIDS = {
         {"strategy": "megatron_tp", "degree": 2},
     ),
     "uniform_tp2": ({"strategy": "megatron_tp", "degree": 2}, {"strategy": "megatron_tp", "degree": 2}),
+    "vision_ulysses2+llm_tp2_sequence_parallel": (
+        {"strategy": "ulysses", "degree": 2},
+        {"strategy": "megatron_tp", "degree": 2, "sequence_parallel": True},
+    ),
+    "uniform_tp2_sequence_parallel": (
+        {"strategy": "megatron_tp", "degree": 2, "sequence_parallel": True},
+        {"strategy": "megatron_tp", "degree": 2, "sequence_parallel": True},
+    ),
     "vision_zero2+llm_tp2": (
         {"strategy": "zero", "stage": 2, "replicas": 2},
         {"strategy": "megatron_tp", "degree": 2},
