@@ -151,3 +151,19 @@ def test_all_ddp_first_step_equals_hugging_face_model(ray_local, tiny, all_ddp, 
         total += float(out.loss.detach()) * n
         count += n
     assert all_ddp[0][0] == pytest.approx(total / count, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "vision,needle",
+    [
+        ({"strategy": "megatron_tp", "degree": 1, "sequence_parallel": True}, "degree >= 2"),
+        ({"strategy": "megatron_tp", "degree": 2, "sequence_parallel": "yes please"}, "sequence_parallel"),
+    ],
+)
+def test_bad_sequence_parallel_is_a_config_error(tiny, tmp_path, vision, needle):
+    """Caught by validation, before any actor starts, with the config key."""
+    from disagg.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _config(tiny, tmp_path, vision, DDP)
+    assert "parallel.vision" in str(err.value) and needle in str(err.value)

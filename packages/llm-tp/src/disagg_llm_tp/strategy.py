@@ -43,7 +43,7 @@ class MegatronTPOptions(StrategyOptions):
     sequence_parallel: bool = False
     """Megatron sequence parallelism: the norm/residual/dropout regions between the
     tensor-parallel blocks hold 1/degree of the tokens per rank instead of a replica
-    (less activation memory, the same bytes on the wire). Needs degree >= 2 and a
+    (less activation memory, about the same bytes on the wire). Needs degree >= 2 and a
     family whose layer map declares its regions."""
 
 

@@ -11,9 +11,12 @@ def paper(degree: int, modules: list[str]) -> dict[str, dict[str, Any]]:
     tp = {"strategy": "megatron_tp", "degree": degree, "replicas": 1}
     sp = {"strategy": "ulysses", "degree": degree, "replicas": 1}
     z3 = {"strategy": "zero", "stage": 3, "degree": 1, "replicas": degree}
+    # Megatron sequence parallelism in the LLM: the paper's DHP with less LLM activation memory.
+    tp_sp = {**tp, "sequence_parallel": True}
     return {
         "uniform_tp": {**{m: dict(tp) for m in enc}, "llm": dict(tp)},
         "dhp_ulysses_tp": {**{m: dict(sp) for m in enc}, "llm": dict(tp)},
+        "dhp_ulysses_tp_sp": {**{m: dict(sp) for m in enc}, "llm": tp_sp},
         "uniform_zero3": {**{m: dict(z3) for m in enc}, "llm": dict(z3)},
     }
 
