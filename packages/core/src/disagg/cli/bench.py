@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         default="paper",
-        help="variants to compare (default: paper = uniform_tp, dhp_ulysses_tp, dhp_ulysses_tp_sp, uniform_zero3)",
+        help="variants to compare (default: paper = uniform_tp, dhp_ulysses_tp, dhp_ulysses_tp_sp, "
+        "uniform_zero3)",
     )
     parser.add_argument("--degree", type=int, default=2, help="SP/TP degree (and ZeRO ranks) of every group")
     parser.add_argument("--steps", type=int, default=6, help="steps per variant (the first is not timed)")
