@@ -183,6 +183,8 @@ def _tp_rank(rank: int, case: Case) -> dict:
     embeds = replica_slice(case.embeds, ctx.replica, case.replicas)
     total = label_count(case.samples)
     out: dict = {"rank": rank}
+    with torch.no_grad():
+        out["eval"] = strat.evaluate(samples, embeds)
     for step in range(case.steps):
         leaves = [{k: v.clone().requires_grad_(True) for k, v in e.items()} for e in embeds]
         if step == 0:

@@ -142,21 +142,44 @@ class MegatronTPStrategy(Strategy):
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        start, end = self.plan.output_range
-        logits = logits.float()
-        pad_from = (self.plan.output_vocab or end) - start
-        if pad_from < logits.shape[-1]:
-            # Padding columns of the vocabulary must not enter the softmax.
-            cols = torch.arange(logits.shape[-1], device=logits.device) >= pad_from
-            logits = logits.masked_fill(cols, torch.finfo(logits.dtype).min)
-        else:
-            logits = logits.clone()  # megatron's CE works in place on its input
+        masked = self._mask_vocab_padding(logits.float())
+        if masked.data_ptr() == logits.data_ptr():
+            masked = masked.clone()  # megatron's CE works in place on its input
         keep = labels != -100
         target = torch.where(keep, labels, torch.zeros_like(labels))
         n = self.ctx.degree
         self.ctx.comm.add("all_reduce", 3 * 2 * (n - 1) * 4 * labels.numel() // n)
-        losses = vocab_parallel_cross_entropy(logits.unsqueeze(1), target.unsqueeze(1)).squeeze(1)
+        losses = vocab_parallel_cross_entropy(masked.unsqueeze(1), target.unsqueeze(1)).squeeze(1)
         return (losses * keep).sum()
+
+    def correct_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> int:
+        """Argmax over the whole vocabulary from this rank's slice: every TP rank's
+        best (value, global id) is gathered and the first rank holding the maximum
+        wins, which is torch's first-index rule for ties."""
+        start = self.plan.output_range[0]
+        local = self._mask_vocab_padding(logits.float())
+        best, idx = local.max(-1)
+        if self.ctx.degree > 1:
+            pair = torch.stack([best.double(), (idx + start).double()])
+            pieces = [torch.empty_like(pair) for _ in range(self.ctx.degree)]
+            self.ctx.comm.all_gather_bytes(pair, group=self.tp_group)
+            dist.all_gather(pieces, pair, group=self.tp_group)
+            stacked = torch.stack(pieces)  # [degree, 2, tokens]
+            winner = stacked[:, 0].argmax(0)
+            idx = stacked[:, 1].gather(0, winner[None])[0].long()
+        else:
+            idx = idx + start
+        mask = labels != -100
+        return int((idx[mask] == labels[mask]).sum())
+
+    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Padding columns of the vocabulary must not win an argmax or enter a softmax."""
+        start, end = self.plan.output_range
+        pad_from = (self.plan.output_vocab or end) - start
+        if pad_from < logits.shape[-1]:
+            cols = torch.arange(logits.shape[-1], device=logits.device) >= pad_from
+            return logits.masked_fill(cols, torch.finfo(logits.dtype).min)
+        return logits
 
     # -- encoder role ----------------------------------------------------------------------------------
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:

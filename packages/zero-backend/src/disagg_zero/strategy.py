@@ -163,15 +163,20 @@ class ZeroStrategy(Strategy):
         seed = sum((o * g.to(o.dtype)).sum() for o, g in pairs)
         self._backward(seed)  # type: ignore[arg-type]
 
+    def llm_forward(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(self.family, LanguageFamily)
+        family = self.family
+        return self._forward(lambda m: family.forward(m, inputs, embeds))
+
     def loss_and_backward(
         self,
         inputs: list[dict[str, torch.Tensor]],
         embeds: list[dict[str, torch.Tensor]],
         loss_scale: float,
     ) -> float:
-        assert isinstance(self.family, LanguageFamily)
-        family = self.family
-        logits, labels = self._forward(lambda m: family.forward(m, inputs, embeds))
+        logits, labels = self.llm_forward(inputs, embeds)
         loss_sum = self.loss_sum(logits, labels)
         self._backward(loss_sum * loss_scale)
         if self._seed_scale != 1.0:
@@ -182,16 +187,6 @@ class ZeroStrategy(Strategy):
                     if t.grad is not None:
                         t.grad.div_(self._seed_scale)
         return float(loss_sum.detach())
-
-    def evaluate(
-        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
-    ) -> tuple[float, int, int]:
-        assert isinstance(self.family, LanguageFamily)
-        family = self.family
-        logits, labels = self._forward(lambda m: family.forward(m, inputs, embeds))
-        mask = labels != -100
-        correct = int((logits.argmax(-1)[mask] == labels[mask]).sum())
-        return float(self.loss_sum(logits, labels)), correct, int(mask.sum())
 
     # -- after backward ---------------------------------------------------------------------------
     def reduce_gradients(self) -> None:

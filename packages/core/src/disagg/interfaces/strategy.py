@@ -121,10 +121,9 @@ class Strategy(ABC):
         ``embeds`` are leaves; after this returns, their ``.grad`` must hold the
         complete gradient on the ranks for which :meth:`returns_input_grads` is
         true (TP strategies reduce it across TP ranks first)."""
-        assert isinstance(self.family, LanguageFamily) and self.module is not None
         if not inputs:  # a replica with no sample in this microbatch
             return 0.0
-        logits, labels = self.family.forward(self.module, inputs, embeds)
+        logits, labels = self.llm_forward(inputs, embeds)
         loss_sum = self.loss_sum(logits, labels)
         (loss_sum * loss_scale).backward()
         return float(loss_sum.detach())
@@ -132,19 +131,30 @@ class Strategy(ABC):
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
 
+    def llm_forward(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's ``(logits, labels)`` through this strategy's module;
+        strategies that wrap the module in an engine override it."""
+        assert isinstance(self.family, LanguageFamily) and self.module is not None
+        return self.family.forward(self.module, inputs, embeds)
+
+    def correct_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> int:
+        """Label tokens whose argmax prediction is right; strategies whose
+        logits are split over the vocabulary override it."""
+        mask = labels != -100
+        return int((logits.argmax(-1)[mask] == labels[mask]).sum())
+
     def evaluate(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
     ) -> tuple[float, int, int]:
         """Forward only (called under ``no_grad``): ``(loss sum, label tokens
-        whose argmax prediction is right, label tokens)``. Strategies with
-        vocab-sharded logits override it."""
-        assert isinstance(self.family, LanguageFamily) and self.module is not None
+        whose argmax prediction is right, label tokens)``."""
         if not inputs:
             return 0.0, 0, 0
-        logits, labels = self.family.forward(self.module, inputs, embeds)
-        mask = labels != -100
-        correct = int((logits.argmax(-1)[mask] == labels[mask]).sum())
-        return float(self.loss_sum(logits, labels)), correct, int(mask.sum())
+        logits, labels = self.llm_forward(inputs, embeds)
+        count = int((labels != -100).sum())
+        return float(self.loss_sum(logits, labels)), self.correct_predictions(logits, labels), count
 
     def returns_input_grads(self) -> bool:
         """Whether this rank sends embedding gradients back to the encoders.
