@@ -8,7 +8,6 @@ This is the disaggregated hybrid configuration of the published result
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,17 +16,13 @@ import torch
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
-from safetensors.torch import load_file  # noqa: E402
+from e2e_run import DDP, e2e_config, train  # noqa: E402
 
-from disagg.config.schema import Config  # noqa: E402
-from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
-from disagg.runtime.run import run_training  # noqa: E402
 from disagg.testing.reference import assert_close_dicts  # noqa: E402
 
 FAMILY = "qwen2_5_vl"
 STEPS = 5
-DDP = {"strategy": "ddp", "degree": 1, "replicas": 1}
 
 
 @pytest.fixture(scope="module")
@@ -38,35 +33,13 @@ def tiny(tmp_path_factory):
     return make_tiny(out, [FAMILY], train_per_class=1, eval_per_class=1, image_size=56)
 
 
-def _config(tiny, out: Path, vision: dict, llm: dict) -> Config:
-    path = tiny["models"][FAMILY]
-    cfg = Config.model_validate(
-        {
-            "model": {"vision": {"family": FAMILY, "path": path}, "llm": {"family": FAMILY, "path": path}},
-            "parallel": {"vision": vision, "llm": llm},
-            "data": {
-                "train": tiny["data"]["train"],
-                "media_root": tiny["media_root"],
-                "batch_size": 4,
-                "num_workers": 1,
-            },
-            # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
-            # summation-order noise in near-zero gradients cannot flip parameters.
-            "train": {"steps": STEPS, "lr": 1e-3, "eps": 1e-3, "seed": 0, "clip_grad_norm": 1.0},
-            "checkpoint": {"every": 0},
-            "output_dir": str(out),
-        }
-    )
-    validate(cfg, get_registry())
-    return cfg
+def _config(tiny, out: Path, vision: dict, llm: dict):
+    families = {"vision": (FAMILY, FAMILY), "llm": (FAMILY, FAMILY)}
+    return e2e_config(tiny, out, families, {"vision": vision, "llm": llm}, STEPS)
 
 
 def _train(tiny, out: Path, vision: dict, llm: dict):
-    run_training(_config(tiny, out, vision, llm), progress=False)
-    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    ckpt = out / "checkpoints" / f"step-{STEPS}"
-    params = {m: load_file(str(ckpt / m / "full.safetensors")) for m in ("vision", "llm")}
-    return losses, params
+    return train(_config(tiny, out, vision, llm))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ final weights of the all-`ddp` run, whose first loss is the single-process
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,12 @@ import torch
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
-from safetensors.torch import load_file  # noqa: E402
+from e2e_run import DDP, e2e_config, train  # noqa: E402
 
-from disagg.config.schema import Config  # noqa: E402
-from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
-from disagg.runtime.run import run_training  # noqa: E402
 from disagg.testing.reference import assert_close_dicts  # noqa: E402
 
 STEPS = 3
-DDP = {"strategy": "ddp", "degree": 1, "replicas": 1}
 
 
 @pytest.fixture(scope="module")
@@ -35,32 +30,13 @@ def tiny(tmp_path_factory):
     return make_tiny(out, ["llava"], train_per_class=1, eval_per_class=1, image_size=56)
 
 
-def _config(tiny, out: Path, vision: dict, llm: dict) -> Config:
-    path = tiny["models"]["llava"]
-    cfg = Config.model_validate(
-        {
-            "model": {"vision": {"family": "llava", "path": path}, "llm": {"family": "llama", "path": path}},
-            "parallel": {"vision": vision, "llm": llm},
-            "data": {
-                "train": tiny["data"]["train"],
-                "media_root": tiny["media_root"],
-                "batch_size": 4,
-                "num_workers": 1,
-            },
-            "train": {"steps": STEPS, "lr": 1e-3, "eps": 1e-3, "seed": 0, "clip_grad_norm": 1.0},
-            "checkpoint": {"every": 0},
-            "output_dir": str(out),
-        }
-    )
-    validate(cfg, get_registry())
-    return cfg
+def _config(tiny, out: Path, vision: dict, llm: dict):
+    families = {"vision": ("llava", "llava"), "llm": ("llama", "llava")}
+    return e2e_config(tiny, out, families, {"vision": vision, "llm": llm}, STEPS)
 
 
 def _train(tiny, out: Path, vision: dict, llm: dict):
-    run_training(_config(tiny, out, vision, llm), progress=False)
-    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    ckpt = out / "checkpoints" / f"step-{STEPS}"
-    return losses, {m: load_file(str(ckpt / m / "full.safetensors")) for m in ("vision", "llm")}
+    return train(_config(tiny, out, vision, llm))
 
 
 @pytest.fixture(scope="module")
