@@ -6,7 +6,6 @@ Rank functions live here (not in a test module) so spawned ranks can import them
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 from disagg.interfaces import GroupContext, OptimSpec
 from disagg.interfaces.strategy import clip_coefficient
+from disagg.runtime.activations import saved_bytes_hooks
 
 MAX_NORM = 0.05  # small enough that clipping is active in every step
 LR = 1e-3
@@ -193,14 +193,15 @@ def _tp_rank(rank: int, case: Case) -> dict:
                 n = max(len(x["input_ids"]) for x in samples)
                 real = torch.cat([torch.arange(n - 1) < len(x["input_ids"]) - 1 for x in samples])
                 out["logits"] = _gather_vocab(logits, strat)[real]
-        with count_saved_bytes(strat.module) as saved:
+        saved: list[int] = []
+        with saved_bytes_hooks(strat.module, saved.append):  # as the worker's activation metric
             loss = strat.loss_and_backward(samples, leaves, 1.0 / total)
         strat.reduce_gradients()
         norm_sq = strat.grad_norm_sq()
         if step == 0:
             out["loss"] = loss
             out["norm_sq"] = norm_sq
-            out["activation_bytes"] = saved[0]
+            out["activation_bytes"] = sum(saved)
             out["grads"] = strat.full_grads()
             out["embed_grads"] = [{k: v.grad.clone() for k, v in e.items()} for e in leaves]
         strat.step(clip_coefficient(math.sqrt(norm_sq), MAX_NORM))
@@ -212,21 +213,6 @@ def _tp_rank(rank: int, case: Case) -> dict:
     out["comm_bytes"] = ctx.comm.total()
     out["collectives"] = dict(ctx.comm.bytes_by_op)
     return out
-
-
-@contextlib.contextmanager
-def count_saved_bytes(module: torch.nn.Module):
-    """Bytes autograd saves for backward, weights excluded (as the worker's metric)."""
-    params = {p.data_ptr() for p in module.parameters()}
-    total = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield total
 
 
 def _gather_vocab(logits: torch.Tensor, strat) -> torch.Tensor:

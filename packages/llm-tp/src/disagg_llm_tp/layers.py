@@ -25,6 +25,7 @@ reduce-scatter their output instead of all-reducing it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,13 +115,10 @@ class TPColumnLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         x3, shape = _to_sbh(x)
-        if self.sp is not None:
-            with self.sp.save_shards():
-                out, _ = super().forward(x3)
-            return _from_sbh(out, shape)
-        if x.requires_grad:  # the backward all-reduce of the input gradient
+        if self.sp is None and x.requires_grad:  # the backward all-reduce of the input gradient
             self.comm.add("all_reduce", _allreduce_bytes(x3, self.tp_size))
-        out, _ = super().forward(x3)
+        with self.sp.save_shards() if self.sp is not None else contextlib.nullcontext():
+            out, _ = super().forward(x3)
         return _from_sbh(out, shape)
 
 

@@ -57,12 +57,12 @@ class MegatronTPStrategy(Strategy):
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
         problems: list[str] = []
-        if family.layer_map() is None:
+        lmap = family.layer_map()
+        if lmap is None:
             problems.append(
                 f"family {family.name!r} declares no layer map, so strategy 'megatron_tp' cannot split it; "
                 "use strategy 'ddp', 'zero' or 'ulysses'"
             )
-        lmap = family.layer_map()
         if getattr(options, "sequence_parallel", False):
             if degree < 2:
                 problems.append(
@@ -161,10 +161,7 @@ class MegatronTPStrategy(Strategy):
         best, idx = local.max(-1)
         if self.ctx.degree > 1:
             pair = torch.stack([best.double(), (idx + start).double()])
-            pieces = [torch.empty_like(pair) for _ in range(self.ctx.degree)]
-            self.ctx.comm.all_gather_bytes(pair, group=self.tp_group)
-            dist.all_gather(pieces, pair, group=self.tp_group)
-            stacked = torch.stack(pieces)  # [degree, 2, tokens]
+            stacked = torch.stack(self._tp_all_gather(pair))  # [degree, 2, tokens]
             winner = stacked[:, 0].argmax(0)
             idx = stacked[:, 1].gather(0, winner[None])[0].long()
         else:
@@ -249,11 +246,15 @@ class MegatronTPStrategy(Strategy):
     def _gather(self, t: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
         if spec.kind == "replicated" or self.ctx.degree == 1:
             return merge([t.detach()], spec) if spec.kind == "vocab" else t.detach()
-        t = t.detach().contiguous()
+        return merge(self._tp_all_gather(t.detach()), spec)
+
+    def _tp_all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every TP rank's ``t``, in shard order (counted)."""
+        t = t.contiguous()
         pieces = [torch.empty_like(t) for _ in range(self.ctx.degree)]
         self.ctx.comm.all_gather_bytes(t, group=self.tp_group)
         dist.all_gather(pieces, t, group=self.tp_group)
-        return merge(pieces, spec)
+        return pieces
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         assert self.module is not None

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.interfaces import EmbeddingShard, Family, GroupContext, OptimSpec, Strategy, StrategyOptions
+from disagg.runtime.activations import saved_bytes_hooks
 
 
 class WorkerError(RuntimeError):
@@ -280,16 +281,10 @@ class ModuleWorker:
 
     def _count_saved(self) -> Any:
         """Count bytes autograd saves for backward (machine-independent activation memory)."""
+        return saved_bytes_hooks(self.strategy.module, self._add_saved)  # type: ignore[union-attr]
 
-        module = self.strategy.module  # type: ignore[union-attr]
-        params = {p.data_ptr() for p in module.parameters()} if module is not None else set()
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.data_ptr() not in params:  # weights are model state, not activations
-                self.saved_bytes += t.numel() * t.element_size()
-            return t
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    def _add_saved(self, nbytes: int) -> None:
+        self.saved_bytes += nbytes
 
     # -- state --------------------------------------------------------------------------------------
     @_named
