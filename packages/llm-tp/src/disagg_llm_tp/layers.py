@@ -34,7 +34,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from torch import nn
 
-from disagg.runtime.comm import CommCounter
+from disagg.interfaces.comm import CommCounter
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 Kind = Literal["column", "row", "vocab", "kv_replicated", "replicated"]

@@ -33,7 +33,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from disagg.interfaces import LayerMap
-from disagg.runtime.comm import CommCounter
+from disagg.interfaces.comm import CommCounter
 from disagg_llm_tp.layers import (
     ShardSpec,
     TPColumnLinear,

@@ -43,7 +43,7 @@ from torch.distributed._functional_collectives import (
     reduce_scatter_single_autograd,
 )
 
-from disagg.runtime.comm import CommCounter
+from disagg.interfaces.comm import CommCounter
 
 
 def _rows_per_rank(tokens: int, degree: int) -> int:

@@ -1,12 +1,18 @@
 """The small contracts between core and plugins: families, strategies, transports."""
 
+from disagg.interfaces.comm import CommCounter
 from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily, LayerMap
+from disagg.interfaces.grads import agree_on_grads
+from disagg.interfaces.precision import compute_dtype
 from disagg.interfaces.shard import EmbeddingShard
 from disagg.interfaces.strategy import Strategy, StrategyOptions
 from disagg.interfaces.transport import Transport
 
 __all__ = [
+    "CommCounter",
+    "agree_on_grads",
+    "compute_dtype",
     "EmbeddingShard",
     "EncoderFamily",
     "Family",

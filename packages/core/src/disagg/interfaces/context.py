@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from disagg.runtime.comm import CommCounter
+from disagg.interfaces.comm import CommCounter
 
 
 @dataclass(frozen=True)

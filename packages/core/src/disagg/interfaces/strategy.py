@@ -14,6 +14,7 @@ from torch import nn
 
 from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily
+from disagg.interfaces.grads import agree_on_grads
 from disagg.interfaces.shard import EmbeddingShard
 
 
@@ -166,10 +167,10 @@ class Strategy(ABC):
         """Sum gradients over every rank of the group (replicas and shards)."""
         if self.ctx.world_size == 1:
             return
-        for p in self.trainable_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self.ctx.comm.all_reduce(p.grad)
+        params = self.trainable_parameters()
+        for p, present in zip(params, agree_on_grads(params, self.ctx.comm)):
+            if present:
+                self.ctx.comm.all_reduce(p.grad)
 
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of the module's full gradient, each element once;

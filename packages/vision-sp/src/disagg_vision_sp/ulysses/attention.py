@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from disagg.runtime.comm import CommCounter
+from disagg.interfaces.comm import CommCounter
 
 ATTN_NAME = "disagg_ulysses"
 
