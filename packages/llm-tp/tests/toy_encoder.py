@@ -72,9 +72,9 @@ def encoder_rank(rank: int, degree: int, xs: list, gs: list) -> dict:
     fam = ToyEncoderFamily(".")
     strat = MegatronTPStrategy(ctx, fam, MegatronTPOptions())
     strat.setup(fam.build(), OptimSpec(lr=1e-3))
-    shards = strat.encode([{"x": x} for x in xs])
+    shards = strat.encode(0, [{"x": x} for x in xs])
     grads = [g if ctx.shard == 0 else torch.zeros(0, g.shape[1]) for g in gs]
-    strat.backward([s.value for s in shards], grads)
+    strat.backward(0, [s.value for s in shards], grads)
     strat.reduce_gradients()
     return {
         "rows": [int(s.value.shape[0]) for s in shards],

@@ -195,7 +195,7 @@ def _tp_rank(rank: int, case: Case) -> dict:
                 out["logits"] = _gather_vocab(logits, strat)[real]
         saved: list[int] = []
         with saved_bytes_hooks(strat.module, saved.append):  # as the worker's activation metric
-            loss = strat.loss_and_backward(samples, leaves, 1.0 / total)
+            loss = strat.loss_and_backward(0, samples, leaves, 1.0 / total)
         strat.reduce_gradients()
         norm_sq = strat.grad_norm_sq()
         if step == 0:

@@ -189,7 +189,7 @@ def rank_llm(rank: int, lm_dir: Path, world: int, options: dict[str, Any]) -> di
             embeds = [
                 {k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part
             ]
-            loss_sum += strat.loss_and_backward([samples[i]["llm"] for i in part], embeds, 1.0 / n)
+            loss_sum += strat.loss_and_backward(0, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
             egrads.update({i: {k: v.grad.clone() for k, v in e.items()} for i, e in zip(part, embeds)})
         rec["loss_sum"].append(loss_sum)
         rec["embed_grads"].append(egrads)
@@ -205,10 +205,10 @@ def rank_encoder(rank: int, enc_dir: Path, world: int, options: dict[str, Any]) 
     rec: dict[str, Any] = {"norm": [], "grads": []}
     for samples in encoder_batches(world):
         for part in split(mine(samples, rank, world), MICROBATCHES):
-            shards = strat.encode([x["vision"] for x in part])
+            shards = strat.encode(0, [x["vision"] for x in part])
             for s, x in zip(shards, part):
                 assert s.total == x["out_grad"].shape[0] and s.positions.tolist() == list(range(s.total))
-            strat.backward([s.value for s in shards], [x["out_grad"] for x in part])
+            strat.backward(0, [s.value for s in shards], [x["out_grad"] for x in part])
         _finish_step(strat, rec)
     rec["params"] = strat.full_state_dict()
     rec["lr"] = strat.current_lr()
@@ -253,7 +253,7 @@ def checkpoint_roundtrip(
         n = label_count(samples)
         part = mine(list(range(len(samples))), rank, world)
         embeds = [{k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part]
-        strat.loss_and_backward([samples[i]["llm"] for i in part], embeds, 1.0 / n)
+        strat.loss_and_backward(0, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
         strat.reduce_gradients()
         strat.step(clip_coefficient(math.sqrt(strat.grad_norm_sq()), CLIP))
         strat.zero_grad()

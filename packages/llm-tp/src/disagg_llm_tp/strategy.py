@@ -79,7 +79,8 @@ class MegatronTPStrategy(Strategy):
     def __init__(self, ctx, family, options) -> None:
         super().__init__(ctx, family, options)
         self.plan = TPPlan()
-        self._pending: list[torch.Tensor] = []
+        #: microbatch -> every output of the encoder on this TP rank, until its backward
+        self._pending: dict[int, list[torch.Tensor]] = {}
 
     # -- groups ----------------------------------------------------------------------------------------
     def _init_megatron(self) -> None:
@@ -179,24 +180,25 @@ class MegatronTPStrategy(Strategy):
         return logits
 
     # -- encoder role ----------------------------------------------------------------------------------
-    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         """Every TP rank computes the whole output; shard 0 alone ships it."""
         assert isinstance(self.family, EncoderFamily) and self.module is not None
-        self._pending = [self.family.encode(self.module, x) for x in inputs]
+        outs = [self.family.encode(self.module, x) for x in inputs]
+        self._pending[mb] = outs
         if self.ctx.shard == 0:
-            return [EmbeddingShard.whole(o) for o in self._pending]
-        return [EmbeddingShard.empty(o.shape[0], o.shape[1], like=o) for o in self._pending]
+            return [EmbeddingShard.whole(o) for o in outs]
+        return [EmbeddingShard.empty(o.shape[0], o.shape[1], like=o) for o in outs]
 
-    def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Shard 0 received the gradients; its TP peers need them too."""
         src = self.ctx.shard_ranks()[0]
+        pending = self._pending.pop(mb, [])
         full = []
-        for out, g in zip(self._pending, grads if self.ctx.shard == 0 else [None] * len(self._pending)):
+        for out, g in zip(pending, grads if self.ctx.shard == 0 else [None] * len(pending)):
             buf = g.to(out.device, out.dtype).contiguous() if g is not None else torch.empty_like(out)
             self.ctx.comm.broadcast(buf, src=src, group=self.tp_group)
             full.append(buf)
-        pairs = [(o, g) for o, g in zip(self._pending, full) if o.requires_grad and o.numel()]
-        self._pending = []
+        pairs = [(o, g) for o, g in zip(pending, full) if o.requires_grad and o.numel()]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 

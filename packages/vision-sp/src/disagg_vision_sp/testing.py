@@ -83,8 +83,8 @@ def ulysses_rank(
     strategy = UlyssesStrategy(ctx, family, StrategyOptions())
     strategy.setup(family.build(torch.float32), OptimSpec(lr=1e-3))
     mine = list(range(ctx.replica, len(inputs), replicas))
-    shards = strategy.encode([inputs[i] for i in mine])
-    strategy.backward([s.value for s in shards], [grads[i][s.positions] for i, s in zip(mine, shards)])
+    shards = strategy.encode(0, [inputs[i] for i in mine])
+    strategy.backward(0, [s.value for s in shards], [grads[i][s.positions] for i, s in zip(mine, shards)])
     a2a = int(ctx.comm.bytes_by_op.get("all_to_all", 0))
     strategy.reduce_gradients()
     out: dict[str, Any] = {

@@ -38,7 +38,10 @@ def build_ds_config(options: ZeroOptions, dtype: torch.dtype) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
         "gradient_allreduce_op": "mean" if options.stage == 3 else "sum",
-        "bf16": {"enabled": dtype == torch.bfloat16},
+        # core's one dtype rule: fp32 parameters and states, the forward under
+        # autocast (disagg.interfaces.compute_dtype); DeepSpeed's bf16 mode would
+        # keep bf16 parameters and so differ from every other strategy.
+        "bf16": {"enabled": False},
         "zero_optimization": zero,
         # The optimizer is a torch AdamW (or DeepSpeedCPUAdam when offloading)
         # built from train.*; DeepSpeed must take it as given.

@@ -88,7 +88,6 @@ class ZeroStrategy(Strategy):
             module.requires_grad_(False)
             if self.options.stage < 3:
                 # Nothing to shard without optimizer states or gradients.
-                self.module.to(self.ctx.dtype)
                 return
         else:
             self.optimizer = make_clip_scaled_adamw(
@@ -142,13 +141,13 @@ class ZeroStrategy(Strategy):
         self.engine.set_gradient_accumulation_boundary(False)
         self.engine.backward(seed * self._seed_scale if self._seed_scale != 1.0 else seed)
 
-    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         assert isinstance(self.family, EncoderFamily)
         family = self.family
         values = self._forward(lambda m: [family.encode(m, x) for x in inputs])
         return [EmbeddingShard.whole(v) for v in values]
 
-    def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
         if not pairs:
             if self.engine is not None and self.options.stage >= 2:
@@ -172,6 +171,7 @@ class ZeroStrategy(Strategy):
 
     def loss_and_backward(
         self,
+        mb: int,
         inputs: list[dict[str, torch.Tensor]],
         embeds: list[dict[str, torch.Tensor]],
         loss_scale: float,

@@ -98,14 +98,16 @@ class Strategy(ABC):
         )
 
     # -- encoder role -----------------------------------------------------------------------------
-    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
-        """Forward this rank's share of each sample (one shard per sample,
-        possibly empty); the graph is kept until :meth:`backward`."""
+    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+        """Forward this rank's share of each sample of microbatch ``mb`` (one
+        shard per sample, possibly empty); the graph is kept until
+        :meth:`backward` for the same ``mb``. Several microbatches may be in
+        flight, and their backwards may come in any order."""
         assert isinstance(self.family, EncoderFamily) and self.module is not None
         return [EmbeddingShard.whole(self.family.encode(self.module, x)) for x in inputs]
 
-    def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """Backward from gradients of this rank's shard values."""
+    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Backward of microbatch ``mb`` from gradients of this rank's shard values."""
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
@@ -113,6 +115,7 @@ class Strategy(ABC):
     # -- llm role ---------------------------------------------------------------------------------
     def loss_and_backward(
         self,
+        mb: int,
         inputs: list[dict[str, torch.Tensor]],
         embeds: list[dict[str, torch.Tensor]],
         loss_scale: float,

@@ -21,7 +21,15 @@ import ray
 import torch
 import torch.distributed as dist
 
-from disagg.interfaces import EmbeddingShard, Family, GroupContext, OptimSpec, Strategy, StrategyOptions
+from disagg.interfaces import (
+    EmbeddingShard,
+    Family,
+    GroupContext,
+    OptimSpec,
+    Strategy,
+    StrategyOptions,
+    compute_dtype,
+)
 from disagg.runtime.activations import saved_bytes_hooks
 
 
@@ -126,16 +134,18 @@ class ModuleWorker:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype_name]
         ctx = GroupContext(self.module, self.rank, self.world_size, self.degree, self.replicas, device, dtype)
         self.strategy = self.strategy_cls(ctx, self.family, self.options)
-        # Weights load in fp32; strategies cast/autocast as the dtype says.
+        # Weights load in fp32 (master weights); compute_dtype autocasts the forward.
         self.strategy.setup(self.family.build(torch.float32), self.optim)
+        # from_pretrained leaves a model in eval mode; training runs its dropout.
+        self.strategy.module.train()  # type: ignore[union-attr]
 
     # -- encoder role -------------------------------------------------------------------------------
     @_named
     def encode(self, mb: int, sample_ids: list[int], input_refs: list[Any]) -> None:
         """Forward this rank's shard of each sample; outputs stay here until fetched."""
         inputs = ray.get(input_refs)
-        with self._count_saved():
-            shards = self.strategy.encode(inputs)  # type: ignore[union-attr]
+        with self._count_saved(), self._compute():
+            shards = self.strategy.encode(mb, inputs)  # type: ignore[union-attr]
         if len(shards) != len(sample_ids):
             raise RuntimeError(f"strategy returned {len(shards)} shards for {len(sample_ids)} samples")
         self.pending[mb] = (list(sample_ids), shards)
@@ -161,6 +171,7 @@ class ModuleWorker:
             grads.update(part)
         device = shards[0].value.device if shards else torch.device("cpu")
         self.strategy.backward(  # type: ignore[union-attr]
+            mb,
             [s.value for s in shards], [grads[i].to(device) for i in ids]
         )
 
@@ -199,8 +210,8 @@ class ModuleWorker:
         for e in embeds:
             for module, t in e.items():
                 t.requires_grad_(module in needs_grad)
-        with self._count_saved():
-            loss_sum = self.strategy.loss_and_backward(inputs, embeds, loss_scale)  # type: ignore[union-attr]
+        with self._count_saved(), self._compute():
+            loss_sum = self.strategy.loss_and_backward(mb, inputs, embeds, loss_scale)  # type: ignore[union-attr]
         self.llm_leaves[mb] = (list(sample_ids), embeds, layout)
         return loss_sum
 
@@ -237,8 +248,13 @@ class ModuleWorker:
                 if module not in e:
                     e[module] = torch.zeros(total, value.shape[-1], dtype=value.dtype, device=device)
                 e[module][positions.to(device)] = value.to(device)
-        with torch.no_grad():
-            return self.strategy.evaluate(inputs, embeds)  # type: ignore[union-attr]
+        module = self.strategy.module  # type: ignore[union-attr]
+        module.eval()  # no dropout when measuring
+        try:
+            with torch.no_grad(), self._compute():
+                return self.strategy.evaluate(inputs, embeds)  # type: ignore[union-attr]
+        finally:
+            module.train()
 
     # -- optimizer step -----------------------------------------------------------------------------
     @_named
@@ -278,6 +294,10 @@ class ModuleWorker:
         }
         self.busy_s, self.sent_bytes, self.saved_bytes = 0.0, 0, 0
         return out
+
+    def _compute(self) -> Any:
+        ctx = self.strategy.ctx  # type: ignore[union-attr]
+        return compute_dtype(ctx.device, ctx.dtype)
 
     def _count_saved(self) -> Any:
         """Count bytes autograd saves for backward (machine-independent activation memory)."""

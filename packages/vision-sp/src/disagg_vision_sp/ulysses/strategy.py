@@ -15,7 +15,6 @@ replicas) gives the single-process gradient, each contribution counted once.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, ClassVar
 
 import torch
@@ -54,8 +53,8 @@ class UlyssesStrategy(Strategy):
         super().__init__(ctx, family, options)
         self.group: dist.ProcessGroup | None = None
         self.base_attention = "sdpa"
-        #: (local output rows, the shard values cut from them) per encoded, not yet backwarded microbatch
-        self._pending: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        #: microbatch -> (local output rows, the shard values cut from them), until its backward
+        self._pending: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         assert isinstance(self.family, UlyssesFamily)
@@ -79,7 +78,7 @@ class UlyssesStrategy(Strategy):
         return groups[ctx.replica]
 
     # -- encoder role -----------------------------------------------------------------------------
-    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         fam = self.family
         assert isinstance(fam, UlyssesFamily) and self.module is not None
         if not inputs:  # a replica without images this microbatch: its ranks all skip together
@@ -99,17 +98,12 @@ class UlyssesStrategy(Strategy):
             sizes=[b - a for a, b in zip(bounds, bounds[1:])],
             comm=self.ctx.comm,
         )
-        with runtime.active(), self._autocast():
+        with runtime.active():
             rows = fam.ulysses_forward(self.module, inputs, layout, lo, hi, runtime)
         shards = self._split(rows, layout, lo // layout.unit, hi // layout.unit)
         if rows.requires_grad:
-            self._pending.append((rows, [s.value for s in shards]))
+            self._pending[mb] = (rows, [s.value for s in shards])
         return shards
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.ctx.dtype == torch.bfloat16:
-            return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     @staticmethod
     def _split(rows: torch.Tensor, layout: Any, r0: int, r1: int) -> list[EmbeddingShard]:
@@ -126,20 +120,12 @@ class UlyssesStrategy(Strategy):
             shards.append(EmbeddingShard(layout.row_pos[r0 + a : r0 + b].clone(), rows[a:b], total))
         return shards
 
-    def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Backward of one encoded microbatch. Runs even when this rank's rows
         are empty: the all-to-all backward needs every rank of the replica."""
-        if not self._pending:
+        if mb not in self._pending:
             return
-        index = next(
-            (
-                i
-                for i, (_, vals) in enumerate(self._pending)
-                if len(vals) == len(outputs) and all(v is o for v, o in zip(vals, outputs))
-            ),
-            0,  # outputs that crossed a process boundary are new objects: microbatches are FIFO
-        )
-        rows, values = self._pending.pop(index)
+        rows, values = self._pending.pop(mb)
         parts = [g.to(rows.device, rows.dtype).reshape(v.shape) for v, g in zip(values, grads)]
         grad = torch.cat(parts) if parts else torch.zeros_like(rows)
         if grad.shape != rows.shape:
