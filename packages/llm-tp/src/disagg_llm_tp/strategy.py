@@ -189,6 +189,9 @@ class MegatronTPStrategy(Strategy):
             return [EmbeddingShard.whole(o) for o in outs]
         return [EmbeddingShard.empty(o.shape[0], o.shape[1], like=o) for o in outs]
 
+    def release(self, mb: int) -> None:
+        self._pending.pop(mb, None)
+
     def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Shard 0 received the gradients; its TP peers need them too."""
         src = self.ctx.shard_ranks()[0]

@@ -1,7 +1,7 @@
 """The small contracts between core and plugins: families, strategies, transports."""
 
 from disagg.interfaces.comm import CommCounter
-from disagg.interfaces.context import GroupContext, OptimSpec
+from disagg.interfaces.context import GroupContext, OptimSpec, dropout_seed
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily, LayerMap
 from disagg.interfaces.grads import agree_on_grads
 from disagg.interfaces.precision import compute_dtype
@@ -13,6 +13,7 @@ __all__ = [
     "CommCounter",
     "agree_on_grads",
     "compute_dtype",
+    "dropout_seed",
     "EmbeddingShard",
     "EncoderFamily",
     "Family",

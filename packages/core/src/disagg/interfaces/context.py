@@ -40,6 +40,11 @@ class GroupContext:
     replicas: int
     device: torch.device
     dtype: torch.dtype
+    #: ``train.seed``; the default RNG is reseeded per replica with
+    #: :func:`dropout_seed` after set-up, so ranks of one replica share masks on
+    #: activations they all hold; strategies seed their own generator for
+    #: regions whose activations differ across the ranks of a replica (TP heads)
+    seed: int = 0
     comm: CommCounter = field(default_factory=CommCounter)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -62,3 +67,9 @@ class GroupContext:
         """Global ranks holding the same shard index in every replica."""
         s = self.shard if shard is None else shard
         return [r * self.degree + s for r in range(self.replicas)]
+
+
+def dropout_seed(seed: int, replica: int, shard: int | None = None) -> int:
+    """The RNG seed for dropout on ``replica`` (and, for activations sharded
+    across the ranks of a replica, on ``shard``); distinct per argument tuple."""
+    return (seed * 1_000_003 + replica * 1009 + (0 if shard is None else shard + 1)) % (2**63 - 1)

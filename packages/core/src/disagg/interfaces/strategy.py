@@ -112,6 +112,11 @@ class Strategy(ABC):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
 
+    def release(self, mb: int) -> None:
+        """Forget what :meth:`encode` kept for ``mb`` when no backward will
+        come (evaluation, a frozen module); strategies that keep per-microbatch
+        state override it."""
+
     # -- llm role ---------------------------------------------------------------------------------
     def loss_and_backward(
         self,

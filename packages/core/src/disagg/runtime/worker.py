@@ -29,6 +29,7 @@ from disagg.interfaces import (
     Strategy,
     StrategyOptions,
     compute_dtype,
+    dropout_seed,
 )
 from disagg.runtime.activations import saved_bytes_hooks
 
@@ -132,12 +133,17 @@ class ModuleWorker:
         )
         torch.manual_seed(self.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype_name]
-        ctx = GroupContext(self.module, self.rank, self.world_size, self.degree, self.replicas, device, dtype)
+        ctx = GroupContext(
+            self.module, self.rank, self.world_size, self.degree, self.replicas, device, dtype, seed=self.seed
+        )
         self.strategy = self.strategy_cls(ctx, self.family, self.options)
         # Weights load in fp32 (master weights); compute_dtype autocasts the forward.
         self.strategy.setup(self.family.build(torch.float32), self.optim)
         # from_pretrained leaves a model in eval mode; training runs its dropout.
         self.strategy.module.train()  # type: ignore[union-attr]
+        # Weights were built under one seed on every rank; dropout draws from
+        # here on, and replicas (different samples) must draw different masks.
+        torch.manual_seed(dropout_seed(self.seed, ctx.replica))
 
     # -- encoder role -------------------------------------------------------------------------------
     @_named
@@ -178,6 +184,7 @@ class ModuleWorker:
     def drop(self, mb: int) -> None:
         """Forget a microbatch whose gradients will not come (frozen module, eval)."""
         self.pending.pop(mb, None)
+        self.strategy.release(mb)  # type: ignore[union-attr]
 
     # -- language-model role ------------------------------------------------------------------------
     @_named

@@ -120,6 +120,9 @@ class UlyssesStrategy(Strategy):
             shards.append(EmbeddingShard(layout.row_pos[r0 + a : r0 + b].clone(), rows[a:b], total))
         return shards
 
+    def release(self, mb: int) -> None:
+        self._pending.pop(mb, None)
+
     def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Backward of one encoded microbatch. Runs even when this rank's rows
         are empty: the all-to-all backward needs every rank of the replica."""
