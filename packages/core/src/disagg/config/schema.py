@@ -70,6 +70,9 @@ class ParallelConfig(Strict):
     transport: str = "auto"
     """``auto`` (object store on CPU, direct transport on CUDA), ``object_store``, ``gloo``,
     ``nccl`` or a plugin's."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """Longest a rank waits in one collective for the other ranks of its group; past it the
+    run stops with an error naming the module, the ranks and the step (never a silent hang)."""
     vision: GroupConfig = Field(default_factory=GroupConfig)
     """The vision encoder's group (ignored unless ``model.vision`` is set)."""
     audio: GroupConfig = Field(default_factory=GroupConfig)

@@ -6,6 +6,7 @@ Every problem is collected (not just the first) and raised together in one
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from disagg.config.errors import ConfigError, Problem, allowed, did_you_mean
+from disagg.config.fingerprint import fingerprint_differences, run_fingerprint
 from disagg.config.schema import MODULES, Config, GroupConfig
 from disagg.config.source import SourceMap, dotted
 from disagg.config.translate import problems_from_errors
@@ -79,9 +81,24 @@ class _Checker:
         self.transport()
         self.train()
         self.data()
-        if self.cfg.checkpoint.resume_from and not Path(self.cfg.checkpoint.resume_from).exists():
-            self.add(("checkpoint", "resume_from"), f"{self.cfg.checkpoint.resume_from!r} does not exist")
+        self.resume()
         return resolved
+
+    def resume(self) -> None:
+        path = self.cfg.checkpoint.resume_from
+        if not path:
+            return
+        key = ("checkpoint", "resume_from")
+        meta = Path(path) / "meta.json"
+        if not meta.is_file():
+            what = "does not exist" if not Path(path).exists() else "has no meta.json (not a checkpoint dir)"
+            self.add(key, f"{path!r} {what}")
+            return
+        saved = json.loads(meta.read_text()).get("fingerprint")
+        if saved is None:
+            return  # written before fingerprints existed: nothing to compare
+        for difference in fingerprint_differences(saved, run_fingerprint(self.cfg)):
+            self.add(key, f"cannot resume from {path!r}: {difference}")
 
     # -- one module ------------------------------------------------------------------------------
     def module(self, m: str) -> ResolvedModule | None:

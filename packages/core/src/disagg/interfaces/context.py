@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,6 +46,9 @@ class GroupContext:
     #: activations they all hold; strategies seed their own generator for
     #: regions whose activations differ across the ranks of a replica (TP heads)
     seed: int = 0
+    #: ``parallel.collective_timeout_s``: pass it to ``dist.new_group(timeout=...)``
+    #: for sub-groups, so a mismatched collective there also ends in an error
+    collective_timeout: timedelta = timedelta(seconds=600)
     comm: CommCounter = field(default_factory=CommCounter)
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -116,6 +116,7 @@ class Strategy(ABC):
         """Forget what :meth:`encode` kept for ``mb`` when no backward will
         come (evaluation, a frozen module); strategies that keep per-microbatch
         state override it."""
+        return None
 
     # -- llm role ---------------------------------------------------------------------------------
     def loss_and_backward(

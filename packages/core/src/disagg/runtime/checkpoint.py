@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from disagg.config.fingerprint import run_fingerprint
 from disagg.config.schema import Config
 from disagg.plugins import Registry
 from disagg.runtime.orchestrator import Orchestrator
@@ -30,7 +31,10 @@ def save_checkpoint(orch: Orchestrator, cfg: Config, run_dir: Path, step: int) -
         full = orch.full_state_dict(g.module)
         save_file(_contiguous(full), str(path / g.module / "full.safetensors"))
     (path / "meta.json").write_text(
-        json.dumps({"step": step, "config": cfg.model_dump(mode="json")}, indent=2)
+        json.dumps(
+            {"step": step, "config": cfg.model_dump(mode="json"), "fingerprint": run_fingerprint(cfg)},
+            indent=2,
+        )
     )
     return path
 

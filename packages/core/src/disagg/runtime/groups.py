@@ -50,7 +50,13 @@ class Group:
 
 
 def start_groups(
-    specs: list[GroupSpec], *, placement: str, device: str, dtype: str, seed: int
+    specs: list[GroupSpec],
+    *,
+    placement: str,
+    device: str,
+    dtype: str,
+    seed: int,
+    collective_timeout_s: float = 600.0,
 ) -> list[Group]:
     """Create placement groups and actors, then each group's process group."""
     remote_cls = ray.remote(enable_tensor_transport=True)(ModuleWorker)
@@ -86,6 +92,7 @@ def start_groups(
                     device,
                     dtype,
                     seed,
+                    collective_timeout_s,
                 )
             )
         groups.append(Group(spec, actors, pgs[pg_index]))

@@ -42,6 +42,7 @@ class Orchestrator:
         microbatches: int = 1,
         clip_grad_norm: float | None = None,
         transport: Any = None,
+        collective_timeout_s: float = 600.0,
     ) -> None:
         if not specs or specs[-1].family.role != "llm":
             raise ValueError("the last group must be the language model")
@@ -49,7 +50,12 @@ class Orchestrator:
         self.microbatches = microbatches
         self.clip_grad_norm = clip_grad_norm
         self.groups: list[Group] = start_groups(
-            specs, placement=placement, device=device, dtype=dtype, seed=seed
+            specs,
+            placement=placement,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            collective_timeout_s=collective_timeout_s,
         )
         self.transport = transport
         if transport is not None:

@@ -53,6 +53,7 @@ def run_training(
         microbatches=cfg.train.microbatches,
         clip_grad_norm=cfg.train.clip_grad_norm,
         transport=plan.transport,
+        collective_timeout_s=cfg.parallel.collective_timeout_s,
     )
     pm = registry.pm
     logger = JsonlMetricsLogger(run_dir / "metrics.jsonl")

@@ -74,11 +74,13 @@ class ModuleWorker:
         device: str,
         dtype: str,
         seed: int,
+        collective_timeout_s: float = 600.0,
     ) -> None:
         self.module, self.rank = module, rank
         self.world_size, self.degree, self.replicas = world_size, degree, replicas
         self.family, self.strategy_cls, self.options = family, strategy_cls, options
         self.optim, self.seed = optim, seed
+        self.collective_timeout = timedelta(seconds=collective_timeout_s)
         self.device_kind, self.dtype_name = device, dtype
         self.strategy: Strategy | None = None
         # microbatch -> (sample ids, shards) kept until their gradients arrive
@@ -129,12 +131,20 @@ class ModuleWorker:
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=self.rank,
             world_size=self.world_size,
-            timeout=timedelta(seconds=600),
+            timeout=self.collective_timeout,
         )
         torch.manual_seed(self.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype_name]
         ctx = GroupContext(
-            self.module, self.rank, self.world_size, self.degree, self.replicas, device, dtype, seed=self.seed
+            self.module,
+            self.rank,
+            self.world_size,
+            self.degree,
+            self.replicas,
+            device,
+            dtype,
+            seed=self.seed,
+            collective_timeout=self.collective_timeout,
         )
         self.strategy = self.strategy_cls(ctx, self.family, self.options)
         # Weights load in fp32 (master weights); compute_dtype autocasts the forward.
