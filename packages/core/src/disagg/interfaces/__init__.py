@@ -5,11 +5,13 @@ from disagg.interfaces.context import GroupContext, OptimSpec, dropout_seed
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily, LayerMap
 from disagg.interfaces.grads import agree_on_grads
 from disagg.interfaces.precision import compute_dtype
+from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
 from disagg.interfaces.shard import EmbeddingShard
 from disagg.interfaces.strategy import Strategy, StrategyOptions
 from disagg.interfaces.transport import Transport
 
 __all__ = [
+    "AttentionScope",
     "CommCounter",
     "agree_on_grads",
     "compute_dtype",
@@ -21,7 +23,9 @@ __all__ = [
     "LanguageFamily",
     "LayerMap",
     "OptimSpec",
+    "SeqLayout",
     "Strategy",
     "StrategyOptions",
     "Transport",
+    "UlyssesFamily",
 ]
