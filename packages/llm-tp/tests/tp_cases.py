@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from disagg.interfaces import GroupContext, OptimSpec
 from disagg.interfaces.strategy import clip_coefficient
-from disagg.runtime.activations import saved_bytes_hooks
+from disagg.interfaces.activations import saved_bytes_hooks
 
 MAX_NORM = 0.05  # small enough that clipping is active in every step
 LR = 1e-3

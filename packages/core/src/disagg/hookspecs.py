@@ -51,6 +51,17 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
 
 
 @hookspec
+def disagg_register_schedules(register: Callable[[type], None]) -> None:
+    """Register step schedules (the order of microbatch phases across groups).
+
+    Called once when the plugin manager is created. ``register(cls)`` takes a
+    :class:`disagg.interfaces.schedule.Schedule` subclass, selectable by its
+    ``name`` in ``train.schedule`` (built-ins: ``sequential``,
+    ``encoders_ahead``). Not ``firstresult``: every plugin is asked.
+    """
+
+
+@hookspec
 def disagg_register_transports(register: Callable[[type], None]) -> None:
     """Register transports that move activations and gradients between groups.
 

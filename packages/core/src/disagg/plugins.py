@@ -48,6 +48,7 @@ class Registry:
     #: keyed by (role, name)
     families: dict[tuple[str, str], type] = field(default_factory=dict)
     transports: dict[str, type] = field(default_factory=dict)
+    schedules: dict[str, type] = field(default_factory=dict)
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
     #: plugin name -> "ExceptionType: message" for plugins that failed to load
     failures: dict[str, str] = field(default_factory=dict)
@@ -169,13 +170,19 @@ class PluginConflict(RuntimeError):
     """Two plugins registered the same strategy, family or transport name."""
 
 
-_SINGULAR = {"strategies": "strategy", "families": "family", "transports": "transport"}
+_SINGULAR = {
+    "strategies": "strategy",
+    "families": "family",
+    "transports": "transport",
+    "schedules": "schedule",
+}
 
 #: (Registry attribute, hook that fills it)
 REGISTER_HOOKS: tuple[tuple[str, str], ...] = (
     ("strategies", "disagg_register_strategies"),
     ("families", "disagg_register_families"),
     ("transports", "disagg_register_transports"),
+    ("schedules", "disagg_register_schedules"),
 )
 
 

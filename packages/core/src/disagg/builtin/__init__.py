@@ -15,6 +15,14 @@ def disagg_register_strategies(register: Callable[[type], None]) -> None:
 
 
 @hookimpl
+def disagg_register_schedules(register: Callable[[type], None]) -> None:
+    from disagg.builtin.schedules import EncodersAhead, Sequential
+
+    register(Sequential)
+    register(EncodersAhead)
+
+
+@hookimpl
 def disagg_register_transports(register: Callable[[type], None]) -> None:
     from disagg.builtin.transports import DirectTransport, ObjectStoreTransport
 

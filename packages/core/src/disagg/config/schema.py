@@ -141,6 +141,12 @@ class TrainConfig(Strict):
     """Linear warmup steps of the scheduler."""
     microbatches: PositiveInt = 1
     """Gradient accumulation: the global batch is split into this many microbatches."""
+    schedule: str = "sequential"
+    """Order of microbatch phases across groups: ``sequential`` (forward, LLM, backward per
+    microbatch) or ``encoders_ahead`` (encoders run forward on k+1.. while the LLM works on k),
+    or a plugin's (see ``disagg plugins``)."""
+    max_inflight: PositiveInt = 2
+    """Most microbatches an encoder rank holds activations for under ``encoders_ahead``."""
     clip_grad_norm: float | None = Field(1.0, gt=0)
     """Max global grad norm over all modules; null disables clipping."""
     seed: int = 0

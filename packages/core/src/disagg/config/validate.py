@@ -241,6 +241,12 @@ class _Checker:
                 self.add(
                     ("train", "modules", m), f"module {m!r} is not configured in model; {allowed(configured)}"
                 )
+        if t.schedule not in self.reg.schedules:
+            names = sorted(self.reg.schedules)
+            self.add(
+                ("train", "schedule"),
+                f"unknown schedule {t.schedule!r}; {allowed(names)}{did_you_mean(t.schedule, names)}",
+            )
         kinds = _scheduler_kinds()
         for path, kind in [(("train", "scheduler"), t.scheduler)] + [
             (("train", "modules", m, "scheduler"), mt.scheduler)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg.runtime.orchestrator import StepResult
+from disagg.metrics.record import StepResult
 
 
 def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[str, Any]:
@@ -21,6 +21,8 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
         "comm_bytes": {m: g["comm_bytes"] for m, g in res.groups.items()},
         "comm_bytes_per_rank": {m: g["comm_bytes_per_rank"] for m, g in res.groups.items()},
         "group_time_s": {m: g["time_s"] for m, g in res.groups.items()},
+        # time each group spent blocked on another (shards or gradients not yet there)
+        "wait_s": {m: g["wait_s"] for m, g in res.groups.items()},
         "activation_bytes_per_rank": {m: g["activation_bytes_per_rank"] for m, g in res.groups.items()},
         "state_bytes_per_rank": {m: g["state_bytes_per_rank"] for m, g in res.groups.items()},
         "lr": {m: g["lr"] for m, g in res.groups.items()},

@@ -1,31 +1,36 @@
-"""The driver's step: encoders forward, LLM forward+backward, gradients routed
-back to the exact encoder rank that produced each shard, one global clip, and
-an optimizer step in every group. The driver holds ObjectRefs and small
-numbers only."""
+"""The driver's step: each microbatch is routed (:mod:`disagg.runtime.routing`),
+its phases are submitted in the order the schedule gives
+(:mod:`disagg.interfaces.schedule`), gradients go back to the exact encoder
+rank that produced each shard, one global clip, and every group steps. The
+driver holds ObjectRefs and small numbers only.
+"""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from disagg.builtin.schedules import Sequential
 from disagg.data.types import SampleRefs
+from disagg.interfaces.schedule import Schedule, check_order
 from disagg.interfaces.strategy import clip_coefficient
+from disagg.metrics.record import StepResult, reduce_group
 from disagg.runtime.groups import Group, GroupSpec, start_groups, stop_groups
-from disagg.runtime.routing import assign, split_microbatches
+from disagg.runtime.routing import Assign, GroupShape, Route, SampleInfo, route, split_microbatches
 
 
 @dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    label_tokens: int
-    tokens: int
-    step_time_s: float
-    groups: dict[str, dict[str, Any]]
+class _Flight:
+    """One microbatch between its forward and its backward."""
+
+    mb: int
+    samples: list[SampleRefs]
+    route: Route
+    shard_refs: dict[int, Any] = field(default_factory=dict)  # source id -> ref
 
 
 class Orchestrator:
@@ -43,12 +48,20 @@ class Orchestrator:
         clip_grad_norm: float | None = None,
         transport: Any = None,
         collective_timeout_s: float = 600.0,
+        schedule: Schedule | None = None,
+        max_inflight: int = 2,
+        assign: Assign | None = None,
     ) -> None:
         if not specs or specs[-1].family.role != "llm":
             raise ValueError("the last group must be the language model")
         self.specs = specs
         self.microbatches = microbatches
         self.clip_grad_norm = clip_grad_norm
+        self.schedule = schedule or Sequential()
+        self.max_inflight = max_inflight
+        self.assign = assign
+        # no rank makes progress for this long: something waits that never comes
+        self.stall_s = collective_timeout_s + 60.0
         self.groups: list[Group] = start_groups(
             specs,
             placement=placement,
@@ -63,7 +76,7 @@ class Orchestrator:
         self._opts = transport.call_options() if transport is not None else {}
         self._mb_counter = 0
         self._side_refs: list[Any] = []
-        global _ACTOR_NAMES
+        self.steps_done = 0
         _ACTOR_NAMES.update(
             {
                 a._actor_id.hex(): f"module {g.module!r} rank {r}"
@@ -71,6 +84,17 @@ class Orchestrator:
                 for r, a in enumerate(g.actors)
             }
         )
+        self._shapes = [GroupShape(g.module, g.spec.degree, g.spec.replicas) for g in self.encoders]
+        self._llm_shape = GroupShape(
+            self.llm.module, self.llm.spec.degree, self.llm.spec.replicas, self._grad_shard()
+        )
+
+    def _grad_shard(self) -> int:
+        """The LLM rank inside a replica whose embedding gradients go back."""
+        flags = ray.get([a.returns_input_grads.remote() for a in self.llm.actors[: self.llm.spec.degree]])
+        if not any(flags):
+            raise RuntimeError(f"strategy of module {self.llm.module!r}: no rank returns input gradients")
+        return flags.index(True)
 
     @property
     def llm(self) -> Group:
@@ -83,6 +107,17 @@ class Orchestrator:
     def group(self, module: str) -> Group:
         return next(g for g in self.groups if g.module == module)
 
+    def route(self, samples: list[SampleRefs]) -> Route:
+        infos = [
+            SampleInfo(
+                s.index,
+                {m: s.num_media_tokens.get(m, 0) for m in s.inputs if m != "llm"},
+                s.num_tokens,
+            )
+            for s in samples
+        ]
+        return route(infos, self._shapes, self._llm_shape, self.assign)
+
     # -- one optimizer step ----------------------------------------------------------------------------
     def step(self, batch: list[SampleRefs]) -> StepResult:
         t0 = time.perf_counter()
@@ -92,150 +127,123 @@ class Orchestrator:
                 "global batch has no label tokens: nothing to learn from (check the assistant turns)"
             )
         loss_scale = 1.0 / label_tokens
-        _wait([r for g in self.groups for r in g.call("zero_grad")])
-        loss_refs: list[Any] = []
+        self._wait([r for g in self.groups for r in g.call("zero_grad")])
+        flights = []
         for positions in split_microbatches(len(batch), self.microbatches):
-            mb = [batch[i] for i in positions]
-            if mb:
-                loss_refs += self._microbatch(mb, loss_scale)
-        _wait(self._side_refs)  # root causes first: an encoder error, not its consequence in the LLM
+            samples = [batch[i] for i in positions]
+            if samples:
+                flights.append(_Flight(self._next_mb(), samples, self.route(samples)))
+        frozen = all(g.spec.optim is None for g in self.encoders)
+        ops = self.schedule.order(len(flights), max_inflight=self.max_inflight, frozen=frozen)
+        check_order(ops, len(flights), max_inflight=self.max_inflight, frozen=frozen, name=self.schedule.name)
+        loss_refs: list[Any] = []
+        for op in ops:
+            f = flights[op.mb]
+            if op.phase == "forward":
+                self._forward(f, train=True)
+            elif op.phase == "llm":
+                loss_refs += self._llm(f, loss_scale)
+            else:
+                self._backward(f)
+        self._wait(self._side_refs)  # root causes first: an encoder error, not its consequence in the LLM
         self._side_refs = []
         # every rank runs the reduction collectives; by contract all ranks of a
         # group report the same norm, so rank 0 speaks for its group
-        all_norms = [g.call("reduce_and_norm") for g in self.groups]
-        norms = [n[0] for n in _wait_nested(all_norms)]
+        norm_refs = [g.call("reduce_and_norm") for g in self.groups]
+        norms = [n[0] for n in self._wait_nested(norm_refs)]
         grad_norm = math.sqrt(sum(norms))
         coef = clip_coefficient(grad_norm, self.clip_grad_norm)
-        per_rank = _wait([r for g in self.groups for r in g.call("step", coef)])
-        loss_sum = sum(_wait(loss_refs))
-        metrics, k = {}, 0
-        for g in self.groups:
-            ranks = per_rank[k : k + len(g.actors)]
-            k += len(g.actors)
-            metrics[g.module] = {
-                "peak_mem_bytes": max(r["peak_mem_bytes"] for r in ranks),
-                "comm_bytes": sum(r["comm_bytes"] for r in ranks),
-                "comm_bytes_per_rank": max(r["comm_bytes"] for r in ranks),
-                "time_s": max(r["busy_s"] for r in ranks),
-                "activation_bytes_per_rank": max(r["activation_bytes"] for r in ranks),
-                "state_bytes_per_rank": max(r["state_bytes"] for r in ranks),
-                "lr": ranks[0]["lr"],
-            }
+        records = self._wait_nested([g.call("step", coef) for g in self.groups])
+        loss_sum = sum(self._wait(loss_refs))
+        self.steps_done += 1
         return StepResult(
             loss=loss_sum / label_tokens,
             grad_norm=grad_norm,
             label_tokens=label_tokens,
             tokens=sum(s.num_tokens for s in batch),
             step_time_s=time.perf_counter() - t0,
-            groups=metrics,
+            groups={g.module: reduce_group(r) for g, r in zip(self.groups, records)},
+            records={g.module: r for g, r in zip(self.groups, records)},
         )
 
-    def _microbatch(self, mb: list[SampleRefs], loss_scale: float) -> list[Any]:
-        mb_id = self._mb_counter
+    def _next_mb(self) -> int:
         self._mb_counter += 1
-        ids = [s.index for s in mb]
-        llm_owner = {}  # sample id -> LLM replica
-        llm_parts = assign(len(mb), self.llm.spec.replicas)
-        for r, part in enumerate(llm_parts):
-            for p in part:
-                llm_owner[ids[p]] = r
-        # encoders: forward, then one shard object per (encoder rank, LLM replica)
-        shard_refs: dict[int, list[tuple[str, Any, Group, int]]] = {r: [] for r in range(len(llm_parts))}
-        encoded: dict[str, list[int]] = {}  # module -> ranks that ran encode for this microbatch
-        for g in self.encoders:
-            with_media = [s for s in mb if g.module in s.inputs]
-            if not with_media:
-                continue  # every rank of the group skips alike: no collective is left waiting
-            # Every replica is called, even with no samples: strategies that
-            # communicate inside forward/backward (ZeRO-3) need every rank in step.
-            for r, part in enumerate(assign(len(with_media), g.spec.replicas)):
-                samples = [with_media[p] for p in part]
-                sids = [s.index for s in samples]
-                refs = [s.inputs[g.module] for s in samples]
-                ranks = list(range(r * g.spec.degree, (r + 1) * g.spec.degree))
-                self._side_refs += g.call("encode", mb_id, sids, refs, ranks=ranks)
-                encoded.setdefault(g.module, []).extend(ranks)
-                for llm_r in range(len(llm_parts)):
-                    wanted = [i for i in sids if llm_owner[i] == llm_r]
-                    if not wanted:
-                        continue
-                    for rank in ranks:
-                        ref = g.actors[rank].shards_for.options(**self._opts).remote(mb_id, wanted)
-                        shard_refs[llm_r].append((g.module, ref, g, rank))
-        # language model: forward + backward on each replica
+        return self._mb_counter - 1
+
+    # -- the three phases of a microbatch ----------------------------------------------------------------
+    def _forward(self, f: _Flight, *, train: bool) -> None:
+        """Every encoder replica with work encodes; each source is fetched as
+        one object addressed to its LLM replica."""
+        for task in f.route.encodes:
+            g = self.group(task.module)
+            refs = [s.inputs[g.module] for s in f.samples if s.index in task.samples]
+            ids = [s.index for s in f.samples if s.index in task.samples]
+            grad = train and g.spec.optim is not None
+            self._side_refs += g.call("encode", f.mb, ids, refs, grad, ranks=list(task.ranks))
+        for src in f.route.sources:
+            actor = self.group(src.module).actors[src.rank]
+            f.shard_refs[src.id] = actor.shards_for.options(**self._opts).remote(f.mb, list(src.samples))
+
+    def _llm(self, f: _Flight, loss_scale: float) -> list[Any]:
         needs_grad = [g.module for g in self.encoders if g.spec.optim is not None]
+        by_index = {s.index: s for s in f.samples}
         loss_refs = []
-        for r, part in enumerate(llm_parts):
-            samples = [mb[p] for p in part]  # possibly none: the replica still runs in step
-            sids = [s.index for s in samples]
-            ins = [s.inputs["llm"] for s in samples]
-            srcs = [(m, ref) for m, ref, _, _ in shard_refs[r]]
-            ranks = list(range(r * self.llm.spec.degree, (r + 1) * self.llm.spec.degree))
+        for task in f.route.llm:  # every replica, even with no sample: it still runs in step
+            ins = [by_index[i].inputs["llm"] for i in task.samples]
+            sources = [(sid, f.route.source(sid).module, f.shard_refs[sid]) for sid in task.sources]
             refs = self.llm.call(
-                "loss_and_backward", mb_id, sids, ins, srcs, needs_grad, loss_scale, ranks=ranks
+                "loss_and_backward",
+                f.mb,
+                list(task.samples),
+                ins,
+                sources,
+                needs_grad,
+                loss_scale,
+                ranks=list(task.ranks),
             )
             loss_refs.append(refs[0])  # every TP rank computes the same replica loss; count it once
             self._side_refs += refs[1:]
-        # gradients back to the rank that produced each shard
-        grads_to: dict[tuple[str, int], list[Any]] = {}
-        for r, entries in shard_refs.items():
-            head = self.llm.actors[r * self.llm.spec.degree]
-            for src, (module, _, g, rank) in enumerate(entries):
-                if g.spec.optim is None:
-                    continue
-                grads_to.setdefault((module, rank), []).append(
-                    head.grads_for.options(**self._opts).remote(mb_id, module, src)
-                )
         for g in self.encoders:
-            for rank in encoded.get(g.module, []):
-                if g.spec.optim is None:
-                    g.actors[rank].drop.remote(mb_id)
-                else:  # every rank that encoded runs backward, with no gradients if it had no samples
-                    self._side_refs.append(
-                        g.actors[rank].backward.remote(mb_id, grads_to.get((g.module, rank), []))
-                    )
-        for a in self.llm.actors:
-            a.release.remote(mb_id)
+            if g.spec.optim is None:  # no gradients will come: free the activations now
+                for rank in f.route.encoded_ranks(g.module):
+                    g.actors[rank].drop.remote(f.mb)
         return loss_refs
+
+    def _backward(self, f: _Flight) -> None:
+        """Gradients of each source, from the LLM rank that returns them, to
+        exactly the encoder rank that produced it; every rank that encoded
+        runs backward (with no gradients if it had no samples)."""
+        for g in self.encoders:
+            if g.spec.optim is None:
+                continue
+            for rank in f.route.encoded_ranks(g.module):
+                grads = []
+                for src in f.route.sources_of(g.module, rank):
+                    head = self.llm.actors[f.route.llm[src.llm_replica].grad_rank]
+                    grads.append(head.grads_for.options(**self._opts).remote(f.mb, src.id))
+                self._side_refs.append(g.actors[rank].backward.remote(f.mb, grads))
+        for a in self.llm.actors:
+            a.release.remote(f.mb)
 
     # -- evaluation ----------------------------------------------------------------------------------
     def evaluate(self, batch: list[SampleRefs]) -> dict[str, float]:
-        """Teacher-forced loss and greedy token accuracy on label tokens."""
-        mb_id = self._mb_counter
-        self._mb_counter += 1
-        ids = [s.index for s in batch]
-        llm_parts = assign(len(batch), self.llm.spec.replicas)
-        owner = {ids[p]: r for r, part in enumerate(llm_parts) for p in part}
-        srcs: dict[int, list[tuple[str, Any]]] = {r: [] for r in range(len(llm_parts))}
-        for g in self.encoders:
-            with_media = [s for s in batch if g.module in s.inputs]
-            if not with_media:
-                continue
-            for r, part in enumerate(assign(len(with_media), g.spec.replicas)):
-                samples = [with_media[p] for p in part]  # every replica runs, as in training
-                sids = [s.index for s in samples]
-                ranks = list(range(r * g.spec.degree, (r + 1) * g.spec.degree))
-                g.call("encode", mb_id, sids, [s.inputs[g.module] for s in samples], ranks=ranks)
-                for llm_r in range(len(llm_parts)):
-                    wanted = [i for i in sids if owner[i] == llm_r]
-                    for rank in ranks if wanted else []:
-                        srcs[llm_r].append((g.module, g.actors[rank].shards_for.remote(mb_id, wanted)))
-                for rank in ranks:
-                    g.actors[rank].drop.remote(mb_id)
+        """Teacher-forced loss and greedy token accuracy on label tokens, from
+        the same route as training (forward only, no graphs kept)."""
+        f = _Flight(self._next_mb(), list(batch), self.route(list(batch)))
+        self._forward(f, train=False)
+        by_index = {s.index: s for s in f.samples}
         outs = []
-        for r, part in enumerate(llm_parts):
-            samples = [batch[p] for p in part]
-            ranks = list(range(r * self.llm.spec.degree, (r + 1) * self.llm.spec.degree))
+        for task in f.route.llm:
+            sources = [(sid, f.route.source(sid).module, f.shard_refs[sid]) for sid in task.sources]
+            ins = [by_index[i].inputs["llm"] for i in task.samples]
             outs.append(
-                self.llm.call(
-                    "evaluate",
-                    [s.index for s in samples],
-                    [s.inputs["llm"] for s in samples],
-                    srcs[r],
-                    ranks=ranks,
-                )[0]
+                self.llm.call("evaluate", list(task.samples), ins, sources, ranks=list(task.ranks))[0]
             )
-        res = _wait(outs)
+        for task in f.route.encodes:
+            for rank in task.ranks:
+                self.group(task.module).actors[rank].drop.remote(f.mb)
+        res = self._wait(outs + self._side_refs)[: len(outs)]
+        self._side_refs = []
         loss, correct, total = (sum(x[i] for x in res) for i in range(3))
         return {
             "loss": loss / max(total, 1),
@@ -245,18 +253,16 @@ class Orchestrator:
 
     # -- state -------------------------------------------------------------------------------------------
     def full_state_dict(self, module: str) -> dict[str, Any]:
-        g = self.group(module)
-        return _wait(g.call("full_state_dict"))[0]
+        return self._wait(self.group(module).call("full_state_dict"))[0]
 
     def full_grads(self, module: str) -> dict[str, Any]:
-        g = self.group(module)
-        return _wait(g.call("full_grads"))[0]
+        return self._wait(self.group(module).call("full_grads"))[0]
 
     def save(self, path: str) -> None:
-        _wait([r for g in self.groups for r in g.call("save", f"{path}/{g.module}")])
+        self._wait([r for g in self.groups for r in g.call("save", f"{path}/{g.module}")])
 
     def load(self, path: str) -> None:
-        _wait([r for g in self.groups for r in g.call("load", f"{path}/{g.module}")])
+        self._wait([r for g in self.groups for r in g.call("load", f"{path}/{g.module}")])
 
     def placement(self) -> dict[str, list[str]]:
         return {g.module: list(g.nodes) for g in self.groups}
@@ -266,17 +272,38 @@ class Orchestrator:
             self.transport.teardown([a for g in self.groups for a in g.actors])
         stop_groups(self.groups)
 
+    # -- waiting -----------------------------------------------------------------------------------------
+    def _wait(self, refs: list[Any]) -> list[Any]:
+        """``ray.get`` that fails on the first error to arrive (ranks blocked in
+        a collective with a dead peer would otherwise hide it until their
+        timeout), and on a stall: no call finishing for ``stall_s``."""
+        try:
+            return wait_all(refs, self.stall_s)
+        except GroupFailure as exc:
+            raise GroupFailure(f"step {self.steps_done + 1}: {exc}") from None
+
+    def _wait_nested(self, groups: list[list[Any]]) -> list[list[Any]]:
+        flat = self._wait([r for g in groups for r in g])
+        out, k = [], 0
+        for g in groups:
+            out.append(flat[k : k + len(g)])
+            k += len(g)
+        return out
+
 
 class GroupFailure(RuntimeError):
     """A rank of a module group failed; the message names module and rank."""
 
 
-def _wait(refs: list[Any]) -> list[Any]:
-    """``ray.get`` that fails on the first error to arrive (ranks blocked in a
-    collective with a dead peer would otherwise hide it until their timeout)."""
+def wait_all(refs: list[Any], stall_s: float | None = None) -> list[Any]:
     pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=stall_s)
+        if not ready:
+            raise GroupFailure(
+                f"no rank finished a call for {stall_s:.0f} s: a rank waits for something that will "
+                f"not come (a collective its peers skipped?); still running: {_pending_calls(pending)}"
+            )
         try:
             ray.get(ready[0])
         except ray.exceptions.RayTaskError as exc:
@@ -288,17 +315,19 @@ def _wait(refs: list[Any]) -> list[Any]:
     return ray.get(list(refs))
 
 
+def _pending_calls(refs: list[Any]) -> str:
+    names = []
+    for ref in refs:
+        try:
+            task = ref.task_id()
+            names.append(_ACTOR_NAMES.get(task.actor_id().hex(), "?"))
+        except Exception:  # refs not made by an actor task
+            continue
+    return ", ".join(sorted(set(names))) or "unknown"
+
+
 #: actor id (hex) -> "module 'x' rank n", so a dead process is reported by name
 _ACTOR_NAMES: dict[str, str] = {}
-
-
-def _wait_nested(groups: list[list[Any]]) -> list[list[Any]]:
-    flat = _wait([r for g in groups for r in g])
-    out, k = [], 0
-    for g in groups:
-        out.append(flat[k : k + len(g)])
-        k += len(g)
-    return out
 
 
 def _last_line(exc: BaseException) -> str:

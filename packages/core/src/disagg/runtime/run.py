@@ -54,6 +54,8 @@ def run_training(
         clip_grad_norm=cfg.train.clip_grad_norm,
         transport=plan.transport,
         collective_timeout_s=cfg.parallel.collective_timeout_s,
+        schedule=registry.schedules[cfg.train.schedule](),
+        max_inflight=cfg.train.max_inflight,
     )
     pm = registry.pm
     logger = JsonlMetricsLogger(run_dir / "metrics.jsonl")

@@ -31,7 +31,8 @@ from disagg.interfaces import (
     compute_dtype,
     dropout_seed,
 )
-from disagg.runtime.activations import saved_bytes_hooks
+from disagg.interfaces.activations import saved_bytes_hooks
+from disagg.metrics.record import RankRecord
 
 
 class WorkerError(RuntimeError):
@@ -42,7 +43,8 @@ def _named(fn: Callable) -> Callable:
     # Errors must name the module and rank; Ray alone reports an opaque actor id.
     @functools.wraps(fn)
     def wrapper(self: ModuleWorker, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        rec = self.record  # step() starts a new record; this call's time belongs to the old one
+        t0, waited = time.perf_counter(), rec.wait_s
         try:
             return fn(self, *args, **kwargs)
         except WorkerError:
@@ -52,7 +54,8 @@ def _named(fn: Callable) -> Callable:
                 f"module {self.module!r} rank {self.rank}: {type(exc).__name__}: {exc}"
             ) from exc
         finally:
-            self.busy_s += time.perf_counter() - t0
+            # busy: inside this call, minus what it spent blocked on another group
+            rec.busy_s += time.perf_counter() - t0 - (rec.wait_s - waited)
 
     return wrapper
 
@@ -85,13 +88,11 @@ class ModuleWorker:
         self.strategy: Strategy | None = None
         # microbatch -> (sample ids, shards) kept until their gradients arrive
         self.pending: dict[int, tuple[list[int], list[EmbeddingShard]]] = {}
-        # microbatch -> (sample ids, embedding leaves per sample)
-        self.llm_leaves: dict[
-            int, tuple[list[int], list[dict[str, torch.Tensor]], list[dict[str, list]]]
-        ] = {}
-        self.busy_s = 0.0
-        self.sent_bytes = 0
-        self.saved_bytes = 0
+        # microbatch -> (sample ids, embedding leaves per sample, source id -> [(sample, positions)])
+        self.llm_leaves: dict[int, tuple[list[int], list[dict[str, torch.Tensor]], dict[int, list]]] = {}
+        self.record = RankRecord(module, rank)
+        # saved-activation bytes per microbatch in flight; their sum peaks at record.activation_bytes
+        self.live_bytes: dict[int, int] = {}
 
     # -- set-up -------------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -157,10 +158,11 @@ class ModuleWorker:
 
     # -- encoder role -------------------------------------------------------------------------------
     @_named
-    def encode(self, mb: int, sample_ids: list[int], input_refs: list[Any]) -> None:
-        """Forward this rank's shard of each sample; outputs stay here until fetched."""
-        inputs = ray.get(input_refs)
-        with self._count_saved(), self._compute():
+    def encode(self, mb: int, sample_ids: list[int], input_refs: list[Any], grad: bool = True) -> None:
+        """Forward this rank's shard of each sample; outputs stay here until
+        fetched. ``grad=False`` (evaluation, a frozen encoder) keeps no graph."""
+        inputs = self._get(input_refs, wait=False)
+        with self._count_saved(mb), self._compute(), torch.set_grad_enabled(grad):
             shards = self.strategy.encode(mb, inputs)  # type: ignore[union-attr]
         if len(shards) != len(sample_ids):
             raise RuntimeError(f"strategy returned {len(shards)} shards for {len(sample_ids)} samples")
@@ -175,96 +177,104 @@ class ModuleWorker:
         for i in sample_ids:
             s = by_id[i]
             out[i] = (s.positions, s.value.detach(), s.total)
-            self.sent_bytes += s.value.numel() * s.value.element_size()
+            self.record.sent_bytes += s.value.numel() * s.value.element_size()
         return out
 
     @_named
     def backward(self, mb: int, grad_refs: list[Any]) -> None:
         """Backward from the gradients of this rank's shards (from every LLM replica)."""
-        ids, shards = self.pending.pop(mb)
         grads: dict[int, torch.Tensor] = {}
-        for part in ray.get(grad_refs):
+        for part in self._get(grad_refs):
             grads.update(part)
+        ids, shards = self.pending.pop(mb)
         device = shards[0].value.device if shards else torch.device("cpu")
+        missing = [i for i, s in zip(ids, shards) if i not in grads and s.value.numel()]
+        if missing:
+            raise RuntimeError(f"microbatch {mb}: no gradients came back for samples {missing}")
         self.strategy.backward(  # type: ignore[union-attr]
             mb,
-            [s.value for s in shards], [grads[i].to(device) for i in ids]
+            [s.value for s in shards],
+            [grads[i].to(device) if i in grads else torch.zeros_like(s.value) for i, s in zip(ids, shards)],
         )
+        self.live_bytes.pop(mb, None)
 
     def drop(self, mb: int) -> None:
         """Forget a microbatch whose gradients will not come (frozen module, eval)."""
         self.pending.pop(mb, None)
+        self.live_bytes.pop(mb, None)
         self.strategy.release(mb)  # type: ignore[union-attr]
 
     # -- language-model role ------------------------------------------------------------------------
+    def _assemble(
+        self, sample_ids: list[int], sources: list[tuple[int, str, Any]]
+    ) -> tuple[list[dict[str, torch.Tensor]], dict[int, list]]:
+        """Each sample's full embeddings per module, from the shards of every
+        source; and, per source id, where its rows went (for :meth:`grads_for`)."""
+        device = self.strategy.ctx.device  # type: ignore[union-attr]
+        embeds: list[dict[str, torch.Tensor]] = [{} for _ in sample_ids]
+        layout: dict[int, list] = {}
+        index = {s: k for k, s in enumerate(sample_ids)}
+        parts = self._get([ref for _, _, ref in sources])
+        for (source, module, _), part in zip(sources, parts):
+            for sid, (positions, value, total) in part.items():
+                e = embeds[index[sid]]
+                if module not in e:
+                    e[module] = torch.zeros(total, value.shape[-1], dtype=value.dtype, device=device)
+                e[module][positions.to(device)] = value.to(device)
+                layout.setdefault(source, []).append((index[sid], sid, module, positions))
+        return embeds, layout
+
     @_named
     def loss_and_backward(
         self,
         mb: int,
         sample_ids: list[int],
         input_refs: list[Any],
-        shard_refs: list[Any],
+        sources: list[tuple[int, str, Any]],
         needs_grad: list[str],
         loss_scale: float,
     ) -> float:
-        """Assemble each sample's embeddings from encoder shards, run forward and
-        backward; keep the embedding gradients for :meth:`grads_for`."""
-        inputs = ray.get(input_refs)
-        parts: list[dict[int, dict[str, Any]]] = []
-        for module, ref in shard_refs:  # (module, ref of {sample: shard}) from each encoder rank
-            parts.append((module, ray.get(ref)))
-        device = self.strategy.ctx.device  # type: ignore[union-attr]
-        embeds: list[dict[str, torch.Tensor]] = [{} for _ in sample_ids]
-        layout: list[dict[str, list]] = [{} for _ in sample_ids]  # module -> [(src, positions)]
-        index = {s: k for k, s in enumerate(sample_ids)}
-        for src, (module, part) in enumerate(parts):
-            for sid, (positions, value, total) in part.items():
-                k = index[sid]
-                if module not in embeds[k]:
-                    embeds[k][module] = torch.zeros(total, value.shape[-1], dtype=value.dtype, device=device)
-                embeds[k][module][positions.to(device)] = value.to(device)
-                layout[k].setdefault(module, []).append((src, positions))
+        """Assemble each sample's embeddings from its sources ``(source id,
+        module, ref)``, run forward and backward; keep the embedding gradients
+        for :meth:`grads_for`."""
+        inputs = self._get(input_refs, wait=False)
+        embeds, layout = self._assemble(sample_ids, sources)
         for e in embeds:
             for module, t in e.items():
                 t.requires_grad_(module in needs_grad)
-        with self._count_saved(), self._compute():
+        with self._count_saved(mb), self._compute():
             loss_sum = self.strategy.loss_and_backward(mb, inputs, embeds, loss_scale)  # type: ignore[union-attr]
+        self.live_bytes.pop(mb, None)  # backward has run: nothing stays saved
         self.llm_leaves[mb] = (list(sample_ids), embeds, layout)
         return loss_sum
 
     @_named
-    def grads_for(self, mb: int, module: str, src: int) -> dict[int, torch.Tensor]:
-        """Gradients of the shards that shard-ref ``src`` delivered — one object
-        for exactly the encoder rank that produced them."""
-        ids, embeds, layout = self.llm_leaves[mb]
+    def grads_for(self, mb: int, source: int) -> dict[int, torch.Tensor]:
+        """Gradients of the shards that ``source`` delivered — one object for
+        exactly the encoder rank that produced them."""
+        _, embeds, layout = self.llm_leaves[mb]
         out = {}
-        for k, sid in enumerate(ids):
-            for s, positions in layout[k].get(module, []):
-                if s == src:
-                    g = embeds[k][module].grad
-                    g = torch.zeros_like(embeds[k][module]) if g is None else g
-                    out[sid] = g[positions.to(g.device)].detach()
-                    self.sent_bytes += out[sid].numel() * out[sid].element_size()
+        for k, sid, module, positions in layout.get(source, []):
+            g = embeds[k][module].grad
+            if g is None:  # the LLM did not use this embedding: it gets no gradient at all
+                g = torch.zeros_like(embeds[k][module])
+            out[sid] = g[positions.to(g.device)].detach()
+            self.record.sent_bytes += out[sid].numel() * out[sid].element_size()
         return out
 
     def release(self, mb: int) -> None:
         self.llm_leaves.pop(mb, None)
 
+    def returns_input_grads(self) -> bool:
+        return bool(self.strategy.returns_input_grads())  # type: ignore[union-attr]
+
     @_named
     def evaluate(
-        self, sample_ids: list[int], input_refs: list[Any], shard_refs: list[Any]
+        self, sample_ids: list[int], input_refs: list[Any], sources: list[tuple[int, str, Any]]
     ) -> tuple[float, int, int]:
         """Forward only: (loss sum, correct argmax predictions, label tokens)."""
-        inputs = ray.get(input_refs)
-        embeds: list[dict[str, torch.Tensor]] = [{} for _ in sample_ids]
-        index = {s: k for k, s in enumerate(sample_ids)}
-        device = self.strategy.ctx.device  # type: ignore[union-attr]
-        for module, ref in shard_refs:
-            for sid, (positions, value, total) in ray.get(ref).items():
-                e = embeds[index[sid]]
-                if module not in e:
-                    e[module] = torch.zeros(total, value.shape[-1], dtype=value.dtype, device=device)
-                e[module][positions.to(device)] = value.to(device)
+        inputs = self._get(input_refs, wait=False)
+        embeds, _ = self._assemble(sample_ids, sources)
         module = self.strategy.module  # type: ignore[union-attr]
         module.eval()  # no dropout when measuring
         try:
@@ -287,8 +297,8 @@ class ModuleWorker:
         return self.strategy.grad_norm_sq()  # type: ignore[union-attr]
 
     @_named
-    def step(self, clip_coef: float) -> dict[str, Any]:
-        """Optimizer step; return this rank's metrics for the step and reset them."""
+    def step(self, clip_coef: float) -> RankRecord:
+        """Optimizer step; return this rank's record of the step and start a new one."""
         lr = self.strategy.current_lr()  # type: ignore[union-attr]  # the rate this step uses
         self.strategy.step(clip_coef)  # type: ignore[union-attr]
         ctx = self.strategy.ctx  # type: ignore[union-attr]
@@ -297,31 +307,38 @@ class ModuleWorker:
             torch.cuda.reset_peak_memory_stats(ctx.device)
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        comm = ctx.comm.reset()
-        out = {
-            "rank": self.rank,
-            "peak_mem_bytes": int(peak),
-            "comm_bytes": int(sum(comm.values()) + self.sent_bytes),
-            "collective_bytes": comm,
-            "transfer_bytes": self.sent_bytes,
-            "busy_s": self.busy_s,
-            "activation_bytes": self.saved_bytes,
-            "state_bytes": self.strategy.state_bytes(),  # type: ignore[union-attr]
-            "lr": lr,
-        }
-        self.busy_s, self.sent_bytes, self.saved_bytes = 0.0, 0, 0
+        rec = self.record
+        rec.collective_bytes = ctx.comm.reset()
+        rec.peak_mem_bytes = int(peak)
+        rec.state_bytes = self.strategy.state_bytes()  # type: ignore[union-attr]
+        rec.lr = lr
+        self.record = RankRecord(self.module, self.rank)
+        return rec
+
+    def _get(self, refs: list[Any], wait: bool = True) -> list[Any]:
+        """``ray.get``; with ``wait``, the time blocked counts as waiting on
+        another group (shards or gradients it has not produced yet)."""
+        if not wait:
+            return ray.get(refs)
+        t0 = time.perf_counter()
+        out = ray.get(refs)
+        self.record.wait_s += time.perf_counter() - t0
         return out
 
     def _compute(self) -> Any:
         ctx = self.strategy.ctx  # type: ignore[union-attr]
         return compute_dtype(ctx.device, ctx.dtype)
 
-    def _count_saved(self) -> Any:
-        """Count bytes autograd saves for backward (machine-independent activation memory)."""
-        return saved_bytes_hooks(self.strategy.module, self._add_saved)  # type: ignore[union-attr]
+    def _count_saved(self, mb: int) -> Any:
+        """Count bytes autograd saves for backward (machine-independent
+        activation memory), live per microbatch until its backward."""
+        self.live_bytes.setdefault(mb, 0)
 
-    def _add_saved(self, nbytes: int) -> None:
-        self.saved_bytes += nbytes
+        def add(nbytes: int) -> None:
+            self.live_bytes[mb] = self.live_bytes.get(mb, 0) + nbytes
+            self.record.activation_bytes = max(self.record.activation_bytes, sum(self.live_bytes.values()))
+
+        return saved_bytes_hooks(self.strategy.module, add)  # type: ignore[union-attr]
 
     # -- state --------------------------------------------------------------------------------------
     @_named

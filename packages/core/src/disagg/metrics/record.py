@@ -1,0 +1,66 @@
+"""One record per rank per step, and the one place they are reduced per group.
+
+Workers fill a :class:`RankRecord` as they run; the driver reduces a group's
+records with :func:`reduce_group` into the per-group figures of
+``metrics.jsonl``. Nothing here knows about Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RankRecord:
+    module: str
+    rank: int
+    #: seconds inside calls, waits on other groups excluded
+    busy_s: float = 0.0
+    #: seconds blocked on objects another group had not produced yet
+    wait_s: float = 0.0
+    #: activations and gradients this rank sent to other groups
+    sent_bytes: int = 0
+    #: bytes this rank sent in its group's collectives, by kind
+    collective_bytes: dict[str, int] = field(default_factory=dict)
+    #: peak bytes autograd held saved for backward at once (all microbatches in flight)
+    activation_bytes: int = 0
+    #: parameters + gradients + optimizer state held by this rank
+    state_bytes: int = 0
+    #: the device's (CUDA) or process's (CPU, max RSS) peak memory
+    peak_mem_bytes: int = 0
+    lr: float = 0.0
+
+
+def reduce_group(records: list[RankRecord]) -> dict[str, Any]:
+    """A group's figures: per-rank maxima (the slowest or fullest rank bounds
+    the group), totals where the sum is what is meant."""
+    kinds = sorted({k for r in records for k in r.collective_bytes})
+    per_rank_comm = [sum(r.collective_bytes.values()) + r.sent_bytes for r in records]
+    return {
+        "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
+        "comm_bytes": sum(per_rank_comm),
+        "comm_bytes_per_rank": max(per_rank_comm),
+        "collective_bytes_per_rank": {k: max(r.collective_bytes.get(k, 0) for r in records) for k in kinds},
+        "sent_bytes_per_rank": max(r.sent_bytes for r in records),
+        "time_s": max(r.busy_s for r in records),
+        "wait_s": max(r.wait_s for r in records),
+        "activation_bytes_per_rank": max(r.activation_bytes for r in records),
+        "state_bytes_per_rank": max(r.state_bytes for r in records),
+        "lr": records[0].lr,
+    }
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports to the driver's loop."""
+
+    loss: float
+    grad_norm: float
+    label_tokens: int
+    tokens: int
+    step_time_s: float
+    #: per module, :func:`reduce_group` of its ranks' records
+    groups: dict[str, dict[str, Any]]
+    #: every rank's record, by module
+    records: dict[str, list[RankRecord]] = field(default_factory=dict)
