@@ -18,9 +18,13 @@ Driven only by the family's :class:`~disagg.interfaces.LayerMap`:
   each a tuple of patterns) declares the sequence-parallel regions: modules
   whose ``hidden_states`` input enters a region, norms whose output leaves it
   (every column/output linear must read such an output), and the row linears
-  whose output re-enters it (every row linear inside a region).
+  whose output re-enters it (every row linear inside a region);
+- ``extra["replicated"]`` (fnmatch patterns over parameter names) declares the
+  parameters every TP rank holds in full (norms, patch/position embeddings).
+  The biases of row linears are replicated by construction.
 
-Every parameter leaves with a ``tp_spec`` (:class:`ShardSpec`).
+Every parameter leaves with a ``tp_spec`` (:class:`ShardSpec`); one that no
+declaration names is an error naming it, never a silent replica.
 """
 
 from __future__ import annotations
@@ -149,10 +153,29 @@ def parallelize_module(
             if kv_attr and hasattr(mod, kv_attr):
                 setattr(mod, kv_attr, kv_local)
 
-    for p in module.parameters():
-        if not hasattr(p, "tp_spec"):
-            mark(p, ShardSpec("replicated"))
+    _mark_replicated(module, tuple(lmap.extra.get("replicated", ())))
     return plan
+
+
+def _mark_replicated(module: nn.Module, patterns: tuple[str, ...]) -> None:
+    """Every parameter left must be declared replicated by the family: one
+    that is not (a new family's extra projection, say) would otherwise run
+    as a full copy on every TP rank and silently compute the wrong thing."""
+    undeclared = []
+    for name, p in module.named_parameters():
+        if hasattr(p, "tp_spec"):
+            continue
+        if _match(name, patterns):
+            mark(p, ShardSpec("replicated"))
+        else:
+            undeclared.append(name)
+    if undeclared:
+        raise ValueError(
+            f"megatron_tp: the family's layer map does not classify parameter(s) {', '.join(undeclared)}; "
+            "declare each as a column/row/vocab/output linear or, when every TP rank must hold the "
+            "same full copy (norms, patch or position embeddings), in layer_map().extra['replicated'] "
+            "(fnmatch patterns over parameter names)"
+        )
 
 
 def _check_linear(name: str, mod: nn.Module, kind: str) -> None:

@@ -33,9 +33,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, Strategy, StrategyOptions
+from disagg.interfaces import (
+    EmbeddingShard,
+    EncoderFamily,
+    Family,
+    Strategy,
+    StrategyOptions,
+    agree_on_grads,
+    dropout_seed,
+)
 from disagg_llm_tp.layers import ShardSpec, merge
 from disagg_llm_tp.parallelize import TPPlan, parallelize_module
+from disagg_llm_tp.rng import ShardRNG, fork_around
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 
@@ -79,6 +88,8 @@ class MegatronTPStrategy(Strategy):
     def __init__(self, ctx, family, options) -> None:
         super().__init__(ctx, family, options)
         self.plan = TPPlan()
+        #: dropout stream of this (replica, TP rank) for head-sharded regions (degree > 1)
+        self.rng: ShardRNG | None = None
         #: microbatch -> every output of the encoder on this TP rank, until its backward
         self._pending: dict[int, list[torch.Tensor]] = {}
 
@@ -137,6 +148,12 @@ class MegatronTPStrategy(Strategy):
             module, lmap, self.ctx.shard, self.ctx.degree, config, self.ctx.comm, sp
         )
         self.kv_groups = self._kv_groups()
+        if self.ctx.degree > 1:
+            # Attention probabilities are a head shard on each TP rank: their
+            # dropout draws from a stream per (replica, TP rank); see rng.py.
+            ctx = self.ctx
+            self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
+            fork_around(module, [*lmap.heads, *lmap.extra.get("attention", {})], self.rng)
         return module.to(self.ctx.device)
 
     # -- llm role --------------------------------------------------------------------------------------
@@ -207,10 +224,16 @@ class MegatronTPStrategy(Strategy):
 
     # -- gradients -------------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
+        """Sum each parameter's gradient over the ranks that hold parts of it.
+        Ranks first agree over the module's whole world which parameters got a
+        gradient anywhere (a replica without samples has none); one absent
+        everywhere keeps ``grad = None`` so AdamW leaves it alone, as in the
+        single-process reference."""
+        params = self.trainable_parameters()
         buckets: dict[object, list[torch.Tensor]] = {}
-        for p in self.trainable_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        for p, present in zip(params, agree_on_grads(params, self.ctx.comm)):
+            if not present:
+                continue
             spec: ShardSpec = p.tp_spec
             if spec.kind == "kv_replicated":
                 buckets.setdefault(("kv", spec.head), []).append(p.grad)

@@ -41,14 +41,15 @@ def upstream_grads(
 def reference(
     family: EncoderFamily, inputs: list[dict[str, torch.Tensor]], grads: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Unpartitioned HF forward of every sample, backward from ``grads``."""
+    """Unpartitioned HF forward of every sample, backward from ``grads``.
+
+    Parameters that get no gradient (LLaVA's unused last tower layer and
+    post-layernorm) are absent from the returned gradients, not zero: a
+    strategy must leave them ``None`` too, or AdamW would move them."""
     module = family.build(torch.float32)
     outs = [family.encode(module, x) for x in inputs]
     torch.autograd.backward(outs, grads)
-    pgrads = {
-        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-        for n, p in module.named_parameters()
-    }
+    pgrads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     return [o.detach() for o in outs], pgrads
 
 
@@ -160,9 +161,14 @@ def assert_close(
 def assert_grads_close(
     actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = 1e-5
 ) -> None:
-    """Every parameter gradient within ``rtol`` of its own scale, with a noise
-    floor of 1% of the largest gradient element (for gradients that are 0 by symmetry)."""
-    assert set(actual) == set(expected), sorted(set(actual) ^ set(expected))
+    """The same parameters have a gradient (a reference ``None`` must stay
+    ``None``, never become zeros), and each is within ``rtol`` of its own scale,
+    with a noise floor of 1% of the largest gradient element (for gradients
+    that are 0 by symmetry)."""
+    extra, missing = sorted(set(actual) - set(expected)), sorted(set(expected) - set(actual))
+    assert not extra and not missing, (
+        f"gradients present only in the strategy: {extra}; only in the reference: {missing}"
+    )
     floor = 1e-2 * max(float(g.abs().max()) for g in expected.values())
     for name, g in expected.items():
         assert_close(actual[name], g, f"grad {name}", rtol=rtol, scale=max(floor, float(g.abs().max())))

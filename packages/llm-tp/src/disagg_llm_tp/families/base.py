@@ -112,6 +112,12 @@ class HFDecoderFamily(LanguageFamily):
                         "kv_heads_attr": "num_key_value_heads",
                     }
                 },
+                # Full copies on every TP rank (row-linear biases are replicated by construction).
+                "replicated": (
+                    f"{p}.layers.*.input_layernorm.*",
+                    f"{p}.layers.*.post_attention_layernorm.*",
+                    f"{p}.norm.*",
+                ),
                 # Sequence parallelism: the residual stream from the first layer's input on;
                 # each norm's output is gathered for the column linears it feeds.
                 "sequence_parallel": {

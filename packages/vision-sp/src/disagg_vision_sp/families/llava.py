@@ -116,6 +116,17 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
             ),
             row=(f"{layers}.self_attn.out_proj", f"{layers}.mlp.fc2", "multi_modal_projector.linear_2"),
             heads={f"{layers}.self_attn": ("num_heads",)},
+            extra={
+                # Full copies on every TP rank: embeddings, norms, and the parts LLaVA
+                # never runs (post-layernorm, a pooling head when the tower has one).
+                "replicated": (
+                    "vision_tower.embeddings.*",
+                    f"{layers}.layer_norm1.*",
+                    f"{layers}.layer_norm2.*",
+                    "vision_tower.post_layernorm.*",
+                    "vision_tower.head.*",
+                ),
+            },
         )
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -74,6 +74,8 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
             extra={
                 # qkv is one Linear whose output is [3, heads, head_dim]: split each of the 3 blocks.
                 "column_chunks": {"blocks.*.attn.qkv": 3},
+                # Full copies on every TP rank: the per-patch embedding and the norms.
+                "replicated": ("patch_embed.*", "blocks.*.norm1.*", "blocks.*.norm2.*", "merger.ln_q.*"),
                 # Sequence parallelism over the patches of the blocks' residual stream; the
                 # merger's norm leaves it, since merging groups neighbouring patches.
                 "sequence_parallel": {

@@ -15,15 +15,17 @@ replicas) gives the single-process gradient, each contribution counted once.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagg.interfaces import EmbeddingShard, Family, Strategy, StrategyOptions
+from disagg.interfaces import EmbeddingShard, Family, Strategy, StrategyOptions, dropout_seed
 from disagg_vision_sp.ulysses import attention
 from disagg_vision_sp.ulysses.layout import UlyssesFamily, plan_bounds
+from disagg_vision_sp.ulysses.rng import ShardRNG
 
 
 class UlyssesStrategy(Strategy):
@@ -53,6 +55,8 @@ class UlyssesStrategy(Strategy):
         super().__init__(ctx, family, options)
         self.group: dist.ProcessGroup | None = None
         self.base_attention = "sdpa"
+        #: dropout stream of this (replica, shard) (degree > 1; see rng.py)
+        self.rng: ShardRNG | None = None
         #: microbatch -> (local output rows, the shard values cut from them), until its backward
         self._pending: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
@@ -65,6 +69,9 @@ class UlyssesStrategy(Strategy):
                 self.base_attention = impl or "sdpa"
                 sub.config._attn_implementation = attention.ATTN_NAME
         self.group = self._replica_group()
+        if self.ctx.degree > 1:
+            ctx = self.ctx
+            self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
         return module
 
     def _replica_group(self) -> dist.ProcessGroup | None:
@@ -98,7 +105,8 @@ class UlyssesStrategy(Strategy):
             sizes=[b - a for a, b in zip(bounds, bounds[1:])],
             comm=self.ctx.comm,
         )
-        with runtime.active():
+        forked = self.rng.fork() if self.rng is not None else contextlib.nullcontext()
+        with runtime.active(), forked:
             rows = fam.ulysses_forward(self.module, inputs, layout, lo, hi, runtime)
         shards = self._split(rows, layout, lo // layout.unit, hi // layout.unit)
         if rows.requires_grad:
