@@ -42,3 +42,31 @@ def test_dead_actor_is_named_and_shutdown_is_clean(ray_local, tmp_path):
     finally:
         orch.shutdown()
     assert _gone(pids), "worker processes survived shutdown"
+
+
+def test_mismatched_collective_fails_within_the_timeout_naming_module_and_ranks(ray_local, tmp_path):
+    """A rank that skips a collective its peers make: the peers' wait ends
+    after ``collective_timeout_s`` with an error naming the module, the ranks
+    and the step, instead of hanging for the 10-minute default."""
+    from disagg.testing.faults import SkipsCollective
+
+    enc, lm = make_toy_dirs(tmp_path)
+    optim = OptimSpec(lr=1e-2)
+    orch = Orchestrator(
+        [
+            GroupSpec("vision", ToyEncoderFamily(enc), DDPStrategy, StrategyOptions(), 1, 1, optim),
+            GroupSpec("llm", ToyLMFamily(lm), SkipsCollective, StrategyOptions(), 1, 2, optim),
+        ],
+        collective_timeout_s=5,
+    )
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(GroupFailure) as err:
+            orch.step(put_samples(toy_samples(4)))
+        elapsed = time.monotonic() - t0
+    finally:
+        orch.shutdown()
+    msg = str(err.value)
+    assert "step 1" in msg and "module 'llm' rank 0" in msg, msg
+    assert "finished this phase: module 'llm' rank 1" in msg, msg  # the rank that skipped
+    assert elapsed < 60, f"took {elapsed:.0f} s for a 5 s collective timeout"

@@ -23,9 +23,10 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import Field
 
+from torch import nn
+
 import disagg
-from disagg.builtin.ddp import DDPStrategy
-from disagg.interfaces import StrategyOptions
+from disagg.interfaces import Family, Strategy, StrategyOptions
 
 CSV_ENV = "DISAGG_EXAMPLE_CSV"
 
@@ -35,12 +36,22 @@ class ExampleOptions(StrategyOptions):
     """An option users write as ``parallel.<module>.log_every``."""
 
 
-class ExampleDDP(DDPStrategy):
-    """``ddp`` under another name, with an options model."""
+class ExampleDDP(Strategy):
+    """Data parallelism under another name, with an options model: the base
+    ``Strategy`` already keeps a whole replica per rank and sums gradients
+    over the group, so a plugin built only on ``disagg.interfaces`` needs
+    nothing more than ``parallelize``."""
 
     name: ClassVar[str] = "example_ddp"
     distribution: ClassVar[str] = "disagg-example-plugin"
     options_model: ClassVar[type[StrategyOptions]] = ExampleOptions
+
+    @classmethod
+    def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
+        return [] if degree == 1 else [f"strategy 'example_ddp' has no sharding: degree must be 1, got {degree}"]
+
+    def parallelize(self, module: nn.Module) -> nn.Module:
+        return module
 
 
 @disagg.hookimpl

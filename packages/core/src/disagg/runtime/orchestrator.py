@@ -296,32 +296,38 @@ class GroupFailure(RuntimeError):
 
 
 def wait_all(refs: list[Any], stall_s: float | None = None) -> list[Any]:
-    pending = list(refs)
+    """``ray.get`` of ``refs`` that raises :class:`GroupFailure` on the first
+    error to arrive, naming the ranks that had already finished and those
+    still running (a mismatched collective: the first are who skipped it)."""
+    pending, finished = list(refs), []
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=stall_s)
         if not ready:
             raise GroupFailure(
                 f"no rank finished a call for {stall_s:.0f} s: a rank waits for something that will "
-                f"not come (a collective its peers skipped?); still running: {_pending_calls(pending)}"
+                f"not come (a collective its peers skipped?); still running: {_callers(pending)}"
+                + (f"; finished: {_callers(finished)}" if finished else "")
             )
         try:
             ray.get(ready[0])
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            raise GroupFailure(_last_line(cause)) from None
+            context = f" (finished this phase: {_callers(finished)})" if finished else ""
+            raise GroupFailure(_last_line(cause) + context) from None
         except ray.exceptions.RayActorError as exc:
             who = _ACTOR_NAMES.get(getattr(exc, "actor_id", None) or "", "an actor of unknown module")
             raise GroupFailure(f"{who} died: {_last_line(exc)}") from None
+        finished += ready
     return ray.get(list(refs))
 
 
-def _pending_calls(refs: list[Any]) -> str:
+def _callers(refs: list[Any]) -> str:
+    """'module 'x' rank n, ...' for the actor calls behind ``refs``."""
     names = []
     for ref in refs:
         try:
-            task = ref.task_id()
-            names.append(_ACTOR_NAMES.get(task.actor_id().hex(), "?"))
-        except Exception:  # refs not made by an actor task
+            names.append(_ACTOR_NAMES.get(ref.task_id().actor_id().hex(), "?"))
+        except Exception:  # a ref not made by an actor task
             continue
     return ", ".join(sorted(set(names))) or "unknown"
 

@@ -1,0 +1,93 @@
+"""The single-process Hugging Face model trained on the same global batches as
+a disagg run: the correctness contract's reference, at every step.
+
+One AdamW over every parameter of the whole HF model (per-module optimizers
+with the same settings are the same thing: AdamW is per parameter), the loss
+summed over label tokens and divided by the global label count, one backward
+per step, ``clip_grad_norm_`` over every parameter. Nothing is bent toward
+the code under test: a parameter without a gradient keeps ``grad = None``
+and AdamW skips it, as it does in any HF training script.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+import torch
+
+
+@dataclass
+class ReferenceRun:
+    losses: list[float]
+    grad_norms: list[float]
+    state: dict[str, torch.Tensor]
+
+
+def batches_of(cfg: Any, steps: int) -> list[list[dict[str, dict[str, torch.Tensor]]]]:
+    """The run's global batches, read back from the object store (same order)."""
+    from disagg.data import build_data_source
+    from disagg.plugins import get_registry
+    from disagg.runtime.plan import families_for
+
+    source = build_data_source(cfg, families_for(cfg, get_registry()))
+    out = []
+    for _, batch in zip(range(steps), source.batches(0)):
+        out.append([{m: ray.get(ref) for m, ref in s.inputs.items()} for s in batch])
+    return out
+
+
+def train_reference(
+    model: torch.nn.Module,
+    batches: list[list[dict[str, dict[str, torch.Tensor]]]],
+    forward_kwargs: Callable[[dict[str, dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
+    train: Any,
+) -> ReferenceRun:
+    """``forward_kwargs(sample)``: the HF model's keyword arguments for one sample."""
+    model.train()
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        betas=tuple(train.betas),
+        eps=train.eps,
+        foreach=False,
+    )
+    losses, norms = [], []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        total = sum(int((s["llm"]["labels"][1:] != -100).sum()) for s in batch)
+        loss_sum = 0.0
+        for s in batch:  # one sample at a time: no padding, exactly the HF forward
+            n = int((s["llm"]["labels"][1:] != -100).sum())
+            out = model(**forward_kwargs(s))
+            (out.loss * n / total).backward()
+            loss_sum += float(out.loss.detach()) * n
+        params = [p for p in model.parameters() if p.grad is not None]
+        if train.clip_grad_norm:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, train.clip_grad_norm))
+        else:
+            norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
+        opt.step()
+        losses.append(loss_sum / total)
+        norms.append(norm)
+    return ReferenceRun(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def run_metrics(run_dir: Path) -> tuple[list[float], list[float]]:
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+
+
+def exported_state(run_dir: Path, step: int, out: Path, model_cls: type) -> dict[str, torch.Tensor]:
+    """The run's final checkpoint through ``disagg export``, loaded back with
+    ``from_pretrained`` as a user would."""
+    from disagg.plugins import get_registry
+    from disagg.runtime.checkpoint import export_checkpoint
+
+    (dest,) = export_checkpoint(Path(run_dir) / "checkpoints" / f"step-{step}", out, get_registry())
+    model = model_cls.from_pretrained(str(dest), dtype=torch.float32)
+    return {k: v.detach() for k, v in model.state_dict().items()}
