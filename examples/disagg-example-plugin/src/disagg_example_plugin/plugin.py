@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from pydantic import Field
-
 from torch import nn
 
 import disagg
@@ -48,7 +47,9 @@ class ExampleDDP(Strategy):
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
-        return [] if degree == 1 else [f"strategy 'example_ddp' has no sharding: degree must be 1, got {degree}"]
+        return (
+            [] if degree == 1 else [f"strategy 'example_ddp' has no sharding: degree must be 1, got {degree}"]
+        )
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         return module
