@@ -1,8 +1,14 @@
-"""Every kind of bad data gives a DataError naming file and line/sample, or a counted skip."""
+"""Every kind of bad data gives a DataError naming file and line/sample, or a counted skip.
+
+Samples are validated as the stream reaches them (see test_data_stream.py for a
+bad sample late in a long stream), so each test pulls the batches that cover it;
+``shuffle: false`` keeps the stream in file order.
+"""
 
 from __future__ import annotations
 
 import json
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -17,19 +23,12 @@ ray.cloudpickle.register_pickle_by_value(test_data_fakes)  # Ray workers cannot 
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(tmp_path_factory, ray_local):
     root = tmp_path_factory.mktemp("bad")
     make_tokenizer_dir(root)
     write_image(root / "ok.png", 8, 8)
     (root / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really a png" * 4)
     return root
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def config(root: Path, train, **data) -> Config:
@@ -38,8 +37,21 @@ def config(root: Path, train, **data) -> Config:
             "vision": {"family": "fake_image", "path": str(root / "tok")},
             "llm": {"family": "fake_lm", "path": str(root / "tok")},
         },
-        data={"train": train, "media_root": str(root), "batch_size": 2, "num_workers": 1, **data},
+        data={
+            "train": train,
+            "media_root": str(root),
+            "batch_size": 2,
+            "num_workers": 1,
+            "shuffle": False,
+            **data,
+        },
     )
+
+
+def stream(cfg: Config, steps: int = 2):
+    """The source and its first ``steps`` batches (enough to reach every sample here)."""
+    src = build_data_source(cfg, families(Path(cfg.data.media_root) / "tok"))
+    return src, list(islice(src.batches(), steps))
 
 
 def turns(*pairs):
@@ -77,11 +89,8 @@ STRUCTURAL = [
 @pytest.mark.parametrize("bad,problem", STRUCTURAL, ids=[p[:20] for _, p in STRUCTURAL])
 def test_structural_error_names_file_and_line(root: Path, bad, problem):
     path = write_jsonl(root / "one_bad.jsonl", [GOOD, GOOD, bad])
-    fams = families(root / "tok")
-    # structural problems stop the build before Ray is even needed
-    assert not ray.is_initialized()
     with pytest.raises(DataError) as info:
-        build_data_source(config(root, str(path)), fams)
+        stream(config(root, str(path)))
     assert str(info.value).startswith(f"{path}:3: ")
     assert problem in str(info.value)
     assert info.value.location == f"{path}:3"
@@ -91,57 +100,55 @@ def test_malformed_json_file_names_line(root: Path):
     path = root / "bad.json"
     path.write_text('[\n  {"image": "ok.png",\n   "conversations": [}\n]\n')
     with pytest.raises(DataError, match=r"bad\.json:3: malformed JSON"):
-        build_data_source(config(root, str(path)), families(root / "tok"))
+        stream(config(root, str(path)))
 
 
 def test_json_list_names_sample_index(root: Path):
     path = root / "list.json"
     path.write_text(json.dumps([GOOD, {"image": "ok.png", "conversations": []}]))
     with pytest.raises(DataError, match=r"list\.json\[1\]: empty conversation"):
-        build_data_source(config(root, str(path)), families(root / "tok"))
+        stream(config(root, str(path)))
 
 
-def test_corrupt_image_error_names_sample(root: Path, local_ray):
+def test_corrupt_image_error_names_sample(root: Path):
     path = write_jsonl(root / "corrupt.jsonl", [GOOD, caption_sample("corrupt.png", "A."), GOOD])
     with pytest.raises(DataError) as info:
-        build_data_source(config(root, str(path)), families(root / "tok"))
+        stream(config(root, str(path)))
     assert info.value.location == f"{path}:2"
     assert "cannot decode image" in str(info.value) and "corrupt.png" in str(info.value)
 
 
-def test_too_long_error_and_drop(root: Path, local_ray):
+def test_too_long_error_and_drop(root: Path):
     long = caption_sample("ok.png", " ".join(["A red square."] * 20))
     path = write_jsonl(root / "long.jsonl", [GOOD, long, GOOD])
     with pytest.raises(
         DataError, match=r"long\.jsonl:2: \d+ tokens exceed data\.max_tokens=60.*allowed: error, drop"
     ):
-        build_data_source(config(root, str(path), max_tokens=60), families(root / "tok"))
+        stream(config(root, str(path), max_tokens=60))
     # too long is its own policy: on_error: skip does not swallow it
     with pytest.raises(DataError, match="exceed data.max_tokens"):
-        build_data_source(config(root, str(path), max_tokens=60, on_error="skip"), families(root / "tok"))
-    src = build_data_source(
-        config(root, str(path), max_tokens=60, on_too_long="drop"), families(root / "tok")
-    )
-    assert src.stats() == {"samples": 2, "skipped": 0, "dropped_too_long": 1}
-    assert {s.source for b in [next(src.batches())] for s in b} <= {f"{path}:1", f"{path}:3"}
+        stream(config(root, str(path), max_tokens=60, on_error="skip"))
+    src, (first,) = stream(config(root, str(path), max_tokens=60, on_too_long="drop"), steps=1)
+    # 3 samples in the file; the dropped one is counted and the batch refilled
+    assert src.stats() == {"samples": 3, "skipped": 0, "dropped_too_long": 1}
+    assert [s.source for s in first] == [f"{path}:1", f"{path}:3"]
 
 
-def test_skip_counts_every_bad_sample(root: Path, local_ray):
+def test_skip_counts_every_bad_sample(root: Path):
     bad = [b for b, _ in STRUCTURAL if not (isinstance(b, dict) and "audio" in b)]
     bad.append(caption_sample("corrupt.png", "A."))
     lines = [GOOD] + bad + [GOOD]
     path = write_jsonl(root / "mixed.jsonl", lines)
-    src = build_data_source(config(root, str(path), on_error="skip"), families(root / "tok"))
-    assert src.stats() == {"samples": 2, "skipped": len(bad), "dropped_too_long": 0}
+    src, (first,) = stream(config(root, str(path), on_error="skip"), steps=1)
+    assert src.stats() == {"samples": len(lines), "skipped": len(bad), "dropped_too_long": 0}
     # nothing silent: each skip is recorded with its location
     assert sorted(p.split(": ")[0] for p in src.problems) == sorted(
         f"{path}:{i}" for i in range(2, len(lines))
     )
-    srcs = {s.source for s in next(src.batches())}
-    assert srcs <= {f"{path}:1", f"{path}:{len(lines)}"}
+    assert [s.source for s in first] == [f"{path}:1", f"{path}:{len(lines)}"]
 
 
-def test_all_bad_is_an_error(root: Path, local_ray):
+def test_all_bad_is_an_error(root: Path):
     path = write_jsonl(root / "allbad.jsonl", [caption_sample("corrupt.png", "A.")])
     with pytest.raises(DataError, match="no usable samples"):
-        build_data_source(config(root, str(path), on_error="skip"), families(root / "tok"))
+        stream(config(root, str(path), on_error="skip"))

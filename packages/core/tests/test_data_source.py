@@ -20,7 +20,7 @@ N = 8
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(tmp_path_factory, ray_local):
     root = tmp_path_factory.mktemp("src")
     make_tokenizer_dir(root)
     write_image(root / "img" / "a.png", 8, 8)
@@ -37,9 +37,7 @@ def root(tmp_path_factory):
             for i in range(4)
         ],
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield root
-    ray.shutdown()
+    return root
 
 
 def config(root: Path, train, seed: int = 0, **data) -> Config:

@@ -1,10 +1,14 @@
-"""``build_data_source``: datasets -> validated records -> preprocessed ObjectRefs -> batches.
+"""``build_data_source``: datasets -> a deterministic stream of global batches of ObjectRefs.
 
-All samples are preprocessed once, when the source is built, by up to
-``num_workers`` parallel Ray tasks; so every bad sample (structure, media, length) is known
-before the first step, skip/drop counts are exact, and an epoch boundary or a
-resumed run never re-decodes media. The driver keeps only ObjectRefs and a few
-integers per sample.
+Building a source only indexes the dataset files (where each sample's line
+is; nothing parsed or decoded), so it takes the same time and driver memory
+for 100 samples as for 100k. Samples are read, validated and preprocessed by
+a Ray Data stream (:mod:`disagg.data.stream`) just ahead of the step that
+needs them. The order is a pure function of (dataset sizes, weights, seed):
+step ``s``'s batch is the next ``batch_size`` good samples after the stream
+position where step ``s-1`` ended. That position (plus the skip counters) is
+:meth:`RayDataSource.state`, saved with each checkpoint, so a resumed run
+starts preprocessing exactly where the interrupted one stopped.
 """
 
 from __future__ import annotations
@@ -13,17 +17,22 @@ import logging
 from pathlib import Path
 from typing import Any, Iterator
 
-import ray
+import numpy as np
 
 from disagg.config.schema import Config, DatasetEntry
 from disagg.data.errors import DataError
-from disagg.data.order import batch_positions
+from disagg.data.index import DatasetIndex, index_dataset
+from disagg.data.order import StreamOrder
 from disagg.data.preprocess import modality_modules
-from disagg.data.records import Record, read_dataset
+from disagg.data.stream import FIRST_CHUNK, SampleStream, StreamConfig
 from disagg.data.types import SampleRefs
-from disagg.data.workers import run_preprocessing
 
 log = logging.getLogger("disagg.data")
+
+#: object store bytes Ray Data may hold ahead of training (preprocessed, not yet consumed)
+PREFETCH_BYTES = 256 << 20
+#: "location: problem" lines kept for the log; counts are exact beyond it
+MAX_PROBLEMS = 1000
 
 
 class RayDataSource:
@@ -31,37 +40,117 @@ class RayDataSource:
 
     def __init__(
         self,
-        datasets: list[list[SampleRefs]],
+        indexes: list[DatasetIndex],
         weights: list[float],
+        cfg: StreamConfig,
         *,
         batch_size: int,
         seed: int,
         shuffle: bool,
-        stats: dict[str, int],
-        problems: list[str],
     ) -> None:
-        self.datasets = datasets
+        self.indexes = indexes
+        self.sizes = [ix.size for ix in indexes]
+        self.uid_base = [int(x) for x in np.cumsum([0, *self.sizes[:-1]])]
         self.weights = weights
+        self.cfg = cfg
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
-        self._stats = stats
-        #: "location: problem" of every skipped or dropped sample, for the run's log
-        self.problems = problems
+        #: stream position after the last batch handed out (what a checkpoint records)
+        self.position = 0
+        self._stats = {"samples": sum(self.sizes), "skipped": 0, "dropped_too_long": 0}
+        #: "location: problem" of skipped or dropped samples seen so far, for the run's log
+        self.problems: list[str] = []
 
     def __len__(self) -> int:
-        return sum(len(d) for d in self.datasets)
+        return sum(self.sizes)
+
+    def stream(self) -> SampleStream:
+        order = StreamOrder(self.sizes, self.weights, self.seed, self.shuffle)
+        return SampleStream(self.indexes, self.uid_base, order.take, self.cfg)
+
+    def _files(self) -> str:
+        return ", ".join(ix.path for ix in self.indexes)
+
+    def _counts(self) -> str:
+        return f"{self._stats['skipped']} skipped, {self._stats['dropped_too_long']} too long"
 
     def samples(self) -> list[SampleRefs]:
-        """Every usable sample once, in file order (evaluation)."""
-        return [s for d in self.datasets for s in d]
+        """Every usable sample once, in file order (evaluation; small datasets)."""
+        bounds = np.cumsum([0, *self.sizes])
 
-    def batches(self, start_step: int = 0) -> Iterator[list[SampleRefs]]:
-        sizes = [len(d) for d in self.datasets]
-        for batch in batch_positions(
-            sizes, self.weights, self.seed, self.shuffle, self.batch_size, start_step
-        ):
-            yield [self.datasets[d][i] for d, i in batch]
+        def file_order(start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+            pos = np.arange(start, start + n)
+            ds = np.searchsorted(bounds, pos, side="right") - 1
+            return ds, pos - bounds[ds]
+
+        stream = SampleStream(self.indexes, self.uid_base, file_order, self.cfg)
+        out = []
+        for meta, refs in stream.entries(0, len(self)):
+            sample = self._accept(meta, refs)
+            if sample is not None:
+                out.append(sample)
+        if not out:
+            raise DataError(
+                self._files(), f"no usable samples ({self._counts()}); " + "; ".join(self.problems[:3])
+            )
+        return out
+
+    def batches(self, start_step: int = 0, state: dict[str, Any] | None = None) -> Iterator[list[SampleRefs]]:
+        """Global batches from optimizer step ``start_step`` on.
+
+        ``state`` is :meth:`state` as a checkpoint saved it; without it the
+        stream is assumed to have had no skips before ``start_step``."""
+        pos = int(state["position"]) if state else start_step * self.batch_size
+        self._stats.update(skipped=0, dropped_too_long=0)
+        if state:
+            self._stats.update({k: int(v) for k, v in state.get("stats", {}).items() if k != "samples"})
+        self.position = pos
+        batch: list[SampleRefs] = []
+        bad_run = 0
+        for meta, refs in self.stream().entries(pos, first=FIRST_CHUNK * self.batch_size):
+            sample = self._accept(meta, refs)
+            if sample is None:
+                bad_run += 1
+                # a whole pass without one good sample: the stream would spin forever
+                if bad_run > 2 * len(self):
+                    raise DataError(
+                        self._files(),
+                        f"no usable samples ({self._counts()}); " + "; ".join(self.problems[:3]),
+                    )
+                continue
+            bad_run = 0
+            batch.append(sample)
+            if len(batch) == self.batch_size:
+                # a skipped sample is replaced by the next good one: every step has batch_size samples
+                self.position = meta["pos"] + 1
+                yield batch
+                batch = []
+
+    def _accept(self, meta: dict[str, Any], refs: list[Any]) -> SampleRefs | None:
+        status = meta["status"]
+        if status == "error":
+            raise DataError(meta["location"], meta["problem"])
+        if status != "ok":
+            self._stats["skipped" if status == "skipped" else "dropped_too_long"] += 1
+            if len(self.problems) < MAX_PROBLEMS:
+                self.problems.append(meta["error"])
+            log.warning("%s sample %s", status, meta["error"])
+            return None
+        modules = self.cfg.modules
+        inputs = {m: r for m, r in zip(modules, refs) if m == "llm" or m in meta["num_media_tokens"]}
+        return SampleRefs(
+            index=meta["uid"],
+            inputs=inputs,
+            num_label_tokens=meta["num_label_tokens"],
+            num_tokens=meta["num_tokens"],
+            source=meta["source"],
+            num_media_tokens=meta["num_media_tokens"],
+        )
+
+    def state(self) -> dict[str, Any]:
+        """Where the stream stands after the last batch handed out (saved in checkpoints)."""
+        return {"position": self.position, "stats": dict(self._stats)}
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
@@ -81,79 +170,48 @@ def dataset_entries(cfg: Config, split: str) -> list[DatasetEntry]:
     return [DatasetEntry(path=spec)] if isinstance(spec, str) else list(spec)
 
 
-def build_data_source(cfg: Config, families: dict[str, Any], *, split: str = "train") -> RayDataSource:
-    """Read, validate and preprocess the ``split`` datasets of ``cfg.data``.
+def build_data_source(
+    cfg: Config, families: dict[str, Any], *, split: str = "train", on_preprocess: Any = None
+) -> RayDataSource:
+    """Index the ``split`` datasets of ``cfg.data`` and set up their stream.
 
     ``families`` are the configured modules' family instances keyed by module
-    (``vision``, ``audio``, ``llm``). Raises :class:`DataError` naming the file
-    and line/sample of the first bad sample unless ``data.on_error: skip``.
+    (``vision``, ``audio``, ``llm``). A missing or unparsable ``.json`` file
+    raises :class:`DataError` here; a bad sample raises it (file and line)
+    when the stream reaches it, unless ``data.on_error: skip``.
+    ``on_preprocess(uid)`` is a test hook called in the worker for every
+    sample it preprocesses.
     """
     data = cfg.data
     entries = dataset_entries(cfg, split)
-    stats = {"samples": 0, "skipped": 0, "dropped_too_long": 0}
-    problems: list[str] = []
-
-    def on_bad(err: DataError) -> None:
-        if data.on_error == "error":
-            raise err
-        stats["skipped"] += 1
-        problems.append(str(err))
-        log.warning("skipping sample %s", err)
-
-    modalities = set(modality_modules(families))
-    records: list[list[Record]] = []
-    uid = 0
-    for d, entry in enumerate(entries):
+    indexes = []
+    for entry in entries:
         root = entry.media_root if entry.media_root is not None else data.media_root
-        recs = read_dataset(entry.path, root, dataset=d, first_uid=uid, modalities=modalities, on_bad=on_bad)
-        records.append(recs)
-        uid += len(recs)
+        indexes.append(index_dataset(entry.path, root))
+    if sum(ix.size for ix in indexes) == 0:
+        files = ", ".join(str(Path(e.path)) for e in entries)
+        raise DataError(files, "no samples: the dataset files are empty")
+    import ray
 
     if not ray.is_initialized():
         ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False)
-    modules = [m for m in families if m != "llm"] + ["llm"]
-    datasets: list[list[SampleRefs]] = [[] for _ in entries]
-    done = run_preprocessing(
-        (r for recs in records for r in recs),
-        families,
-        modules,
-        num_workers=data.num_workers,
+    stream_cfg = StreamConfig(
+        families=families,
+        modules=[m for m in families if m != "llm"] + ["llm"],
+        modalities=set(modality_modules(families)),
+        datasets=[(ix.path, ix.media_root) for ix in indexes],
         max_tokens=data.max_tokens,
         on_too_long=data.on_too_long,
         on_error=data.on_error,
+        num_workers=data.num_workers,
+        prefetch_bytes=PREFETCH_BYTES,
+        on_preprocess=on_preprocess,
     )
-    for rec, meta, refs in done:
-        if meta["status"] != "ok":
-            stats["skipped" if meta["status"] == "skipped" else "dropped_too_long"] += 1
-            problems.append(meta["error"])
-            log.warning("%s sample %s", meta["status"], meta["error"])
-            continue
-        inputs = {m: ref for m, ref in zip(modules, refs) if m == "llm" or m in meta["num_media_tokens"]}
-        datasets[rec.dataset].append(
-            SampleRefs(
-                index=rec.uid,
-                inputs=inputs,
-                num_label_tokens=meta["num_label_tokens"],
-                num_tokens=meta["num_tokens"],
-                source=rec.source,
-                num_media_tokens=meta["num_media_tokens"],
-            )
-        )
-    stats["samples"] = sum(len(d) for d in datasets)
-    if stats["samples"] == 0:
-        files = ", ".join(str(Path(e.path)) for e in entries)
-        raise DataError(
-            files,
-            f"no usable samples ({stats['skipped']} skipped, {stats['dropped_too_long']} too long); "
-            + "; ".join(problems[:3]),
-        )
-    weights = [e.weight for e in entries]
     return RayDataSource(
-        datasets,
-        weights,
+        indexes,
+        [e.weight for e in entries],
+        stream_cfg,
         batch_size=data.batch_size,
         seed=cfg.train.seed,
         shuffle=data.shuffle if split == "train" else False,
-        stats=stats,
-        problems=problems,
     )
