@@ -64,6 +64,7 @@ def tests(session: nox.Session) -> None:
     packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
     install(session, *packages, EXAMPLE)
     session.install("scikit-learn")  # its sample photographs feed the real-image pipeline test
+    session.install("-e", "packages/core[bench]")  # matplotlib: the bench test checks its plots
     pytest(session, *(f"{p}/tests" for p in packages), f"{EXAMPLE}/tests", "tests")
 
 
@@ -90,7 +91,15 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
+    """DHP vs uniform TP vs uniform ZeRO-3 on the tiny VLM, swept over vision
+    lengths in one run: runs/bench/bench/{bench.json, bench.md, *.png}.
+    Arguments after ``--`` replace the default sweep (see ``disagg bench --help``)."""
     install(session, "packages/core", *(f"packages/{p}" for p in PLUGINS))
-    """DHP vs uniform TP vs uniform ZeRO-3 on the tiny VLM, measured in one run."""
+    session.install("-e", "packages/core[bench]")
     session.run("disagg", "make-tiny", "runs/bench/tiny", "--families", "qwen2_5_vl", env=ENV)
-    session.run("disagg", "bench", "examples/bench/bench.yaml", *session.posargs, env=ENV)
+    args = session.posargs or BENCH_ARGS
+    session.run("disagg", "bench", "examples/bench/bench.yaml", *args, env=ENV)
+
+
+#: the default sweep: d = 2, three vision lengths, a budget whose limits lie inside the sweep
+BENCH_ARGS = ["--degree", "2", "--vision-tokens", "256,1k,4k", "--steps", "3", "--mem-budget", "24MiB"]

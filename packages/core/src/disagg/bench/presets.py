@@ -1,12 +1,21 @@
-"""Parallel layouts compared by the published result (DHP vs uniform TP vs uniform ZeRO-3)."""
+"""Parallel layouts a bench compares: built-in presets, or a YAML file of them.
+
+A layout is a ``parallel`` section of a train config without the settings
+(placement, transport): ``{vision: {strategy, degree, replicas, ...}, llm: {...}}``.
+A user extends a preset by writing a YAML file of named layouts
+(``examples/bench/layouts.yaml``) and passing ``--layouts FILE``.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from disagg.config.errors import ConfigError, Problem
 
 
 def paper(degree: int, modules: list[str]) -> dict[str, dict[str, Any]]:
-    """``parallel`` sections per variant; the first is the baseline of the ratios."""
+    """The published comparison (DHP vs uniform TP vs uniform ZeRO-3); the first is the ratios' baseline."""
     enc = [m for m in modules if m != "llm"]
     tp = {"strategy": "megatron_tp", "degree": degree, "replicas": 1}
     sp = {"strategy": "ulysses", "degree": degree, "replicas": 1}
@@ -22,3 +31,40 @@ def paper(degree: int, modules: list[str]) -> dict[str, dict[str, Any]]:
 
 
 PRESETS = {"paper": paper}
+
+
+def load_layouts(path: str | Path, modules: list[str]) -> dict[str, dict[str, Any]]:
+    """``{name: parallel section}`` from a YAML file with a top-level ``layouts:`` mapping."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError([Problem("--layouts", f"cannot read {path}: {exc}")]) from None
+    layouts = (data or {}).get("layouts") if isinstance(data, dict) else None
+    if not isinstance(layouts, dict) or not layouts:
+        raise ConfigError(
+            [
+                Problem(
+                    "layouts", f"{path}: expected a top-level 'layouts:' mapping of name -> parallel section"
+                )
+            ]
+        )
+    problems = []
+    for name, parallel in layouts.items():
+        if not isinstance(parallel, dict):
+            problems.append(
+                Problem(f"layouts.{name}", f"{path}: expected a mapping of module -> group, got {parallel!r}")
+            )
+            continue
+        for module in parallel:
+            if module not in modules:
+                problems.append(
+                    Problem(
+                        f"layouts.{name}.{module}",
+                        f"{path}: no such module in the config; allowed: {', '.join(modules)}",
+                    )
+                )
+    if problems:
+        raise ConfigError(problems)
+    return layouts

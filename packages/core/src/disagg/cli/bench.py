@@ -1,49 +1,134 @@
-"""``disagg bench CONFIG``: compare parallel layouts on one model and data."""
+"""``disagg bench CONFIG``: parallel layouts swept over vision lengths, measured
+beside the analytic model, with the published setting predicted."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "run the same model and data under several parallel layouts; report ratios and bytes"
+HELP = "sweep parallel layouts over vision lengths; measured vs analytic bytes, memory, throughput, plots"
+
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_bytes(text: str) -> int:
+    """``"96MiB"``, ``"1.5g"``, ``"100000000"`` -> bytes (binary units)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 64MiB, 2G, 100000000)")
+    try:
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size in bytes (e.g. 64MiB, 2G, 100000000)"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "config", help="a train config (model, data, train); its parallel section is replaced"
+        "config", help="a train config (model, data, train); its parallel and data sections are replaced"
     )
     parser.add_argument(
         "--preset",
         default="paper",
-        help="variants to compare (default: paper = uniform_tp, dhp_ulysses_tp, dhp_ulysses_tp_sp, "
-        "uniform_zero3)",
+        help="layouts to compare (default: paper = uniform_tp, "
+        "dhp_ulysses_tp, dhp_ulysses_tp_sp, uniform_zero3)",
     )
-    parser.add_argument("--degree", type=int, default=2, help="SP/TP degree (and ZeRO ranks) of every group")
-    parser.add_argument("--steps", type=int, default=6, help="steps per variant (the first is not timed)")
+    parser.add_argument(
+        "--layouts", default=None, metavar="FILE", help="YAML file of named layouts instead of --preset"
+    )
+    parser.add_argument(
+        "--degree", type=int, default=2, help="SP/TP degree (and ZeRO ranks) of the preset's groups"
+    )
+    parser.add_argument(
+        "--vision-tokens", default="256,1k", help="vision lengths (patches per image), e.g. 1k,4k,16k"
+    )
+    parser.add_argument("--samples", type=int, default=None, help="samples per step (default: --degree)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per point; the first is warm-up")
+    parser.add_argument(
+        "--mem-budget",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="find each layout's longest vision sequence whose saved activations + state "
+        "per rank fit (bisection with real steps), e.g. 64MiB",
+    )
+    parser.add_argument(
+        "--max-vision-tokens",
+        type=int,
+        default=None,
+        help="longest length the budget search may try (default: 4 x the longest of --vision-tokens)",
+    )
+    parser.add_argument(
+        "--predict",
+        default="4k,16k,64k",
+        metavar="TOKENS",
+        help="vision lengths for the published Qwen2.5-VL-32B / 8-GPU prediction ('none' skips it)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--out", default=None, help="bench.json path (default: OUTPUT_DIR/bench.json)")
+    parser.add_argument("--out", default=None, help="output dir (default: OUTPUT_DIR/bench)")
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
-    from disagg.bench.presets import PRESETS
-    from disagg.bench.runner import run_variants, table
+    from disagg.bench.plots import require_matplotlib
+
+    require_matplotlib()
+    from disagg.bench.data import parse_tokens
+    from disagg.bench.output import write_outputs
+    from disagg.bench.presets import PRESETS, load_layouts
+    from disagg.bench.runner import Progress
+    from disagg.bench.sweep import Bench
     from disagg.config.errors import ConfigError, Problem
     from disagg.config.load import load_config
     from disagg.plugins import get_registry
 
-    if args.preset not in PRESETS:
+    cfg = load_config(args.config, args.overrides)
+    modules = cfg.modules()
+    if args.layouts:
+        layouts = load_layouts(args.layouts, modules)
+    elif args.preset in PRESETS:
+        layouts = PRESETS[args.preset](args.degree, modules)
+    else:
         raise ConfigError(
             [Problem("--preset", f"unknown preset {args.preset!r}; allowed: {', '.join(PRESETS)}")]
         )
-    cfg = load_config(args.config, [*args.overrides, f"train.steps={args.steps}"])
-    variants = PRESETS[args.preset](args.degree, cfg.modules())
-    out_dir = Path(cfg.output_dir) / "bench"
-    rows = run_variants(cfg, variants, get_registry(), out_dir)
-    out = Path(args.out) if args.out else out_dir / "bench.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
-    print(table(rows))
-    print(f"bench results: {out}")
+    try:
+        lengths = parse_tokens(args.vision_tokens)
+        predict_lengths = [] if args.predict.strip().lower() == "none" else parse_tokens(args.predict)
+    except ValueError as exc:
+        raise ConfigError([Problem("--vision-tokens", str(exc))]) from None
+    dtype = cfg.train.dtype
+    if dtype == "auto":  # one dtype for every layout, decided once
+        import torch
+
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    extra = 0
+    if args.mem_budget is not None:
+        extra = 2 * len(layouts)  # up to two probe runs per layout, for the time estimate
+    bench = Bench(
+        base=cfg,
+        layouts=layouts,
+        vision_tokens=lengths,
+        samples=args.samples or args.degree,
+        steps=args.steps,
+        dtype=dtype,
+        out_dir=out,
+        registry=get_registry(),
+        budget=args.mem_budget,
+        max_vision_tokens=args.max_vision_tokens,
+        progress=Progress(len(layouts) + extra),
+    )
+    bench.sweep()
+    search = (
+        {name: bench.largest_under_budget(name) for name in layouts} if args.mem_budget is not None else None
+    )
+    files = write_outputs(bench, search, args.degree, predict_lengths)
+    print(files["table_text"])
+    for key in ("json", "markdown", "throughput_png", "memory_png"):
+        print(f"{key}: {files[key]}")
     return 0

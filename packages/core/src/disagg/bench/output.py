@@ -1,0 +1,89 @@
+"""Everything a bench leaves in its run dir: ``bench.json``, ``bench.md``, the plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from disagg.bench import published
+from disagg.bench.plots import plot
+from disagg.bench.report import points_table, published_md, targets, targets_md
+
+MEMORY_NOTE = (
+    "Memory per rank is saved-activation bytes (autograd's saved tensors) + parameter, gradient and "
+    "optimizer bytes, summed over collocated groups: the machine-independent figure. The budget search "
+    "uses it, not the process's RSS (shown for reference)."
+)
+
+
+def write_outputs(
+    bench: Any, search: dict[str, Any] | None, degree: int, predict_lengths: list[int]
+) -> dict[str, Any]:
+    out: Path = bench.out_dir
+    probes = [p for s in (search or {}).values() for p in s["probes"]]
+    result: dict[str, Any] = {
+        "config": {
+            "dtype": bench.dtype,
+            "samples_per_step": bench.samples,
+            "steps": bench.steps,
+            "seed": bench.base.train.seed,
+            "placement": bench.placement,
+            "vision_tokens": bench.vision_tokens,
+            "mem_budget_bytes": bench.budget,
+        },
+        "layouts": bench.layouts,
+        "memory_note": MEMORY_NOTE,
+        "points": bench.points,
+        "budget_search": (
+            {k: {kk: vv for kk, vv in v.items() if kk != "probes"} for k, v in search.items()}
+            if search
+            else None
+        ),
+        "budget_probes": probes,
+        "targets": targets(bench.points, degree, search),
+    }
+    md = [
+        "# disagg bench",
+        "",
+        f"dtype {bench.dtype}, {bench.samples} samples/step (one image each), {bench.steps} steps/point "
+        f"(median after the first), seed {bench.base.train.seed}, placement {bench.placement}.",
+        "Measured figures, analytic prediction in parentheses with the relative error.",
+        "",
+        points_table(bench.points, bench.budget),
+        "",
+        MEMORY_NOTE,
+        "",
+        "## Targets",
+        "",
+        targets_md(result["targets"]),
+    ]
+    if probes:
+        md += ["", "## Budget probes", "", points_table(probes, bench.budget)]
+    if predict_lengths:
+        rows = published.predict_published(predict_lengths)
+        ratios = published.ratios(rows)
+        result["published_prediction"] = {
+            "model": "Qwen2.5-VL-32B (config values)",
+            "assumptions": published.__doc__,
+            "paper": published.PAPER,
+            "rows": rows,
+            "ratios": ratios,
+        }
+        md += [
+            "",
+            "## Predicted: Qwen2.5-VL-32B on 8 x H100 80 GB (paper's figures beside)",
+            "",
+            published_md(rows, ratios, published.PAPER),
+        ]
+    pngs = plot(bench.points + probes, out, bench.budget)
+    json_path, md_path = out / "bench.json", out / "bench.md"
+    json_path.write_text(json.dumps(result, indent=2, default=str))
+    md_path.write_text("\n".join(md) + "\n")
+    return {
+        "json": json_path,
+        "markdown": md_path,
+        "throughput_png": pngs[0],
+        "memory_png": pngs[1],
+        "table_text": "\n".join(md),
+    }

@@ -1,0 +1,164 @@
+"""The published setting, predicted: Qwen2.5-VL-32B on 8 x H100 (80 GB).
+
+The model is described by its config values only (from the released
+``config.json``; no download). The paper reports DHP (Ulysses SP for the vision
+encoder + TP for the LLM) at 1.26-1.37x the throughput of uniform TP, and
+65k trainable vision tokens where ZeRO-3 ran out of memory at 16k.
+
+Time is a roofline, stated so it can be argued with: FLOPs at ``MFU`` of the
+H100's dense bf16 peak plus bytes at NVLink ring bandwidth, not overlapped
+(tensor-parallel collectives sit on the critical path); collocated groups run
+one after the other on the same GPUs. Memory assumes full activation
+recomputation (the usual setting at these lengths): per layer only its input
+is kept, plus one layer's activations being recomputed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg.cost import DecoderShape, VisionShape, predict, shapes_from_hf_config
+
+QWEN2_5_VL_32B: dict[str, Any] = {
+    "vision_config": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3456,
+        "num_heads": 16,
+        "out_hidden_size": 5120,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "in_chans": 3,
+    },
+    "text_config": {
+        "model_type": "qwen2_5_vl_text",
+        "hidden_size": 5120,
+        "intermediate_size": 27648,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "vocab_size": 152064,
+    },
+    "tie_word_embeddings": False,
+}
+
+PAPER = {
+    "gpus": 8,
+    "gpu_memory_bytes": 80 * 10**9,
+    "throughput_dhp_vs_tp": (1.26, 1.37),
+    "zero3_oom_vision_tokens": 16 * 1024,
+    "dhp_max_vision_tokens": 65 * 1024,
+}
+#: H100 SXM dense bf16 peak, the fraction of it a well-tuned step reaches, NVLink ring bandwidth
+PEAK_FLOPS, MFU, LINK_BYTES_PER_S = 989e12, 0.4, 360e9
+TEXT_TOKENS = 512  # text tokens per sample beside the image
+SAMPLES = 8  # one sample per GPU per step
+
+LAYOUTS_32B: dict[str, dict[str, Any]] = {
+    "uniform_tp": {
+        "vision": {"strategy": "megatron_tp", "degree": 8},
+        "llm": {"strategy": "megatron_tp", "degree": 8},
+    },
+    "dhp_ulysses_tp": {
+        "vision": {"strategy": "ulysses", "degree": 8},
+        "llm": {"strategy": "megatron_tp", "degree": 8},
+    },
+    "uniform_zero3": {
+        "vision": {"strategy": "zero", "stage": 3, "replicas": 8},
+        "llm": {"strategy": "zero", "stage": 3, "replicas": 8},
+    },
+}
+
+
+def predict_published(vision_tokens: list[int]) -> list[dict[str, Any]]:
+    """One row per layout and vision length: predicted step time, tokens/s,
+    memory per GPU (and whether it fits 80 GB), bytes per GPU."""
+    shapes = shapes_from_hf_config(QWEN2_5_VL_32B)
+    vision, llm = shapes["vision"], shapes["llm"]
+    assert isinstance(vision, VisionShape) and isinstance(llm, DecoderShape)
+    rows = []
+    for n in vision_tokens:
+        llm_len = n // vision.unit + TEXT_TOKENS
+        for name, layout in LAYOUTS_32B.items():
+            costs, seconds, memory = {}, 0.0, 0
+            for module, shape, seq in (("vision", vision, n), ("llm", llm, llm_len)):
+                g = layout[module]
+                degree, replicas = int(g.get("degree", 1)), int(g.get("replicas", 1))
+                kw = (
+                    {}
+                    if module == "vision"
+                    else {"exchanged_rows": n // vision.unit, "exchanged_width": vision.out_hidden}
+                )
+                cost = predict(
+                    shape,
+                    g["strategy"],
+                    degree,
+                    replicas,
+                    seq,
+                    "bfloat16",
+                    samples=SAMPLES,
+                    microbatches=1 if g["strategy"] == "zero" else SAMPLES,
+                    options={k: v for k, v in g.items() if k == "stage"},
+                    **kw,
+                )
+                act = _recomputed(shape, seq, g["strategy"], degree)
+                costs[module] = {**cost.to_dict(), "activation_bytes": act}
+                seconds += cost.flops / (PEAK_FLOPS * MFU) + cost.comm_bytes / LINK_BYTES_PER_S
+                memory += cost.state_bytes + act
+            tokens = SAMPLES * llm_len
+            rows.append(
+                {
+                    "layout": name,
+                    "vision_tokens": n,
+                    "step_time_s": seconds,
+                    "tokens_per_s": tokens / seconds,
+                    "memory_per_gpu": memory,
+                    "fits": memory <= PAPER["gpu_memory_bytes"],
+                    "groups": costs,
+                }
+            )
+    return rows
+
+
+def _recomputed(shape: VisionShape | DecoderShape, seq: int, strategy: str, degree: int) -> int:
+    """Saved bytes (bf16) of one sequence with full recomputation: each layer's
+    input for the tokens this rank holds (``ulysses`` 1/degree of them, TP and
+    ZeRO all), plus one layer's activations while it is recomputed, plus
+    (decoder) the fp32 logits of the loss, split over the TP ranks."""
+    from disagg.cost.memory import llm_activation_bytes, vision_activation_bytes
+
+    held = seq // degree if strategy == "ulysses" else seq
+    if isinstance(shape, VisionShape):
+        one = VisionShape(**{**_fields(shape), "depth": 1})
+        return shape.depth * held * shape.hidden * 2 + vision_activation_bytes(one, seq, strategy, degree, 2)
+    one_layer = DecoderShape(**{**_fields(shape), "layers": 1})
+    return shape.layers * held * shape.hidden * 2 + llm_activation_bytes(one_layer, seq, strategy, degree, 2)
+
+
+def _fields(shape: Any) -> dict[str, Any]:
+    from dataclasses import fields
+
+    return {f.name: getattr(shape, f.name) for f in fields(shape) if f.init}
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per vision length: predicted DHP / TP throughput and who fits 80 GB."""
+    by = {(r["layout"], r["vision_tokens"]): r for r in rows}
+    out = []
+    for n in sorted({r["vision_tokens"] for r in rows}):
+        tp, dhp, z3 = by[("uniform_tp", n)], by[("dhp_ulysses_tp", n)], by[("uniform_zero3", n)]
+        out.append(
+            {
+                "vision_tokens": n,
+                "throughput_dhp_vs_tp": dhp["tokens_per_s"] / tp["tokens_per_s"],
+                "fits": {
+                    "uniform_tp": tp["fits"],
+                    "dhp_ulysses_tp": dhp["fits"],
+                    "uniform_zero3": z3["fits"],
+                },
+            }
+        )
+    return out

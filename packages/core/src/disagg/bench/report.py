@@ -1,0 +1,159 @@
+"""The bench's Markdown: measured beside predicted per point, the issue's
+target ratios, and the published-setting prediction beside the paper."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MiB = 1024 * 1024
+
+
+def _mib(b: float | None) -> str:
+    return "-" if b is None else f"{b / MiB:.2f}"
+
+
+def _rel(measured: float | None, predicted: float | None) -> str:
+    if measured is None or predicted in (None, 0):
+        return "-"
+    return f"{(measured - predicted) / predicted:+.1%}"
+
+
+HEADER = (
+    "| layout | vision tokens | tok/s | busy s vision/llm | wait s vision/llm "
+    "| vision comm B/rank (pred, err) | llm comm B/rank (pred, err) | vision state MiB (pred) "
+    "| vision saved-act MiB (pred, err) | mem/rank MiB (pred) | peak RSS MiB | fits |"
+)
+
+
+def _pair(a: float | None, b: float | None) -> str:
+    return "/".join("-" if x is None else f"{x:.2f}" for x in (a, b))
+
+
+def _comm(measured: dict[str, Any], predicted: dict[str, Any]) -> str:
+    got, want = measured.get("comm_bytes_per_rank"), predicted["comm_bytes"]
+    return f"{got} ({want}, {_rel(got, want)})"
+
+
+def points_table(points: list[dict[str, Any]], budget: int | None) -> str:
+    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    for p in points:
+        m, pr = p.get("measured"), p["predicted"]["groups"]
+        if m is None:
+            lines.append(f"| {p['layout']} | {p['vision_tokens']} | failed: {p['error'][:80]} |" + " |" * 9)
+            continue
+        g = m["groups"]
+        v, llm = g.get("vision", {}), g.get("llm", {})
+        fits = "-" if budget is None else ("yes" if p.get("fits_budget") else "**over**")
+        act = v.get("activation_bytes_per_rank")
+        cells = [
+            p["layout"],
+            str(p["vision_tokens"]),
+            f"{m['tokens_per_s']:.0f}",
+            _pair(v.get("busy_s"), llm.get("busy_s")),
+            _pair(v.get("wait_s"), llm.get("wait_s")),
+            _comm(v, pr["vision"]),
+            _comm(llm, pr["llm"]),
+            f"{_mib(v.get('state_bytes_per_rank'))} ({_mib(pr['vision']['state_bytes'])})",
+            f"{_mib(act)} ({_mib(pr['vision']['activation_bytes'])}, "
+            f"{_rel(act, pr['vision']['activation_bytes'])})",
+            f"{_mib(p['memory_per_rank'].get('measured'))} ({_mib(p['memory_per_rank']['predicted'])})",
+            _mib(max(x["peak_mem_bytes"] for x in g.values())),
+            fits,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets(
+    points: list[dict[str, Any]], degree: int, budget_search: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The issue's target figures, per vision length."""
+    by = {(p["layout"], p["vision_tokens"]): p for p in points if "measured" in p}
+    lengths = sorted({n for _, n in by})
+    out: dict[str, Any] = {"degree": degree, "per_length": []}
+    for n in lengths:
+        row: dict[str, Any] = {"vision_tokens": n}
+        sp, tp, z3 = by.get(("dhp_ulysses_tp", n)), by.get(("uniform_tp", n)), by.get(("uniform_zero3", n))
+        if sp and tp:
+            vm = lambda p: p["measured"]["groups"]["vision"]["comm_bytes_per_rank"]  # noqa: E731
+            va = lambda p: p["predicted"]["groups"]["vision"]["comm_bytes"]  # noqa: E731
+            row["vision_bytes_ulysses_vs_tp"] = {"measured": vm(sp) / vm(tp), "analytic": va(sp) / va(tp)}
+            row["throughput_dhp_vs_tp"] = sp["measured"]["tokens_per_s"] / tp["measured"]["tokens_per_s"]
+        if sp and z3:
+            act = lambda p: p["measured"]["groups"]["vision"]["activation_bytes_per_rank"]  # noqa: E731
+            row["saved_act_ulysses_vs_zero3"] = {
+                "measured": act(sp) / act(z3),
+                "target_at_most": 1.15 / degree,
+            }
+        out["per_length"].append(row)
+    if budget_search:
+        dhp = budget_search.get("dhp_ulysses_tp", {}).get("largest_fitting")
+        z3 = budget_search.get("uniform_zero3", {}).get("largest_fitting")
+        out["largest_under_budget"] = {name: s["largest_fitting"] for name, s in budget_search.items()}
+        if dhp and z3:
+            out["largest_dhp_vs_zero3"] = {"measured": dhp / z3, "target_at_least": 0.85 * degree}
+    return out
+
+
+def targets_md(t: dict[str, Any]) -> str:
+    d = t["degree"]
+    lines = [
+        "| vision tokens | vision B/rank ulysses÷TP measured (analytic) "
+        f"| saved-act ulysses{d}÷ZeRO-3 (≤ {1.15 / d:.3f}) | tok/s DHP÷TP |",
+        "|---|---|---|---|",
+    ]
+    for r in t["per_length"]:
+        b = r.get("vision_bytes_ulysses_vs_tp")
+        a = r.get("saved_act_ulysses_vs_zero3")
+        th = r.get("throughput_dhp_vs_tp")
+        ratio = "-" if not b else "{:.4f} ({:.4f})".format(b["measured"], b["analytic"])
+        act = "-" if not a else "{:.3f}".format(a["measured"])
+        speed = "-" if th is None else f"{th:.2f}"
+        lines.append(f"| {r['vision_tokens']} | {ratio} | {act} | {speed} |")
+    if "largest_under_budget" in t:
+        lines.append("")
+        lines.append(
+            "Largest vision sequence under the budget: "
+            + ", ".join(f"{k} {v}" for k, v in t["largest_under_budget"].items())
+        )
+        if "largest_dhp_vs_zero3" in t:
+            x = t["largest_dhp_vs_zero3"]
+            lines.append(f"DHP ÷ ZeRO-3: {x['measured']:.2f} (target ≥ {x['target_at_least']:.2f})")
+    return "\n".join(lines)
+
+
+def published_md(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], paper: dict[str, Any]) -> str:
+    gb = 1e9
+    lines = [
+        "| layout | vision tokens | predicted tok/s | memory/GPU GB | fits 80 GB "
+        "| vision comm GB/GPU | llm comm GB/GPU |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [
+            r["layout"],
+            str(r["vision_tokens"]),
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['memory_per_gpu'] / gb:.1f}",
+            "yes" if r["fits"] else "no",
+            f"{r['groups']['vision']['comm_bytes'] / gb:.2f}",
+            f"{r['groups']['llm']['comm_bytes'] / gb:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lo, hi = paper["throughput_dhp_vs_tp"]
+    lines += [
+        "",
+        "| vision tokens | predicted DHP÷TP | paper DHP÷TP | fits (TP / DHP / ZeRO-3) predicted |",
+        "|---|---|---|---|",
+    ]
+    for r in ratios:
+        f = r["fits"]
+        lines.append(
+            f"| {r['vision_tokens']} | {r['throughput_dhp_vs_tp']:.2f} | {lo:.2f}–{hi:.2f} "
+            f"| {f['uniform_tp']} / {f['dhp_ulysses_tp']} / {f['uniform_zero3']} |"
+        )
+    lines.append(
+        f"\nPaper: ZeRO-3 out of memory at {paper['zero3_oom_vision_tokens']} vision tokens; "
+        f"DHP trains {paper['dhp_max_vision_tokens']} on 80 GB H100s."
+    )
+    return "\n".join(lines)

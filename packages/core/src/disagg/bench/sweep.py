@@ -1,0 +1,242 @@
+"""The sweep: every layout at every vision length, measured and predicted, and
+(with a budget) the longest vision sequence each layout fits, by bisection
+with real steps."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from disagg.bench.data import grid_for, private_model_dir, write_sweep_data
+from disagg.bench.runner import Progress, layout_config, memory_per_rank, run_layout, summarize
+from disagg.config.schema import Config
+from disagg.cost import VisionShape, predict, shapes_from_hf_config
+from disagg.plugins import Registry
+
+
+@dataclass
+class Bench:
+    base: Config
+    layouts: dict[str, dict[str, Any]]
+    vision_tokens: list[int]
+    samples: int
+    steps: int
+    dtype: str
+    out_dir: Path
+    registry: Registry
+    budget: int | None = None
+    #: the budget search never probes past this length (default: 4 x the longest swept)
+    max_vision_tokens: int | None = None
+    progress: Progress | None = None
+    points: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.base.model.vision is None:
+            raise ValueError("disagg bench sweeps the vision length: the config needs model.vision")
+        src = Path(self.base.model.vision.path)
+        hf = json.loads((src / "config.json").read_text())
+        shapes = shapes_from_hf_config(hf)
+        vision = shapes.get("vision")
+        if not isinstance(vision, VisionShape):
+            raise ValueError(f"model.vision.path {src}: no Qwen2.5-VL style vision_config in config.json")
+        self.shapes = shapes
+        self.vision: VisionShape = vision
+        self.window_side = max(vision.window // vision.patch, vision.merge)
+        self.placement = self.base.parallel.placement
+        self._src = src
+        self._model_dir: Path | None = None
+
+    # -- one point --------------------------------------------------------------------------------
+    def model_dirs(self, max_patches: int) -> dict[str, str]:
+        """Both modules read a private copy of the model dir whose processor keeps long images."""
+        if self._model_dir is None or max_patches > self._max_patches:
+            self._max_patches = max(max_patches, 2 * max(self.vision_tokens))
+            self._model_dir = private_model_dir(
+                self._src, self.out_dir / "model", self._max_patches, self.vision.patch
+            )
+        dirs = {"vision": str(self._model_dir)}
+        if self.base.model.llm.path == str(self._src) or Path(self.base.model.llm.path) == self._src:
+            dirs["llm"] = str(self._model_dir)
+        return dirs
+
+    def data(self, n: int) -> Path:
+        out = self.out_dir / "data" / f"v{n}"
+        if not (out / "train.jsonl").exists():
+            write_sweep_data(
+                out,
+                n,
+                self.samples * self.steps,
+                self.vision.patch,
+                self.window_side,
+                self.vision.merge,
+                self.base.train.seed,
+            )
+        return out / "train.jsonl"
+
+    def run(
+        self, name: str, lengths: list[int], steps: int | None = None, tag: str = ""
+    ) -> list[dict[str, Any]]:
+        """One run of layout ``name`` over ``lengths``: a point per length."""
+        steps = steps or self.steps
+        label = f"{name} @ {', '.join(map(str, lengths))} vision tokens{tag}"
+        if self.progress:
+            self.progress.start(label)
+        jsonls = [self.data(n) for n in lengths]
+        cfg = layout_config(
+            self.base,
+            self.layouts[name],
+            train_jsonl=jsonls[0],
+            model_dirs=self.model_dirs(max(lengths)),
+            samples=self.samples,
+            steps=steps * len(lengths),
+            dtype=self.dtype,
+            out_dir=self.out_dir
+            / "runs"
+            / f"{name}{tag.strip().replace(' ', '-')}-{'-'.join(map(str, lengths))}",
+        )
+        per_length, error = run_layout(cfg, self.registry, jsonls, steps)
+        points = []
+        for n, records in zip(lengths, per_length):
+            point: dict[str, Any] = {
+                "layout": name,
+                "vision_tokens": n,
+                "grid": list(grid_for(n, self.window_side, self.vision.merge)),
+            }
+            if records:
+                point["measured"] = summarize(records)
+            else:
+                point["error"] = error or "no step ran"
+            tokens = point.get("measured", {}).get("tokens_per_step")
+            point["predicted"] = self.predict(name, n, tokens)
+            point["memory_per_rank"] = {"predicted": point["predicted"]["memory_per_rank"]}
+            if "measured" in point:
+                point["memory_per_rank"]["measured"] = memory_per_rank(
+                    point["measured"]["groups"], self.placement
+                )
+            if self.budget is not None:
+                key = "measured" if "measured" in point else "predicted"
+                point["fits_budget"] = point["memory_per_rank"][key] <= self.budget
+            points.append(point)
+        if self.progress:
+            done = ", ".join(
+                f"{p['vision_tokens']}: {p['measured']['tokens_per_s']:.0f} tok/s"
+                if "measured" in p
+                else f"{p['vision_tokens']}: failed"
+                for p in points
+            )
+            self.progress.finish(f"{label}: {done}" + (f" ({error[:160]})" if error else ""))
+        return points
+
+    def predict(self, name: str, n: int, tokens_per_step: int | None) -> dict[str, Any]:
+        """The analytic model's figures for this point, per module and per device."""
+        parallel = self.layouts[name]
+        rows = n // self.vision.unit
+        mb = self.samples // int(parallel.get("vision", {}).get("replicas", 1))
+        llm_tokens = tokens_per_step // self.samples if tokens_per_step else rows + 32
+        out: dict[str, Any] = {"groups": {}}
+        for module, shape in self.shapes.items():
+            group = parallel.get(module, {})
+            opts = {k: v for k, v in group.items() if k in ("stage", "sequence_parallel")}
+            kw: dict[str, Any] = {}
+            if module != "vision":
+                kw = {"exchanged_rows": rows, "exchanged_width": self.vision.out_hidden}
+            cost = predict(
+                shape,
+                group.get("strategy", "ddp"),
+                int(group.get("degree", 1)),
+                int(group.get("replicas", 1)),
+                n if module == "vision" else llm_tokens,
+                self.dtype,
+                samples=self.samples,
+                microbatches=mb,
+                options=opts,
+                **kw,
+            )
+            out["groups"][module] = cost.to_dict()
+        figures = [g["memory_bytes"] for g in out["groups"].values()]
+        out["memory_per_rank"] = sum(figures) if self.placement == "collocated" else max(figures)
+        return out
+
+    # -- the sweep and the budget search ----------------------------------------------------------
+    def sweep(self) -> list[dict[str, Any]]:
+        for name in self.layouts:
+            self.points += self.run(name, self.vision_tokens)
+        return self.points
+
+    def predicted_limit(self, name: str) -> int:
+        """The longest length (whole windows) the analytic model says fits the budget."""
+        assert self.budget is not None
+        unit = self.window_side**2
+        text = self._text_tokens()
+
+        def fits(k: int) -> bool:
+            n = k * unit
+            return (
+                self.predict(name, n, self.samples * (n // self.vision.unit + text))["memory_per_rank"]
+                <= self.budget
+            )
+
+        lo, hi = 0, 1
+        while fits(hi) and hi < 2**22:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo * unit
+
+    def _text_tokens(self) -> int:
+        for p in self.points:
+            if "measured" in p:
+                return (
+                    p["measured"]["tokens_per_step"] // self.samples - p["vision_tokens"] // self.vision.unit
+                )
+        return 32
+
+    def largest_under_budget(self, name: str, rounds: int = 2) -> dict[str, Any]:
+        """The longest vision length whose measured memory per rank fits, by a
+        search with real steps: the bracket from the sweep (longest fitting,
+        shortest over) is narrowed in ``rounds`` runs of up to 3 lengths each,
+        placed around the analytic model's limit when it lies inside the bracket
+        (the bisection's midpoints otherwise)."""
+        assert self.budget is not None
+        unit = self.window_side**2
+        mine = [p for p in self.points if p["layout"] == name and "measured" in p]
+        lo = max((p["vision_tokens"] for p in mine if p["fits_budget"]), default=0)
+        hi = min(
+            (p["vision_tokens"] for p in mine if not p["fits_budget"] and p["vision_tokens"] > lo), default=0
+        )
+        guess = self.predicted_limit(name)
+        cap = self.max_vision_tokens or 4 * max(self.vision_tokens)
+        probes: list[dict[str, Any]] = []
+        for _ in range(rounds):
+            if hi and (hi - lo <= unit or hi <= 1.1 * lo):
+                break
+            if not hi and lo >= cap:
+                break
+            top = hi or min(cap, max(4 * max(lo, unit), 2 * guess))
+            if lo < guess < top:
+                cands = [guess * 0.9, guess, guess * 1.1 + unit]
+            elif not hi:  # nothing over budget yet: try the top itself, and on the way
+                cands = [lo + (top - lo) * f for f in (0.5, 0.75, 1.0)]
+            else:
+                cands = [lo + (top - lo) * f for f in (0.25, 0.5, 0.75)]
+            snapped = sorted({max(unit, int(c) // unit * unit) for c in cands} - {lo, hi})
+            snapped = [n for n in snapped if lo < n <= (hi - 1 if hi else cap)]
+            if not snapped:
+                break
+            got = self.run(name, snapped, steps=1, tag=" probe")
+            probes += got
+            for p in got:
+                if p.get("fits_budget") and "measured" in p:
+                    lo = max(lo, p["vision_tokens"])
+                elif p["vision_tokens"] > lo:
+                    hi = min(hi or p["vision_tokens"], p["vision_tokens"])
+        return {
+            "largest_fitting": lo,
+            "smallest_over": hi or None,
+            "capped_at": cap if not hi else None,
+            "predicted_limit": guess,
+            "probes": probes,
+        }

@@ -1,0 +1,121 @@
+"""The budget search of ``disagg bench`` and its small parsers, without Ray: runs
+are replaced by a memory curve (the search only sees measured points)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from disagg.bench.data import grid_for, parse_tokens
+from disagg.bench.sweep import Bench
+from disagg.cli.bench import parse_bytes
+from disagg.config.schema import Config
+
+VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=4,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    window_size=16,
+    fullatt_block_indexes=[1],
+    out_hidden_size=48,
+)
+TEXT = dict(
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+)
+LAYOUTS = {
+    "dhp": {"vision": {"strategy": "ulysses", "degree": 2}, "llm": {"strategy": "megatron_tp", "degree": 2}},
+    "zero3": {
+        "vision": {"strategy": "zero", "stage": 3, "replicas": 2},
+        "llm": {"strategy": "zero", "stage": 3, "replicas": 2},
+    },
+}
+#: bytes per vision token per rank in the fake runs: ZeRO-3 holds whole images, DHP halves
+PER_TOKEN = {"dhp": 500, "zero3": 1000}
+BUDGET = 1_000_000
+
+
+class FakeBench(Bench):
+    runs: list[tuple[str, list[int]]]
+
+    def run(
+        self, name: str, lengths: list[int], steps: int | None = None, tag: str = ""
+    ) -> list[dict[str, Any]]:
+        self.runs.append((name, list(lengths)))
+        out = []
+        for n in lengths:
+            mem = PER_TOKEN[name] * n
+            out.append(
+                {
+                    "layout": name,
+                    "vision_tokens": n,
+                    "measured": {"tokens_per_step": 2 * (n // 4 + 20)},
+                    "memory_per_rank": {"measured": mem},
+                    "fits_budget": mem <= BUDGET,
+                }
+            )
+        return out
+
+
+def make(tmp_path: Path, lengths: list[int]) -> FakeBench:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vision_config": VISION, "text_config": TEXT}))
+    base = Config.model_validate(
+        {
+            "model": {
+                "vision": {"family": "qwen2_5_vl", "path": str(model)},
+                "llm": {"family": "qwen2_5_vl", "path": str(model)},
+            },
+            "output_dir": str(tmp_path / "out"),
+        }
+    )
+    b = FakeBench(base, LAYOUTS, lengths, 2, 2, "float32", tmp_path / "out", registry=None, budget=BUDGET)  # type: ignore[arg-type]
+    b.runs = []
+    return b
+
+
+def test_search_brackets_the_limit_with_real_points(tmp_path: Path):
+    b = make(tmp_path, [256, 4096])
+    b.sweep()
+    for name in LAYOUTS:
+        found = b.largest_under_budget(name)
+        limit = BUDGET // PER_TOKEN[name]
+        assert found["largest_fitting"] <= limit < (found["smallest_over"] or 10**9)
+        # two rounds of three probes narrow 256..4096 to within a few windows of the true limit
+        assert found["largest_fitting"] >= 0.85 * limit, found
+        assert all(p["layout"] == name for p in found["probes"])
+    dhp, z3 = (b.largest_under_budget(n)["largest_fitting"] for n in ("dhp", "zero3"))
+    assert dhp >= 0.85 * 2 * z3
+
+
+def test_search_stops_at_the_cap(tmp_path: Path):
+    b = make(tmp_path, [64, 128])
+    b.max_vision_tokens = 256
+    b.sweep()
+    found = b.largest_under_budget("dhp")  # 256 tokens fit: the search may not go past the cap
+    assert found["largest_fitting"] == 256 and found["capped_at"] == 256
+    assert max(n for _, ns in b.runs for n in ns) <= 256
+
+
+def test_parsers():
+    assert parse_tokens("1k, 4k,256") == [256, 1024, 4096]
+    assert (
+        parse_bytes("64MiB") == 64 * 2**20 and parse_bytes("2G") == 2 * 2**30 and parse_bytes("1000") == 1000
+    )
+    assert grid_for(1024, 4, 2) == (32, 32) and grid_for(48, 4, 2) == (4, 12)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        grid_for(40, 4, 2)
+    with pytest.raises(ValueError, match="not a number"):
+        parse_tokens("lots")

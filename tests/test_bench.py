@@ -1,0 +1,100 @@
+"""``disagg bench`` on the tiny Qwen2.5-VL: a tiny sweep (2 layouts, 2 vision
+lengths, 2 steps) leaves a complete, self-consistent bench.json, bench.md and
+plots, and the vision group's measured bytes equal the analytic count where the
+model is exact. A benchmark, not a timed test: no speed is asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("disagg_vision_sp")
+pytest.importorskip("disagg_llm_tp")
+pytest.importorskip("matplotlib")
+
+FAMILY = "qwen2_5_vl"
+LENGTHS = [64, 256]  # patches per image: whole 16-patch windows, an even split over 2 ranks
+LAYOUTS = """
+layouts:
+  uniform_tp:
+    vision: {strategy: megatron_tp, degree: 2}
+    llm:    {strategy: megatron_tp, degree: 2}
+  dhp_ulysses_tp:
+    vision: {strategy: ulysses, degree: 2}
+    llm:    {strategy: megatron_tp, degree: 2}
+"""
+
+
+@pytest.fixture(scope="module")
+def bench(ray_local, tmp_path_factory) -> Path:
+    from disagg.cli.main import main
+    from disagg.cli.make_tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("bench")
+    tiny = make_tiny(root / "tiny", [FAMILY], train_per_class=1, eval_per_class=1)
+    model = tiny[FAMILY] if isinstance(tiny, dict) and FAMILY in tiny else root / "tiny" / FAMILY
+    (root / "bench.yaml").write_text(
+        f"model:\n  vision: {{family: {FAMILY}, path: {model}}}\n  llm: {{family: {FAMILY}, path: {model}}}\n"
+        f"data: {{train: {root / 'tiny' / 'data' / 'train.jsonl'}, media_root: {root / 'tiny' / 'data'}}}\n"
+        f"train: {{seed: 0, lr: 1.0e-3}}\noutput_dir: {root / 'run'}\n"
+    )
+    (root / "layouts.yaml").write_text(LAYOUTS)
+    argv = ["bench", str(root / "bench.yaml"), "--layouts", str(root / "layouts.yaml")]
+    argv += ["--vision-tokens", ",".join(map(str, LENGTHS)), "--steps", "2", "--samples", "2"]
+    argv += ["--mem-budget", "4GiB", "--predict", "4k,64k"]
+    assert main(argv) == 0
+    return root / "run" / "bench"
+
+
+def test_outputs_are_complete(bench: Path):
+    result = json.loads((bench / "bench.json").read_text())
+    assert result["config"]["dtype"] == "float32" and result["config"]["vision_tokens"] == LENGTHS
+    points = {(p["layout"], p["vision_tokens"]): p for p in result["points"]}
+    assert set(points) == {(name, n) for name in ("uniform_tp", "dhp_ulysses_tp") for n in LENGTHS}
+    for p in points.values():
+        assert "error" not in p, p.get("error")
+        m = p["measured"]
+        assert m["steps"] == 2 and m["tokens_per_s"] > 0
+        assert set(m["groups"]) == {"vision", "llm"}
+        for g in m["groups"].values():
+            for key in ("busy_s", "comm_bytes_per_rank", "state_bytes_per_rank", "activation_bytes_per_rank"):
+                assert g[key] > 0, key
+        # collocated groups add up: the memory figure is the groups' state + saved activations
+        total = sum(g["state_bytes_per_rank"] + g["activation_bytes_per_rank"] for g in m["groups"].values())
+        assert p["memory_per_rank"]["measured"] == total
+        assert p["fits_budget"] is True  # 4 GiB holds every tiny point
+    # the same data for every layout: same tokens per step at each length
+    for n in LENGTHS:
+        assert (
+            points[("uniform_tp", n)]["measured"]["tokens_per_step"]
+            == points[("dhp_ulysses_tp", n)]["measured"]["tokens_per_step"]
+        )
+    md = (bench / "bench.md").read_text()
+    assert md.count("| uniform_tp |") >= len(LENGTHS) and md.count("| dhp_ulysses_tp |") >= len(LENGTHS)
+    assert "Qwen2.5-VL-32B" in md and "1.26" in md
+    for png in ("throughput.png", "memory.png"):
+        assert (bench / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {r["vision_tokens"] for r in result["published_prediction"]["rows"]} == {4096, 65536}
+    assert result["budget_search"]["dhp_ulysses_tp"]["largest_fitting"] >= max(LENGTHS)
+
+
+def test_measured_bytes_equal_the_analytic_count(bench: Path):
+    result = json.loads((bench / "bench.json").read_text())
+    for p in result["points"]:
+        got = p["measured"]["groups"]["vision"]
+        want = p["predicted"]["groups"]["vision"]
+        where = f"{p['layout']} @ {p['vision_tokens']}"
+        assert "comm_bytes" in want["exact"] and "state_bytes" in want["exact"], where
+        assert got["comm_bytes_per_rank"] == want["comm_bytes"], where
+        if got.get("collective_bytes_per_rank") is not None:  # by kind, where the metrics carry it
+            assert got["collective_bytes_per_rank"] == want["comm_bytes_by_kind"], where
+            assert got["sent_bytes_per_rank"] == want["sent_bytes"], where
+        assert got["state_bytes_per_rank"] == want["state_bytes"], where
+        # fp32 saved activations of the tower: exact under ulysses, an estimate under TP
+        rel = 0 if p["layout"] == "dhp_ulysses_tp" else 0.05
+        assert got["activation_bytes_per_rank"] == pytest.approx(want["activation_bytes"], rel=rel), where
+    for row in result["targets"]["per_length"]:
+        ratio = row["vision_bytes_ulysses_vs_tp"]
+        assert ratio["measured"] == pytest.approx(ratio["analytic"], rel=1e-12)
