@@ -86,7 +86,8 @@ def global_grad_norm(ds_optimizer: Any, stage: int) -> float:
 
 @contextlib.contextmanager
 def gathered(module: nn.Module, stage: int, has_engine: bool) -> Iterator[None]:
-    """Full parameters inside the block (ZeRO-3 all-gathers; collective)."""
+    """Full parameters inside the block (ZeRO-3: one all-gather of every
+    parameter of ``module``, in module order; collective)."""
     if stage < 3 or not has_engine:
         yield
         return
@@ -94,3 +95,33 @@ def gathered(module: nn.Module, stage: int, has_engine: bool) -> Iterator[None]:
 
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         yield
+
+
+def remove_module_hooks(engine: Any) -> None:
+    """Drop ZeRO-3's per-submodule gather/release hooks: the strategy gathers
+    the whole module itself, once per call (see ``disagg_zero.strategy``)."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    opt = engine.optimizer
+    offload = opt if isinstance(opt, DeepSpeedZeRoOffload) else opt.parameter_offload
+    offload._remove_module_hooks()  # noqa: SLF001
+
+
+def local_fragments(ds_optimizer: Any, params: list[nn.Parameter], stage: int) -> list[tuple[int, int, int, int]]:
+    """Where each parameter's fp32 master fragment on this rank lies inside the
+    flat partitions DeepSpeed's wrapped optimizer steps: (storage pointer,
+    storage offset, element count, index into ``params``). Padding elements of
+    a partition belong to no parameter."""
+    out = []
+    for i, p in enumerate(params):
+        if stage == 3:
+            group, offset, numel = ds_optimizer.grad_position[ds_optimizer.get_param_id(p)]
+            frag = ds_optimizer.fp32_partitioned_groups_flat[group].narrow(0, offset, numel)
+        else:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:  # no element of this parameter in this rank's partition
+                continue
+            frag = mapping.hp_fragment
+        if frag.numel():
+            out.append((frag.untyped_storage().data_ptr(), frag.storage_offset(), frag.numel(), i))
+    return out

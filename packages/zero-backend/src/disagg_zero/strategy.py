@@ -1,25 +1,38 @@
 """``zero``: DeepSpeed ZeRO stages 1, 2 and 3 for any module (degree 1, replicas = ranks).
 
-How one step maps onto the DeepSpeed engine:
+Every rank of a group makes the same collectives in the same order whatever
+its share of a microbatch (any split, including none), by construction:
 
-* forward runs *through* the engine (``engine(fn)`` with a pass-through root
-  module, :class:`_Runner`), so that its forward prologue and ZeRO-3's
-  parameter gathering hooks run while the family's own code drives the HF
-  module;
-* every backward is a non-boundary micro-step (stages 2-3 reduce-scatter in
-  their hooks, stage 1 keeps local gradients); :meth:`reduce_gradients` marks
-  the boundary and finishes the reduction, once per optimizer step, however
-  many microbatches there were;
-* the group's norm comes from DeepSpeed's partitioned fp32 gradients, and the
-  driver's clip coefficient is applied to those same gradients by the
-  optimizer DeepSpeed steps (:class:`disagg_zero.optim.ClipScaled`), since
-  DeepSpeed's own clipping is off.
+* ZeRO-3 parameters are gathered **whole**, once per ``encode``, ``backward``,
+  ``loss_and_backward`` and ``evaluate`` call (:func:`runtime.gathered`), and
+  DeepSpeed's per-submodule gather/release hooks are removed: their number of
+  all-gathers follows the number of module calls, which the family's code
+  makes per sample or per item. Parameters stay partitioned between calls
+  (with gradients and optimizer states); the price is that a call holds the
+  whole module's parameters, not one layer's.
+* Parameter gradients are computed locally with ``torch.autograd.grad`` and
+  handed to DeepSpeed through one engine backward whose graph is the same on
+  every rank (:mod:`disagg_zero.inject`), so stage 2-3 reduction hooks fire
+  for the same parameters in the same order everywhere; a rank with no
+  samples hands zeros.
+* Which parameters really got a gradient is recorded per rank (``autograd.grad``
+  returns ``None`` for the others) and agreed across the group with one small
+  all-reduce in :meth:`ZeroStrategy.reduce_gradients`; the optimizer
+  (:class:`disagg_zero.optim.MaskedAdamW`) leaves the rest alone, as torch
+  AdamW leaves a ``grad=None`` parameter. A step with no gradient anywhere
+  skips the engine step and only advances the scheduler.
+* Every backward is a non-boundary micro-step; :meth:`ZeroStrategy.reduce_gradients`
+  marks the boundary once per optimizer step. The group's norm comes from
+  DeepSpeed's partitioned fp32 gradients and the driver's clip coefficient is
+  applied by the optimizer, since DeepSpeed's own clipping is off.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -28,22 +41,11 @@ from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, LanguageFam
 from disagg.interfaces.strategy import make_scheduler
 from disagg_zero import runtime
 from disagg_zero.dsconfig import backward_scale, build_ds_config, zero_section_problems
-from disagg_zero.optim import make_clip_scaled_adamw
+from disagg_zero.inject import injector, local_grads
+from disagg_zero.optim import make_masked_adamw
 from disagg_zero.options import ZeroOptions
 
 CHECKPOINT_TAG = "zero"
-
-
-class _Runner(nn.Module):
-    """Root module handed to DeepSpeed: calls ``fn(inner, *args)`` so families
-    keep calling the Hugging Face module itself."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return fn(self.inner, *args)
 
 
 class ZeroStrategy(Strategy):
@@ -53,8 +55,8 @@ class ZeroStrategy(Strategy):
     name: ClassVar[str] = "zero"
     distribution: ClassVar[str] = "disagg-zero"
     options_model: ClassVar[type[ZeroOptions]] = ZeroOptions  # type: ignore[assignment]
-    # DeepSpeed reduces gradients inside backward (stage 2) and gathers
-    # parameters inside forward (stage 3): every rank must run every microbatch.
+    # Every call gathers (stage 3) or reduces (stages 2-3) as a collective:
+    # every rank must be called for every microbatch, with or without samples.
     lockstep: ClassVar[bool] = True
 
     @classmethod
@@ -72,6 +74,11 @@ class ZeroStrategy(Strategy):
         self.options: ZeroOptions = options
         self.engine: Any = None
         self._seed_scale = backward_scale(options, ctx.world_size)
+        self._params: list[nn.Parameter] = []
+        self._got: list[bool] = []  # per trainable parameter: a gradient on this rank this step
+        self._present: list[bool] | None = None  # ... on some rank (after reduce_gradients)
+        self._backwards = 0
+        self._gathers = 0
 
     # -- setup ------------------------------------------------------------------------------------
     def parallelize(self, module: nn.Module) -> nn.Module:
@@ -90,28 +97,41 @@ class ZeroStrategy(Strategy):
                 # Nothing to shard without optimizer states or gradients.
                 return
         else:
-            self.optimizer = make_clip_scaled_adamw(
+            self.optimizer = make_masked_adamw(
                 self.trainable_parameters(),
                 optim,
                 cpu_adam=self.options.offload_optimizer and self.ctx.device.type == "cuda",
             )
             self.scheduler = make_scheduler(self.optimizer, optim)
+        self._params = self.trainable_parameters()
+        self._got = [False] * len(self._params)
         where = f"parallel.{self.ctx.module}"
         with runtime.config_errors(where):
             self.engine, *_ = deepspeed.initialize(
-                model=_Runner(self.module),
+                model=self.module,
                 optimizer=self.optimizer,
                 lr_scheduler=self.scheduler,
                 config=config,
                 dist_init_required=False,
             )
+        if self.options.stage == 3:
+            runtime.remove_module_hooks(self.engine)
+        self._map_fragments()
 
-    # -- forward / backward -----------------------------------------------------------------------
-    def _forward(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self.engine is None:
-            return fn(self.module, *args)
-        self._forwards = getattr(self, "_forwards", 0) + 1
-        return self.engine(fn, *args)
+    def _map_fragments(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.set_fragments(  # type: ignore[attr-defined]
+                runtime.local_fragments(self.engine.optimizer, self._params, self.options.stage)
+            )
+
+    @contextlib.contextmanager
+    def _whole(self) -> Iterator[None]:
+        """The module's full parameters for one call (ZeRO-3: one all-gather)."""
+        assert self.module is not None
+        if self.options.stage == 3 and self.engine is not None:
+            self._gathers += 1
+        with runtime.gathered(self.module, self.options.stage, self.engine is not None):
+            yield
 
     def _count_comm(self) -> None:
         """DeepSpeed's collectives are internal, so count what ZeRO moves per
@@ -119,56 +139,51 @@ class ZeroStrategy(Strategy):
         n = self.ctx.world_size
         if n == 1 or self.module is None:
             return
-        elem = self.ctx.dtype.itemsize if hasattr(self.ctx.dtype, "itemsize") else 4
+        elem = 4  # fp32 parameters and gradients (core's dtype rule)
         params = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters()) * elem
-        grads = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainable_parameters()) * elem
+        grads = sum(getattr(p, "ds_numel", p.numel()) for p in self._params) * elem
         f = (n - 1) / n
-        forwards = getattr(self, "_forwards", 0)
         if self.options.stage == 1:
             sent = 2 * f * grads + f * params  # all-reduce gradients, all-gather updated params
         elif self.options.stage == 2:
             sent = f * grads + f * params  # reduce-scatter gradients, all-gather updated params
-        else:  # gather params in every forward and again in backward, reduce-scatter gradients
-            sent = 2 * forwards * f * params + f * grads
+        else:  # one whole-module gather per call, reduce-scatter gradients
+            sent = self._gathers * f * params + f * grads
         self.ctx.comm.add(f"zero{self.options.stage}_analytic", int(sent))
-        self._forwards = 0
+        self.ctx.comm.add("all_reduce", 2 * (n - 1) * 8 * (len(self._params) + 1) // n)  # agreement
+        self._gathers = 0
 
-    def _backward(self, seed: torch.Tensor) -> None:
-        if self.engine is None:
-            seed.backward()
+    def _hand_to_engine(self, local: list[torch.Tensor | None]) -> None:
+        """Record which parameters got a gradient; hand them to DeepSpeed (see
+        :mod:`disagg_zero.inject`); the boundary comes in reduce_gradients()."""
+        if self.engine is None or self.optimizer is None:
             return
-        # Reduction at the boundary happens once, in reduce_gradients().
+        for i, g in enumerate(local):
+            self._got[i] = self._got[i] or g is not None
+        # What engine.forward() does first (the strategy never calls it): start
+        # a new micro-step, so ZeRO-3 accumulates into, rather than
+        # overwrites, the previous micro-step's gradient partitions.
+        clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None:
+            clear()
         self.engine.set_gradient_accumulation_boundary(False)
-        self.engine.backward(seed * self._seed_scale if self._seed_scale != 1.0 else seed)
+        self.engine.backward(injector(self._params, local, self._seed_scale))
+        self._backwards += 1
 
+    # -- encoder role -----------------------------------------------------------------------------
     def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         assert isinstance(self.family, EncoderFamily)
-        family = self.family
-        values = self._forward(lambda m: [family.encode(m, x) for x in inputs])
-        return [EmbeddingShard.whole(v) for v in values]
+        with self._whole():
+            return [EmbeddingShard.whole(self.family.encode(self.module, x)) for x in inputs]
 
     def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
-        if not pairs:
-            if self.engine is not None and self.options.stage >= 2:
-                raise RuntimeError(
-                    f"ZeRO stage {self.options.stage} reduces gradients inside backward, so every rank of "
-                    f"group {self.ctx.module!r} needs gradients every microbatch; "
-                    f"rank {self.ctx.rank} got none"
-                )
-            return
-        # <out, grad> has exactly ``grad`` as its gradient w.r.t. ``out``: the
-        # external gradient enters the engine's backward as a scalar seed.
-        seed = sum((o * g.to(o.dtype)).sum() for o, g in pairs)
-        self._backward(seed)  # type: ignore[arg-type]
+        pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
+        # Even with no pairs: the gather and the reduction are collectives.
+        with self._whole():
+            local = local_grads([o for o, _ in pairs], [g for _, g in pairs], self._params)
+            self._hand_to_engine(local)
 
-    def llm_forward(
-        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert isinstance(self.family, LanguageFamily)
-        family = self.family
-        return self._forward(lambda m: family.forward(m, inputs, embeds))
-
+    # -- llm role ---------------------------------------------------------------------------------
     def loss_and_backward(
         self,
         mb: int,
@@ -176,22 +191,45 @@ class ZeroStrategy(Strategy):
         embeds: list[dict[str, torch.Tensor]],
         loss_scale: float,
     ) -> float:
-        logits, labels = self.llm_forward(inputs, embeds)
-        loss_sum = self.loss_sum(logits, labels)
-        self._backward(loss_sum * loss_scale)
-        if self._seed_scale != 1.0:
-            # The seed scale is for DeepSpeed's averaging of parameter
-            # gradients only; input gradients go back to the encoders unscaled.
-            for e in embeds:
-                for t in e.values():
-                    if t.grad is not None:
-                        t.grad.div_(self._seed_scale)
-        return float(loss_sum.detach())
+        leaves = [t for e in embeds for t in e.values() if t.requires_grad]
+        with self._whole():
+            if inputs:
+                logits, labels = self.llm_forward(inputs, embeds)
+                loss_sum = self.loss_sum(logits, labels)
+                got = local_grads([loss_sum * loss_scale], None, self._params + leaves)
+                loss = float(loss_sum.detach())
+            else:  # a replica with no sample in this microbatch still joins the collectives
+                got, loss = [None] * (len(self._params) + len(leaves)), 0.0
+            for t, g in zip(leaves, got[len(self._params) :]):
+                if g is not None:
+                    t.grad = g if t.grad is None else t.grad + g
+            self._hand_to_engine(got[: len(self._params)])
+        return loss
+
+    def evaluate(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> tuple[float, int, int]:
+        with self._whole():  # every replica is called, with or without samples
+            return super().evaluate(inputs, embeds)
 
     # -- after backward ---------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         if self.engine is None or self.optimizer is None:
             return
+        # One small all-reduce: which parameters got a gradient on some rank,
+        # and how many backwards each rank ran (they must agree: a mismatch
+        # means the caller broke the lockstep contract).
+        flags = torch.tensor(self._got + [self._backwards], dtype=torch.int64, device=self.ctx.device)
+        self.ctx.comm.all_reduce(flags)
+        if int(flags[-1]) != self._backwards * self.ctx.world_size:
+            raise RuntimeError(
+                f"ZeRO group {self.ctx.module!r}: rank {self.ctx.rank} ran {self._backwards} backward(s) this "
+                f"step but the group ran {int(flags[-1])} in total over {self.ctx.world_size} ranks; every "
+                f"rank must be called for every microbatch (strategy 'zero' is lockstep)"
+            )
+        self._present = [bool(v) for v in flags[:-1].tolist()]
+        if not self._backwards:
+            return  # nothing to reduce: a step in which this group got no sample
         self.engine.set_gradient_accumulation_boundary(True)
         if self.options.stage >= 2:
             # Reduced in backward already; only the boundary bookkeeping is left
@@ -200,22 +238,34 @@ class ZeroStrategy(Strategy):
         else:
             self.engine.allreduce_gradients()
 
+    def _any_grad(self) -> bool:
+        return self._present is not None and any(self._present)
+
     def grad_norm_sq(self) -> float:
-        if self.engine is None or self.optimizer is None:
+        if self.engine is None or self.optimizer is None or not self._any_grad():
             return 0.0
         return runtime.global_grad_norm(self.engine.optimizer, self.options.stage) ** 2
 
     def step(self, clip_coef: float) -> None:
         if self.engine is None or self.optimizer is None:
             return
-        self.optimizer.clip_coef = float(clip_coef)  # type: ignore[attr-defined]
         self._count_comm()
+        if not self._any_grad():
+            # The reference's AdamW skips every grad=None parameter, but its
+            # schedule still advances once per optimizer step.
+            self.scheduler.step()
+            return
+        self.optimizer.present = self._present  # type: ignore[attr-defined]
+        self.optimizer.clip_coef = float(clip_coef)  # type: ignore[attr-defined]
         self.engine.step()  # the engine also steps the scheduler
         self.optimizer.clip_coef = 1.0  # type: ignore[attr-defined]
 
     def zero_grad(self) -> None:
         if self.engine is not None and self.optimizer is not None:
             self.engine.optimizer.zero_grad(set_to_none=True)
+        self._got = [False] * len(self._params)
+        self._present = None
+        self._backwards = 0
 
     # -- state ------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -229,9 +279,12 @@ class ZeroStrategy(Strategy):
             return {}
         from deepspeed.utils import safe_get_full_grad
 
+        present = dict(zip(map(id, self._params), self._present or [False] * len(self._params)))
         out = {}
         for name, p in self.module.named_parameters():
-            if p.requires_grad:  # collective: every rank, same order
+            # collective: every rank, same order; a parameter with no gradient
+            # anywhere is None in the reference, so it is left out here too
+            if p.requires_grad and present[id(p)]:
                 g = safe_get_full_grad(p)
                 if g is not None:
                     out[name] = (
@@ -260,3 +313,4 @@ class ZeroStrategy(Strategy):
         )
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint (tag {CHECKPOINT_TAG!r}) under {path}")
+        self._map_fragments()
