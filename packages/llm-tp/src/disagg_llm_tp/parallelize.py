@@ -88,6 +88,14 @@ def parallelize_module(
     comm: CommCounter,
     sp: SequenceParallelRegion | None = None,
 ) -> TPPlan:
+    undeclared = unclassified_parameters(module, lmap)
+    if undeclared:
+        raise ValueError(
+            f"megatron_tp: the family's layer map does not classify parameter(s) {', '.join(undeclared)}; "
+            "name each one's module as a column/row/vocab/output linear or, when every TP rank holds "
+            "the same full copy (norms, patch or position embeddings), declare it in "
+            "layer_map().extra['replicated'] (fnmatch patterns over parameter names)"
+        )
     plan = TPPlan()
     sp_rows = _wire_sequence_parallel(module, lmap, sp) if sp is not None else set()
     attention: dict = dict(lmap.extra.get("attention", {}))
@@ -153,29 +161,26 @@ def parallelize_module(
             if kv_attr and hasattr(mod, kv_attr):
                 setattr(mod, kv_attr, kv_local)
 
-    _mark_replicated(module, tuple(lmap.extra.get("replicated", ())))
+    for name, p in module.named_parameters():
+        if not hasattr(p, "tp_spec"):
+            assert _match(name, tuple(lmap.extra.get("replicated", ()))), name  # checked above
+            mark(p, ShardSpec("replicated"))
     return plan
 
 
-def _mark_replicated(module: nn.Module, patterns: tuple[str, ...]) -> None:
-    """Every parameter left must be declared replicated by the family: one
-    that is not (a new family's extra projection, say) would otherwise run
-    as a full copy on every TP rank and silently compute the wrong thing."""
-    undeclared = []
-    for name, p in module.named_parameters():
-        if hasattr(p, "tp_spec"):
-            continue
-        if _match(name, patterns):
-            mark(p, ShardSpec("replicated"))
-        else:
-            undeclared.append(name)
-    if undeclared:
-        raise ValueError(
-            f"megatron_tp: the family's layer map does not classify parameter(s) {', '.join(undeclared)}; "
-            "declare each as a column/row/vocab/output linear or, when every TP rank must hold the "
-            "same full copy (norms, patch or position embeddings), in layer_map().extra['replicated'] "
-            "(fnmatch patterns over parameter names)"
-        )
+def unclassified_parameters(module: nn.Module, lmap: LayerMap) -> list[str]:
+    """Parameters of the unpartitioned ``module`` that ``lmap`` does not
+    classify: neither in a column/row/vocab/output linear nor declared
+    replicated. Run as is, one would be a full copy on every TP rank, silently
+    wrong if it acts on a sharded activation (a new family's extra projection,
+    say), so every one must be declared."""
+    swapped = (*lmap.column, *lmap.row, *lmap.vocab, *lmap.output)
+    replicated = tuple(lmap.extra.get("replicated", ()))
+    return [
+        name
+        for name, _ in module.named_parameters()
+        if not _match(name.rpartition(".")[0], swapped) and not _match(name, replicated)
+    ]
 
 
 def _check_linear(name: str, mod: nn.Module, kind: str) -> None:
