@@ -33,25 +33,30 @@ def load_image(path: str):
 
 
 def load_audio(path: str) -> dict[str, Any]:
-    if path.lower().endswith(".wav"):
-        with wave.open(path, "rb") as w:
-            width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
-            frames = w.readframes(w.getnframes())
-        dtype = {1: np.uint8, 2: np.int16, 4: np.int32}.get(width)
-        if dtype is None:
-            raise ValueError(f"unsupported WAV sample width {width} bytes; allowed: 1, 2, 4")
-        data = np.frombuffer(frames, dtype=dtype).astype(np.float32)
-        if width == 1:
-            data = (data - 128.0) / 128.0
-        else:
-            data /= float(np.iinfo(dtype).max)
-        data = data.reshape(-1, channels).mean(axis=1)
-        return {"array": data.astype(np.float32), "sampling_rate": rate}
+    """``{"array", "sampling_rate", "path"}``; the path lets a family's errors name the file.
+
+    With ``soundfile`` installed (disagg-audio brings it) every format
+    libsndfile reads is decoded by it, WAV included (24-bit and float WAVs too);
+    without it, 8/16/32-bit PCM WAV through the standard library."""
     try:
-        import soundfile  # optional: other formats when the user has it installed
+        import soundfile
     except ImportError:
-        raise ValueError(
-            f"cannot read {path!r}: only .wav is supported without the 'soundfile' package"
-        ) from None
-    data, rate = soundfile.read(path, dtype="float32", always_2d=True)
-    return {"array": data.mean(axis=1).astype(np.float32), "sampling_rate": int(rate)}
+        soundfile = None
+    if soundfile is not None:
+        data, rate = soundfile.read(path, dtype="float32", always_2d=True)
+        return {"array": data.mean(axis=1).astype(np.float32), "sampling_rate": int(rate), "path": path}
+    if not path.lower().endswith(".wav"):
+        raise ValueError(f"cannot read {path!r}: only .wav is supported without the 'soundfile' package")
+    with wave.open(path, "rb") as w:
+        width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
+        frames = w.readframes(w.getnframes())
+    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}.get(width)
+    if dtype is None:
+        raise ValueError(f"unsupported WAV sample width {width} bytes; allowed: 1, 2, 4")
+    data = np.frombuffer(frames, dtype=dtype).astype(np.float32)
+    if width == 1:
+        data = (data - 128.0) / 128.0
+    else:
+        data /= float(np.iinfo(dtype).max)
+    data = data.reshape(-1, channels).mean(axis=1)
+    return {"array": data.astype(np.float32), "sampling_rate": rate, "path": path}
