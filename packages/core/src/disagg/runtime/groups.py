@@ -10,7 +10,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.interfaces import Family, OptimSpec, Strategy, StrategyOptions
-from disagg.runtime.worker import ModuleWorker
+from disagg.runtime.actor.worker import ModuleWorker
 
 
 @dataclass

@@ -1,0 +1,365 @@
+"""The Ray actor that holds one rank of one module group.
+
+It owns a ``torch.distributed`` world shared only with the other ranks of its
+module, a :class:`~disagg.interfaces.Strategy`, and the autograd graphs of the
+microbatches in flight. Every method that moves activations or gradients
+returns exactly one object (what Ray Direct Transport supports), addressed to
+one consumer, so the driver only wires ObjectRefs and never sees tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import ray
+import torch
+import torch.distributed as dist
+
+from disagg.interfaces import (
+    EmbeddingShard,
+    Family,
+    GroupContext,
+    OptimSpec,
+    Strategy,
+    StrategyOptions,
+    compute_dtype,
+    dropout_seed,
+)
+from disagg.interfaces.activations import saved_bytes_hooks
+from disagg.metrics.record import RankRecord
+
+
+class WorkerError(RuntimeError):
+    """An exception inside an actor, with the module and rank that raised it."""
+
+
+def _named(fn: Callable) -> Callable:
+    # Errors must name the module and rank; Ray alone reports an opaque actor id.
+    @functools.wraps(fn)
+    def wrapper(self: ModuleWorker, *args: Any, **kwargs: Any) -> Any:
+        rec = self.record  # step() starts a new record; this call's time belongs to the old one
+        t0, waited = time.perf_counter(), rec.wait_s
+        try:
+            return fn(self, *args, **kwargs)
+        except WorkerError:
+            raise
+        except Exception as exc:
+            raise WorkerError(
+                f"module {self.module!r} rank {self.rank}: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            # busy: inside this call, minus what it spent blocked on another group
+            rec.busy_s += time.perf_counter() - t0 - (rec.wait_s - waited)
+
+    return wrapper
+
+
+class ModuleWorker:
+    """One rank of a module group (instantiated as a Ray actor by ``groups``)."""
+
+    def __init__(
+        self,
+        module: str,
+        rank: int,
+        world_size: int,
+        degree: int,
+        replicas: int,
+        family: Family,
+        strategy_cls: type[Strategy],
+        options: StrategyOptions,
+        optim: OptimSpec | None,
+        device: str,
+        dtype: str,
+        seed: int,
+        collective_timeout_s: float = 600.0,
+    ) -> None:
+        self.module, self.rank = module, rank
+        self.world_size, self.degree, self.replicas = world_size, degree, replicas
+        self.family, self.strategy_cls, self.options = family, strategy_cls, options
+        self.optim, self.seed = optim, seed
+        self.collective_timeout = timedelta(seconds=collective_timeout_s)
+        self.device_kind, self.dtype_name = device, dtype
+        self.strategy: Strategy | None = None
+        # microbatch -> (sample ids, shards) kept until their gradients arrive
+        self.pending: dict[int, tuple[list[int], list[EmbeddingShard]]] = {}
+        # microbatch -> (sample ids, embedding leaves per sample, source id -> [(sample, positions)])
+        self.llm_leaves: dict[int, tuple[list[int], list[dict[str, torch.Tensor]], dict[int, list]]] = {}
+        self.record = RankRecord(module, rank)
+        # saved-activation bytes per microbatch in flight; their sum peaks at record.activation_bytes
+        self.live_bytes: dict[int, int] = {}
+
+    # -- set-up -------------------------------------------------------------------------------------
+    def rendezvous(self) -> tuple[str, int]:
+        """Address and a free port for this group's ``torch.distributed`` store (rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def placement(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids()}
+
+    @_named
+    def setup(self, master_addr: str, master_port: int) -> None:
+        import transformers
+
+        # one progress bar per rank per weight file drowns the driver's training bar
+        transformers.utils.logging.disable_progress_bar()
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.device_kind == "cuda" else "cpu")
+        if self.device_kind == "cuda":
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s), so index 0 is ours.
+            device = torch.device("cuda", 0)
+            torch.cuda.set_device(device)
+            backend = "nccl"
+        else:
+            device, backend = torch.device("cpu"), "gloo"
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",
+        )
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self.collective_timeout,
+        )
+        torch.manual_seed(self.seed)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype_name]
+        ctx = GroupContext(
+            self.module,
+            self.rank,
+            self.world_size,
+            self.degree,
+            self.replicas,
+            device,
+            dtype,
+            seed=self.seed,
+            collective_timeout=self.collective_timeout,
+        )
+        self.strategy = self.strategy_cls(ctx, self.family, self.options)
+        # Weights load in fp32 (master weights); compute_dtype autocasts the forward.
+        self.strategy.setup(self.family.build(torch.float32), self.optim)
+        # from_pretrained leaves a model in eval mode; training runs its dropout.
+        self.strategy.module.train()  # type: ignore[union-attr]
+        # Weights were built under one seed on every rank; dropout draws from
+        # here on, and replicas (different samples) must draw different masks.
+        torch.manual_seed(dropout_seed(self.seed, ctx.replica))
+
+    # -- encoder role -------------------------------------------------------------------------------
+    @_named
+    def encode(self, mb: int, sample_ids: list[int], input_refs: list[Any], grad: bool = True) -> None:
+        """Forward this rank's shard of each sample; outputs stay here until
+        fetched. ``grad=False`` (evaluation, a frozen encoder) keeps no graph."""
+        inputs = self._get(input_refs, wait=False)
+        with self._count_saved(mb), self._compute(), torch.set_grad_enabled(grad):
+            shards = self.strategy.encode(mb, inputs)  # type: ignore[union-attr]
+        if len(shards) != len(sample_ids):
+            raise RuntimeError(f"strategy returned {len(shards)} shards for {len(sample_ids)} samples")
+        self.pending[mb] = (list(sample_ids), shards)
+
+    @_named
+    def shards_for(self, mb: int, sample_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's shards of ``sample_ids`` — one object for one LLM replica."""
+        ids, shards = self.pending[mb]
+        by_id = dict(zip(ids, shards))
+        out = {}
+        for i in sample_ids:
+            s = by_id[i]
+            out[i] = (s.positions, s.value.detach(), s.total)
+            self.record.sent_bytes += s.value.numel() * s.value.element_size()
+        return out
+
+    @_named
+    def backward(self, mb: int, grad_refs: list[Any]) -> None:
+        """Backward from the gradients of this rank's shards (from every LLM replica)."""
+        grads: dict[int, torch.Tensor] = {}
+        for part in self._get(grad_refs):
+            grads.update(part)
+        ids, shards = self.pending.pop(mb)
+        device = shards[0].value.device if shards else torch.device("cpu")
+        missing = [i for i, s in zip(ids, shards) if i not in grads and s.value.numel()]
+        if missing:
+            raise RuntimeError(f"microbatch {mb}: no gradients came back for samples {missing}")
+        self.strategy.backward(  # type: ignore[union-attr]
+            mb,
+            [s.value for s in shards],
+            [grads[i].to(device) if i in grads else torch.zeros_like(s.value) for i, s in zip(ids, shards)],
+        )
+        self.live_bytes.pop(mb, None)
+
+    def drop(self, mb: int) -> None:
+        """Forget a microbatch whose gradients will not come (frozen module, eval)."""
+        self.pending.pop(mb, None)
+        self.live_bytes.pop(mb, None)
+        self.strategy.release(mb)  # type: ignore[union-attr]
+
+    # -- language-model role ------------------------------------------------------------------------
+    def _assemble(
+        self, sample_ids: list[int], sources: list[tuple[int, str, Any]]
+    ) -> tuple[list[dict[str, torch.Tensor]], dict[int, list]]:
+        """Each sample's full embeddings per module, from the shards of every
+        source; and, per source id, where its rows went (for :meth:`grads_for`)."""
+        device = self.strategy.ctx.device  # type: ignore[union-attr]
+        embeds: list[dict[str, torch.Tensor]] = [{} for _ in sample_ids]
+        layout: dict[int, list] = {}
+        index = {s: k for k, s in enumerate(sample_ids)}
+        parts = self._get([ref for _, _, ref in sources])
+        for (source, module, _), part in zip(sources, parts):
+            for sid, (positions, value, total) in part.items():
+                e = embeds[index[sid]]
+                if module not in e:
+                    e[module] = torch.zeros(total, value.shape[-1], dtype=value.dtype, device=device)
+                e[module][positions.to(device)] = value.to(device)
+                layout.setdefault(source, []).append((index[sid], sid, module, positions))
+        return embeds, layout
+
+    @_named
+    def loss_and_backward(
+        self,
+        mb: int,
+        sample_ids: list[int],
+        input_refs: list[Any],
+        sources: list[tuple[int, str, Any]],
+        needs_grad: list[str],
+        loss_scale: float,
+    ) -> float:
+        """Assemble each sample's embeddings from its sources ``(source id,
+        module, ref)``, run forward and backward; keep the embedding gradients
+        for :meth:`grads_for`."""
+        inputs = self._get(input_refs, wait=False)
+        embeds, layout = self._assemble(sample_ids, sources)
+        for e in embeds:
+            for module, t in e.items():
+                t.requires_grad_(module in needs_grad)
+        with self._count_saved(mb), self._compute():
+            loss_sum = self.strategy.loss_and_backward(mb, inputs, embeds, loss_scale)  # type: ignore[union-attr]
+        self.live_bytes.pop(mb, None)  # backward has run: nothing stays saved
+        self.llm_leaves[mb] = (list(sample_ids), embeds, layout)
+        return loss_sum
+
+    @_named
+    def grads_for(self, mb: int, source: int) -> dict[int, torch.Tensor]:
+        """Gradients of the shards that ``source`` delivered — one object for
+        exactly the encoder rank that produced them."""
+        _, embeds, layout = self.llm_leaves[mb]
+        out = {}
+        for k, sid, module, positions in layout.get(source, []):
+            g = embeds[k][module].grad
+            if g is None:  # the LLM did not use this embedding: it gets no gradient at all
+                g = torch.zeros_like(embeds[k][module])
+            out[sid] = g[positions.to(g.device)].detach()
+            self.record.sent_bytes += out[sid].numel() * out[sid].element_size()
+        return out
+
+    def release(self, mb: int) -> None:
+        self.llm_leaves.pop(mb, None)
+
+    def returns_input_grads(self) -> bool:
+        return bool(self.strategy.returns_input_grads())  # type: ignore[union-attr]
+
+    @_named
+    def evaluate(
+        self, sample_ids: list[int], input_refs: list[Any], sources: list[tuple[int, str, Any]]
+    ) -> tuple[float, int, int]:
+        """Forward only: (loss sum, correct argmax predictions, label tokens)."""
+        inputs = self._get(input_refs, wait=False)
+        embeds, _ = self._assemble(sample_ids, sources)
+        module = self.strategy.module  # type: ignore[union-attr]
+        module.eval()  # no dropout when measuring
+        try:
+            with torch.no_grad(), self._compute():
+                return self.strategy.evaluate(inputs, embeds)  # type: ignore[union-attr]
+        finally:
+            module.train()
+
+    # -- optimizer step -----------------------------------------------------------------------------
+    @_named
+    def zero_grad(self) -> None:
+        self.strategy.zero_grad()  # type: ignore[union-attr]
+
+    @_named
+    def reduce_and_norm(self) -> float:
+        """Finish gradient reduction; return the group's squared grad norm."""
+        if self.optim is None:
+            return 0.0
+        self.strategy.reduce_gradients()  # type: ignore[union-attr]
+        return self.strategy.grad_norm_sq()  # type: ignore[union-attr]
+
+    @_named
+    def step(self, clip_coef: float) -> RankRecord:
+        """Optimizer step; return this rank's record of the step and start a new one."""
+        lr = self.strategy.current_lr()  # type: ignore[union-attr]  # the rate this step uses
+        self.strategy.step(clip_coef)  # type: ignore[union-attr]
+        ctx = self.strategy.ctx  # type: ignore[union-attr]
+        if ctx.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(ctx.device)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        rec = self.record
+        rec.collective_bytes = ctx.comm.reset()
+        rec.peak_mem_bytes = int(peak)
+        rec.state_bytes = self.strategy.state_bytes()  # type: ignore[union-attr]
+        rec.lr = lr
+        self.record = RankRecord(self.module, self.rank)
+        return rec
+
+    def _get(self, refs: list[Any], wait: bool = True) -> list[Any]:
+        """``ray.get``; with ``wait``, the time blocked counts as waiting on
+        another group (shards or gradients it has not produced yet)."""
+        if not wait:
+            return ray.get(refs)
+        t0 = time.perf_counter()
+        out = ray.get(refs)
+        self.record.wait_s += time.perf_counter() - t0
+        return out
+
+    def _compute(self) -> Any:
+        ctx = self.strategy.ctx  # type: ignore[union-attr]
+        return compute_dtype(ctx.device, ctx.dtype)
+
+    def _count_saved(self, mb: int) -> Any:
+        """Count bytes autograd saves for backward (machine-independent
+        activation memory), live per microbatch until its backward."""
+        self.live_bytes.setdefault(mb, 0)
+
+        def add(nbytes: int) -> None:
+            self.live_bytes[mb] = self.live_bytes.get(mb, 0) + nbytes
+            self.record.activation_bytes = max(self.record.activation_bytes, sum(self.live_bytes.values()))
+
+        return saved_bytes_hooks(self.strategy.module, add)  # type: ignore[union-attr]
+
+    # -- state --------------------------------------------------------------------------------------
+    @_named
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        sd = self.strategy.full_state_dict()  # type: ignore[union-attr]
+        return sd if self.rank == 0 else None
+
+    @_named
+    def full_grads(self) -> dict[str, torch.Tensor] | None:
+        g = self.strategy.full_grads()  # type: ignore[union-attr]
+        return g if self.rank == 0 else None
+
+    @_named
+    def save(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.strategy.save(path)  # type: ignore[union-attr]
+
+    @_named
+    def load(self, path: str) -> None:
+        self.strategy.load(path)  # type: ignore[union-attr]
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
