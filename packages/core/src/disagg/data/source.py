@@ -179,8 +179,8 @@ def build_data_source(
     (``vision``, ``audio``, ``llm``). A missing or unparsable ``.json`` file
     raises :class:`DataError` here; a bad sample raises it (file and line)
     when the stream reaches it, unless ``data.on_error: skip``.
-    ``on_preprocess(uid)`` is a test hook called in the worker for every
-    sample it preprocesses.
+    ``on_preprocess(position)`` is a test hook called in the worker with the
+    stream position of every sample it preprocesses.
     """
     data = cfg.data
     entries = dataset_entries(cfg, split)

@@ -55,7 +55,7 @@ class StreamConfig:
     on_error: str
     num_workers: int
     prefetch_bytes: int
-    #: test hook: called with each uid a worker starts preprocessing
+    #: test hook: called with the stream position of each entry a worker starts preprocessing
     on_preprocess: Any = None
 
 
@@ -67,10 +67,10 @@ def _tokenizer(llm: Any) -> Any:
     return _TOKENIZERS[key]
 
 
-def preprocess_one(cfg: StreamConfig, uid: int, d: int, loc: str, off: int, length: int, text: str):
+def preprocess_one(cfg: StreamConfig, pos: int, uid: int, d: int, loc: str, off: int, length: int, text: str):
     """``(meta, inputs)`` of one stream entry; ``inputs`` is None unless ``meta["status"] == "ok"``."""
     if cfg.on_preprocess is not None:
-        cfg.on_preprocess(uid)
+        cfg.on_preprocess(pos)
     path, root = cfg.datasets[d]
     try:
         item = read_entry(loc, path, off, length, text)
@@ -105,10 +105,12 @@ def preprocess_rows(batch: dict[str, np.ndarray], cfg: StreamConfig) -> dict[str
     # several tasks share the cores with the training actors: intra-op threads would only fight
     torch.set_num_threads(1)
     metas, payloads = [], []
-    for uid, d, loc, off, length, text in zip(
-        batch["uid"], batch["d"], batch["loc"], batch["off"], batch["len"], batch["text"]
+    for pos, uid, d, loc, off, length, text in zip(
+        batch["pos"], batch["uid"], batch["d"], batch["loc"], batch["off"], batch["len"], batch["text"]
     ):
-        meta, inputs = preprocess_one(cfg, int(uid), int(d), str(loc), int(off), int(length), str(text))
+        meta, inputs = preprocess_one(
+            cfg, int(pos), int(uid), int(d), str(loc), int(off), int(length), str(text)
+        )
         meta["uid"], meta["source"] = int(uid), str(loc)
         metas.append(json.dumps(meta))
         payloads.append(pickle.dumps(tuple(inputs.get(m) for m in cfg.modules)) if inputs else b"")

@@ -11,6 +11,7 @@ import ray
 
 from disagg.config.dump import dump_resolved
 from disagg.config.schema import Config
+from disagg.config.validate import ResolvedConfig, validate
 from disagg.metrics.jsonl import JsonlMetricsLogger
 from disagg.metrics.step import step_record, summarize
 from disagg.plugins import Registry, get_registry, notify
@@ -20,7 +21,7 @@ from disagg.runtime.plan import make_plan
 
 
 def run_training(
-    cfg: Config,
+    cfg: Config | ResolvedConfig,
     *,
     address: str | None = None,
     registry: Registry | None = None,
@@ -29,15 +30,18 @@ def run_training(
 ) -> dict[str, Any]:
     """Train as ``cfg`` says; return the final summary (with ``run_dir``).
 
-    ``cfg`` must already be validated (``disagg.config.validate``): nothing
-    here re-checks what could have failed before actors start.
+    ``cfg`` is what :func:`disagg.config.validate.validate` returned (plugins
+    resolved once, nothing re-checked here); a plain :class:`Config` is
+    validated first.
     """
     registry = registry or get_registry()
+    resolved = cfg if isinstance(cfg, ResolvedConfig) else validate(cfg, registry)
+    cfg = resolved.config
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_resolved(cfg, run_dir)
     ensure_ray(address or cfg.ray.address, cfg.ray.num_cpus)
-    plan = make_plan(cfg, registry, ray.cluster_resources().get("GPU", 0.0))
+    plan = make_plan(resolved, registry, ray.cluster_resources().get("GPU", 0.0))
     if data_source is None:
         from disagg.data import build_data_source
 
@@ -63,11 +67,18 @@ def run_training(
     records: list[dict[str, Any]] = []
     status = "failed"
     try:
+        batches = None
         if cfg.checkpoint.resume_from:
             orch.load(cfg.checkpoint.resume_from)
             start = checkpoint_step(cfg.checkpoint.resume_from)
+            state = _load_data_state(cfg.checkpoint.resume_from)
+            if state is not None:
+                # the stream continues where the checkpointed run stopped (skips included)
+                batches = data_source.batches(start, state=state)
+        if batches is None:
+            batches = data_source.batches(start)
         bar = _progress(cfg.train.steps, start, progress)
-        for step, batch in zip(range(start + 1, cfg.train.steps + 1), data_source.batches(start)):
+        for step, batch in zip(range(start + 1, cfg.train.steps + 1), batches):
             result = orch.step(batch)
             record = step_record(step, result, data_source.stats())
             records.append(record)
@@ -75,12 +86,12 @@ def run_training(
             bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
-                save_checkpoint(orch, cfg, run_dir, step)
+                _save(orch, cfg, run_dir, step, data_source)
         bar.close()
         last = records[-1]["step"] if records else start
         if records and last < cfg.train.steps:
             raise RuntimeError(f"the data ran out after step {last} of train.steps={cfg.train.steps}")
-        save_checkpoint(orch, cfg, run_dir, last)
+        _save(orch, cfg, run_dir, last, data_source)
         status = "ok"
     finally:
         summary = summarize(records, str(run_dir), status)
@@ -93,6 +104,18 @@ def run_training(
             pm.unregister(logger)
             orch.shutdown()
     return summary
+
+
+def _save(orch: Orchestrator, cfg: Config, run_dir: Path, step: int, data_source: Any) -> None:
+    path = save_checkpoint(orch, cfg, run_dir, step)
+    # where the data stream stands after this step's batch, so that a resume does not replay it
+    if hasattr(data_source, "state"):
+        (path / "data.json").write_text(json.dumps(data_source.state(), indent=2))
+
+
+def _load_data_state(checkpoint: str | Path) -> dict[str, Any] | None:
+    path = Path(checkpoint) / "data.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def ensure_ray(address: str | None, num_cpus: int | None) -> None:
