@@ -1,7 +1,18 @@
-"""The ``audio`` entry point of group ``disagg``.
+"""The ``audio`` entry point of group ``disagg``: registers the audio encoder families
+``whisper`` and ``qwen2_audio`` (each runs under ``ddp``, ``zero``, ``ulysses`` or
+``megatron_tp``, when the plugin of that strategy is installed)."""
 
-Audio families (e.g. ``whisper`` as an encoder) arrive with their own issue;
-until then this plugin loads and registers nothing, so that an install of
-``disagg-audio`` is visible in ``disagg plugins`` and the isolation session
-has something to test.
-"""
+from __future__ import annotations
+
+from typing import Callable
+
+from disagg import hookimpl
+
+
+@hookimpl
+def disagg_register_families(register: Callable[[type], None]) -> None:
+    from disagg_audio.families.qwen2_audio import Qwen2AudioFamily
+    from disagg_audio.families.whisper import WhisperAudioFamily
+
+    register(WhisperAudioFamily)
+    register(Qwen2AudioFamily)

@@ -1,0 +1,120 @@
+"""``qwen2_audio`` audio family: the audio tower and projector of a Qwen2-Audio dir.
+
+HF pads every clip to a 30 s window and masks the padded positions as keys;
+the rows it keeps are those of the unpadded positions. Valid positions depend
+only on valid keys, so running the tower on just those positions (the
+convolutions still reading the padded frame they see in HF) gives the same
+rows without the padding's cost. Preprocessing rounds each window's positions
+up to an even count (at most 20 ms more of the silence HF pads with), so that
+average pooling by 2 never leaves a lone position; the features and the
+``feature_attention_mask`` HF would get for that clip give the same rows
+(``tests/test_qwen2_audio.py`` checks it against ``Qwen2AudioModel``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces import LayerMap
+from disagg_audio.families.common import checkpoint_keys, find_prefix, quiet_transformers
+from disagg_audio.families.encoder import WhisperStyleEncoder
+
+_PREFIXES = ("", "model.")
+
+
+def _encoder_class() -> type:
+    """Qwen2-Audio minus its language model, loadable with ``from_pretrained``
+    from a whole Qwen2-Audio dir (the LLM's tensors are skipped)."""
+    from transformers import AutoModel
+    from transformers.models.qwen2_audio.modeling_qwen2_audio import (
+        Qwen2AudioMultiModalProjector,
+        Qwen2AudioPreTrainedModel,
+    )
+
+    class Qwen2AudioEncoderWithProjector(Qwen2AudioPreTrainedModel):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.audio_tower = AutoModel.from_config(config.audio_config)
+            self.multi_modal_projector = Qwen2AudioMultiModalProjector(config)
+            self.post_init()
+
+    return Qwen2AudioEncoderWithProjector
+
+
+class Qwen2AudioFamily(WhisperStyleEncoder):
+    """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2), ``max_seconds``."""
+
+    name: ClassVar[str] = "qwen2_audio"
+
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path)
+
+    def encoder_config(self) -> Any:
+        return self.config().audio_config
+
+    def unit(self) -> int:
+        return 2  # the tower's AvgPool1d(2, stride=2)
+
+    def hidden_size(self) -> int:
+        return int(self.config().text_config.hidden_size)
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        with quiet_transformers():
+            return _encoder_class().from_pretrained(
+                self.path,
+                key_mapping={
+                    r"^model\.audio_tower\.": "audio_tower.",
+                    r"^model\.multi_modal_projector\.": "multi_modal_projector.",
+                },
+                dtype=dtype,
+                attn_implementation=self.options.get("attn_implementation", "sdpa"),
+            )
+
+    def tower(self, module: nn.Module) -> nn.Module:
+        return module.audio_tower
+
+    def tail(self, module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        tower = module.audio_tower
+        pooled = tower.avg_pooler(hidden.transpose(0, 1).unsqueeze(0))[0].transpose(0, 1)
+        return module.multi_modal_projector(tower.layer_norm(pooled))
+
+    def layer_map(self) -> LayerMap:
+        layers = "audio_tower.layers.*"
+        return LayerMap(
+            column=(
+                f"{layers}.self_attn.q_proj",
+                f"{layers}.self_attn.k_proj",
+                f"{layers}.self_attn.v_proj",
+                f"{layers}.fc1",
+            ),
+            row=(f"{layers}.self_attn.out_proj", f"{layers}.fc2"),
+            heads={f"{layers}.self_attn": ("num_heads",)},
+            extra={
+                # The projector is one Linear whose output every TP rank must hold whole: replicated.
+                "replicated": (
+                    "audio_tower.conv1.*",
+                    "audio_tower.conv2.*",
+                    "audio_tower.embed_positions.*",
+                    f"{layers}.self_attn_layer_norm.*",
+                    f"{layers}.final_layer_norm.*",
+                    "audio_tower.layer_norm.*",
+                    "multi_modal_projector.*",
+                )
+            },
+        )
+
+    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        prefix = find_prefix(checkpoint_keys(self.path), "multi_modal_projector.linear.weight", _PREFIXES)
+        return {prefix + k: v for k, v in state.items()}
+
+    @classmethod
+    def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
+        from disagg_audio.families.tiny import make_tiny_qwen2_audio
+
+        return make_tiny_qwen2_audio(Path(out_dir))

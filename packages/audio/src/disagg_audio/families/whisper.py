@@ -1,0 +1,194 @@
+"""``whisper`` audio family: the encoder of a Whisper dir plus a projector into the LLM.
+
+Options (``model.audio.options``):
+
+- ``hidden_size`` (required): width of the LLM the rows feed.
+- ``pooling``: ``avg`` (mean of ``stride`` neighbouring positions, as Qwen2-Audio)
+  or ``stack`` (concatenate them, as Ultravox); default ``avg``.
+- ``stride``: encoder positions per LLM row (50 per second of audio / stride); default 2.
+- ``projector_seed``: seed of the projector's initialisation when the dir does
+  not carry one (a plain Whisper checkpoint); default 0. Every rank builds the
+  same projector from it.
+- ``attn_implementation`` (sdpa | eager | flash_attention_2), ``max_seconds``.
+
+The projector (``linear_1`` -> GELU -> ``linear_2``, LLaVA's shape) is stored
+under ``projector.`` next to the Whisper tensors by ``export``, so an exported
+dir loads with Whisper's ``from_pretrained`` (the extra keys are ignored) and
+rebuilds this family with the trained projector.
+
+Windows are encoded trimmed to the positions their audio covers (as Ultravox
+does) rather than padded to a full 30 s window: the placeholder count follows
+the length, and a 2 s clip costs 2 s of encoder. A clip that fills its window
+gives exactly HF ``WhisperEncoder``'s output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces import LayerMap
+from disagg_audio.families.common import checkpoint_keys, find_prefix, load_tensors, quiet_transformers
+from disagg_audio.families.encoder import WhisperStyleEncoder
+
+POOLINGS = ("avg", "stack")
+#: where the encoder lives in a Whisper dir's files (ForConditionalGeneration, WhisperModel, encoder-only)
+_ENCODER_PREFIXES = ("model.encoder.", "encoder.", "")
+PROJECTOR_PREFIX = "projector."
+
+
+class AudioProjector(nn.Module):
+    def __init__(self, in_features: int, hidden_size: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_features, hidden_size)
+        self.act = nn.GELU()
+        self.linear_2 = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class WhisperAudio(nn.Module):
+    """What ``build`` returns: HF ``WhisperEncoder`` + projector."""
+
+    def __init__(self, encoder: nn.Module, projector: AudioProjector) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.projector = projector
+
+
+class WhisperAudioFamily(WhisperStyleEncoder):
+    name: ClassVar[str] = "whisper"
+
+    # -- options and config ---------------------------------------------------------------------
+    def encoder_config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path)
+
+    def stride(self) -> int:
+        return int(self.options.get("stride", 2))
+
+    def pooling(self) -> str:
+        return str(self.options.get("pooling", "avg"))
+
+    def unit(self) -> int:
+        return self.stride()
+
+    def hidden_size(self) -> int:
+        return int(self.options["hidden_size"])
+
+    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        problems = []
+        size = self.options.get("hidden_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            problems.append(
+                f"model.audio.options.hidden_size={size!r}: family 'whisper' needs the LLM's hidden size "
+                "(a positive int, e.g. 896 for Qwen2-0.5B) to size its projector"
+            )
+        stride = self.options.get("stride", 2)
+        if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+            return problems + [
+                f"model.audio.options.stride={stride!r} must be a positive int (positions per row)"
+            ]
+        if self.pooling() not in POOLINGS:
+            problems.append(
+                f"model.audio.options.pooling={self.pooling()!r} is not supported; "
+                f"allowed: {', '.join(POOLINGS)}"
+            )
+        return problems + super().check(strategy, degree, replicas)
+
+    # -- building -------------------------------------------------------------------------------
+    def _projector_in(self) -> int:
+        d = int(self.encoder_config().d_model)
+        return d * self.stride() if self.pooling() == "stack" else d
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+        with quiet_transformers():
+            encoder = WhisperEncoder.from_pretrained(
+                self.path,
+                key_mapping={r"^model\.encoder\.": "", r"^encoder\.": ""},
+                dtype=dtype,
+                attn_implementation=self.options.get("attn_implementation", "sdpa"),
+            )
+        projector = AudioProjector(self._projector_in(), self.hidden_size())
+        stored = load_tensors(self.path, PROJECTOR_PREFIX)
+        if stored:
+            shapes = {k: tuple(v.shape) for k, v in projector.state_dict().items()}
+            got = {k: tuple(v.shape) for k, v in stored.items()}
+            if shapes != got:
+                raise ValueError(
+                    f"{self.path}: the stored projector has shapes {got}, but model.audio.options "
+                    f"(hidden_size={self.hidden_size()}, pooling={self.pooling()!r}, stride={self.stride()}) "
+                    f"need {shapes}"
+                )
+            projector.load_state_dict(stored)
+        else:
+            # A plain Whisper dir: the same seeded init on every rank (and in the reference).
+            g = torch.Generator().manual_seed(int(self.options.get("projector_seed", 0)))
+            for lin in (projector.linear_1, projector.linear_2):
+                bound = lin.in_features**-0.5  # nn.Linear's default scale
+                with torch.no_grad():
+                    lin.weight.copy_(torch.empty_like(lin.weight).uniform_(-bound, bound, generator=g))
+                    lin.bias.zero_()
+        return WhisperAudio(encoder, projector.to(dtype))
+
+    def tower(self, module: nn.Module) -> nn.Module:
+        return module.encoder
+
+    def tail(self, module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = module.encoder.layer_norm(hidden)
+        s = self.stride()
+        if self.pooling() == "stack":
+            pooled = hidden.reshape(-1, s * hidden.shape[-1])
+        else:
+            pooled = nn.functional.avg_pool1d(hidden.transpose(0, 1).unsqueeze(0), s, s)[0].transpose(0, 1)
+        return module.projector(pooled)
+
+    def layer_map(self) -> LayerMap:
+        layers = "encoder.layers.*"
+        return LayerMap(
+            column=(
+                f"{layers}.self_attn.q_proj",
+                f"{layers}.self_attn.k_proj",
+                f"{layers}.self_attn.v_proj",
+                f"{layers}.fc1",
+                "projector.linear_1",
+            ),
+            row=(f"{layers}.self_attn.out_proj", f"{layers}.fc2", "projector.linear_2"),
+            heads={f"{layers}.self_attn": ("num_heads",)},
+            extra={
+                "replicated": (
+                    "encoder.conv1.*",
+                    "encoder.conv2.*",
+                    "encoder.embed_positions.*",
+                    f"{layers}.self_attn_layer_norm.*",
+                    f"{layers}.final_layer_norm.*",
+                    "encoder.layer_norm.*",
+                )
+            },
+        )
+
+    # -- export ---------------------------------------------------------------------------------
+    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        prefix = find_prefix(checkpoint_keys(self.path), "conv1.weight", _ENCODER_PREFIXES)
+        out = {}
+        for k, v in state.items():
+            if k.startswith("encoder."):
+                out[prefix + k[len("encoder.") :]] = v
+            elif k.startswith("projector."):
+                out[PROJECTOR_PREFIX + k[len("projector.") :]] = v
+            else:
+                raise KeyError(f"family 'whisper' cannot place tensor {k!r} in {self.path}")
+        return out
+
+    @classmethod
+    def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
+        from disagg_audio.families.tiny import make_tiny_whisper
+
+        return make_tiny_whisper(Path(out_dir))

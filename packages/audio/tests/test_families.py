@@ -1,0 +1,124 @@
+"""The audio families load from HF dirs, equal HF's own modules, export back,
+and register as plugins."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from harness import ragged_clips, rel
+
+from disagg_audio.families.qwen2_audio import Qwen2AudioFamily
+from disagg_audio.families.whisper import WhisperAudioFamily
+
+
+def test_whisper_full_window_equals_hf_encoder(tiny_whisper):
+    """A clip that fills its window: HF WhisperEncoder's forward (padded 30 s
+    semantics), then our pooling and projector, gives ``encode``'s rows."""
+    fam = WhisperAudioFamily(tiny_whisper, {"hidden_size": 24})
+    x = fam.preprocess(ragged_clips([[1.0]])[0])
+    assert x["positions"].tolist() == [50]
+    module = fam.build().eval()
+    hf = module.encoder(x["input_features"][:, :, :100]).last_hidden_state[0]
+    pooled = torch.nn.functional.avg_pool1d(hf.T[None], 2, 2)[0].T
+    assert rel(fam.encode(module, x), module.projector(pooled)) <= 1e-6
+
+
+def test_qwen2_audio_equals_hf_masked_path(tiny_qwen2_audio):
+    """HF pads every window to 30 s (here 1 s) and masks the padding; the
+    rows it keeps equal ours, for windows of every length (ragged clips)."""
+    from transformers import Qwen2AudioForConditionalGeneration
+
+    fam = Qwen2AudioFamily(tiny_qwen2_audio)
+    hf = Qwen2AudioForConditionalGeneration.from_pretrained(tiny_qwen2_audio).eval().model
+    module = fam.build().eval()
+    fe_frames = 100
+    for items in ragged_clips([[2.3], [0.45, 0.03]], seed=3):
+        x = fam.preprocess(items)
+        ours = fam.encode(module, x)
+        # what HF gets for the same audio: full padded windows + feature_attention_mask
+        from disagg_audio.features import feature_extractor
+
+        fe = feature_extractor(str(tiny_qwen2_audio))
+        chunks = [c["array"][i : i + 16000] for c in items for i in range(0, c["array"].size, 16000)]
+        full = torch.from_numpy(fe(chunks, sampling_rate=16000, return_tensors="np")["input_features"])
+        mask = torch.zeros(len(chunks), fe_frames, dtype=torch.long)
+        for w, n in enumerate(x["positions"].tolist()):
+            mask[w, : 2 * n] = 1  # n positions <- 2n frames (our rounding = appended silence)
+        _, out_len = hf.audio_tower._get_feat_extract_output_lengths(mask.sum(-1))
+        lengths = (mask.sum(-1) - 1) // 2 + 1
+        keys = torch.arange(fe_frames // 2)[None] < lengths[:, None]
+        attn = torch.zeros(len(chunks), 1, fe_frames // 2, fe_frames // 2)
+        attn.masked_fill_(~keys[:, None, None, :], float("-inf"))
+        feats = hf.multi_modal_projector(hf.audio_tower(full, attention_mask=attn).last_hidden_state)
+        theirs = torch.cat([feats[w, :n] for w, n in enumerate(out_len.tolist())])
+        assert ours.shape == theirs.shape and rel(ours, theirs) <= 1e-6
+
+
+def test_whisper_options_and_check(tiny_whisper):
+    bad = WhisperAudioFamily(tiny_whisper, {"pooling": "max", "stride": 3, "max_seconds": -1})
+    problems = " | ".join(bad.check("ddp", 1, 1))
+    assert "model.audio.options.hidden_size=None" in problems
+    assert "pooling='max' is not supported; allowed: avg, stack" in problems
+    assert "50-position window" in problems and "stride that divides 50" in problems
+    assert "max_seconds=-1" in problems
+    assert WhisperAudioFamily(tiny_whisper, {"hidden_size": 24, "stride": 5}).check("ulysses", 2, 1) == []
+
+
+@pytest.mark.parametrize("which", ["whisper", "qwen2_audio"])
+def test_export_round_trip(which, tiny_whisper, tiny_qwen2_audio, tmp_path):
+    """Trained weights exported to the dir's layout load back (projector included),
+    and the whole HF model still loads from the exported dir."""
+    from safetensors.torch import load_file, save_file
+
+    if which == "whisper":
+        src, fam = tiny_whisper, WhisperAudioFamily(tiny_whisper, {"hidden_size": 24})
+    else:
+        src, fam = tiny_qwen2_audio, Qwen2AudioFamily(tiny_qwen2_audio)
+    module = fam.build()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.01)
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    dest = tmp_path / which
+    shutil.copytree(src, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    exported = fam.export_state(state)
+    assert set(exported) - set(tensors) <= {k for k in exported if k.startswith("projector.")}
+    tensors.update(exported)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(dest / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    again = type(fam)(dest, fam.options).build().state_dict()
+    for k, v in state.items():
+        assert torch.equal(again[k], v), k
+    from transformers import AutoModel
+
+    AutoModel.from_pretrained(dest)  # still a whole HF dir
+
+
+def test_plugin_registers_both(monkeypatch):
+    from disagg.plugins import build_registry, make_plugin_manager
+
+    monkeypatch.setenv("DISAGG_PLUGINS", "audio")
+    reg = build_registry(*make_plugin_manager())
+    assert reg.failures == {}
+    assert reg.families[("encoder", "whisper")] is WhisperAudioFamily
+    assert reg.families[("encoder", "qwen2_audio")] is Qwen2AudioFamily
+
+
+def test_make_tiny_builds_audio_models(tmp_path, monkeypatch):
+    from disagg.cli.make_tiny import make_tiny
+    from disagg.plugins import build_registry, make_plugin_manager
+
+    monkeypatch.setenv("DISAGG_PLUGINS", "audio")
+    reg = build_registry(*make_plugin_manager())
+    manifest = make_tiny(tmp_path, ["whisper"], data=False, registry=reg)
+    assert (tmp_path / "whisper" / "preprocessor_config.json").is_file()
+    fam = WhisperAudioFamily(manifest["models"]["whisper"], {"hidden_size": 8})
+    x = fam.preprocess([{"array": np.ones(8000, np.float32) * 0.1, "sampling_rate": 16000}])
+    assert fam.encode(fam.build(), x).shape == (13, 8)
