@@ -28,12 +28,12 @@ def run(args: argparse.Namespace) -> int:
     from disagg.plugins import get_registry
 
     cfg, source = load_config_and_source(args.config, args.overrides)
-    validate(cfg, get_registry(), source=source)
+    resolved = validate(cfg, get_registry(), source=source)
     # Only now, with a config known to be sound, do we touch Ray.
     from disagg.runtime.run import run_training
 
     address = args.address if args.address is not None else cfg.ray.address
-    summary = run_training(cfg, address=address)
+    summary = run_training(resolved, address=address)
     print(format_summary(summary))
     return 0
 

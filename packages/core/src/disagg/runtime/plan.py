@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg.config.schema import Config
+from disagg.config.validate import ResolvedConfig, role_of
 from disagg.interfaces import Family, OptimSpec, Transport
 from disagg.plugins import Registry
 from disagg.runtime.groups import GroupSpec
@@ -22,11 +23,12 @@ class Plan:
 
 
 def families_for(cfg: Config, registry: Registry) -> dict[str, Family]:
+    """Family instances of a config's modules (for code that has no
+    :class:`ResolvedConfig` at hand: export, data tools, tests)."""
     out = {}
     for m in cfg.modules():
         mm = getattr(cfg.model, m)
-        role = "llm" if m == "llm" else "encoder"
-        out[m] = registry.family(role, mm.family)(mm.path, mm.options)
+        out[m] = registry.family(role_of(m), mm.family)(mm.path, mm.options)
     return out
 
 
@@ -51,26 +53,33 @@ def optim_for(cfg: Config, module: str) -> OptimSpec | None:
     )
 
 
-def make_plan(cfg: Config, registry: Registry, cluster_gpus: float) -> Plan:
+def make_plan(resolved: ResolvedConfig | Config, registry: Registry, cluster_gpus: float) -> Plan:
+    """Group specs from the strategies, options and families validation
+    already resolved (nothing is looked up twice; a plain config is validated)."""
+    if not isinstance(resolved, ResolvedConfig):
+        from disagg.config.validate import validate
+
+        resolved = validate(resolved, registry)
+    cfg = resolved.config
     device = cfg.train.device
     if device == "auto":
         device = "cuda" if cluster_gpus > 0 else "cpu"
     dtype = cfg.train.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-    families = families_for(cfg, registry)
+    families = {m: r.family for m, r in resolved.modules.items()}
     specs = []
     for m in cfg.modules():
         g = getattr(cfg.parallel, m)
-        cls = registry.strategies[g.strategy]
+        r = resolved.modules[m]
         specs.append(
             GroupSpec(
                 module=m,
-                family=families[m],
-                strategy_cls=cls,
-                options=cls.options_model(**g.strategy_options()),
-                degree=g.degree,
-                replicas=g.replicas,
+                family=r.family,
+                strategy_cls=r.strategy,
+                options=r.options,
+                degree=r.degree,
+                replicas=r.replicas,
                 optim=optim_for(cfg, m),
                 num_cpus=g.resources.num_cpus,
                 num_gpus=g.resources.num_gpus,
