@@ -1,8 +1,12 @@
-"""End to end on a tiny LLaVA dir (SigLIP tower + Llama decoder): the language
-model runs through the `llama` family under Megatron TP with sequence
-parallelism, the tower under Ulysses, and the run has the loss trajectory and
-final weights of the all-`ddp` run, whose first loss is the single-process
-`LlavaForConditionalGeneration`'s."""
+"""End to end on a tiny LLaVA dir (SigLIP tower + Llama decoder) against the
+single-process ``LlavaForConditionalGeneration``, at every step, on the mixed
+dataset (image sizes, a two-image sample, text-only samples and a text-only
+global batch), with weight decay on.
+
+LLaVA reads the tower's second-to-last layer, so the last SigLIP layer and the
+post-layernorm never get a gradient: the reference's AdamW leaves them alone,
+and so must every strategy (a zero-filled gradient would decay them).
+"""
 
 from __future__ import annotations
 
@@ -14,8 +18,11 @@ import torch
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
-from e2e_run import DDP, e2e_config, train  # noqa: E402
+from hf_reference import batches_of, exported_state, run_metrics, train_reference  # noqa: E402
+from mixed_data import write_mixed_data  # noqa: E402
 
+from disagg.config.schema import Config  # noqa: E402
+from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
 from disagg.testing.reference import assert_close_dicts  # noqa: E402
 
@@ -27,60 +34,94 @@ def tiny(tmp_path_factory):
     from disagg.cli.make_tiny import make_tiny
 
     out = tmp_path_factory.mktemp("tiny")
-    return make_tiny(out, ["llava"], train_per_class=1, eval_per_class=1, image_size=56)
+    manifest = make_tiny(out, ["llava"], data=False)
+    manifest["train"] = str(write_mixed_data(out / "data"))
+    manifest["media_root"] = str(out / "data")
+    return manifest
 
 
-def _config(tiny, out: Path, vision: dict, llm: dict):
-    families = {"vision": ("llava", "llava"), "llm": ("llama", "llava")}
-    return e2e_config(tiny, out, families, {"vision": vision, "llm": llm}, STEPS)
+def _config(tiny: dict, out: Path, vision: dict, llm: dict) -> Config:
+    path = tiny["models"]["llava"]
+    cfg = Config.model_validate(
+        {
+            "model": {"vision": {"family": "llava", "path": path}, "llm": {"family": "llama", "path": path}},
+            "parallel": {"vision": vision, "llm": llm},
+            "data": {
+                "train": tiny["train"],
+                "media_root": tiny["media_root"],
+                "batch_size": 4,
+                "shuffle": False,
+                "num_workers": 1,
+            },
+            "train": {
+                "steps": STEPS,
+                "lr": 1e-3,
+                "eps": 1e-3,  # see test_e2e_mixes: near-zero gradients cannot flip parameters
+                "weight_decay": 0.1,
+                "microbatches": 2,
+                "seed": 0,
+                "clip_grad_norm": 1.0,
+            },
+            "checkpoint": {"every": 0},
+            "output_dir": str(out),
+        }
+    )
+    validate(cfg, get_registry())
+    return cfg
 
 
-def _train(tiny, out: Path, vision: dict, llm: dict):
-    return train(_config(tiny, out, vision, llm))
+def _hf_kwargs(s: dict) -> dict:
+    kw = {"input_ids": s["llm"]["input_ids"][None], "labels": s["llm"]["labels"][None]}
+    if "vision" in s:
+        kw["pixel_values"] = s["vision"]["pixel_values"]
+    return kw
 
 
 @pytest.fixture(scope="module")
-def all_ddp(ray_local, tiny, tmp_path_factory):
-    return _train(tiny, tmp_path_factory.mktemp("ddp"), DDP, DDP)
-
-
-def test_ulysses_and_tp_with_sequence_parallel_equal_all_ddp(ray_local, tiny, all_ddp, tmp_path):
-    got = _train(
-        tiny,
-        tmp_path / "run",
-        {"strategy": "ulysses", "degree": 2, "replicas": 1},
-        {"strategy": "megatron_tp", "degree": 2, "replicas": 1, "sequence_parallel": True},
-    )
-    assert got[0] == pytest.approx(all_ddp[0], rel=1e-5), (got[0], all_ddp[0])
-    for m in ("vision", "llm"):
-        want = all_ddp[1][m]
-        assert set(got[1][m]) == set(want), m
-        # SigLIP's key bias gets an exactly zero gradient (softmax ignores a shift
-        # shared by all keys, and there is no RoPE), so it only moves by fp32
-        # rounding noise (~1e-10): it is checked against an absolute bound.
-        noise = {k for k in want if k.endswith("self_attn.k_proj.bias") and m == "vision"}
-        rest = {k: v for k, v in want.items() if k not in noise}
-        assert_close_dicts({k: got[1][m][k] for k in rest}, rest, what=f"{m} after {STEPS} steps: ")
-        for k in noise:
-            assert float((got[1][m][k] - want[k]).abs().max()) <= 1e-6, k
-
-
-def test_all_ddp_first_step_equals_hugging_face_llava(ray_local, tiny, all_ddp, tmp_path):
-    import ray
+def reference(ray_local, tiny, tmp_path_factory):
     from transformers import LlavaForConditionalGeneration
 
-    from disagg.data import build_data_source
-    from disagg.runtime.plan import families_for
-
-    cfg = _config(tiny, tmp_path / "x", DDP, DDP)
-    source = build_data_source(cfg, families_for(cfg, get_registry()))
+    cfg = _config(tiny, tmp_path_factory.mktemp("ref"), {"strategy": "ddp"}, {"strategy": "ddp"})
     model = LlavaForConditionalGeneration.from_pretrained(tiny["models"]["llava"], dtype=torch.float32)
-    total, count = 0.0, 0
-    for s in next(source.batches(0)):
-        llm = ray.get(s.inputs["llm"])
-        kw = {"pixel_values": ray.get(s.inputs["vision"])["pixel_values"]} if "vision" in s.inputs else {}
-        out = model(input_ids=llm["input_ids"][None], labels=llm["labels"][None], **kw)
-        n = int((llm["labels"][1:] != -100).sum())
-        total += float(out.loss.detach()) * n
-        count += n
-    assert all_ddp[0][0] == pytest.approx(total / count, rel=1e-5)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    run = train_reference(model, batches_of(cfg, STEPS), _hf_kwargs, cfg.train)
+    unused = [k for k in initial if torch.equal(initial[k], run.state[k])]
+    assert any("post_layernorm" in k for k in unused), "the tiny LLaVA should leave its last layer unused"
+    return run, unused
+
+
+@pytest.mark.parametrize(
+    "vision,llm",
+    [
+        (
+            {"strategy": "ulysses", "degree": 2, "replicas": 1},
+            {"strategy": "megatron_tp", "degree": 2, "replicas": 1, "sequence_parallel": True},
+        ),
+    ],
+    ids=["ulysses2+tp2sp"],
+)
+def test_llava_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path, vision, llm):
+    from transformers import LlavaForConditionalGeneration
+
+    want, unused = reference
+    _run = tmp_path / "run"
+    from disagg.runtime.run import run_training
+
+    run_training(_config(tiny, _run, vision, llm), progress=False)
+    losses, norms = run_metrics(_run)
+    assert losses == pytest.approx(want.losses, rel=1e-5)
+    assert norms == pytest.approx(want.grad_norms, rel=1e-5)
+    got = exported_state(_run, STEPS, tmp_path / "export", LlavaForConditionalGeneration)
+    for k in unused:  # never got a gradient: bit for bit untouched, weight decay or not
+        assert torch.equal(got[k], want.state[k]), k
+    # SigLIP's key bias gets an exactly zero gradient (softmax ignores a shift
+    # shared by all keys, and there is no RoPE), so it only moves by fp32
+    # rounding noise (~1e-10): it is checked against an absolute bound.
+    noise = {k for k in want.state if "vision_tower" in k and k.endswith("self_attn.k_proj.bias")}
+    assert_close_dicts(
+        {k: v for k, v in got.items() if k not in noise},
+        {k: v for k, v in want.state.items() if k not in noise},
+        what=f"after {STEPS} steps: ",
+    )
+    for k in noise:
+        assert float((got[k] - want.state[k]).abs().max()) <= 1e-6, k

@@ -11,7 +11,6 @@ parameter the reference leaves untouched.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
 from hf_reference import batches_of, exported_state, run_metrics, train_reference  # noqa: E402
+from mixed_data import write_mixed_data  # noqa: E402
 
 from disagg.config.schema import Config  # noqa: E402
 from disagg.config.validate import validate  # noqa: E402
@@ -28,48 +28,6 @@ from disagg.plugins import get_registry  # noqa: E402
 from disagg.testing.reference import assert_close_dicts  # noqa: E402
 
 STEPS = 3
-TEXT = [("Answer briefly.", "A red square."), ("What is in the picture?", "A blue circle.")]
-
-
-def _write_mixed_data(root: Path) -> Path:
-    """12 samples in file order (shuffle off): step 1 mixes image sizes, a
-    two-image sample and text; step 2 is text only; step 3 is mixed again."""
-    import random
-
-    from disagg.data.demo_data import draw_shape
-
-    rng = random.Random(0)
-    (root / "images").mkdir(parents=True)
-    sizes = {"small": (28, 28), "wide": (56, 28), "large": (56, 56)}
-    for name, (w, h) in sizes.items():
-        draw_shape("red", "square", max(w, h), rng).resize((w, h)).save(root / "images" / f"{name}.png")
-
-    def image(files: list[str], answer: str) -> dict:
-        prompt = "".join("<image>" for _ in files) + "\nDescribe the image."
-        paths = [f"images/{f}.png" for f in files]
-        return {
-            "image": paths if len(paths) > 1 else paths[0],
-            "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}],
-        }
-
-    def text(k: int) -> dict:
-        q, a = TEXT[k % len(TEXT)]
-        return {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
-
-    rows = [
-        image(["large"], "A red square."),
-        text(0),
-        image(["small", "wide"], "A red square."),
-        text(1),
-        *(text(k) for k in range(4)),  # a text-only global batch
-        image(["wide"], "A red square."),
-        text(0),
-        image(["large"], "A red square."),
-        image(["small"], "A red square."),
-    ]
-    path = root / "mixed.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +36,7 @@ def tiny(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tiny")
     manifest = make_tiny(out, ["qwen2_5_vl"], data=False)
-    manifest["train"] = str(_write_mixed_data(out / "data"))
+    manifest["train"] = str(write_mixed_data(out / "data"))
     manifest["media_root"] = str(out / "data")
     return manifest
 

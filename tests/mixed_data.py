@@ -1,0 +1,49 @@
+"""A small dataset shaped like real LLaVA-style data, for the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TEXT = [("Answer briefly.", "A red square."), ("What is in the picture?", "A blue circle.")]
+
+
+def write_mixed_data(root: Path) -> Path:
+    """12 samples in file order (shuffle off): step 1 mixes image sizes, a
+    two-image sample and text; step 2 is text only; step 3 is mixed again."""
+    import random
+
+    from disagg.data.demo_data import draw_shape
+
+    rng = random.Random(0)
+    (root / "images").mkdir(parents=True)
+    sizes = {"small": (28, 28), "wide": (56, 28), "large": (56, 56)}
+    for name, (w, h) in sizes.items():
+        draw_shape("red", "square", max(w, h), rng).resize((w, h)).save(root / "images" / f"{name}.png")
+
+    def image(files: list[str], answer: str) -> dict:
+        prompt = "".join("<image>" for _ in files) + "\nDescribe the image."
+        paths = [f"images/{f}.png" for f in files]
+        return {
+            "image": paths if len(paths) > 1 else paths[0],
+            "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}],
+        }
+
+    def text(k: int) -> dict:
+        q, a = TEXT[k % len(TEXT)]
+        return {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+
+    rows = [
+        image(["large"], "A red square."),
+        text(0),
+        image(["small", "wide"], "A red square."),
+        text(1),
+        *(text(k) for k in range(4)),  # a text-only global batch
+        image(["wide"], "A red square."),
+        text(0),
+        image(["large"], "A red square."),
+        image(["small"], "A red square."),
+    ]
+    path = root / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
