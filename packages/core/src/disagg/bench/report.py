@@ -43,7 +43,7 @@ def points_table(points: list[dict[str, Any]], budget: int | None) -> str:
             continue
         g = m["groups"]
         v, llm = g.get("vision", {}), g.get("llm", {})
-        fits = "-" if budget is None else ("yes" if p.get("fits_budget") else "**over**")
+        fits = "-" if budget is None else {True: "yes", False: "**over**"}.get(p.get("fits_budget"), "?")
         act = v.get("activation_bytes_per_rank")
         cells = [
             p["layout"],

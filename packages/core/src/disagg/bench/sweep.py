@@ -116,8 +116,7 @@ class Bench:
                     point["measured"]["groups"], self.placement
                 )
             if self.budget is not None:
-                key = "measured" if "measured" in point else "predicted"
-                point["fits_budget"] = point["memory_per_rank"][key] <= self.budget
+                point["fits_budget"] = _fits(point, self.budget)
             points.append(point)
         if self.progress:
             done = ", ".join(
@@ -211,7 +210,7 @@ class Bench:
         cap = self.max_vision_tokens or 4 * max(self.vision_tokens)
         probes: list[dict[str, Any]] = []
         for _ in range(rounds):
-            if hi and (hi - lo <= unit or hi <= 1.1 * lo):
+            if hi and (hi - lo <= unit or hi <= 1.15 * lo):
                 break
             if not hi and lo >= cap:
                 break
@@ -229,9 +228,9 @@ class Bench:
             got = self.run(name, snapped, steps=1, tag=" probe")
             probes += got
             for p in got:
-                if p.get("fits_budget") and "measured" in p:
+                if p.get("fits_budget"):
                     lo = max(lo, p["vision_tokens"])
-                elif p["vision_tokens"] > lo:
+                elif p.get("fits_budget") is False and p["vision_tokens"] > lo:
                     hi = min(hi or p["vision_tokens"], p["vision_tokens"])
         return {
             "largest_fitting": lo,
@@ -240,3 +239,13 @@ class Bench:
             "predicted_limit": guess,
             "probes": probes,
         }
+
+
+def _fits(point: dict[str, Any], budget: int) -> bool | None:
+    """Measured memory within the budget; a point that ran out of device memory
+    does not fit; one that failed otherwise is unknown (None) and the search
+    ignores it."""
+    if "measured" in point:
+        return bool(point["memory_per_rank"]["measured"] <= budget)
+    error = point.get("error", "").lower()
+    return False if ("out of memory" in error or "outofmemory" in error) else None
