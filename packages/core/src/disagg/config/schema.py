@@ -109,6 +109,10 @@ class DataConfig(Strict):
     """Parallel Ray preprocessing tasks."""
     shuffle: bool = True
     """Shuffle sample order each epoch (deterministic for ``train.seed``)."""
+    group_by_length: bool = False
+    """Put samples of similar token count in the same global batch (less padding, even
+    replicas for long-tailed image sizes): each window of 8 batches' samples is sorted by
+    tokens, cut into batches, and their order shuffled per ``train.seed``."""
 
 
 class ModuleTrainConfig(Strict):

@@ -31,6 +31,8 @@ log = logging.getLogger("disagg.data")
 
 #: object store bytes Ray Data may hold ahead of training (preprocessed, not yet consumed)
 PREFETCH_BYTES = 256 << 20
+#: data.group_by_length sorts the samples of this many global batches at a time
+GROUP_WINDOW = 8
 #: "location: problem" lines kept for the log; counts are exact beyond it
 MAX_PROBLEMS = 1000
 
@@ -47,6 +49,7 @@ class RayDataSource:
         batch_size: int,
         seed: int,
         shuffle: bool,
+        group_by_length: bool = False,
     ) -> None:
         self.indexes = indexes
         self.sizes = [ix.size for ix in indexes]
@@ -56,9 +59,13 @@ class RayDataSource:
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
-        #: stream position after the last batch handed out (what a checkpoint records)
+        self.group_by_length = group_by_length
+        #: stream position after the last batch handed out (what a checkpoint records); with
+        #: group_by_length, the start of the current window and how many of its batches ran
         self.position = 0
+        self.window_batches_done = 0
         self._stats = {"samples": sum(self.sizes), "skipped": 0, "dropped_too_long": 0}
+        self._window_stats = dict(self._stats)  # the counters as of self.position
         #: "location: problem" of skipped or dropped samples seen so far, for the run's log
         self.problems: list[str] = []
 
@@ -101,14 +108,21 @@ class RayDataSource:
 
         ``state`` is :meth:`state` as a checkpoint saved it; without it the
         stream is assumed to have had no skips before ``start_step``."""
-        pos = int(state["position"]) if state else start_step * self.batch_size
-        self._stats.update(skipped=0, dropped_too_long=0)
+        window = GROUP_WINDOW if self.group_by_length else 1
         if state:
-            self._stats.update({k: int(v) for k, v in state.get("stats", {}).items() if k != "samples"})
-        self.position = pos
-        batch: list[SampleRefs] = []
+            pos, done = int(state["position"]), int(state.get("window_batches_done", 0))
+            stats = state.get("stats", {})
+        else:
+            pos, done, stats = start_step * self.batch_size, 0, {}
+            if window > 1:  # steps before start_step filled whole windows only if aligned
+                pos, done = (start_step // window) * window * self.batch_size, start_step % window
+        self._stats.update(skipped=0, dropped_too_long=0)
+        self._stats.update({k: int(v) for k, v in stats.items() if k != "samples"})
+        self.position, self.window_batches_done = pos, done
+        window_stats = dict(self._stats)
+        pending: list[SampleRefs] = []
         bad_run = 0
-        for meta, refs in self.stream().entries(pos, first=FIRST_CHUNK * self.batch_size):
+        for meta, refs in self.stream().entries(pos, first=FIRST_CHUNK * self.batch_size * window):
             sample = self._accept(meta, refs)
             if sample is None:
                 bad_run += 1
@@ -120,12 +134,28 @@ class RayDataSource:
                     )
                 continue
             bad_run = 0
-            batch.append(sample)
-            if len(batch) == self.batch_size:
-                # a skipped sample is replaced by the next good one: every step has batch_size samples
-                self.position = meta["pos"] + 1
-                yield batch
-                batch = []
+            pending.append(sample)
+            # a skipped sample is replaced by the next good one: every step has batch_size samples
+            if len(pending) < window * self.batch_size:
+                continue
+            end = meta["pos"] + 1
+            group = self._group(pending, pos) if window > 1 else [pending]
+            for k in range(done, len(group)):
+                last = k + 1 == len(group)
+                # mid-window, a checkpoint names the window's start and how many of its batches ran
+                self.position, self.window_batches_done = (end, 0) if last else (pos, k + 1)
+                self._window_stats = dict(self._stats) if last else window_stats
+                yield group[k]
+            pos, done, pending, window_stats = end, 0, [], dict(self._stats)
+
+    def _group(self, samples: list[SampleRefs], window_start: int) -> list[list[SampleRefs]]:
+        """``data.group_by_length``: the window's samples sorted by tokens, cut into batches,
+        in an order shuffled by (seed, window start) so that long batches do not come last."""
+        ordered = sorted(samples, key=lambda s: (s.num_tokens, s.index))
+        b = self.batch_size
+        group = [ordered[i : i + b] for i in range(0, len(ordered), b)]
+        perm = np.random.default_rng([self.seed, window_start, 104729]).permutation(len(group))
+        return [group[i] for i in perm]
 
     def _accept(self, meta: dict[str, Any], refs: list[Any]) -> SampleRefs | None:
         status = meta["status"]
@@ -150,7 +180,10 @@ class RayDataSource:
 
     def state(self) -> dict[str, Any]:
         """Where the stream stands after the last batch handed out (saved in checkpoints)."""
-        return {"position": self.position, "stats": dict(self._stats)}
+        out: dict[str, Any] = {"position": self.position, "stats": dict(self._window_stats)}
+        if self.window_batches_done:
+            out["window_batches_done"] = self.window_batches_done
+        return out
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
@@ -214,4 +247,5 @@ def build_data_source(
         batch_size=data.batch_size,
         seed=cfg.train.seed,
         shuffle=data.shuffle if split == "train" else False,
+        group_by_length=data.group_by_length and split == "train",
     )
