@@ -107,7 +107,9 @@ def remove_module_hooks(engine: Any) -> None:
     offload._remove_module_hooks()  # noqa: SLF001
 
 
-def local_fragments(ds_optimizer: Any, params: list[nn.Parameter], stage: int) -> list[tuple[int, int, int, int]]:
+def local_fragments(
+    ds_optimizer: Any, params: list[nn.Parameter], stage: int
+) -> list[tuple[int, int, int, int]]:
     """Where each parameter's fp32 master fragment on this rank lies inside the
     flat partitions DeepSpeed's wrapped optimizer steps: (storage pointer,
     storage offset, element count, index into ``params``). Padding elements of

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, LanguageFamily, OptimSpec, Strategy
+from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, OptimSpec, Strategy
 from disagg.interfaces.strategy import make_scheduler
 from disagg_zero import runtime
 from disagg_zero.dsconfig import backward_scale, build_ds_config, zero_section_problems
@@ -223,9 +223,9 @@ class ZeroStrategy(Strategy):
         self.ctx.comm.all_reduce(flags)
         if int(flags[-1]) != self._backwards * self.ctx.world_size:
             raise RuntimeError(
-                f"ZeRO group {self.ctx.module!r}: rank {self.ctx.rank} ran {self._backwards} backward(s) this "
-                f"step but the group ran {int(flags[-1])} in total over {self.ctx.world_size} ranks; every "
-                f"rank must be called for every microbatch (strategy 'zero' is lockstep)"
+                f"ZeRO group {self.ctx.module!r}: rank {self.ctx.rank} ran {self._backwards} backward(s) "
+                f"this step but the group ran {int(flags[-1])} in total over {self.ctx.world_size} ranks; "
+                f"every rank must be called for every microbatch (strategy 'zero' is lockstep)"
             )
         self._present = [bool(v) for v in flags[:-1].tolist()]
         if not self._backwards:
@@ -314,3 +314,21 @@ class ZeroStrategy(Strategy):
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint (tag {CHECKPOINT_TAG!r}) under {path}")
         self._map_fragments()
+
+    @classmethod
+    def estimate(cls, query: Any, options: Any) -> Any:
+        """Core's ``zero`` formulas for the stage; ``activation_checkpointing``
+        recomputes activations; ``offload_optimizer`` keeps the optimizer's
+        share (8 bytes per element, partitioned) off the GPU."""
+        from dataclasses import replace
+
+        from disagg.interfaces import analytic_cost
+
+        if options.activation_checkpointing and not query.recompute:
+            query = replace(query, recompute=True)
+        cost = analytic_cost("zero", query, {"stage": options.stage})
+        if options.offload_optimizer:
+            numel = sum(t.numel for t in query.shape.tensors())
+            ranks = query.degree * query.replicas
+            cost = replace(cost, state_bytes=cost.state_bytes - -(-8 * numel // ranks))
+        return cost

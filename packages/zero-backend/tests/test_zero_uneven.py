@@ -1,0 +1,116 @@
+"""ZeRO 1/2/3 equal the single-process model when replicas get different
+numbers of samples, including none, and when a parameter gets no gradient:
+in a whole step without samples (a text-only global batch for the encoder)
+and never (an unused layer), with ``weight_decay > 0``. Such parameters stay
+bit-identical and without AdamW state, exactly as torch AdamW leaves a
+``grad=None`` parameter; the others count their own AdamW steps.
+
+Also: ZeRO-3 with DeepSpeed's default persistence threshold really
+partitions a larger encoder's matrices (and the same equivalence holds), and
+a stage-3 step under ``compute_dtype(cpu, bfloat16)`` stays finite and close
+to fp32. Bound: 1e-5 relative (see ``test_zero_equivalence``).
+
+One spawn of 2 ranks runs every configuration (importing DeepSpeed dominates).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import uneven_harness as U
+import zero_harness as H
+
+from disagg.testing.dist import run_ranks
+from disagg.testing.reference import assert_close_dicts
+from disagg.testing.toy import ToyEncoderFamily, make_toy_dirs
+
+RTOL = 1e-5
+UNUSED = ("unused.weight", "unused.bias")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("toy_uneven")
+    enc, lm = make_toy_dirs(root)
+    # hidden 384: qkv/proj/up/down exceed DeepSpeed's default
+    # stage3_param_persistence_threshold (1e5 elements), so they are partitioned
+    big = ToyEncoderFamily.make_tiny(root / "big_encoder", hidden=384)
+    ranks = H.tensors(run_ranks(U.rank_all, 2, enc, big, lm, timeout=1500))
+    return {
+        "ranks": ranks,
+        "encoder": U.reference_encoder(enc),
+        "big": U.reference_encoder(big),
+        "llm": U.reference_llm(lm),
+    }
+
+
+def _check_encoder(got: list[dict], ref: dict) -> None:
+    for r in got:
+        for step in range(len(U.ENCODER_PLAN)):
+            assert r["norm"][step] == pytest.approx(ref["norm"][step], rel=RTOL), f"step {step} grad norm"
+            # the same keys: a reference None gradient is absent on both sides
+            assert sorted(r["grads"][step]) == sorted(ref["grads"][step]), f"step {step} gradient names"
+            assert_close_dicts(r["grads"][step], ref["grads"][step], rtol=RTOL, what=f"step {step} grad ")
+        assert_close_dicts(r["params"], ref["params"], rtol=RTOL, what="params after 3 steps ")
+        assert r["lr"] == pytest.approx(ref["lr"], rel=1e-12)
+        for name in UNUSED:  # never a gradient: bit-identical despite weight decay
+            assert torch.equal(r["params"][name], torch.as_tensor(ref["initial"][name])), name
+    # AdamW state: the step count of each fragment is its parameter's own
+    # (the encoder skipped step 1 entirely); no moments and no steps for the unused layer
+    for name, want in ref["steps"].items():
+        frags = [f for r in got for f in r["steps"].get(name, [])]
+        assert frags, f"{name}: no rank holds a fragment"
+        if want is None:
+            assert all(s == 0.0 and zero for s, zero in frags), f"{name} has optimizer state: {frags}"
+        else:
+            assert all(s == want for s, _ in frags), f"{name}: steps {frags}, reference {want}"
+
+
+@pytest.mark.parametrize("label", list(U.CONFIGS))
+def test_encoder_uneven_empty_and_unused_match(label: str, runs: dict) -> None:
+    assert U.ENCODER_PLAN[1] == [] and any(not p for mb in U.ENCODER_PLAN[0] for p in mb)
+    assert runs["encoder"]["steps"]["unused.weight"] is None  # the reference never steps it
+    _check_encoder([r[label]["encoder"] for r in runs["ranks"]], runs["encoder"])
+
+
+@pytest.mark.parametrize("label", list(U.CONFIGS))
+def test_llm_uneven_split_matches(label: str, runs: dict) -> None:
+    got, ref = [r[label]["llm"] for r in runs["ranks"]], runs["llm"]
+    for step, plan in enumerate(U.LLM_PLAN):
+        n = H.label_count(H.llm_batches(2, len(U.LLM_PLAN))[step])
+        assert sum(r["loss_sum"][step] for r in got) / n == pytest.approx(ref["loss"][step], rel=RTOL)
+        owner = {i: rank for mb in plan for rank, part in enumerate(mb) for i in part}
+        for i, want in enumerate(ref["embed_grads"][step]):
+            have = got[owner[i]]["embed_grads"][step][i]
+            assert_close_dicts(have, want, rtol=RTOL, what=f"step {step} sample {i} input grad ")
+        for r in got:
+            assert r["norm"][step] == pytest.approx(ref["norm"][step], rel=RTOL), f"step {step} grad norm"
+            assert_close_dicts(r["grads"][step], ref["grads"][step], rtol=RTOL, what=f"step {step} grad ")
+    for r in got:
+        assert_close_dicts(r["params"], ref["params"], rtol=RTOL, what="params after 2 steps ")
+
+
+def test_stage3_really_partitions_and_still_matches(runs: dict) -> None:
+    got = [r["3-big"]["encoder"] for r in runs["ranks"]]
+    for name in ("block.qkv.weight", "block.up.weight", "block.down.weight", "block.proj.weight"):
+        for r in got:
+            full, local, data = r["layout"][name]
+            assert full > 100_000 and local == math.ceil(full / 2) and data == 0, (name, r["layout"][name])
+    _check_encoder(got, runs["big"])
+
+
+def test_stage3_bf16_autocast_is_finite_and_close(runs: dict) -> None:
+    got, ref = [r["3-bf16"]["llm"] for r in runs["ranks"]], runs["llm"]
+    for step in range(len(U.LLM_PLAN)):
+        n = H.label_count(H.llm_batches(2, len(U.LLM_PLAN))[step])
+        loss = sum(r["loss_sum"][step] for r in got) / n
+        assert math.isfinite(loss) and loss == pytest.approx(ref["loss"][step], rel=5e-2)
+        for r in got:
+            assert math.isfinite(r["norm"][step]) and r["norm"][step] == pytest.approx(
+                ref["norm"][step], rel=1e-1
+            )
+    for r in got:  # master weights stay fp32 under autocast
+        assert all(v.dtype == torch.float32 for v in r["params"].values())

@@ -1,0 +1,212 @@
+"""Uneven splits, empty replicas, steps without samples and never-used
+parameters: single-process references and the per-rank driver.
+
+A step is a list of microbatches; a microbatch gives each rank a (possibly
+empty) list of sample indices, and every rank is called for every
+microbatch, as core's orchestrator calls a lockstep group. A step with no
+microbatch is a text-only global batch for the encoder: only ``zero_grad``,
+``reduce_gradients``, ``grad_norm_sq`` and ``step`` run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import zero_harness as H
+from torch import nn
+
+from disagg.interfaces import compute_dtype
+from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily
+
+#: per step, per microbatch, per rank (2 ranks): sample indices
+ENCODER_PLAN: list[list[list[list[int]]]] = [
+    [[[0, 1], [2]], [[3], []]],  # 3 over 2, then 1 over 2 (rank 1 empty)
+    [],  # no image in the global batch: the encoder group gets no call but the step
+    [[[], [0]], [[1, 2], [3]]],  # rank 0 empty first
+]
+LLM_PLAN: list[list[list[list[int]]]] = [
+    [[[0, 1], [2]], [[3], []]],
+    [[[], [0]], [[1], [2, 3]]],
+]
+
+
+def plan_samples(plan: list[list[list[int]]]) -> list[int]:
+    return sorted(i for mb in plan for part in mb for i in part)
+
+
+class UnusedLayerEncoderFamily(ToyEncoderFamily):
+    """The toy encoder plus a layer its forward never calls, like LLaVA's
+    unused last SigLIP layer: its parameters never get a gradient."""
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        module = super().build(dtype)
+        with torch.random.fork_rng():
+            torch.manual_seed(11)
+            module.unused = nn.Linear(module.config.hidden, 8).to(dtype)
+        return module
+
+
+# -- references -------------------------------------------------------------------------------------
+def _ref_optim_step(module: nn.Module, opt: Any, sched: Any, loss: torch.Tensor | None) -> tuple[float, dict]:
+    opt.zero_grad(set_to_none=True)
+    if loss is not None:
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    norm = float(torch.nn.utils.clip_grad_norm_([p for p in module.parameters()], H.CLIP))
+    opt.step()
+    sched.step()
+    return norm, grads
+
+
+def _ref_steps(module: nn.Module, opt: Any) -> dict[str, float | None]:
+    """Per parameter: AdamW's step count, None where it has no state (never stepped)."""
+    return {
+        n: (float(opt.state[p]["step"]) if p in opt.state else None) for n, p in module.named_parameters()
+    }
+
+
+def reference_encoder(enc_dir: Path) -> dict[str, Any]:
+    fam = UnusedLayerEncoderFamily(enc_dir)
+    module = fam.build()
+    opt, sched = H._ref_optim(module)
+    out: dict[str, Any] = {"norm": [], "grads": [], "initial": H.portable(module.state_dict())}
+    for step, plan in enumerate(ENCODER_PLAN):
+        samples = encoder_samples(step)
+        idx = plan_samples(plan)
+        loss = (
+            sum((fam.encode(module, samples[i]["vision"]) * samples[i]["out_grad"]).sum() for i in idx)
+            if idx
+            else None
+        )
+        norm, grads = _ref_optim_step(module, opt, sched, loss)
+        out["norm"].append(norm)
+        out["grads"].append(grads)
+    out["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    out["steps"] = _ref_steps(module, opt)
+    out["lr"] = opt.param_groups[0]["lr"]
+    return out
+
+
+def reference_llm(lm_dir: Path) -> dict[str, Any]:
+    fam = ToyLMFamily(lm_dir)
+    module = fam.build()
+    opt, sched = H._ref_optim(module)
+    out: dict[str, Any] = {"loss": [], "norm": [], "grads": [], "embed_grads": []}
+    for samples in H.llm_batches(2, len(LLM_PLAN)):
+        embeds = [{k: v.clone().requires_grad_(True) for k, v in x["embeds"].items()} for x in samples]
+        logits, labels = fam.forward(module, [x["llm"] for x in samples], embeds)
+        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+        loss = loss / H.label_count(samples)
+        norm, grads = _ref_optim_step(module, opt, sched, loss)
+        out["loss"].append(float(loss.detach()))
+        out["norm"].append(norm)
+        out["grads"].append(grads)
+        out["embed_grads"].append([{k: v.grad.clone() for k, v in e.items()} for e in embeds])
+    out["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    out["lr"] = opt.param_groups[0]["lr"]
+    return out
+
+
+def encoder_samples(step: int) -> list[dict[str, Any]]:
+    """Four image samples (1-2 items each) with fixed output gradients."""
+    samples = [x for x in H.toy_samples(12, seed=40 + step) if "vision" in x][:4]
+    g = torch.Generator().manual_seed(500 + step)
+    for x in samples:
+        x["out_grad"] = torch.randn(int(x["vision"]["sizes"].sum()), 24, generator=g) * 0.1
+    return samples
+
+
+# -- ranks ------------------------------------------------------------------------------------------
+def _fragment_steps(strat: Any) -> dict[str, list[float]]:
+    """Per parameter: the step counts of its fragments on this rank, and
+    whether their AdamW moments are all zero."""
+    names = {
+        i: n for i, (n, p) in enumerate((n, p) for n, p in strat.module.named_parameters() if p.requires_grad)
+    }
+    out: dict[str, list[Any]] = {}
+    opt = strat.optimizer
+    # ZeRO-3 puts each flat partition into the param group only while it
+    # steps it; the state keeps them all
+    flats = list(opt.state) + [p for g in opt.param_groups for p in g["params"] if p not in opt.state]
+    for flat in flats:
+        state = opt.state.get(flat, {})
+        for k, (start, n, idx) in enumerate(opt.fragments_of(flat)):
+            if not state:
+                out.setdefault(names[idx], []).append((0.0, True))
+                continue
+            moments = [state[key].view(-1).narrow(0, start, n) for key in ("exp_avg", "exp_avg_sq")]
+            zero = all(bool((m == 0).all()) for m in moments)
+            out.setdefault(names[idx], []).append((float(state["fragment_steps"][k]), zero))
+    return out
+
+
+def _layout(strat: Any) -> dict[str, tuple[int, int, int]]:
+    """Per parameter: (full size, this rank's partition size, size of its data outside a gather)."""
+    return {
+        n: (
+            int(getattr(p, "ds_numel", p.numel())),
+            int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else -1,
+            p.numel(),
+        )
+        for n, p in strat.module.named_parameters()
+    }
+
+
+def rank_encoder(rank: int, enc_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
+    fam = UnusedLayerEncoderFamily(enc_dir)
+    strat = H._strategy(rank, 2, "vision", fam, options)
+    rec: dict[str, Any] = {"norm": [], "grads": [], "layout": _layout(strat)}
+    for step, plan in enumerate(ENCODER_PLAN):
+        samples = encoder_samples(step)
+        strat.zero_grad()
+        for mb, parts in enumerate(plan):
+            mine = [samples[i] for i in parts[rank]]
+            shards = strat.encode(mb, [x["vision"] for x in mine])
+            strat.backward(mb, [s.value for s in shards], [x["out_grad"] for x in mine])
+        H._finish_step(strat, rec)
+    rec["params"] = strat.full_state_dict()
+    rec["steps"] = _fragment_steps(strat)
+    rec["lr"] = strat.current_lr()
+    return H.portable(rec)
+
+
+def rank_llm(
+    rank: int, lm_dir: Path, options: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    fam = ToyLMFamily(lm_dir)
+    strat = H._strategy(rank, 2, "llm", fam, options)
+    rec: dict[str, Any] = {"loss_sum": [], "norm": [], "grads": [], "embed_grads": []}
+    for plan, samples in zip(LLM_PLAN, H.llm_batches(2, len(LLM_PLAN))):
+        n = H.label_count(samples)
+        loss_sum, egrads = 0.0, {}
+        for mb, parts in enumerate(plan):
+            part = parts[rank]
+            embeds = [
+                {k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part
+            ]
+            with compute_dtype(torch.device("cpu"), dtype):
+                loss_sum += strat.loss_and_backward(mb, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
+            egrads.update({i: {k: v.grad.clone() for k, v in e.items()} for i, e in zip(part, embeds)})
+        rec["loss_sum"].append(loss_sum)
+        rec["embed_grads"].append(egrads)
+        H._finish_step(strat, rec)
+    rec["params"] = strat.full_state_dict()
+    rec["lr"] = strat.current_lr()
+    return H.portable(rec)
+
+
+Z3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+CONFIGS = {"1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3, "ds_config": Z3}}
+
+
+def rank_all(rank: int, enc_dir: Path, big_enc_dir: Path, lm_dir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, options in CONFIGS.items():
+        out[label] = {"encoder": rank_encoder(rank, enc_dir, options), "llm": rank_llm(rank, lm_dir, options)}
+    # DeepSpeed's default persistence threshold: the big encoder's large
+    # matrices are really partitioned and gathered, the small ones persist
+    out["3-big"] = {"encoder": rank_encoder(rank, big_enc_dir, {"stage": 3})}
+    out["3-bf16"] = {"llm": rank_llm(rank, lm_dir, CONFIGS["3"], torch.bfloat16)}
+    return out
