@@ -301,3 +301,11 @@ class MegatronTPStrategy(Strategy):
             for n, p in self.module.named_parameters()
             if p.grad is not None
         }
+
+    @classmethod
+    def estimate(cls, query, options):  # type: ignore[no-untyped-def]
+        """Core's ``megatron_tp`` formulas, with or without sequence parallelism."""
+        from disagg.interfaces import analytic_cost
+
+        sp = bool(getattr(options, "sequence_parallel", False))
+        return analytic_cost("megatron_tp", query, {"sequence_parallel": sp})

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from disagg.interfaces import Family, Strategy, StrategyOptions
+from disagg.interfaces import Cost, CostQuery, Family, Strategy, StrategyOptions, analytic_cost
 
 
 class DDPStrategy(Strategy):
@@ -29,3 +29,8 @@ class DDPStrategy(Strategy):
         # Gradient sum happens once per step in reduce_gradients, after all
         # microbatches, which is what DistributedDataParallel's no_sync would do.
         return module
+
+    @classmethod
+    def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:
+        # Every rank a full replica, gradients all-reduced: core's ``ddp`` formulas.
+        return analytic_cost("ddp", query)

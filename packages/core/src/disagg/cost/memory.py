@@ -110,3 +110,29 @@ def llm_activation_bytes(
     else:
         head = 4 * h + logits
     return int(tokens * (shape.layers * layer + head) * act_bytes)
+
+
+def recomputed_activation_bytes(
+    shape: VisionShape | DecoderShape,
+    tokens: int,
+    strategy: str,
+    degree: int,
+    act_bytes: int,
+    sequence_parallel: bool = False,
+) -> int:
+    """Saved bytes under full activation recomputation (an estimate): each
+    layer keeps only its input for the tokens this rank holds (``ulysses`` and
+    tensor parallelism with sequence parallelism ``1/degree`` of them, others
+    all), plus one layer's activations while it is recomputed (and, for a
+    decoder, the fp32 logits of the loss)."""
+    from dataclasses import replace
+
+    split = strategy == "ulysses" or (strategy == "megatron_tp" and sequence_parallel)
+    held = -(-tokens // degree) if split else tokens
+    if isinstance(shape, VisionShape):
+        one = replace(shape, depth=1, full_blocks=(0,) if shape.full_blocks else ())
+        layer = vision_activation_bytes(one, tokens, strategy, degree, act_bytes, sequence_parallel)
+        return shape.depth * held * shape.hidden * act_bytes + layer
+    one_layer = replace(shape, layers=1)
+    layer = llm_activation_bytes(one_layer, tokens, strategy, degree, act_bytes, sequence_parallel)
+    return shape.layers * held * shape.hidden * act_bytes + layer

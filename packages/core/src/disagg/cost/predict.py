@@ -66,6 +66,7 @@ def predict(
     options: dict[str, Any] | None = None,
     exchanged_rows: int | None = None,
     exchanged_width: int | None = None,
+    recompute: bool = False,
 ) -> Cost:
     """Cost of ``module`` under ``strategy`` on ``degree x replicas`` ranks, for a
     global batch of ``samples`` (default: one per replica) sequences of
@@ -75,6 +76,8 @@ def predict(
     the other group and their width (vision: ``seq_len / merge²`` rows of
     ``out_hidden``, the default; an LLM: the vision rows whose gradients it
     returns). ``options``: the strategy's keys (``stage``, ``sequence_parallel``).
+    ``recompute``: activations under full recomputation (each layer keeps its
+    input only; :func:`memory.recomputed_activation_bytes`).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; the cost model knows: {', '.join(STRATEGIES)}")
@@ -127,6 +130,8 @@ def predict(
         assert isinstance(module, DecoderShape)
         act = memory.llm_activation_bytes(module, tokens, strategy, degree, w.act_bytes, sp)
         work = flops.llm_flops(module, seq_len)
+    if recompute:
+        act = memory.recomputed_activation_bytes(module, tokens, strategy, degree, w.act_bytes, sp)
     exact = ["state_bytes"] if strategy != "zero" else []
     if vision and (strategy in ("ulysses", "ddp", "zero") or (strategy == "megatron_tp" and not sp)):
         exact.append("comm_bytes")

@@ -2,6 +2,7 @@
 
 from disagg.interfaces.comm import CommCounter
 from disagg.interfaces.context import GroupContext, OptimSpec, dropout_seed
+from disagg.interfaces.cost import Cost, CostQuery, DecoderShape, VisionShape, analytic_cost
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily, LayerMap
 from disagg.interfaces.grads import agree_on_grads
 from disagg.interfaces.precision import compute_dtype
@@ -13,6 +14,11 @@ from disagg.interfaces.transport import Transport
 __all__ = [
     "AttentionScope",
     "CommCounter",
+    "Cost",
+    "CostQuery",
+    "DecoderShape",
+    "VisionShape",
+    "analytic_cost",
     "agree_on_grads",
     "compute_dtype",
     "dropout_seed",

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from disagg.interfaces.context import GroupContext, OptimSpec
+from disagg.interfaces.cost import Cost, CostQuery
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily
 from disagg.interfaces.grads import agree_on_grads
 from disagg.interfaces.shard import EmbeddingShard
@@ -257,6 +258,17 @@ class Strategy(ABC):
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler and state["scheduler"]:
             self.scheduler.load_state_dict(state["scheduler"])
+
+    # -- planning (``disagg plan``), before any actor starts ------------------------------------
+    @classmethod
+    def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:
+        """What one rank (the busiest) would hold, send and compute per optimizer
+        step for ``query`` (module shape, degree, replicas, sequence length) under
+        ``options``. ``None`` (the default) reports nothing: the planner then
+        lists the strategy as skipped rather than guessing. Strategies whose
+        collectives match one of core's may return
+        ``analytic_cost(<that strategy's name>, query, options.model_dump())``."""
+        return None
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSpec) -> Any:

@@ -142,3 +142,12 @@ class UlyssesStrategy(Strategy):
         if grad.shape != rows.shape:
             raise ValueError(f"gradients cover {tuple(grad.shape)}, the encoded shard is {tuple(rows.shape)}")
         torch.autograd.backward(rows, grad)
+
+    @classmethod
+    def estimate(cls, query: Any, options: StrategyOptions) -> Any:
+        """Core's ``ulysses`` formulas (exact bytes for vision towers); nothing for other modules."""
+        from disagg.interfaces import VisionShape, analytic_cost
+
+        if not isinstance(query.shape, VisionShape):
+            return None
+        return analytic_cost("ulysses", query)
