@@ -135,3 +135,23 @@ def test_driver_holds_refs_only_and_prefetch_is_bounded(root, tmp_path):
     # the first Ray Data job covers 2 batches' worth of stream entries; the rest waits
     assert sorted(set(rec.seen())) == list(range(8))
     assert np.array([s.num_media_tokens["vision"] for s in batch]).tolist() == [4, 4, 4, 4]
+
+
+def test_group_by_length_sorts_windows_and_resumes_mid_window(root):
+    rows = [caption_sample("a.png", " ".join(["word"] * (1 + (7 * i) % 23))) for i in range(40)]
+    path = write_jsonl(root / "lengths.jsonl", rows)
+    cfg = config(root, group_by_length=True, shuffle=False)
+    cfg.data.train = str(path)
+    src = build_data_source(cfg, families(root / "tok"))
+    it = src.batches()
+    window = [next(it) for _ in range(3)]
+    state = src.state()
+    assert state["position"] == 0 and state["window_batches_done"] == 3
+    window += [next(it) for _ in range(5)]
+    # one window = 8 batches = the first 32 samples, each batch a run of similar lengths
+    assert sorted(s.index for b in window for s in b) == list(range(32))
+    spans = sorted((min(s.num_tokens for s in b), max(s.num_tokens for s in b)) for b in window)
+    assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))
+    assert [min(s.num_tokens for s in b) for b in window] != [lo for lo, _ in spans], "batch order shuffled"
+    again = build_data_source(cfg, families(root / "tok"))
+    assert ids(again.batches(3, state=state), 5) == [[s.index for s in b] for b in window[3:]]
