@@ -1,0 +1,172 @@
+"""Three modules from three HF dirs, end to end through ``run_training``: a
+Qwen2.5-VL vision tower, a Whisper encoder (projector initialised, as the dir
+has none) and a Qwen2 LLM. Batches mix image-only, audio-only, image+audio
+and text-only samples; the per-step losses and gradient norms equal the
+single-process model (``disagg.testing.reference``) built from the same dirs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("disagg_vision_sp")
+pytest.importorskip("disagg_llm_tp")
+pytest.importorskip("disagg_audio")
+
+from disagg.config.schema import Config  # noqa: E402
+from disagg.config.validate import validate  # noqa: E402
+from disagg.plugins import get_registry  # noqa: E402
+
+STEPS = 3
+CLIPS = Path(__file__).parents[1] / "packages" / "audio" / "tests" / "data"
+
+
+def _write_data(root: Path) -> Path:
+    """8 samples in file order (shuffle off), batches of 4: every batch holds
+    image-only, audio-only, image+audio and text-only samples, speech clips of
+    different lengths (one longer than the tiny encoder's 1 s window)."""
+    import random
+    import shutil
+
+    from disagg.data.demo_data import draw_shape
+
+    rng = random.Random(0)
+    (root / "media").mkdir(parents=True)
+    draw_shape("red", "square", 56, rng).resize((56, 28)).save(root / "media" / "wide.png")
+    draw_shape("blue", "circle", 28, rng).save(root / "media" / "small.png")
+    for clip in ("hello_44k.flac", "fox_16k.wav", "three_22k.ogg"):
+        shutil.copy(CLIPS / clip, root / "media" / clip)
+
+    def row(image: str | None, audio: str | None, answer: str) -> dict:
+        prompt = ("<image>" if image else "") + ("<audio>" if audio else "") + "\nWhat is there?"
+        item = {"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}]}
+        if image:
+            item["image"] = f"media/{image}"
+        if audio:
+            item["audio"] = f"media/{audio}"
+        return item
+
+    rows = [
+        row("wide.png", None, "A red square."),
+        row(None, "hello_44k.flac", "hello world"),
+        row("small.png", "fox_16k.wav", "A blue circle and a fox."),
+        row(None, None, "Nothing."),
+        row(None, "three_22k.ogg", "one two three"),
+        row("small.png", "hello_44k.flac", "A circle saying hello."),
+        row(None, None, "Still nothing."),
+        row("wide.png", None, "A square."),
+    ]
+    path = root / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from disagg_audio.families.whisper import WhisperAudioFamily
+    from disagg_llm_tp.families.tiny import decoder_sizes, qwen_tokenizer, save_random
+    from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+
+    out = tmp_path_factory.mktemp("omni")
+    vision = Qwen2_5_VLVision.make_tiny(out / "qwen2_5_vl")
+    audio = WhisperAudioFamily.make_tiny(out / "whisper")
+    tok = qwen_tokenizer(out / "qwen2")
+    # 48 wide: the width the tiny Qwen2.5-VL merger projects to
+    config = Qwen2Config(
+        **decoder_sizes(len(tok), hidden_size=48),
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    llm = save_random(Qwen2ForCausalLM, config, out / "qwen2", 0)
+    return {"vision": vision, "audio": audio, "llm": llm, "train": _write_data(out / "data"), "root": out}
+
+
+def _config(omni: dict, out: Path, parallel: dict) -> Config:
+    cfg = Config.model_validate(
+        {
+            "model": {
+                "vision": {"family": "qwen2_5_vl", "path": str(omni["vision"])},
+                "audio": {"family": "whisper", "path": str(omni["audio"]), "options": {"hidden_size": 48}},
+                "llm": {"family": "qwen2", "path": str(omni["llm"])},
+            },
+            "parallel": parallel,
+            "data": {
+                "train": str(omni["train"]),
+                "media_root": str(omni["root"] / "data"),
+                "batch_size": 4,
+                "shuffle": False,
+                "num_workers": 1,
+            },
+            # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
+            # summation-order noise in near-zero gradients cannot flip parameters.
+            "train": {
+                "steps": STEPS,
+                "lr": 1e-3,
+                "eps": 1e-3,
+                "weight_decay": 0.1,
+                "seed": 0,
+                "clip_grad_norm": 1.0,
+            },
+            "checkpoint": {"every": 0},
+            "output_dir": str(out),
+        }
+    )
+    validate(cfg, get_registry())
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reference(ray_local, omni, tmp_path_factory):
+    """The single-process model from the same dirs, on the run's global batches."""
+    import ray
+
+    from disagg.data import build_data_source
+    from disagg.runtime.plan import families_for, optim_for
+    from disagg.testing.reference import ReferenceModel
+
+    cfg = _config(omni, tmp_path_factory.mktemp("ref"), {})
+    families = families_for(cfg, get_registry())
+    source = build_data_source(cfg, families)
+    ref = ReferenceModel(families, {m: optim_for(cfg, m) for m in families})
+    for mod in ref.modules.values():
+        mod.train()
+    losses, norms = [], []
+    for _, batch in zip(range(STEPS), source.batches(0)):
+        samples = [{m: ray.get(r) for m, r in s.inputs.items()} for s in batch]
+        kinds = {(("vision" in s), ("audio" in s)) for s in samples}
+        assert kinds == {(True, False), (False, True), (True, True), (False, False)} or len(samples) < 4
+        step = ref.step(samples, cfg.train.clip_grad_norm)
+        losses.append(step.loss)
+        norms.append(step.grad_norm)
+    return losses, norms
+
+
+LAYOUTS = {
+    "all_ddp": ({"strategy": "ddp"}, {"strategy": "ddp"}, {"strategy": "ddp"}),
+    "ulysses2+zero2x2+tp2": (
+        {"strategy": "ulysses", "degree": 2},
+        {"strategy": "zero", "stage": 2, "replicas": 2},
+        {"strategy": "megatron_tp", "degree": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_three_modules_match_single_process(ray_local, omni, reference, tmp_path, name):
+    from disagg.runtime.run import run_training
+
+    vision, audio, llm = LAYOUTS[name]
+    if "zero" in (vision["strategy"], audio["strategy"], llm["strategy"]):
+        pytest.importorskip("disagg_zero")
+    cfg = _config(omni, tmp_path / "run", {"vision": vision, "audio": audio, "llm": llm})
+    run_training(cfg, progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses, norms = [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+    assert losses == pytest.approx(reference[0], rel=1e-5), (losses, reference[0])
+    assert norms == pytest.approx(reference[1], rel=1e-5), (norms, reference[1])
