@@ -50,7 +50,7 @@ PAPER = {
     "gpu_memory_bytes": 80 * 10**9,
     "throughput_dhp_vs_tp": (1.26, 1.37),
     "zero3_oom_vision_tokens": 16 * 1024,
-    "dhp_max_vision_tokens": 65 * 1024,
+    "dhp_max_vision_tokens": 64 * 1024,  # "65k"
 }
 #: H100 SXM dense bf16 peak, the fraction of it a well-tuned step reaches, NVLink ring bandwidth
 PEAK_FLOPS, MFU, LINK_BYTES_PER_S = 989e12, 0.4, 360e9
@@ -65,6 +65,10 @@ LAYOUTS_32B: dict[str, dict[str, Any]] = {
     "dhp_ulysses_tp": {
         "vision": {"strategy": "ulysses", "degree": 8},
         "llm": {"strategy": "megatron_tp", "degree": 8},
+    },
+    "dhp_ulysses_tp_sp": {
+        "vision": {"strategy": "ulysses", "degree": 8},
+        "llm": {"strategy": "megatron_tp", "degree": 8, "sequence_parallel": True},
     },
     "uniform_zero3": {
         "vision": {"strategy": "zero", "stage": 3, "replicas": 8},
@@ -101,13 +105,13 @@ def predict_published(vision_tokens: list[int]) -> list[dict[str, Any]]:
                     "bfloat16",
                     samples=SAMPLES,
                     microbatches=1 if g["strategy"] == "zero" else SAMPLES,
-                    options={k: v for k, v in g.items() if k == "stage"},
+                    options={k: v for k, v in g.items() if k in ("stage", "sequence_parallel")},
+                    recompute=True,
                     **kw,
                 )
-                act = _recomputed(shape, seq, g["strategy"], degree)
-                costs[module] = {**cost.to_dict(), "activation_bytes": act}
+                costs[module] = cost.to_dict()
                 seconds += cost.flops / (PEAK_FLOPS * MFU) + cost.comm_bytes / LINK_BYTES_PER_S
-                memory += cost.state_bytes + act
+                memory += cost.memory_bytes
             tokens = SAMPLES * llm_len
             rows.append(
                 {
@@ -123,42 +127,18 @@ def predict_published(vision_tokens: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def _recomputed(shape: VisionShape | DecoderShape, seq: int, strategy: str, degree: int) -> int:
-    """Saved bytes (bf16) of one sequence with full recomputation: each layer's
-    input for the tokens this rank holds (``ulysses`` 1/degree of them, TP and
-    ZeRO all), plus one layer's activations while it is recomputed, plus
-    (decoder) the fp32 logits of the loss, split over the TP ranks."""
-    from disagg.cost.memory import llm_activation_bytes, vision_activation_bytes
-
-    held = seq // degree if strategy == "ulysses" else seq
-    if isinstance(shape, VisionShape):
-        one = VisionShape(**{**_fields(shape), "depth": 1})
-        return shape.depth * held * shape.hidden * 2 + vision_activation_bytes(one, seq, strategy, degree, 2)
-    one_layer = DecoderShape(**{**_fields(shape), "layers": 1})
-    return shape.layers * held * shape.hidden * 2 + llm_activation_bytes(one_layer, seq, strategy, degree, 2)
-
-
-def _fields(shape: Any) -> dict[str, Any]:
-    from dataclasses import fields
-
-    return {f.name: getattr(shape, f.name) for f in fields(shape) if f.init}
-
-
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per vision length: predicted DHP / TP throughput and who fits 80 GB."""
     by = {(r["layout"], r["vision_tokens"]): r for r in rows}
     out = []
     for n in sorted({r["vision_tokens"] for r in rows}):
-        tp, dhp, z3 = by[("uniform_tp", n)], by[("dhp_ulysses_tp", n)], by[("uniform_zero3", n)]
+        tp, dhp = by[("uniform_tp", n)], by[("dhp_ulysses_tp", n)]
         out.append(
             {
                 "vision_tokens": n,
                 "throughput_dhp_vs_tp": dhp["tokens_per_s"] / tp["tokens_per_s"],
-                "fits": {
-                    "uniform_tp": tp["fits"],
-                    "dhp_ulysses_tp": dhp["fits"],
-                    "uniform_zero3": z3["fits"],
-                },
+                "throughput_dhp_sp_vs_tp": by[("dhp_ulysses_tp_sp", n)]["tokens_per_s"] / tp["tokens_per_s"],
+                "fits": {name: by[(name, n)]["fits"] for name in LAYOUTS_32B},
             }
         )
     return out

@@ -141,17 +141,17 @@ def published_md(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], paper
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lo, hi = paper["throughput_dhp_vs_tp"]
+    names = list(ratios[0]["fits"]) if ratios else []
     lines += [
         "",
-        "| vision tokens | predicted DHP÷TP | paper DHP÷TP | fits (TP / DHP / ZeRO-3) predicted |",
+        "| vision tokens | predicted DHP÷TP (DHP+SP÷TP) | paper DHP÷TP "
+        "| fits 80 GB: " + " / ".join(names) + " |",
         "|---|---|---|---|",
     ]
     for r in ratios:
-        f = r["fits"]
-        lines.append(
-            f"| {r['vision_tokens']} | {r['throughput_dhp_vs_tp']:.2f} | {lo:.2f}–{hi:.2f} "
-            f"| {f['uniform_tp']} / {f['dhp_ulysses_tp']} / {f['uniform_zero3']} |"
-        )
+        fits = " / ".join("yes" if r["fits"][n] else "no" for n in names)
+        speed = f"{r['throughput_dhp_vs_tp']:.2f} ({r['throughput_dhp_sp_vs_tp']:.2f})"
+        lines.append(f"| {r['vision_tokens']} | {speed} | {lo:.2f}–{hi:.2f} | {fits} |")
     lines.append(
         f"\nPaper: ZeRO-3 out of memory at {paper['zero3_oom_vision_tokens']} vision tokens; "
         f"DHP trains {paper['dhp_max_vision_tokens']} on 80 GB H100s."
