@@ -79,6 +79,10 @@ class WhisperAudioFamily(WhisperStyleEncoder):
         return self.stride()
 
     def hidden_size(self) -> int:
+        if "hidden_size" not in self.options:
+            raise ValueError(
+                "model.audio.options.hidden_size is not set: family 'whisper' needs the LLM's hidden size"
+            )
         return int(self.options["hidden_size"])
 
     def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
