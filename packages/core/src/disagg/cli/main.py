@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "make-tiny": "disagg.cli.make_tiny",
     "export": "disagg.cli.export",
     "bench": "disagg.cli.bench",
+    "data": "disagg.cli.data",
 }
 
 EXIT_RUNTIME_ERROR = 1

@@ -69,6 +69,18 @@ def batch_positions(
         yield list(islice(stream, batch_size))
 
 
+def file_order(sizes: Sequence[int]):
+    """``take(start, n)`` for the datasets one after the other in file order (one pass)."""
+    bounds = np.cumsum([0, *sizes])
+
+    def take(start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.arange(start, start + n)
+        ds = np.searchsorted(bounds, pos, side="right") - 1
+        return ds, pos - bounds[ds]
+
+    return take
+
+
 class StreamOrder:
     """Random access into :func:`sample_stream`: ``take(start, n)`` gives stream
     entries ``start .. start+n-1`` without walking the ones before ``start``

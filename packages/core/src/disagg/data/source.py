@@ -22,7 +22,7 @@ import numpy as np
 from disagg.config.schema import Config, DatasetEntry
 from disagg.data.errors import DataError
 from disagg.data.index import DatasetIndex, index_dataset
-from disagg.data.order import StreamOrder
+from disagg.data.order import StreamOrder, file_order
 from disagg.data.preprocess import modality_modules
 from disagg.data.stream import FIRST_CHUNK, SampleStream, StreamConfig
 from disagg.data.types import SampleRefs
@@ -84,14 +84,7 @@ class RayDataSource:
 
     def samples(self) -> list[SampleRefs]:
         """Every usable sample once, in file order (evaluation; small datasets)."""
-        bounds = np.cumsum([0, *self.sizes])
-
-        def file_order(start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-            pos = np.arange(start, start + n)
-            ds = np.searchsorted(bounds, pos, side="right") - 1
-            return ds, pos - bounds[ds]
-
-        stream = SampleStream(self.indexes, self.uid_base, file_order, self.cfg)
+        stream = SampleStream(self.indexes, self.uid_base, file_order(self.sizes), self.cfg)
         out = []
         for meta, refs in stream.entries(0, len(self)):
             sample = self._accept(meta, refs)

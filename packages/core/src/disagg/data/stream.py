@@ -55,6 +55,8 @@ class StreamConfig:
     on_error: str
     num_workers: int
     prefetch_bytes: int
+    #: False: only each sample's metadata comes out (``disagg data check``), no tensors kept
+    keep_inputs: bool = True
     #: test hook: called with the stream position of each entry a worker starts preprocessing
     on_preprocess: Any = None
 
@@ -113,12 +115,14 @@ def preprocess_rows(batch: dict[str, np.ndarray], cfg: StreamConfig) -> dict[str
         )
         meta["uid"], meta["source"] = int(uid), str(loc)
         metas.append(json.dumps(meta))
-        payloads.append(pickle.dumps(tuple(inputs.get(m) for m in cfg.modules)) if inputs else b"")
+        keep = inputs and cfg.keep_inputs
+        payloads.append(pickle.dumps(tuple(inputs.get(m) for m in cfg.modules)) if keep else b"")
     return {"pos": batch["pos"], "meta": metas, "payload": payloads}
 
 
 def split_block(block: Any, start: int, stop: int, n_modules: int) -> tuple[Any, ...]:
-    """One preprocessed block -> ``(metas, inputs of each (sample, module)...)``."""
+    """One preprocessed block -> ``(metas, None, inputs of each (sample, module)...)``
+    (the None keeps it a tuple of refs when ``n_modules`` is 0)."""
     from ray.data.block import BlockAccessor
 
     cols = BlockAccessor.for_block(block).to_batch_format("numpy")
@@ -128,8 +132,9 @@ def split_block(block: Any, start: int, stop: int, n_modules: int) -> tuple[Any,
         meta["pos"] = int(cols["pos"][i])
         metas.append(meta)
         payload = cols["payload"][i]
-        flat.extend(pickle.loads(payload) if len(payload) else (None,) * n_modules)
-    return (metas, *flat)
+        if n_modules:
+            flat.extend(pickle.loads(payload) if len(payload) else (None,) * n_modules)
+    return (metas, None, *flat)
 
 
 def _pool(size: int) -> dict[str, Any]:
@@ -202,7 +207,7 @@ class SampleStream:
             num_cpus=0,
             **_pool(self.cfg.num_workers),
         )
-        n_mod = len(self.cfg.modules)
+        n_mod = len(self.cfg.modules) if self.cfg.keep_inputs else 0
         split = ray.remote(num_cpus=0)(split_block)
         for bundle in ds.iter_internal_ref_bundles():
             for entry, piece in zip(bundle.blocks, bundle.slices):
@@ -211,7 +216,7 @@ class SampleStream:
                 )
                 if hi <= lo:
                     continue
-                refs = split.options(num_returns=1 + (hi - lo) * n_mod).remote(entry.ref, lo, hi, n_mod)
+                refs = split.options(num_returns=2 + (hi - lo) * n_mod).remote(entry.ref, lo, hi, n_mod)
                 metas = ray.get(refs[0])
                 for k, meta in enumerate(metas):
-                    yield meta, list(refs[1 + k * n_mod : 1 + (k + 1) * n_mod])
+                    yield meta, list(refs[2 + k * n_mod : 2 + (k + 1) * n_mod])
