@@ -78,9 +78,8 @@ def format_report(report: dict[str, Any]) -> str:
     if t.get("samples"):
         lines.append(f"tokens per sample: min {t['min']}, mean {t['mean']:.1f}, max {t['max']}")
     for m, s in report["media_tokens"].items():
-        lines.append(
-            f"{m} tokens ({s['samples']} samples with {m}): min {s['min']}, mean {s['mean']:.1f}, max {s['max']}"
-        )
+        stats = f"min {s['min']}, mean {s['mean']:.1f}, max {s['max']}"
+        lines.append(f"{m} tokens ({s['samples']} samples with {m}): {stats}")
     if report["problems"]:
         lines.append("problems:")
         lines += [f"  {p}" for p in report["problems"]]
