@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.bench.published import QWEN2_5_VL_32B, predict_published, ratios
+from disagg.bench.published import LAYOUTS_32B, QWEN2_5_VL_32B, predict_published, ratios
 from disagg.cost import VisionShape, predict, shapes_from_hf_config
 from disagg.interfaces.activations import saved_bytes_hooks
 
@@ -119,7 +119,7 @@ def test_bad_input_is_named():
 def test_published_prediction_is_complete():
     rows = predict_published([4096, 65536])
     assert {(r["layout"], r["vision_tokens"]) for r in rows} == {
-        (name, n) for name in ("uniform_tp", "dhp_ulysses_tp", "uniform_zero3") for n in (4096, 65536)
+        (name, n) for name in LAYOUTS_32B for n in (4096, 65536)
     }
     by = {(r["layout"], r["vision_tokens"]): r for r in rows}
     for n in (4096, 65536):
