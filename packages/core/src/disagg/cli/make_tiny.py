@@ -35,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--eval-per-class", type=int, default=2, help="held-out images per colour+shape (default 2)"
     )
     parser.add_argument("--image-size", type=int, default=48, help="side of the square demo images in pixels")
+    parser.add_argument(
+        "--large",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also write data/large.jsonl: N samples reusing the demo images (for scale tests)",
+    )
 
 
 def make_tiny(
@@ -45,6 +52,7 @@ def make_tiny(
     train_per_class: int = 10,
     eval_per_class: int = 2,
     image_size: int = 48,
+    large: int = 0,
     registry: Any = None,
 ) -> dict[str, Any]:
     """Build the dirs; return the manifest also written to ``OUT_DIR/manifest.json``:
@@ -86,6 +94,10 @@ def make_tiny(
             image_size=image_size,
             audio=audio,
         )
+        if large:
+            from disagg.data.synthetic import write_large
+
+            files["large"] = write_large(files["train"], out / "data" / "large.jsonl", large)
         manifest["data"] = {k: str(v) for k, v in files.items()}
         manifest["media_root"] = str(out / "data")
     out.mkdir(parents=True, exist_ok=True)
@@ -102,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         train_per_class=args.train_per_class,
         eval_per_class=args.eval_per_class,
         image_size=args.image_size,
+        large=args.large,
     )
     for name, path in manifest["models"].items():
         print(f"{name}: {path}")
