@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "make-tiny": "disagg.cli.make_tiny",
     "export": "disagg.cli.export",
     "bench": "disagg.cli.bench",
+    "plan": "disagg.cli.plan",
     "data": "disagg.cli.data",
 }
 

@@ -9,6 +9,7 @@ bytes and gradient-reduction bytes per rank are exact sums over real tensors.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -79,6 +80,9 @@ class VisionShape:
         return side * side
 
     def tensors(self) -> list[ParamTensor]:
+        return list(_cached_tensors(self))
+
+    def _tensors(self) -> list[ParamTensor]:
         h, i, m = self.hidden, self.intermediate, self.hidden * self.unit
         out = [
             ParamTensor(
@@ -131,6 +135,9 @@ class DecoderShape:
         return self.hidden // self.heads
 
     def tensors(self) -> list[ParamTensor]:
+        return list(_cached_tensors(self))
+
+    def _tensors(self) -> list[ParamTensor]:
         h, i, hd = self.hidden, self.intermediate, self.head_dim
         q, kv = self.heads * hd, self.kv_heads * hd
         out = [ParamTensor("embed_tokens.weight", (self.vocab, h), "vocab")]
@@ -162,6 +169,12 @@ class DecoderShape:
 
 
 Shape = VisionShape | DecoderShape
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_tensors(shape: Shape) -> tuple[ParamTensor, ...]:
+    """A 64-layer decoder lists ~900 tensors; a planner asks for them thousands of times."""
+    return tuple(shape._tensors())
 
 
 def shapes_from_hf_config(cfg: dict[str, Any]) -> dict[str, Shape]:

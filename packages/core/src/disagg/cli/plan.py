@@ -1,0 +1,125 @@
+"""``disagg plan CONFIG``: rank parallel layouts by predicted step time; write the best."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "choose each module's strategy, degree, replicas and placement from the strategies' cost model"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="a train config (its parallel section is ignored)")
+    parser.add_argument("--cluster", default=None, help="preset: h100x8 (default), h200x8, cpu")
+    parser.add_argument("--ray", action="store_true", help="devices and memory from the running Ray cluster")
+    for flag, what in (
+        ("--gpus", "devices per node"),
+        ("--nodes", "nodes"),
+        ("--gpu-mem", "memory per device, e.g. 80GiB"),
+        ("--intra-bw", "bytes/s a device sends inside a node, e.g. 360GB/s"),
+        ("--inter-bw", "bytes/s a device sends across nodes, e.g. 50GB/s"),
+        ("--flops", "peak FLOP/s per device, e.g. 989T"),
+        ("--mfu", "fraction of the peak a step reaches, e.g. 0.4"),
+        ("--usable", "fraction of device memory a plan may fill, e.g. 0.9"),
+    ):
+        parser.add_argument(flag, default=None, help=what)
+    parser.add_argument("--vision-tokens", type=int, default=1024, help="patches per image (default 1024)")
+    parser.add_argument("--text-tokens", type=int, default=128, help="text tokens per sample (default 128)")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="samples per step (default data.batch_size)"
+    )
+    parser.add_argument("--recompute", action="store_true", help="assume full activation recomputation")
+    parser.add_argument("--placement", choices=["any", "collocated", "disaggregated"], default="any")
+    parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    parser.add_argument("--write", default=None, metavar="PLAN_YAML", help="write the best layout here")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write every ranked layout as JSON")
+    parser.add_argument(
+        "--profile", action="store_true", help="measure the top layouts and re-rank by measurement"
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=3, help="steps per profiled layout (first: warm-up)"
+    )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from disagg.config.errors import ConfigError, Problem
+    from disagg.config.load import load_config
+    from disagg.plan.explain import table, why, write_plan
+    from disagg.plugins import get_registry
+
+    cfg = load_config(args.config, args.overrides)
+    registry = get_registry()
+    try:
+        result, cluster = plan_for_config(cfg, registry, args)
+    except ValueError as exc:
+        raise ConfigError([Problem("plan", str(exc))]) from None
+    if args.profile:
+        from disagg.plan.profile import agreement, profile
+
+        before = [x.name() for x in result.ranked[: args.top]]
+        measured = profile(
+            result,
+            cfg,
+            registry,
+            top=args.top,
+            steps=args.profile_steps,
+            out_dir=Path(cfg.output_dir) / "plan-profile",
+            dtype=cluster.dtype,
+        )
+        result.ranked = measured + result.ranked[len(measured) :]
+        agree = agreement(measured)
+        print(table(result, args.top))
+        moved = [x.name() for x in measured] != before
+        print(
+            f"profile: spearman(predicted, measured step time) = {agree['spearman']}; "
+            f"{'re-ranked by measurement' if moved else 'measurement keeps the predicted order'}"
+        )
+    else:
+        print(table(result, args.top))
+    if result.ranked:
+        print("\n".join(why(result)))
+    if args.write and result.ranked:
+        print(f"wrote {write_plan(result.best, args.write, result)}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "cluster": cluster.to_dict(),
+                    "ranked": [x.to_dict() for x in result.ranked],
+                    "oom": [x.to_dict() for x in result.oom[: args.top]],
+                    "skipped": result.skipped,
+                },
+                indent=1,
+            )
+        )
+    return 0 if result.ranked else 1
+
+
+def plan_for_config(cfg, registry, args):  # type: ignore[no-untyped-def]
+    """The plan of ``cfg`` on the cluster ``args`` describe (a ``disagg plan`` namespace)."""
+    from disagg.plan.cluster import cluster_from
+    from disagg.plan.search import PLACEMENTS, plan
+    from disagg.plan.workload import config_families, config_workload
+
+    overrides = {
+        k: getattr(args, k, None)
+        for k in ("gpus", "nodes", "gpu_mem", "intra_bw", "inter_bw", "flops", "mfu", "usable")
+    }
+    if getattr(args, "ray", False):
+        from disagg.runtime.run import ensure_ray
+
+        ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
+    cluster = cluster_from(args.cluster, overrides, ray_cluster=getattr(args, "ray", False))
+    work = config_workload(
+        cfg,
+        vision_tokens=args.vision_tokens,
+        text_tokens=args.text_tokens,
+        samples=args.samples,
+        recompute=args.recompute,
+    )
+    placements = PLACEMENTS if args.placement == "any" else (args.placement,)
+    result = plan(work, cluster, registry.strategies, config_families(cfg, registry), placements)
+    return result, cluster

@@ -1,0 +1,132 @@
+"""Say what the planner found: the top layouts, why the best wins, the YAML to train it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from disagg.plan.model import Layout
+from disagg.plan.search import PlanResult
+
+GiB = 2**30
+
+
+def table(result: PlanResult, top: int) -> str:
+    """The ``top`` fitting layouts (and the measured figures when profiled)."""
+    modules = list(result.workload.shapes)
+    lines = [result.cluster.describe(), _workload(result)]
+    head = f"{'#':>2}  {'step s':>8}  {'mem GiB':>7}  " + "  ".join(
+        f"{m + ': strategy':<38} {'s':>7} {'GB sent':>8} {'GiB':>6}" for m in modules
+    )
+    profiled = any(x.measured for x in result.ranked[:top])
+    lines.append(head + ("  measured tok/s" if profiled else ""))
+    for k, x in enumerate(result.ranked[:top], 1):
+        cells = []
+        for m in modules:
+            c, t = x.costs[m], sum(x.times[m].values())
+            cells.append(
+                f"{x.groups[m].label():<38} {t:>7.3f} {c.comm_bytes / 1e9:>8.3f} {c.memory_bytes / GiB:>6.2f}"
+            )
+        row = f"{k:>2}  {x.step_time_s:>8.4f}  {x.memory_bytes / GiB:>7.2f}  " + "  ".join(cells)
+        if profiled:
+            row += f"  {x.measured['tokens_per_s']:.1f}" if x.measured else "  -"
+        lines.append(row + f"  [{x.placement}, {x.microbatches} mb, {x.schedule}]")
+    if not result.ranked:
+        lines.append("(no layout fits)")
+    for name, why in result.skipped.items():
+        lines.append(f"skipped: {name}: {why}")
+    for m, names in result.not_for.items():
+        lines.append(f"not for {m}: {', '.join(names)} (report no cost for this module)")
+    return "\n".join(lines)
+
+
+def _workload(result: PlanResult) -> str:
+    w = result.workload
+    return (
+        f"workload: {w.samples} samples/step, {w.vision_tokens} vision patches + {w.text_tokens} text tokens "
+        f"per sample, activations {'recomputed' if w.recompute else 'saved'}; "
+        f"{len(result.ranked)} layouts fit, {len(result.oom)} out of memory"
+    )
+
+
+def why(result: PlanResult, rivals: int = 3) -> list[str]:
+    """Sentences: the best against the best of other strategy mixes, and the
+    faster layouts that do not fit."""
+    best = result.best
+    lines = [
+        f"best: {best.name()}: {best.step_time_s:.4g} s/step predicted, "
+        f"{best.memory_bytes / GiB:.2f} of {result.cluster.memory_budget / GiB:.2f} GiB per device"
+    ]
+    seen = {_mix(best)}
+    for x in result.ranked[1:]:
+        if _mix(x) in seen:
+            continue
+        seen.add(_mix(x))
+        lines.append(f"  vs {x.name()}: {x.step_time_s / best.step_time_s:.3f}x the time; {_diff(best, x)}")
+        if len(seen) > rivals:
+            break
+    shown: set[tuple[str, ...]] = set()
+    for x in result.oom:
+        if x.step_time_s >= best.step_time_s or _mix(x) in shown:
+            continue
+        shown.add(_mix(x))
+        lines.append(
+            f"  faster but out of memory: {x.name()}: {best.step_time_s / x.step_time_s:.3f}x the speed, "
+            f"needs {x.memory_bytes / GiB:.2f} GiB per device"
+        )
+        if len(shown) >= rivals:
+            break
+    return lines
+
+
+def _mix(x: Layout) -> tuple[str, ...]:
+    return tuple(g.strategy for g in x.groups.values()) + (x.placement,)
+
+
+def _diff(best: Layout, other: Layout) -> str:
+    """The two components where ``other`` loses the most time against ``best``."""
+    deltas = []
+    for m in best.groups:
+        for k in ("compute_s", "collective_s", "transfer_s"):
+            deltas.append((other.times[m][k] - best.times[m][k], m, k))
+    deltas.sort(reverse=True)
+    parts = []
+    for d, m, k in deltas[:2]:
+        if d <= 0:
+            break
+        what = k.removesuffix("_s")
+        if what == "collective":
+            extra = (
+                f" ({sum(other.costs[m].comm_bytes_by_kind.values()) / 1e9:.3g} vs "
+                f"{sum(best.costs[m].comm_bytes_by_kind.values()) / 1e9:.3g} GB per rank)"
+            )
+        else:
+            extra = ""
+        parts.append(f"{m} {what} +{d:.3g} s{extra}")
+    gain = other.step_time_s - best.step_time_s
+    if not parts:
+        parts.append(f"overlap of groups: +{gain:.3g} s")
+    return ", ".join(parts)
+
+
+def plan_yaml(layout: Layout) -> dict[str, Any]:
+    """The config sections ``disagg train`` needs to run ``layout``."""
+    return {
+        "parallel": layout.parallel_section(),
+        "train": {"microbatches": layout.microbatches, "schedule": layout.schedule},
+    }
+
+
+def write_plan(layout: Layout, path: str | Path, result: PlanResult) -> Path:
+    """``plan.yaml``: the best layout's ``parallel`` and ``train`` keys, with the prediction as comments."""
+    import yaml
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = [
+        "# written by `disagg plan`; merge into a train config (or use `parallel: auto`)",
+        f"# {result.cluster.describe()}",
+        f"# predicted: {layout.step_time_s:.4g} s/step, {layout.memory_bytes / GiB:.2f} GiB per device",
+    ]
+    path.write_text("\n".join(header) + "\n" + yaml.safe_dump(plan_yaml(layout), sort_keys=False))
+    return path

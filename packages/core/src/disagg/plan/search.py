@@ -1,0 +1,174 @@
+"""Search strategies x degrees x replicas x placement for every module; rank by predicted step time."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.interfaces import Cost, Family, Strategy, StrategyOptions
+from disagg.plan.cluster import Cluster
+from disagg.plan.model import Group, Layout, Workload, evaluate, module_cost
+
+#: option values worth trying per strategy (the rest keep their defaults); a
+#: strategy not listed is tried with its default options only
+OPTION_VARIANTS: dict[str, list[dict[str, Any]]] = {
+    "megatron_tp": [{}, {"sequence_parallel": True}],
+    "zero": [{"stage": 1}, {"stage": 2}, {"stage": 3}],
+}
+PLACEMENTS = ("collocated", "disaggregated")
+
+
+@dataclass
+class PlanResult:
+    cluster: Cluster
+    workload: Workload
+    #: layouts that fit memory, fastest first
+    ranked: list[Layout]
+    #: layouts predicted out of memory, fastest first
+    oom: list[Layout]
+    #: strategy -> why the planner left it out (it reports no cost)
+    skipped: dict[str, str] = field(default_factory=dict)
+    #: module -> strategies that report nothing for that module (not applicable)
+    not_for: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Layout:
+        if not self.ranked:
+            raise ValueError(
+                f"no layout fits {self.cluster.memory_budget / 2**30:.1f} GiB per device "
+                f"({len(self.oom)} tried; the smallest needs "
+                f"{min((x.memory_bytes for x in self.oom), default=0) / 2**30:.1f} GiB)"
+            )
+        return self.ranked[0]
+
+    def find(self, **modules: str) -> list[Layout]:
+        """Layouts (fitting first, then OOM) whose modules use these strategies, e.g. ``vision="ulysses"``."""
+        return [
+            x for x in self.ranked + self.oom if all(x.groups[m].strategy == s for m, s in modules.items())
+        ]
+
+
+def plan(
+    work: Workload,
+    cluster: Cluster,
+    strategies: dict[str, type[Strategy]],
+    families: dict[str, Family] | None = None,
+    placements: tuple[str, ...] = PLACEMENTS,
+) -> PlanResult:
+    """Every valid layout of ``work``'s modules on ``cluster``, evaluated and ranked.
+
+    ``families``: module -> family instance, when the model dir is at hand; the
+    strategies' and families' own ``check`` then rule out meshes they cannot run
+    (without it, a degree must divide the module's attention heads)."""
+    modules = list(work.shapes)
+    per_module: dict[str, list[tuple[Group, StrategyOptions]]] = {m: [] for m in modules}
+    reports: dict[str, bool] = {}
+    not_for: dict[str, list[str]] = {m: [] for m in modules}
+    for name, cls in sorted(strategies.items()):
+        for m in modules:
+            found = False
+            for variant in OPTION_VARIANTS.get(name, [{}]):
+                try:
+                    options = cls.options_model(**variant)
+                except Exception:  # a third party's options may not accept our variant
+                    continue
+                opts = tuple(sorted(variant.items()))
+                probe = Group(m, name, 1, 1, opts)
+                if _probe(cls, probe, options, work, cluster) is None:
+                    continue
+                found = True
+                for d, r in _meshes(cluster.devices, work.samples):
+                    group = Group(m, name, d, r, opts)
+                    if _valid(cls, group, options, work, (families or {}).get(m)):
+                        per_module[m].append((group, options))
+            reports[name] = reports.get(name, False) or found
+            if not found:
+                not_for[m].append(name)
+    skipped = {
+        n: "reports no cost (Strategy.estimate returns None)" for n, found in reports.items() if not found
+    }
+    not_for = {m: [n for n in names if n not in skipped] for m, names in not_for.items()}
+    for m in modules:
+        if not per_module[m]:
+            raise ValueError(f"no strategy can plan module {m!r} (skipped: {', '.join(skipped) or 'none'})")
+
+    cache: dict[tuple[Any, ...], Cost | None] = {}
+    layouts: list[Layout] = []
+    encoders = [m for m in modules if m != "llm"]
+    for combo in itertools.product(*(per_module[m] for m in modules)):
+        groups = {g.module: g for g, _ in combo}
+        lead = groups[encoders[0]] if encoders else groups["llm"]
+        micro = work.samples // lead.replicas
+        per_mb = work.samples // micro
+        if any(strategies[g.strategy].lockstep and per_mb < g.replicas for g in groups.values()):
+            continue  # a lockstep group needs a sample for every replica in every microbatch
+        for placement in placements:
+            ranks = [g.ranks for g in groups.values()]
+            if (placement == "collocated" and max(ranks) > cluster.devices) or (
+                placement == "disaggregated" and (sum(ranks) > cluster.devices or len(groups) < 2)
+            ):
+                continue
+            schedule = (
+                "encoders_ahead" if placement == "disaggregated" and micro > 1 and encoders else "sequential"
+            )
+            layout = Layout(groups=groups, placement=placement, microbatches=micro, schedule=schedule)
+            costs = {}
+            for g, options in combo:
+                inflight = schedule == "encoders_ahead" and g.module != "llm"
+                key = (g, micro, inflight)
+                if key not in cache:
+                    cache[key] = module_cost(strategies[g.strategy], g, options, work, layout, cluster.dtype)
+                costs[g.module] = cache[key]
+            if any(c is None for c in costs.values()):
+                continue
+            layouts.append(evaluate(layout, costs, cluster))  # type: ignore[arg-type]
+    layouts.sort(key=lambda x: (round(x.step_time_s, 12), x.memory_bytes, x.name()))
+    return PlanResult(
+        cluster=cluster,
+        workload=work,
+        ranked=[x for x in layouts if x.fits],
+        oom=[x for x in layouts if not x.fits],
+        skipped=skipped,
+        not_for={m: v for m, v in not_for.items() if v},
+    )
+
+
+def _meshes(devices: int, samples: int) -> list[tuple[int, int]]:
+    """(degree, replicas) with at most ``devices`` ranks; replicas divide the batch
+    (each replica gets the same number of samples per microbatch)."""
+    out = []
+    for d in range(1, devices + 1):
+        for r in range(1, devices // d + 1):
+            if samples % r == 0 and devices % (d * r) == 0:
+                out.append((d, r))
+    return out
+
+
+def _probe(
+    cls: type[Strategy], group: Group, options: StrategyOptions, work: Workload, cluster: Cluster
+) -> Cost | None:
+    layout = Layout(
+        groups={group.module: group}, placement="collocated", microbatches=1, schedule="sequential"
+    )
+    return module_cost(cls, group, options, work, layout, cluster.dtype)
+
+
+def _valid(
+    cls: type[Strategy], group: Group, options: StrategyOptions, work: Workload, family: Family | None
+) -> bool:
+    """The strategy's (and family's) own checks when a family is at hand; else a degree must
+    divide the module's heads (how ``ulysses`` and ``megatron_tp`` split attention)."""
+    try:
+        problems = cls.check(family, group.degree, group.replicas, options)  # type: ignore[arg-type]
+        if family is not None:
+            problems = problems + family.check(group.strategy, group.degree, group.replicas)
+    except Exception:  # checks that need the family's model dir: fall back to the shape's rule
+        if family is not None:
+            return False
+        problems = []
+    if problems:
+        return False
+    if family is None and group.degree > 1:
+        return work.shapes[group.module].heads % group.degree == 0
+    return True
