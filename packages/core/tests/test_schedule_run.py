@@ -5,6 +5,7 @@ equals the single-process reference, an encoder holds at most
 from __future__ import annotations
 
 import pytest
+import torch
 
 from disagg.builtin.ddp import DDPStrategy
 from disagg.builtin.schedules import EncodersAhead, Sequential
@@ -84,3 +85,30 @@ def test_frozen_encoder_keeps_no_activations(ray_local, toy_dirs):
         orch.shutdown()
     assert res.groups["vision"]["activation_bytes_per_rank"] == 0
     assert res.groups["llm"]["activation_bytes_per_rank"] > 0
+
+
+def test_bfloat16_autocasts_the_forward_and_keeps_fp32_state(ray_local, toy_dirs):
+    """The one dtype rule through the orchestrator: under ``bfloat16`` the loss
+    is close to float32's (not equal: the forward ran in bf16), and the
+    parameters stay float32 master weights."""
+    optims = {"vision": OptimSpec(lr=1e-2), "llm": OptimSpec(lr=1e-2)}
+    samples = toy_samples(4, seed=3)
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        enc, lm = toy_dirs
+        orch = Orchestrator(
+            [
+                GroupSpec(
+                    "vision", ToyEncoderFamily(enc), DDPStrategy, StrategyOptions(), 1, 1, optims["vision"]
+                ),
+                GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, 2, optims["llm"]),
+            ],
+            dtype=dtype,
+        )
+        try:
+            losses[dtype] = orch.step(put_samples(samples)).loss
+            assert {v.dtype for v in orch.full_state_dict("llm").values()} == {torch.float32}
+        finally:
+            orch.shutdown()
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=5e-2)
+    assert losses["bfloat16"] != losses["float32"]
