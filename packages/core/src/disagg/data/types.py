@@ -28,7 +28,13 @@ class SampleRefs:
 
 
 class DataSource(Protocol):
-    """A deterministic stream of global batches."""
+    """A deterministic stream of global batches.
+
+    A source that can skip samples (``data.on_error: skip``) also has
+    ``state() -> dict`` (JSON: where the stream stands after the last batch
+    handed out; the run saves it with each checkpoint) and accepts it back as
+    ``batches(start_step, state=...)`` to resume exactly there.
+    """
 
     def batches(self, start_step: int = 0) -> Iterator[list[SampleRefs]]:
         """Global batches from optimizer step ``start_step`` on (resumable)."""
