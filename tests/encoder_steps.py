@@ -1,0 +1,100 @@
+"""Several optimizer steps of a vision encoder under one strategy, one call per
+rank (importable by spawned ranks), and the same steps in one process with the
+unpartitioned Hugging Face module.
+
+``schedule[step][replica]`` lists the sample ids a replica encodes in that
+step (possibly none). The upstream gradient of each sample is fixed.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import torch
+
+from disagg.interfaces import GroupContext, OptimSpec, StrategyOptions, dropout_seed
+from disagg.interfaces.strategy import clip_coefficient
+
+MAX_NORM = 0.05  # small enough that clipping is active
+# weight decay on; eps 1e-3 keeps Adam's update Lipschitz in the gradient, so
+# fp32 rounding noise of near-zero gradients (SigLIP's key biases) stays noise
+OPTIM = OptimSpec(lr=1e-3, weight_decay=0.1, eps=1e-3)
+
+
+def _loads(raw: bytes):  # noqa: ANN201
+    return torch.load(io.BytesIO(raw), weights_only=False)
+
+
+def _strategy(name: str, ctx: GroupContext, family):  # noqa: ANN001, ANN202
+    if name == "ulysses":
+        from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
+
+        return UlyssesStrategy(ctx, family, StrategyOptions())
+    from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+
+    return MegatronTPStrategy(ctx, family, MegatronTPOptions())
+
+
+def steps_rank(
+    rank: int, strategy: str, degree: int, replicas: int, path: str, inputs, grads, schedule
+) -> bytes:
+    from disagg_vision_sp.families.llava import LlavaVision
+
+    ctx = GroupContext(
+        "vision", rank, degree * replicas, degree, replicas, torch.device("cpu"), torch.float32
+    )
+    family = LlavaVision(Path(path))
+    strat = _strategy(strategy, ctx, family)
+    strat.setup(family.build(torch.float32), OPTIM)
+    strat.module.train()  # as core's worker does
+    torch.manual_seed(dropout_seed(ctx.seed, ctx.replica))
+    out: dict = {"present": [], "norm_sq": []}
+    for step, per_replica in enumerate(schedule):
+        mine = per_replica[ctx.replica]
+        shards = strat.encode(step, [inputs[i] for i in mine])
+        strat.backward(step, [s.value for s in shards], [grads[i][s.positions] for i, s in zip(mine, shards)])
+        strat.reduce_gradients()
+        out["present"].append(sorted(strat.full_grads()))
+        norm_sq = strat.grad_norm_sq()
+        out["norm_sq"].append(norm_sq)
+        strat.step(clip_coefficient(math.sqrt(norm_sq), MAX_NORM))
+        strat.zero_grad()
+    out["params"] = strat.full_state_dict()
+    with_state = {id(p) for p in strat.optimizer.state}
+    out["with_state"] = sorted(n for n, p in strat.module.named_parameters() if id(p) in with_state)
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+def run_steps(strategy: str, degree: int, replicas: int, path: str, inputs, grads, schedule) -> list[dict]:
+    from disagg.testing.dist import run_ranks
+
+    raw = run_ranks(steps_rank, degree * replicas, strategy, degree, replicas, path, inputs, grads, schedule)
+    return [_loads(r) for r in raw]
+
+
+def reference_steps(family, inputs, grads, schedule) -> dict:  # noqa: ANN001
+    """The single-process run: every replica's samples of a step together."""
+    module = family.build(torch.float32)
+    module.train()
+    params = dict(module.named_parameters())
+    opt = torch.optim.AdamW(
+        params.values(), lr=OPTIM.lr, weight_decay=OPTIM.weight_decay, eps=OPTIM.eps, foreach=False
+    )
+    out: dict = {"present": [], "norm_sq": []}
+    for per_replica in schedule:
+        ids = [i for r in per_replica for i in r]
+        outs = [family.encode(module, inputs[i]) for i in ids]
+        torch.autograd.backward(outs, [grads[i] for i in ids])
+        present = {n: p.grad for n, p in params.items() if p.grad is not None}
+        out["present"].append(sorted(present))
+        out["norm_sq"].append(sum(float(g.double().pow(2).sum()) for g in present.values()))
+        torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = {n: p.detach().clone() for n, p in params.items()}
+    out["with_state"] = sorted(n for n, p in params.items() if p in opt.state)
+    return out
