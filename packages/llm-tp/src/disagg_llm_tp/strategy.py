@@ -42,7 +42,7 @@ from disagg.interfaces import (
     agree_on_grads,
     dropout_seed,
 )
-from disagg_llm_tp.layers import ShardSpec, merge
+from disagg_llm_tp.layers import ShardSpec, local_slice, merge
 from disagg_llm_tp.parallelize import TPPlan, parallelize_module
 from disagg_llm_tp.rng import ShardRNG, fork_around
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
@@ -309,3 +309,56 @@ class MegatronTPStrategy(Strategy):
 
         sp = bool(getattr(options, "sequence_parallel", False))
         return analytic_cost("megatron_tp", query, {"sequence_parallel": sp})
+
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW moments merged through each parameter's shard spec, like the
+        weights; ranks agree which parameters have state (``agree_on_grads``
+        gave them the same gradients to step on), so they gather the same."""
+        if self.optimizer is None:
+            return {}
+        assert self.module is not None
+        out = {}
+        for name, p in self.module.named_parameters():
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            out[name] = {
+                k: v.detach().cpu().clone() if v.dim() == 0 else self._gather(v, p.tp_spec).cpu().clone()
+                for k, v in st.items()
+                if torch.is_tensor(v)
+            }
+        return out
+
+    def load_full_state(
+        self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
+    ) -> None:
+        """This TP rank's slice of every full tensor (the inverse of the merge)."""
+        assert self.module is not None
+        shard, degree = self.ctx.shard, self.ctx.degree
+        with torch.no_grad():
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                if name.endswith("_extra_state") or not isinstance(t, torch.Tensor):
+                    continue
+                if name not in params:
+                    raise KeyError(f"checkpoint has no tensor {name!r} for module {self.ctx.module!r}")
+                spec = getattr(t, "tp_spec", ShardSpec("replicated"))
+                t.copy_(local_slice(params[name], spec, shard, degree).to(t.device, t.dtype))
+        if self.optimizer is None:
+            return
+        for name, p in self.module.named_parameters():
+            if name in optim_state:
+                self.optimizer.state[p] = {
+                    k: v.clone()
+                    if v.dim() == 0
+                    else local_slice(v, p.tp_spec, shard, degree)
+                    .to(p.device, p.dtype)
+                    .clone(memory_format=torch.contiguous_format)
+                    for k, v in optim_state[name].items()
+                }
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        return {"shard_dropout": self.rng.state.cpu()} if self.rng is not None else {}
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.rng is not None and "shard_dropout" in state:
+            self.rng.state = state["shard_dropout"].clone()

@@ -292,6 +292,123 @@ class ZeroStrategy(Strategy):
                     )
         return out
 
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Full AdamW moments per parameter through DeepSpeed's
+        ``safe_get_full_optimizer_state`` (collective, same order on every
+        rank); the step count per parameter from :class:`MaskedAdamW`'s
+        fragment steps, the largest over the group (a rank may hold no
+        fragment of a parameter)."""
+        if self.engine is None or self.optimizer is None:
+            return {}
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        steps = self._param_steps()
+        if not any(steps):
+            return {}  # never stepped: DeepSpeed's optimizer has no state yet
+        self._link_optimizer_state()
+        out = {}
+        for (name, p), step in zip(self._named_params(), steps):
+            if step == 0:
+                continue
+            shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
+            out[name] = {
+                k: safe_get_full_optimizer_state(p, k).detach().float().cpu().view(shape).clone()
+                for k in ("exp_avg", "exp_avg_sq")
+            }
+            out[name]["step"] = torch.tensor(float(step))
+        return out
+
+    def load_full_state(
+        self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
+    ) -> None:
+        """Weights into DeepSpeed's fp32 master partitions
+        (``safe_set_full_fp32_param``) and the module's own parameters, moments
+        through ``safe_set_full_optimizer_state``, step counts into this rank's
+        fragments."""
+        assert self.module is not None
+        if self.engine is None:
+            super().load_full_state(params, {})
+            return
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        named = dict(self.module.named_parameters())
+        missing = [n for n in named if n not in params]
+        if missing:
+            raise KeyError(f"checkpoint has no tensor {missing[0]!r} for module {self.ctx.module!r}")
+        with torch.no_grad():
+            # every rank holds the full values; ZeRO-3 re-partitions rank 0's on leaving
+            with self._modifiable():
+                for name, p in named.items():
+                    p.copy_(params[name].to(p.device, p.dtype))
+                for name, b in self.module.named_buffers():
+                    if name in params:
+                        b.copy_(params[name].to(b.device, b.dtype))
+            if self.optimizer is None:
+                return
+            for name, p in self._named_params():
+                safe_set_full_fp32_param(p, params[name].to(self.ctx.device, torch.float32))
+            if not optim_state:
+                return
+            self._init_optimizer_state()
+            self._link_optimizer_state()
+            for name, p in self._named_params():
+                st = optim_state.get(name)
+                for k in ("exp_avg", "exp_avg_sq"):
+                    value = st[k] if st else torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+                    safe_set_full_optimizer_state(p, value.to(self.ctx.device, torch.float32), k)
+            steps = [
+                float(optim_state[n]["step"]) if n in optim_state else 0.0 for n, _ in self._named_params()
+            ]
+            for flat, state in self.optimizer.state.items():
+                frags = self.optimizer.fragments_of(flat)  # type: ignore[attr-defined]
+                state["fragment_steps"] = torch.tensor([steps[i] for _, _, i in frags], dtype=torch.float32)
+                state["step"] = torch.tensor(max([steps[i] for _, _, i in frags], default=0.0))
+
+    def _modifiable(self) -> contextlib.AbstractContextManager:
+        if self.options.stage < 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=0)  # type: ignore[union-attr]
+
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        ids = {id(p) for p in self._params}
+        return [(n, p) for n, p in self.module.named_parameters() if id(p) in ids]  # type: ignore[union-attr]
+
+    def _param_steps(self) -> list[float]:
+        """Per trainable parameter, its AdamW step count (max over the group)."""
+        import torch.distributed as dist
+
+        steps = torch.zeros(len(self._params), dtype=torch.float64, device=self.ctx.device)
+        for flat, state in self.optimizer.state.items():  # type: ignore[union-attr]
+            if "fragment_steps" not in state:
+                continue
+            for k, (_, _, i) in enumerate(self.optimizer.fragments_of(flat)):  # type: ignore[union-attr]
+                steps[i] = max(float(steps[i]), float(state["fragment_steps"][k]))
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        return steps.cpu().tolist()
+
+    def _init_optimizer_state(self) -> None:
+        """Create :class:`MaskedAdamW`'s state as its first step would (zero
+        moments, no steps), so that DeepSpeed can address it."""
+        for group in self.optimizer.param_groups:  # type: ignore[union-attr]
+            for flat in group["params"]:
+                state = self.optimizer.state[flat]  # type: ignore[union-attr]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+                    n = len(self.optimizer.fragments_of(flat))  # type: ignore[union-attr]
+                    state["fragment_steps"] = torch.zeros(n, dtype=torch.float32)
+
+    def _link_optimizer_state(self) -> None:
+        """ZeRO 1-2 point each parameter's fragment at the optimizer state
+        lazily, at its first step; a state created here needs the same link."""
+        opt = self.engine.optimizer
+        if self.options.stage < 3 and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            opt._hp_optimizer_states_linked = False  # noqa: SLF001
+            opt._lazy_init_hp_params_optimizer_state()  # noqa: SLF001
+
     def save(self, path: Path) -> None:
         """DeepSpeed checkpoint (collective): model states plus every rank's
         optimizer partition and the scheduler, under ``path/zero/``."""

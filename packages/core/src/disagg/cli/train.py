@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 HELP = "train from a YAML config (validated before any actor starts)"
 
@@ -18,6 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a config value, e.g. --set train.lr=1e-4 (repeatable; values are YAML)",
     )
     parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="auto|PATH",
+        help="resume from a checkpoints/step-N dir, or (auto, the default value) from the newest "
+        "complete checkpoint of the run dir (none yet: start from step 0)",
+    )
+    parser.add_argument(
         "--address", default=None, help="Ray address to join (e.g. 'auto'); default: ray.address or local Ray"
     )
 
@@ -28,6 +39,12 @@ def run(args: argparse.Namespace) -> int:
     from disagg.plugins import get_registry
 
     cfg, source = load_config_and_source(args.config, args.overrides)
+    if args.resume:
+        path = _resume_path(args.resume, cfg.output_dir)
+        if path is not None:
+            cfg, source = load_config_and_source(
+                args.config, [*args.overrides, f"checkpoint.resume_from={json.dumps(path)}"]
+            )
     resolved = validate(cfg, get_registry(), source=source)
     # Only now, with a config known to be sound, do we touch Ray.
     from disagg.runtime.run import run_training
@@ -36,6 +53,22 @@ def run(args: argparse.Namespace) -> int:
     summary = run_training(resolved, address=address)
     print(format_summary(summary))
     return 0
+
+
+def _resume_path(resume: str, output_dir: str) -> str | None:
+    if resume != "auto":
+        return resume
+    from disagg.runtime.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(output_dir)
+    if path is None:
+        print(
+            f"--resume auto: no complete checkpoint under {output_dir}/checkpoints; starting at step 0",
+            file=sys.stderr,
+        )
+        return None
+    print(f"--resume auto: resuming from {path}", file=sys.stderr)
+    return str(path)
 
 
 def format_summary(summary: dict) -> str:

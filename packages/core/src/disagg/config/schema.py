@@ -178,7 +178,17 @@ class CheckpointConfig(Strict):
     every: int = Field(0, ge=0)
     """Save every N steps (0: only at the end)."""
     resume_from: str | None = None
-    """A ``checkpoints/step-N`` dir to resume from."""
+    """A ``checkpoints/step-N`` dir to resume from (``disagg train --resume auto`` picks the
+    run dir's newest complete one)."""
+    keep_last: int | None = Field(None, ge=1)
+    """Keep only the newest K complete checkpoints (``null``: keep all)."""
+
+
+class FaultToleranceConfig(Strict):
+    max_restarts: int = Field(0, ge=0)
+    """When a rank's process or node dies, tear the groups down, recreate them and resume from
+    the newest complete checkpoint (from the start if none) up to N times; then stop with an
+    error naming the module and rank."""
 
 
 class RayConfig(Strict):
@@ -199,6 +209,8 @@ class Config(Strict):
     """Optimization."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Saving and resuming."""
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
+    """Recovery from dead actors."""
     ray: RayConfig = Field(default_factory=RayConfig)
     """The Ray cluster to run on."""
     output_dir: str = "runs/default"

@@ -238,8 +238,58 @@ class Strategy(ABC):
             n: p.grad.detach().cpu().clone() for n, p in self.module.named_parameters() if p.grad is not None
         }
 
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state of every parameter that has some, merged like
+        :meth:`full_state_dict` and under the same names:
+        ``{name: {"exp_avg", "exp_avg_sq", "step"}}`` (AdamW). Parameters
+        without state (never stepped) are left out. Collective; rank 0's
+        result is complete. This layout-free form is what checkpoints hold,
+        so any layout can resume from any other's."""
+        if self.optimizer is None:
+            return {}
+        assert self.module is not None
+        out = {}
+        for name, p in self.module.named_parameters():
+            st = self.optimizer.state.get(p)
+            if st:
+                out[name] = {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
+        return out
+
+    def load_full_state(
+        self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
+    ) -> None:
+        """Take this rank's part of full parameters and optimizer state (the
+        forms of :meth:`full_state_dict` and :meth:`full_optimizer_state`,
+        possibly saved under another layout). Collective; every rank gets the
+        full tensors."""
+        assert self.module is not None
+        with torch.no_grad():
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                if name not in params:
+                    raise KeyError(f"checkpoint has no tensor {name!r} for module {self.ctx.module!r}")
+                t.copy_(params[name].to(t.device, t.dtype))
+        if self.optimizer is None:
+            return
+        for name, p in self.module.named_parameters():
+            if name in optim_state:
+                self.optimizer.state[p] = {
+                    # torch AdamW keeps its (non-capturable) step count on the CPU
+                    k: v.clone() if k == "step" else v.to(p.device, p.dtype).clone()
+                    for k, v in optim_state[name].items()
+                }
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """Random streams of this rank's own beyond torch's default generators
+        (core saves those), e.g. a per-shard dropout stream."""
+        return {}
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`rng_state` returned (same layout only)."""
+        return None
+
     def save(self, path: Path) -> None:
-        """Write this rank's resumable state (parameters, optimizer, scheduler)."""
+        """Write this rank's state in the strategy's own per-rank format (not
+        used by run checkpoints, which hold the full form)."""
         assert self.module is not None
         torch.save(
             {
@@ -252,7 +302,7 @@ class Strategy(ABC):
 
     def load(self, path: Path) -> None:
         assert self.module is not None
-        state = torch.load(Path(path) / f"rank-{self.ctx.rank}.pt", weights_only=False)
+        state = torch.load(Path(path) / f"rank-{self.ctx.rank}.pt", weights_only=True)
         self.module.load_state_dict(state["module"])
         if self.optimizer and state["optimizer"]:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -21,6 +21,11 @@ class JsonlMetricsLogger:
         self._fh.write(json.dumps(metrics, sort_keys=True) + "\n")
         self._fh.flush()  # a crash must not lose the steps already done
 
+    def log_event(self, event: dict[str, Any]) -> None:
+        """A line that is not a step (``event`` names what happened, e.g. a restart)."""
+        self._fh.write(json.dumps(event, sort_keys=True) + "\n")
+        self._fh.flush()
+
     @hookimpl
     def disagg_run_finished(self, summary: dict[str, Any]) -> None:
         self._fh.close()

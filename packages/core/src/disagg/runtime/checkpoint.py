@@ -1,15 +1,24 @@
-"""Checkpoints: per-rank resumable state plus a merged copy of every module,
-from which ``disagg export`` writes Hugging Face dirs without starting actors.
+"""Checkpoints: complete, atomic, layout-free.
 
-Layout of ``checkpoints/step-N/``: ``meta.json`` (step, resolved config),
-``<module>/rank-K*`` (each strategy's own resumable state) and
-``<module>/full.safetensors`` (merged weights named like ``family.build()``).
+``checkpoints/step-N/`` holds, per module, the merged (unpartitioned)
+parameters, the merged AdamW state per parameter, the scheduler and every
+rank's random streams (written by the actors: :mod:`disagg.runtime.actor.state`),
+then ``data.json`` (the data stream's position), ``meta.json`` (step, resolved
+config, run fingerprint) and last ``manifest.json`` (layout, package versions,
+sha256 and size of every file). Everything is written under ``step-N.tmp/`` and
+renamed only once every file is on disk and checksummed, so a crash mid-save
+leaves the previous checkpoint as it was; a dir without a manifest is not a
+checkpoint. Any layout resumes from any other's (the full form is sliced by
+each strategy); ``disagg export`` reads it without starting actors.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +28,139 @@ from safetensors.torch import load_file, save_file
 from disagg.config.fingerprint import run_fingerprint
 from disagg.config.schema import Config
 from disagg.plugins import Registry
-from disagg.runtime.orchestrator import Orchestrator
+from disagg.runtime.actor.state import file_digest
 from disagg.runtime.plan import families_for
 
+FORMAT = "disagg-full/1"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+#: distributions whose versions a checkpoint records
+_DISTRIBUTIONS = (
+    "disagg-core",
+    "disagg-vision-sp",
+    "disagg-llm-tp",
+    "disagg-zero",
+    "disagg-audio",
+    "torch",
+    "transformers",
+    "deepspeed",
+    "megatron-core",
+    "safetensors",
+)
 
-def save_checkpoint(orch: Orchestrator, cfg: Config, run_dir: Path, step: int) -> Path:
-    path = Path(run_dir) / "checkpoints" / f"step-{step}"
-    path.mkdir(parents=True, exist_ok=True)
-    orch.save(str(path))
-    for g in orch.groups:
-        full = orch.full_state_dict(g.module)
-        save_file(_contiguous(full), str(path / g.module / "full.safetensors"))
-    (path / "meta.json").write_text(
-        json.dumps(
-            {"step": step, "config": cfg.model_dump(mode="json"), "fingerprint": run_fingerprint(cfg)},
-            indent=2,
-        )
-    )
-    return path
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupted or not one at all."""
+
+
+def save_checkpoint(
+    orch: Any, cfg: Config, run_dir: Path, step: int, data_state: dict[str, Any] | None = None
+) -> Path:
+    """Write ``checkpoints/step-{step}`` atomically; keep the newest
+    ``checkpoint.keep_last``. Returns the checkpoint dir."""
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    if tmp.exists():  # a save that died before its rename
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    files = orch.save_full(str(tmp))
+    meta = {"step": step, "config": cfg.model_dump(mode="json"), "fingerprint": run_fingerprint(cfg)}
+    _write(tmp / "meta.json", json.dumps(meta, indent=2))
+    files["meta.json"] = file_digest(tmp / "meta.json")
+    if data_state is not None:
+        # where the data stream stands after this step's batch: a resume does not replay it
+        _write(tmp / "data.json", json.dumps(data_state, indent=2))
+        files["data.json"] = file_digest(tmp / "data.json")
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "layout": layout_of(cfg),
+        "versions": _versions(),
+        "files": dict(sorted(files.items())),
+    }
+    _write(tmp / MANIFEST, json.dumps(manifest, indent=2))
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (a resumed run): replace it whole
+        old = root / f"step-{step}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+    if cfg.checkpoint.keep_last:
+        for path in complete_checkpoints(run_dir)[: -cfg.checkpoint.keep_last]:
+            shutil.rmtree(path)
+    return final
+
+
+def layout_of(cfg: Config) -> dict[str, dict[str, Any]]:
+    return {
+        m: {
+            "strategy": getattr(cfg.parallel, m).strategy,
+            "degree": getattr(cfg.parallel, m).degree,
+            "replicas": getattr(cfg.parallel, m).replicas,
+        }
+        for m in cfg.modules()
+    }
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's checkpoints whose save finished (a manifest), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    for p in root.iterdir() if root.is_dir() else []:
+        m = _STEP_DIR.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The manifest, after checking every file it lists against its size and
+    sha256; a missing, truncated or altered file is refused."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        why = "does not exist" if not path.exists() else f"has no {MANIFEST}: its save did not finish"
+        raise CheckpointError(f"checkpoint {path} {why}; resume from a complete one (--resume auto finds it)")
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    for rel, want in manifest["files"].items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path}: {rel} is missing")
+        got = file_digest(f)
+        if got != want:
+            raise CheckpointError(
+                f"checkpoint {path}: {rel} fails its checksum ({got['bytes']} bytes, sha256 "
+                f"{got['sha256'][:16]}…; the manifest says {want['bytes']} bytes, sha256 "
+                f"{want['sha256'][:16]}…): the file is truncated or corrupted; "
+                "resume from an earlier checkpoint"
+            )
+    return manifest
+
+
+def load_checkpoint(orch: Any, cfg: Config, path: str | Path) -> tuple[int, dict[str, Any] | None]:
+    """Verify ``path`` and load it into every group (any layout); returns the
+    step it was saved at and the data position (``None`` if not saved).
+    Random streams continue where the layout of a module is unchanged; a
+    resharded module starts fresh streams (its ranks are not the saved ones)."""
+    manifest = verify_checkpoint(path)
+    now = layout_of(cfg)
+    saved = manifest["layout"]
+    missing = [m for m in now if m not in saved]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} has no module {missing[0]!r} (it holds {sorted(saved)})")
+    orch.load_full(str(path), {m: saved[m] == now[m] for m in now})
+    data = Path(path) / "data.json"
+    return int(manifest["step"]), json.loads(data.read_text()) if data.is_file() else None
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -44,9 +168,11 @@ def checkpoint_step(path: str | Path) -> int:
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, registry: Registry) -> list[Path]:
-    """Write HF dirs for a checkpoint: one per source dir of the config's modules
-    (a whole-VLM source gets every module that came from it)."""
+    """Write HF dirs for a checkpoint of any layout (from its full form): one
+    per source dir of the config's modules (a whole-VLM source gets every
+    module that came from it)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    verify_checkpoint(checkpoint)
     meta = json.loads((checkpoint / "meta.json").read_text())
     cfg = Config.model_validate(meta["config"])
     families = families_for(cfg, registry)
@@ -61,7 +187,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, registry: Reg
         for m in modules:
             full = load_file(str(checkpoint / m / "full.safetensors"))
             tensors.update(families[m].export_state(full))
-        save_file(_contiguous(tensors), str(dest / "model.safetensors"), metadata={"format": "pt"})
+        tensors = {k: v.contiguous().clone() for k, v in tensors.items()}  # no shared storage (tied)
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
         written.append(dest)
     return written
 
@@ -84,6 +211,26 @@ def _load_weights(source: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _contiguous(tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
-    # safetensors refuses shared storage (tied embeddings): store independent copies
-    return {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in _DISTRIBUTIONS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -258,11 +258,19 @@ class Orchestrator:
     def full_grads(self, module: str) -> dict[str, Any]:
         return self._wait(self.group(module).call("full_grads"))[0]
 
-    def save(self, path: str) -> None:
-        self._wait([r for g in self.groups for r in g.call("save", f"{path}/{g.module}")])
+    def save_full(self, path: str) -> dict[str, dict[str, Any]]:
+        """Every group writes its part of a checkpoint in the full form under
+        ``path``; returns each written file's checksum by relative path."""
+        files: dict[str, dict[str, Any]] = {}
+        for part in self._wait([r for g in self.groups for r in g.call("save_full", path)]):
+            files.update(part)
+        return files
 
-    def load(self, path: str) -> None:
-        self._wait([r for g in self.groups for r in g.call("load", f"{path}/{g.module}")])
+    def load_full(self, path: str, restore_rng: dict[str, bool]) -> None:
+        """Every rank takes its part of the full form; ``restore_rng[module]``:
+        the group's layout is the checkpoint's, so each rank continues its
+        saved random streams."""
+        self._wait([r for g in self.groups for r in g.call("load_full", path, restore_rng[g.module])])
 
     def placement(self) -> dict[str, list[str]]:
         return {g.module: list(g.nodes) for g in self.groups}
@@ -280,7 +288,8 @@ class Orchestrator:
         try:
             return wait_all(refs, self.stall_s)
         except GroupFailure as exc:
-            raise GroupFailure(f"step {self.steps_done + 1}: {exc}") from None
+            exc.args = (f"step {self.steps_done + 1}: {exc}",)  # keeps the subclass (ActorDied)
+            raise exc from None
 
     def _wait_nested(self, groups: list[list[Any]]) -> list[list[Any]]:
         flat = self._wait([r for g in groups for r in g])
@@ -293,6 +302,14 @@ class Orchestrator:
 
 class GroupFailure(RuntimeError):
     """A rank of a module group failed; the message names module and rank."""
+
+
+class ActorDied(GroupFailure):
+    """A rank's process (or its node) is gone: the run may recover from a checkpoint."""
+
+    def __init__(self, message: str, who: str = "") -> None:
+        super().__init__(message)
+        self.who = who
 
 
 def wait_all(refs: list[Any], stall_s: float | None = None) -> list[Any]:
@@ -316,7 +333,7 @@ def wait_all(refs: list[Any], stall_s: float | None = None) -> list[Any]:
             raise GroupFailure(_last_line(cause) + context) from None
         except ray.exceptions.RayActorError as exc:
             who = _ACTOR_NAMES.get(getattr(exc, "actor_id", None) or "", "an actor of unknown module")
-            raise GroupFailure(f"{who} died: {_last_line(exc)}") from None
+            raise ActorDied(f"{who} died: {_last_line(exc)}", who) from None
         finished += ready
     return ray.get(list(refs))
 

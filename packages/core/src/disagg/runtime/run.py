@@ -15,9 +15,10 @@ from disagg.config.validate import ResolvedConfig, validate
 from disagg.metrics.jsonl import JsonlMetricsLogger
 from disagg.metrics.step import step_record, summarize
 from disagg.plugins import Registry, get_registry, notify
-from disagg.runtime.checkpoint import checkpoint_step, save_checkpoint
-from disagg.runtime.orchestrator import Orchestrator
+from disagg.runtime.checkpoint import load_checkpoint, save_checkpoint
+from disagg.runtime.orchestrator import ActorDied, Orchestrator
 from disagg.runtime.plan import make_plan
+from disagg.runtime.recovery import recover
 
 
 def run_training(
@@ -47,37 +48,76 @@ def run_training(
 
         data_source = build_data_source(cfg, plan.families)
 
-    start = 0
-    orch = Orchestrator(
-        plan.specs,
-        placement=cfg.parallel.placement,
-        device=plan.device,
-        dtype=plan.dtype,
-        seed=cfg.train.seed,
-        microbatches=cfg.train.microbatches,
-        clip_grad_norm=cfg.train.clip_grad_norm,
-        transport=plan.transport,
-        collective_timeout_s=cfg.parallel.collective_timeout_s,
-        schedule=registry.schedules[cfg.train.schedule](),
-        max_inflight=cfg.train.max_inflight,
-    )
     pm = registry.pm
     logger = JsonlMetricsLogger(run_dir / "metrics.jsonl")
     pm.register(logger, name=f"disagg.metrics.jsonl:{id(logger)}")
+
+    def start_groups() -> Orchestrator:
+        return Orchestrator(
+            plan.specs,
+            placement=cfg.parallel.placement,
+            device=plan.device,
+            dtype=plan.dtype,
+            seed=cfg.train.seed,
+            microbatches=cfg.train.microbatches,
+            clip_grad_norm=cfg.train.clip_grad_norm,
+            transport=plan.transport,
+            collective_timeout_s=cfg.parallel.collective_timeout_s,
+            schedule=registry.schedules[cfg.train.schedule](),
+            max_inflight=cfg.train.max_inflight,
+        )
+
     records: list[dict[str, Any]] = []
     status = "failed"
+    orch: Orchestrator | None = None
+    resume = cfg.checkpoint.resume_from
+    failures = 0
     try:
-        batches = None
-        if cfg.checkpoint.resume_from:
-            orch.load(cfg.checkpoint.resume_from)
-            start = checkpoint_step(cfg.checkpoint.resume_from)
-            state = _load_data_state(cfg.checkpoint.resume_from)
-            if state is not None:
-                # the stream continues where the checkpointed run stopped (skips included)
-                batches = data_source.batches(start, state=state)
-        if batches is None:
-            batches = data_source.batches(start)
-        bar = _progress(cfg.train.steps, start, progress)
+        while True:
+            orch = start_groups()
+            try:
+                _train(orch, cfg, run_dir, data_source, resume, records, pm, progress)
+                break
+            except ActorDied as exc:
+                # a rank's process or node is gone: new groups resume from the newest checkpoint
+                failures += 1
+                orch.shutdown()
+                orch = None
+                resume = recover(exc, failures, cfg, run_dir, logger) or cfg.checkpoint.resume_from
+        status = "ok"
+    finally:
+        summary = summarize(records, str(run_dir), status)
+        if records:
+            summary["checkpoint"] = str(run_dir / "checkpoints" / f"step-{records[-1]['step']}")
+        summary["restarts"] = failures if status == "ok" else max(failures - 1, 0)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        try:
+            notify("disagg_run_finished", pm=pm, summary=summary)
+        finally:
+            pm.unregister(logger)
+            if orch is not None:
+                orch.shutdown()
+    return summary
+
+
+def _train(
+    orch: Orchestrator,
+    cfg: Config,
+    run_dir: Path,
+    data_source: Any,
+    resume: str | Path | None,
+    records: list[dict[str, Any]],
+    pm: Any,
+    progress: bool,
+) -> None:
+    """Steps from ``resume`` (or the start) to ``train.steps``, appending to
+    ``records`` (steps after ``resume`` from an earlier attempt are dropped)."""
+    start, state = load_checkpoint(orch, cfg, resume) if resume else (0, None)
+    records[:] = [r for r in records if r["step"] <= start]
+    # the stream continues where the checkpointed run stopped (skips included)
+    batches = data_source.batches(start, state=state) if state is not None else data_source.batches(start)
+    bar = _progress(cfg.train.steps, start, progress)
+    try:
         for step, batch in zip(range(start + 1, cfg.train.steps + 1), batches):
             result = orch.step(batch)
             record = step_record(step, result, data_source.stats())
@@ -87,35 +127,19 @@ def run_training(
             bar.update(1)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
                 _save(orch, cfg, run_dir, step, data_source)
-        bar.close()
-        last = records[-1]["step"] if records else start
-        if records and last < cfg.train.steps:
-            raise RuntimeError(f"the data ran out after step {last} of train.steps={cfg.train.steps}")
-        _save(orch, cfg, run_dir, last, data_source)
-        status = "ok"
     finally:
-        summary = summarize(records, str(run_dir), status)
-        if records:
-            summary["checkpoint"] = str(run_dir / "checkpoints" / f"step-{records[-1]['step']}")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        try:
-            notify("disagg_run_finished", pm=pm, summary=summary)
-        finally:
-            pm.unregister(logger)
-            orch.shutdown()
-    return summary
+        bar.close()
+        if hasattr(batches, "close"):  # an abandoned stream stops prefetching
+            batches.close()
+    last = records[-1]["step"] if records else start
+    if records and last < cfg.train.steps:
+        raise RuntimeError(f"the data ran out after step {last} of train.steps={cfg.train.steps}")
+    _save(orch, cfg, run_dir, last, data_source)
 
 
 def _save(orch: Orchestrator, cfg: Config, run_dir: Path, step: int, data_source: Any) -> None:
-    path = save_checkpoint(orch, cfg, run_dir, step)
-    # where the data stream stands after this step's batch, so that a resume does not replay it
-    if hasattr(data_source, "state"):
-        (path / "data.json").write_text(json.dumps(data_source.state(), indent=2))
-
-
-def _load_data_state(checkpoint: str | Path) -> dict[str, Any] | None:
-    path = Path(checkpoint) / "data.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    state = data_source.state() if hasattr(data_source, "state") else None
+    save_checkpoint(orch, cfg, run_dir, step, state)
 
 
 def ensure_ray(address: str | None, num_cpus: int | None) -> None:

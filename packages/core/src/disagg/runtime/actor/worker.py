@@ -15,6 +15,7 @@ import resource
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -352,13 +353,17 @@ class ModuleWorker:
         return g if self.rank == 0 else None
 
     @_named
-    def save(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
-        self.strategy.save(path)  # type: ignore[union-attr]
+    def save_full(self, ckpt: str) -> dict[str, dict[str, Any]]:
+        """This rank's files of a checkpoint in the full form (collective)."""
+        from disagg.runtime.actor.state import save_full
+
+        return save_full(self.strategy, self.rank, Path(ckpt), self.module)  # type: ignore[arg-type]
 
     @_named
-    def load(self, path: str) -> None:
-        self.strategy.load(path)  # type: ignore[union-attr]
+    def load_full(self, ckpt: str, restore_rng: bool) -> None:
+        from disagg.runtime.actor.state import load_full
+
+        load_full(self.strategy, self.rank, Path(ckpt), self.module, restore_rng)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -1,0 +1,141 @@
+"""One rank's part of a checkpoint, in the layout-free full form.
+
+Rank 0 of a group writes the module's merged parameters
+(``<module>/full.safetensors``), merged optimizer state
+(``<module>/optim.safetensors``, keys ``<parameter>::<state>``) and its
+scheduler and optimizer hyper-parameters (``<module>/schedule.json``); every
+rank writes its random streams (``<module>/rng/rank-K.safetensors``). No
+pickle anywhere: tensors in safetensors, the rest in JSON.
+
+Every file is fsynced and checksummed by the rank that wrote it; the driver
+puts the checksums in the manifest and renames the checkpoint dir only then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from disagg.interfaces import Strategy
+
+SEP = "::"
+
+
+def save_full(strategy: Strategy, rank: int, ckpt: Path, module: str) -> dict[str, dict[str, Any]]:
+    """Write this rank's files under ``ckpt/module``; return ``{relative path:
+    {"sha256", "bytes"}}``. Collective (the strategy merges)."""
+    params = strategy.full_state_dict()
+    optim = strategy.full_optimizer_state()
+    root = Path(ckpt) / module
+    (root / "rng").mkdir(parents=True, exist_ok=True)
+    written = []
+    if rank == 0:
+        save_file(_contiguous(params), str(root / "full.safetensors"), metadata={"format": "pt"})
+        flat = {f"{name}{SEP}{k}": v for name, st in optim.items() for k, v in st.items()}
+        save_file(_contiguous(flat), str(root / "optim.safetensors"), metadata={"format": "pt"})
+        (root / "schedule.json").write_text(json.dumps(schedule_state(strategy), indent=1))
+        written += [root / "full.safetensors", root / "optim.safetensors", root / "schedule.json"]
+    tensors, meta = rng_state(strategy)
+    rng_file = root / "rng" / f"rank-{rank}.safetensors"
+    save_file(tensors, str(rng_file), metadata={"state": json.dumps(meta)})
+    written.append(rng_file)
+    return {str(f.relative_to(ckpt)): file_digest(f, sync=True) for f in written}
+
+
+def load_full(strategy: Strategy, rank: int, ckpt: Path, module: str, restore_rng: bool) -> None:
+    """Take this rank's part of the module's full state; with ``restore_rng``
+    (same layout as the save) continue its random streams too."""
+    root = Path(ckpt) / module
+    params = load_file(str(root / "full.safetensors"))
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for key, v in load_file(str(root / "optim.safetensors")).items():
+        name, _, k = key.rpartition(SEP)
+        optim.setdefault(name, {})[k] = v
+    strategy.load_full_state(params, optim)
+    set_schedule_state(strategy, json.loads((root / "schedule.json").read_text()))
+    if restore_rng:
+        path = root / "rng" / f"rank-{rank}.safetensors"
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})["state"])
+        set_rng_state(strategy, load_file(str(path)), meta)
+
+
+# -- scheduler and optimizer hyper-parameters ----------------------------------------------------
+def schedule_state(strategy: Strategy) -> dict[str, Any]:
+    opt, sched = strategy.optimizer, strategy.scheduler
+    groups = [] if opt is None else [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {"scheduler": sched.state_dict() if sched is not None else None, "param_groups": groups}
+
+
+def set_schedule_state(strategy: Strategy, state: dict[str, Any]) -> None:
+    opt, sched = strategy.optimizer, strategy.scheduler
+    if sched is not None and state["scheduler"] is not None:
+        sched.load_state_dict(state["scheduler"])
+    if opt is not None:
+        # the learning rate the schedule last set lives in the param groups
+        for group, saved in zip(opt.param_groups, state["param_groups"]):
+            for k, v in saved.items():
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
+# -- random streams --------------------------------------------------------------------------------
+def rng_state(strategy: Strategy) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """torch (CPU and this rank's CUDA device), numpy, Python ``random`` and
+    the strategy's own streams, as tensors plus a JSON-able rest."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors["numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    version, internal, gauss_next = random.getstate()
+    tensors["python"] = torch.tensor(internal, dtype=torch.int64)
+    for k, v in strategy.rng_state().items():
+        tensors[f"strategy.{k}"] = v.detach().cpu()
+    meta = {
+        "numpy": [kind, int(pos), int(has_gauss), float(gauss)],
+        "python": [version, gauss_next],
+    }
+    return {k: v.contiguous() for k, v in tensors.items()}, meta
+
+
+def set_rng_state(strategy: Strategy, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+    kind, pos, has_gauss, gauss = meta["numpy"]
+    np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, gauss_next = meta["python"]
+    random.setstate((version, tuple(int(x) for x in tensors["python"].tolist()), gauss_next))
+    strategy.set_rng_state(
+        {k[len("strategy.") :]: v for k, v in tensors.items() if k.startswith("strategy.")}
+    )
+
+
+# -- files -------------------------------------------------------------------------------------------
+def file_digest(path: Path, sync: bool = False) -> dict[str, Any]:
+    """sha256 and size of a file; with ``sync``, on disk first."""
+    if sync:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"sha256": h.hexdigest(), "bytes": Path(path).stat().st_size}
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared storage (tied embeddings): store independent copies
+    return {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
