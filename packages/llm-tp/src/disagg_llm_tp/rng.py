@@ -17,6 +17,13 @@ CPU it fails at ``add`` and dropout would keep drawing from the default CPU
 generator. :class:`ShardRNG` swaps the generator of the module's own device
 (CPU or CUDA), so the same code runs on both.
 
+Only attention modules (the layer map's ``heads``/``attention`` patterns) are
+forked. Under sequence parallelism the regions between the blocks hold
+different tokens on each TP rank too; the families here have no dropout there
+(HF's Llama/Qwen2 decoders and the vision towers drop attention probabilities
+only), so nothing draws in them. A family with hidden dropout under sequence
+parallelism would need its layers forked as well.
+
 Masks under head sharding cannot equal the single-process model's: HF draws
 one mask for all heads from one stream, the TP ranks draw their heads' masks
 from independent streams. At degree 1 nothing is forked and the masks are the

@@ -101,7 +101,12 @@ class MegatronTPStrategy(Strategy):
         if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() != d:
             ps.destroy_model_parallel()
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=d, create_gloo_process_groups=False)
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=d,
+                create_gloo_process_groups=False,
+                # a collective some peer never joins fails after parallel.collective_timeout_s
+                distributed_timeout_minutes=self.ctx.collective_timeout.total_seconds() / 60,
+            )
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         assert dist.get_process_group_ranks(self.tp_group) == self.ctx.shard_ranks(), (
@@ -120,7 +125,7 @@ class MegatronTPStrategy(Strategy):
                 for r in range(self.ctx.replicas)
                 for s in range(h * share, (h + 1) * share)
             ]
-            groups[h] = dist.new_group(ranks)
+            groups[h] = dist.new_group(ranks, timeout=self.ctx.collective_timeout)
         return groups
 
     # -- parallelize -----------------------------------------------------------------------------------

@@ -81,7 +81,9 @@ class UlyssesStrategy(Strategy):
         if ctx.replicas == 1:
             return dist.group.WORLD
         # new_group is collective over the whole world: every rank creates every replica's group.
-        groups = [dist.new_group(ctx.shard_ranks(r)) for r in range(ctx.replicas)]
+        groups = [
+            dist.new_group(ctx.shard_ranks(r), timeout=ctx.collective_timeout) for r in range(ctx.replicas)
+        ]
         return groups[ctx.replica]
 
     # -- encoder role -----------------------------------------------------------------------------
