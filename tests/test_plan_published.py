@@ -1,0 +1,54 @@
+"""``disagg plan`` on the published setting: Qwen2.5-VL-32B config values, 8 x
+H100 (80 GB), the paper's vision lengths. The plan must prefer Ulysses SP for
+the vision encoder with TP for the LLM over uniform TP and over ZeRO-3,
+predict ZeRO-3 out of memory at 16k vision tokens (where the paper saw it), and
+predict DHP's speedup over uniform TP (the paper measured 1.26-1.37x). Pure
+computation from each strategy's cost hook."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("disagg_vision_sp")
+pytest.importorskip("disagg_llm_tp")
+pytest.importorskip("disagg_zero")
+
+
+@pytest.fixture(scope="module")
+def results():
+    from disagg.plan.published import plan_published
+    from disagg.plugins import get_registry
+
+    return {n: plan_published(n, get_registry()) for n in (16 * 1024, 32 * 1024)}
+
+
+@pytest.mark.parametrize("n", [16 * 1024, 32 * 1024])
+def test_plan_prefers_ulysses_vision_with_tp_llm(results, n):
+    from disagg.plan.published import named, summary
+
+    result = results[n]
+    best = result.best
+    assert best.groups["vision"].strategy == "ulysses" and best.groups["llm"].strategy == "megatron_tp"
+    assert best.groups["llm"].degree == 8  # the 32B LLM's state only fits split 8 ways
+    tp, dhp, z3 = (named(result, k) for k in ("uniform_tp", "dhp_ulysses_tp", "uniform_zero3"))
+    assert tp.fits and dhp.fits and not z3.fits
+    assert result.ranked.index(dhp) < result.ranked.index(tp)
+    assert z3 in result.oom
+    # where DHP wins: the vision group's collectives (TP all-reduces every block's activations)
+    assert (
+        sum(dhp.costs["vision"].comm_bytes_by_kind.values())
+        < sum(tp.costs["vision"].comm_bytes_by_kind.values()) / 5
+    )
+    s = summary(result)
+    assert (
+        s["speedup_dhp_vs_tp"] == pytest.approx(tp.step_time_s / dhp.step_time_s)
+        and s["speedup_dhp_vs_tp"] > 1
+    )
+
+
+def test_zero3_runs_out_of_memory_where_the_paper_saw_it(results):
+    from disagg.bench.published import PAPER
+    from disagg.plan.published import named
+
+    z3 = named(results[PAPER["zero3_oom_vision_tokens"]], "uniform_zero3")
+    assert not z3.fits and z3.memory_bytes > PAPER["gpu_memory_bytes"]
