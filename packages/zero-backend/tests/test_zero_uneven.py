@@ -25,7 +25,7 @@ import zero_harness as H
 
 from disagg.testing.dist import run_ranks
 from disagg.testing.reference import assert_close_dicts
-from disagg.testing.toy import ToyEncoderFamily, make_toy_dirs
+from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, make_toy_dirs
 
 RTOL = 1e-5
 UNUSED = ("unused.weight", "unused.bias")
@@ -41,6 +41,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ranks = H.tensors(run_ranks(U.rank_all, 2, enc, big, lm, timeout=1500))
     return {
         "ranks": ranks,
+        "dirs": (enc, lm),
         "encoder": U.reference_encoder(enc),
         "big": U.reference_encoder(big),
         "llm": U.reference_llm(lm),
@@ -114,3 +115,26 @@ def test_stage3_bf16_autocast_is_finite_and_close(runs: dict) -> None:
             )
     for r in got:  # master weights stay fp32 under autocast
         assert all(v.dtype == torch.float32 for v in r["params"].values())
+
+
+def test_stage3_forward_only_with_an_empty_rank(runs: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A frozen ZeRO-3 encoder and a ZeRO-3 LLM's evaluate, with rank 1 empty
+    in one microbatch, equal the unpartitioned modules."""
+    enc_dir, lm_dir = runs["dirs"]
+    samples = H.llm_batches(2, 1)[0]
+    fam = U.UnusedLayerEncoderFamily(enc_dir)
+    module = fam.build()
+    lm_fam = ToyLMFamily(lm_dir)
+    lm = lm_fam.build()
+    got = [r["3-eval"] for r in runs["ranks"]]
+    with torch.no_grad():
+        for i, x in enumerate(samples):
+            if "vision" in x:
+                have = [r["encoded"][i] for r in got if i in r["encoded"]]
+                assert len(have) == 1 and torch.allclose(have[0], fam.encode(module, x["vision"]), rtol=RTOL)
+        logits, labels = lm_fam.forward(lm, [x["llm"] for x in samples], [x["embeds"] for x in samples])
+        want = float(torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
+    loss = sum(e[0] for r in got for e in r["eval"])
+    count = sum(e[2] for r in got for e in r["eval"])
+    assert count == H.label_count(samples) and loss == pytest.approx(want, rel=RTOL)
+    assert got[1]["eval"][1] == (0.0, 0, 0)  # the empty replica joined and counted nothing

@@ -17,7 +17,7 @@ import torch
 import zero_harness as H
 from torch import nn
 
-from disagg.interfaces import compute_dtype
+from disagg.interfaces import GroupContext, compute_dtype
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily
 
 #: per step, per microbatch, per rank (2 ranks): sample indices
@@ -197,6 +197,28 @@ def rank_llm(
     return H.portable(rec)
 
 
+def rank_eval(rank: int, enc_dir: Path, lm_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Forward only, 3 samples over 2 ranks then 1 (rank 1 empty): a frozen
+    encoder's outputs and a trained LLM's evaluation sums, under no_grad."""
+    from disagg_zero import ZeroOptions, ZeroStrategy
+
+    ctx = GroupContext("vision", rank, 2, 1, 2, torch.device("cpu"), torch.float32)
+    enc = ZeroStrategy(ctx, UnusedLayerEncoderFamily(enc_dir), ZeroOptions(**options))
+    enc.setup(enc.family.build(torch.float32), None)  # frozen
+    llm = H._strategy(rank, 2, "llm", ToyLMFamily(lm_dir), options)
+    samples = H.llm_batches(2, 1)[0]
+    out: dict[str, Any] = {"encoded": {}, "eval": []}
+    with torch.no_grad():
+        for mb, parts in enumerate([[[0, 1], [2]], [[3], []]]):
+            part = parts[rank]
+            images = [i for i in part if "vision" in samples[i]]
+            shards = enc.encode(mb, [samples[i]["vision"] for i in images])
+            out["encoded"].update({i: s.value for i, s in zip(images, shards)})
+            embeds = [samples[i]["embeds"] for i in part]
+            out["eval"].append(llm.evaluate([samples[i]["llm"] for i in part], embeds))
+    return H.portable(out)
+
+
 Z3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 CONFIGS = {"1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3, "ds_config": Z3}}
 
@@ -209,4 +231,5 @@ def rank_all(rank: int, enc_dir: Path, big_enc_dir: Path, lm_dir: Path) -> dict[
     # matrices are really partitioned and gathered, the small ones persist
     out["3-big"] = {"encoder": rank_encoder(rank, big_enc_dir, {"stage": 3})}
     out["3-bf16"] = {"llm": rank_llm(rank, lm_dir, CONFIGS["3"], torch.bfloat16)}
+    out["3-eval"] = rank_eval(rank, enc_dir, lm_dir, CONFIGS["3"])
     return out

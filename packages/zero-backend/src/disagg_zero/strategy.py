@@ -143,10 +143,14 @@ class ZeroStrategy(Strategy):
         params = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters()) * elem
         grads = sum(getattr(p, "ds_numel", p.numel()) for p in self._params) * elem
         f = (n - 1) / n
+        # gradients move only if some backward ran; stages 1-2 re-gather the
+        # parameters only after an update
+        grads = grads if self._backwards else 0
+        updated = params if self._any_grad() else 0
         if self.options.stage == 1:
-            sent = 2 * f * grads + f * params  # all-reduce gradients, all-gather updated params
+            sent = 2 * f * grads + f * updated  # all-reduce gradients, all-gather updated params
         elif self.options.stage == 2:
-            sent = f * grads + f * params  # reduce-scatter gradients, all-gather updated params
+            sent = f * grads + f * updated  # reduce-scatter gradients, all-gather updated params
         else:  # one whole-module gather per call, reduce-scatter gradients
             sent = self._gathers * f * params + f * grads
         self.ctx.comm.add(f"zero{self.options.stage}_analytic", int(sent))
@@ -329,8 +333,6 @@ class ZeroStrategy(Strategy):
         if self.engine is None:
             super().load_full_state(params, {})
             return
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
         named = dict(self.module.named_parameters())
         missing = [n for n in named if n not in params]
         if missing:
@@ -346,7 +348,7 @@ class ZeroStrategy(Strategy):
             if self.optimizer is None:
                 return
             for name, p in self._named_params():
-                safe_set_full_fp32_param(p, params[name].to(self.ctx.device, torch.float32))
+                self._set_full(p, params[name].to(self.ctx.device, torch.float32), None)
             if not optim_state:
                 return
             self._init_optimizer_state()
@@ -355,7 +357,7 @@ class ZeroStrategy(Strategy):
                 st = optim_state.get(name)
                 for k in ("exp_avg", "exp_avg_sq"):
                     value = st[k] if st else torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
-                    safe_set_full_optimizer_state(p, value.to(self.ctx.device, torch.float32), k)
+                    self._set_full(p, value.to(self.ctx.device, torch.float32), k)
             steps = [
                 float(optim_state[n]["step"]) if n in optim_state else 0.0 for n, _ in self._named_params()
             ]
@@ -363,6 +365,26 @@ class ZeroStrategy(Strategy):
                 frags = self.optimizer.fragments_of(flat)  # type: ignore[attr-defined]
                 state["fragment_steps"] = torch.tensor([steps[i] for _, _, i in frags], dtype=torch.float32)
                 state["step"] = torch.tensor(max([steps[i] for _, _, i in frags], default=0.0))
+
+    def _set_full(self, p: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+        """This rank's part of a full fp32 master weight (``key=None``) or
+        optimizer state, through DeepSpeed's ``safe_set_full_*``."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        opt = self.engine.optimizer
+        if self.options.stage == 3 and p.ds_numel % opt._get_param_partition_world_size(p):  # noqa: SLF001
+            # DeepSpeed's ZeRO-3 setter slices the unpadded value past its end on
+            # the last rank when the parameter does not split evenly: do its copy
+            # with the padding left at zero
+            part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)  # noqa: SLF001
+            start = part.numel() * opt._get_param_partition_rank(p)  # noqa: SLF001
+            piece = value.flatten()[start : start + part.numel()]
+            part.data.zero_()
+            part.data[: piece.numel()].copy_(piece)
+        elif key is None:
+            safe_set_full_fp32_param(p, value)
+        else:
+            safe_set_full_optimizer_state(p, value, key)
 
     def _modifiable(self) -> contextlib.AbstractContextManager:
         if self.options.stage < 3:
