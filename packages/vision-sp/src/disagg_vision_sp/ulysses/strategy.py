@@ -130,6 +130,14 @@ class UlyssesStrategy(Strategy):
             shards.append(EmbeddingShard(layout.row_pos[r0 + a : r0 + b].clone(), rows[a:b], total))
         return shards
 
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """The per-shard dropout stream, so a resumed run draws the masks it would have."""
+        return {"shard_dropout": self.rng.state.cpu()} if self.rng is not None else {}
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.rng is not None and "shard_dropout" in state:
+            self.rng.state = state["shard_dropout"].clone()
+
     def release(self, mb: int) -> None:
         self._pending.pop(mb, None)
 
