@@ -94,6 +94,13 @@ class _Checker:
             what = "does not exist" if not Path(path).exists() else "has no meta.json (not a checkpoint dir)"
             self.add(key, f"{path!r} {what}")
             return
+        if not (Path(path) / "manifest.json").is_file():
+            self.add(
+                key,
+                f"{path!r} has no manifest.json: its save did not finish (or it predates checksummed "
+                "checkpoints); pick a complete checkpoint (disagg train --resume auto finds the newest)",
+            )
+            return
         saved = json.loads(meta.read_text()).get("fingerprint")
         if saved is None:
             return  # written before fingerprints existed: nothing to compare
