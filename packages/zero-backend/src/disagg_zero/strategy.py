@@ -403,10 +403,11 @@ class ZeroStrategy(Strategy):
 
         steps = torch.zeros(len(self._params), dtype=torch.float64, device=self.ctx.device)
         for flat, state in self.optimizer.state.items():  # type: ignore[union-attr]
-            if "fragment_steps" not in state:
-                continue
+            # DeepSpeedCPUAdam (offload) counts steps per flat tensor, not per fragment
+            per_frag = state.get("fragment_steps")
             for k, (_, _, i) in enumerate(self.optimizer.fragments_of(flat)):  # type: ignore[union-attr]
-                steps[i] = max(float(steps[i]), float(state["fragment_steps"][k]))
+                got = per_frag[k] if per_frag is not None else state.get("step", 0)
+                steps[i] = max(float(steps[i]), float(got))
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         return steps.cpu().tolist()
 
