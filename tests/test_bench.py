@@ -43,7 +43,7 @@ def bench(ray_local, tmp_path_factory) -> Path:
     (root / "layouts.yaml").write_text(LAYOUTS)
     argv = ["bench", str(root / "bench.yaml"), "--layouts", str(root / "layouts.yaml")]
     argv += ["--vision-tokens", ",".join(map(str, LENGTHS)), "--steps", "2", "--samples", "2"]
-    argv += ["--mem-budget", "4GiB", "--predict", "4k,64k"]
+    argv += ["--predict", "4k,64k"]  # the budget search is tested without Ray (test_bench_budget.py)
     assert main(argv) == 0
     return root / "run" / "bench"
 
@@ -64,7 +64,6 @@ def test_outputs_are_complete(bench: Path):
         # collocated groups add up: the memory figure is the groups' state + saved activations
         total = sum(g["state_bytes_per_rank"] + g["activation_bytes_per_rank"] for g in m["groups"].values())
         assert p["memory_per_rank"]["measured"] == total
-        assert p["fits_budget"] is True  # 4 GiB holds every tiny point
     # the same data for every layout: same tokens per step at each length
     for n in LENGTHS:
         assert (
@@ -77,7 +76,6 @@ def test_outputs_are_complete(bench: Path):
     for png in ("throughput.png", "memory.png"):
         assert (bench / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {r["vision_tokens"] for r in result["published_prediction"]["rows"]} == {4096, 65536}
-    assert result["budget_search"]["dhp_ulysses_tp"]["largest_fitting"] >= max(LENGTHS)
 
 
 def test_measured_bytes_equal_the_analytic_count(bench: Path):
