@@ -111,14 +111,24 @@ def test_plugin_registers_both(monkeypatch):
     assert reg.families[("encoder", "qwen2_audio")] is Qwen2AudioFamily
 
 
-def test_make_tiny_builds_audio_models(tmp_path, monkeypatch):
+def test_make_tiny_builds_audio_models_and_data(tmp_path, monkeypatch):
+    """``disagg make-tiny`` builds the tiny audio dir and, with an audio family
+    installed, the audio dataset, whose clips the family reads."""
+    import json
+
     from disagg.cli.make_tiny import make_tiny
     from disagg.plugins import build_registry, make_plugin_manager
 
     monkeypatch.setenv("DISAGG_PLUGINS", "audio")
     reg = build_registry(*make_plugin_manager())
-    manifest = make_tiny(tmp_path, ["whisper"], data=False, registry=reg)
+    manifest = make_tiny(
+        tmp_path, ["whisper"], train_per_class=1, eval_per_class=1, image_size=16, registry=reg
+    )
     assert (tmp_path / "whisper" / "preprocessor_config.json").is_file()
     fam = WhisperAudioFamily(manifest["models"]["whisper"], {"hidden_size": 8})
+    rows = [json.loads(x) for x in open(manifest["data"]["audio_train"])]
+    assert rows and all("<audio>" in r["conversations"][0]["value"] for r in rows)
+    x = fam.preprocess([str(tmp_path / "data" / rows[0]["audio"])])
+    assert fam.encode(fam.build(), x).shape == (sum(fam.num_tokens(x)), 8)
     x = fam.preprocess([{"array": np.ones(8000, np.float32) * 0.1, "sampling_rate": 16000}])
-    assert fam.encode(fam.build(), x).shape == (13, 8)
+    assert fam.num_tokens(x) == [13]  # 0.5 s: 50 frames -> 25 positions -> 26 -> 13 rows
