@@ -414,15 +414,20 @@ class ZeroStrategy(Strategy):
     def _init_optimizer_state(self) -> None:
         """Create :class:`MaskedAdamW`'s state as its first step would (zero
         moments, no steps), so that DeepSpeed can address it."""
-        for group in self.optimizer.param_groups:  # type: ignore[union-attr]
-            for flat in group["params"]:
-                state = self.optimizer.state[flat]  # type: ignore[union-attr]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-                    n = len(self.optimizer.fragments_of(flat))  # type: ignore[union-attr]
-                    state["fragment_steps"] = torch.zeros(n, dtype=torch.float32)
+        # DeepSpeed swaps its flat partitions in and out of the param groups
+        # around each step (ZeRO-3 sub-groups): address them directly
+        ds = self.engine.optimizer
+        flats = (
+            ds.fp32_partitioned_groups_flat if self.options.stage == 3 else ds.single_partition_of_fp32_groups
+        )
+        for flat in flats:
+            state = self.optimizer.state[flat]  # type: ignore[union-attr]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+                n = len(self.optimizer.fragments_of(flat))  # type: ignore[union-attr]
+                state["fragment_steps"] = torch.zeros(n, dtype=torch.float32)
 
     def _link_optimizer_state(self) -> None:
         """ZeRO 1-2 point each parameter's fragment at the optimizer state
