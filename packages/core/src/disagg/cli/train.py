@@ -45,7 +45,15 @@ def run(args: argparse.Namespace) -> int:
             cfg, source = load_config_and_source(
                 args.config, [*args.overrides, f"checkpoint.resume_from={json.dumps(path)}"]
             )
+    record = None
+    if cfg.parallel.auto is not None:  # plan first; train the best layout
+        from disagg.plan.auto import record_plan, resolve_auto
+
+        cfg, record = resolve_auto(cfg, get_registry())
+        print(f"parallel: auto chose {record['chosen']}", file=sys.stderr)
     resolved = validate(cfg, get_registry(), source=source)
+    if record is not None:
+        record_plan(cfg.output_dir, record)
     # Only now, with a config known to be sound, do we touch Ray.
     from disagg.runtime.run import run_training
 

@@ -63,6 +63,24 @@ class GroupConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+class AutoPlan(Strict):
+    """``parallel: auto`` (or ``parallel.auto: {...}``): ``disagg train`` runs ``disagg plan``
+    first and trains its best layout; the choice is recorded in the run dir (``plan.json``)."""
+
+    cluster: str | None = None
+    """Cluster preset (``h100x8``, ``h200x8``, ``cpu``); default: the Ray cluster's devices."""
+    vision_tokens: PositiveInt = 1024
+    """Patches per image the plan assumes."""
+    text_tokens: PositiveInt = 128
+    """Text tokens per sample the plan assumes."""
+    recompute: bool = False
+    """Plan memory as if activations were recomputed."""
+    placement: Literal["any", "collocated", "disaggregated"] = "any"
+    """Placements the plan may choose."""
+    strategies: list[str] | None = None
+    """Strategies the plan may choose (default: every installed one that reports its cost)."""
+
+
 class ParallelConfig(Strict):
     placement: Literal["collocated", "disaggregated"] = "collocated"
     """``collocated``: groups share devices (fractional GPUs); ``disaggregated``: each group
@@ -79,6 +97,8 @@ class ParallelConfig(Strict):
     """The audio encoder's group (ignored unless ``model.audio`` is set)."""
     llm: GroupConfig = Field(default_factory=GroupConfig)
     """The language model's group."""
+    auto: AutoPlan | None = None
+    """Choose the groups, placement and microbatches with the planner (``parallel: auto``)."""
 
 
 class DatasetEntry(Strict):
@@ -215,6 +235,20 @@ class Config(Strict):
     """The Ray cluster to run on."""
     output_dir: str = "runs/default"
     """Run dir: resolved config, metrics.jsonl, checkpoints/."""
+
+    @field_validator("parallel", mode="before")
+    @classmethod
+    def _auto(cls, v: Any) -> Any:
+        # ``parallel: auto`` is the short form of ``parallel: {auto: {}}``
+        if v == "auto":
+            return {"auto": {}}
+        if isinstance(v, str):
+            raise ValueError(
+                f"{v!r} is not a parallel section; allowed: a mapping of module groups, or 'auto'"
+            )
+        if isinstance(v, dict) and v.get("auto") is True:
+            return {**v, "auto": {}}
+        return v
 
     def modules(self) -> list[str]:
         """Configured modules, encoders first, the LLM last."""

@@ -1,0 +1,98 @@
+"""``disagg plan`` and ``parallel: auto`` on the tiny Qwen2.5-VL: the plan's
+YAML is a config ``disagg train`` accepts, installed strategies without a cost
+hook are listed as skipped, and ``parallel: auto`` trains 2 steps and records
+the chosen layout in the run dir."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("disagg_vision_sp")
+pytest.importorskip("disagg_llm_tp")
+
+FAMILY = "qwen2_5_vl"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from disagg.cli.make_tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("plan")
+    make_tiny(root / "tiny", [FAMILY], train_per_class=1, eval_per_class=1)
+    return root
+
+
+def config(root: Path, parallel: str) -> dict:
+    model = str(root / "tiny" / FAMILY)
+    data = root / "tiny" / "data"
+    return yaml.safe_load(
+        f"model:\n  vision: {{family: {FAMILY}, path: {model}}}\n  llm: {{family: {FAMILY}, path: {model}}}\n"
+        f"parallel: {parallel}\n"
+        f"data: {{train: {data / 'train.jsonl'}, media_root: {data}, batch_size: 2}}\n"
+        f"train: {{seed: 0, lr: 1.0e-3, steps: 2}}\noutput_dir: {root / 'run'}\n"
+    )
+
+
+def test_plan_writes_a_config_train_accepts(tiny: Path, capsys):
+    from disagg.cli.main import main
+    from disagg.config.load import load_config
+    from disagg.config.validate import validate
+    from disagg.interfaces import Strategy
+    from disagg.plugins import get_registry
+
+    (tiny / "base.yaml").write_text(yaml.safe_dump(config(tiny, "{}")))
+    out = tiny / "plan.yaml"
+    argv = ["plan", str(tiny / "base.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-tokens", "256"]
+    assert (
+        main(
+            [*argv, "--text-tokens", "32", "--top", "4", "--write", str(out), "--json", str(tiny / "p.json")]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "best: vision=" in text and text.count("[collocated") + text.count("[disaggregated") >= 4
+    hookless = [  # e.g. the example plugin's example_ddp
+        n for n, c in get_registry().strategies.items() if c.estimate.__func__ is Strategy.estimate.__func__
+    ]
+    for name in hookless:
+        assert f"skipped: {name}: reports no cost" in text
+    ranked = json.loads((tiny / "p.json").read_text())["ranked"]
+    assert [r["step_time_s"] for r in ranked] == sorted(r["step_time_s"] for r in ranked)
+    written = yaml.safe_load(out.read_text())
+    assert written["parallel"] == ranked[0]["parallel"] and written["train"] == ranked[0]["train"]
+    merged = config(tiny, "{}")
+    merged["parallel"], merged["train"] = written["parallel"], {**merged["train"], **written["train"]}
+    (tiny / "merged.yaml").write_text(yaml.safe_dump(merged))
+    resolved = validate(load_config(tiny / "merged.yaml"), get_registry())
+    assert {m: r.strategy.name for m, r in resolved.modules.items()} == {
+        m: written["parallel"][m]["strategy"] for m in ("vision", "llm")
+    }
+
+
+def test_parallel_auto_trains_and_records_the_layout(tiny: Path, ray_local):
+    from disagg.cli.main import main
+
+    cfg = config(
+        tiny,
+        "{auto: {cluster: cpu, vision_tokens: 256, text_tokens: 32, "
+        "strategies: [ulysses, megatron_tp, ddp]}}",
+    )
+    cfg["output_dir"] = str(tiny / "auto")
+    (tiny / "auto.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(tiny / "auto.yaml")]) == 0
+    run = tiny / "auto"
+    record = json.loads((run / "plan.json").read_text())
+    chosen = record["chosen"]
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["parallel"].get("auto") is None  # the run dir holds the concrete layout
+    for m in ("vision", "llm"):
+        assert {k: resolved["parallel"][m][k] for k in chosen["parallel"][m]} == chosen["parallel"][m]
+        assert chosen["parallel"][m]["strategy"] in ("ulysses", "megatron_tp", "ddp")
+    assert resolved["train"]["microbatches"] == chosen["train"]["microbatches"]
+    assert record["why"][0].startswith("best: ") and record["predicted"]["step_time_s"] > 0
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["loss"] > 0 for s in steps)
