@@ -80,7 +80,7 @@ def one(out: Path, data: Path, steps: int) -> dict:
             "output_dir": str(out / f"run-{data.stem}"),
         }
     )
-    for attempt in range(6):  # a loaded machine can miss Ray's 30 s node start-up window
+    for _attempt in range(6):  # a loaded machine can miss Ray's 30 s node start-up window
         try:
             ensure_ray(None, None)
             break
