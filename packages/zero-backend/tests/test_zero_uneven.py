@@ -138,3 +138,9 @@ def test_stage3_forward_only_with_an_empty_rank(runs: dict, tmp_path_factory: py
     count = sum(e[2] for r in got for e in r["eval"])
     assert count == H.label_count(samples) and loss == pytest.approx(want, rel=RTOL)
     assert got[1]["eval"][1] == (0.0, 0, 0)  # the empty replica joined and counted nothing
+
+
+def test_ranks_that_ran_different_backwards_are_named(runs: dict) -> None:
+    for rank, msg in enumerate(r["1-mismatch"] for r in runs["ranks"]):
+        assert f"ZeRO group 'vision': rank {rank} ran {2 - rank} backward(s)" in msg, msg
+        assert "3 in total over 2 ranks" in msg and "lockstep" in msg

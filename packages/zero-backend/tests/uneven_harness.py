@@ -219,6 +219,22 @@ def rank_eval(rank: int, enc_dir: Path, lm_dir: Path, options: dict[str, Any]) -
     return H.portable(out)
 
 
+def rank_mismatch(rank: int, enc_dir: Path) -> str:
+    """Rank 0 runs one backward more than rank 1 (stage 1 reduces only at the
+    boundary, so nothing hangs before): reduce_gradients must say so."""
+    fam = UnusedLayerEncoderFamily(enc_dir)
+    strat = H._strategy(rank, 2, "vision", fam, {"stage": 1})
+    x = encoder_samples(0)[0]
+    for mb in range(2 - rank):
+        shards = strat.encode(mb, [x["vision"]])
+        strat.backward(mb, [shards[0].value], [x["out_grad"]])
+    try:
+        strat.reduce_gradients()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
 Z3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 CONFIGS = {"1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3, "ds_config": Z3}}
 
@@ -232,4 +248,5 @@ def rank_all(rank: int, enc_dir: Path, big_enc_dir: Path, lm_dir: Path) -> dict[
     out["3-big"] = {"encoder": rank_encoder(rank, big_enc_dir, {"stage": 3})}
     out["3-bf16"] = {"llm": rank_llm(rank, lm_dir, CONFIGS["3"], torch.bfloat16)}
     out["3-eval"] = rank_eval(rank, enc_dir, lm_dir, CONFIGS["3"])
+    out["1-mismatch"] = rank_mismatch(rank, enc_dir)
     return out
