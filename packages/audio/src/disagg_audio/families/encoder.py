@@ -77,6 +77,14 @@ class WhisperStyleEncoder(UlyssesFamily, EncoderFamily):
                 f"family {self.name!r}: the {window}-position window of {self.path} is not a multiple of "
                 f"the {self.unit()} positions pooled into one row; choose a stride that divides {window}"
             )
+        heads = int(cfg.encoder_attention_heads)
+        if strategy == "megatron_tp" and heads % degree:
+            # ulysses checks its own degree against ulysses_heads(); tensor parallelism splits heads too
+            divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+            problems.append(
+                f"parallel.audio.degree={degree}: the {heads} attention heads of {self.path} are not "
+                f"divisible by it; use a divisor of {heads}: {divisors}"
+            )
         seconds = self.options.get("max_seconds")
         if seconds is not None and (not isinstance(seconds, (int, float)) or seconds <= 0):
             problems.append(
