@@ -29,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--recompute", action="store_true", help="assume full activation recomputation")
     parser.add_argument("--placement", choices=["any", "collocated", "disaggregated"], default="any")
+    parser.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated strategies the plan may use (default: all installed)",
+    )
     parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     parser.add_argument("--write", default=None, metavar="PLAN_YAML", help="write the best layout here")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every ranked layout as JSON")
@@ -121,5 +126,14 @@ def plan_for_config(cfg, registry, args):  # type: ignore[no-untyped-def]
         recompute=args.recompute,
     )
     placements = PLACEMENTS if args.placement == "any" else (args.placement,)
-    result = plan(work, cluster, registry.strategies, config_families(cfg, registry), placements)
+    strategies = registry.strategies
+    if getattr(args, "strategies", None):
+        names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+        unknown = sorted(set(names) - set(strategies))
+        if unknown:
+            raise ValueError(
+                f"--strategies: {unknown} not installed; allowed: {', '.join(sorted(strategies))}"
+            )
+        strategies = {n: c for n, c in strategies.items() if n in names}
+    result = plan(work, cluster, strategies, config_families(cfg, registry), placements)
     return result, cluster
