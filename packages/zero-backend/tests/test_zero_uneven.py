@@ -143,4 +143,4 @@ def test_stage3_forward_only_with_an_empty_rank(runs: dict, tmp_path_factory: py
 def test_ranks_that_ran_different_backwards_are_named(runs: dict) -> None:
     for rank, msg in enumerate(r["1-mismatch"] for r in runs["ranks"]):
         assert f"ZeRO group 'vision': rank {rank} ran {2 - rank} backward(s)" in msg, msg
-        assert "3 in total over 2 ranks" in msg and "lockstep" in msg
+        assert "3 in total over 2 ranks" in msg and "with or without samples" in msg

@@ -3,7 +3,7 @@ parameters: single-process references and the per-rank driver.
 
 A step is a list of microbatches; a microbatch gives each rank a (possibly
 empty) list of sample indices, and every rank is called for every
-microbatch, as core's orchestrator calls a lockstep group. A step with no
+microbatch, as core's orchestrator calls every group. A step with no
 microbatch is a text-only global batch for the encoder: only ``zero_grad``,
 ``reduce_gradients``, ``grad_norm_sq`` and ``step`` run.
 """

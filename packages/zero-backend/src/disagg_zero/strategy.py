@@ -55,9 +55,11 @@ class ZeroStrategy(Strategy):
     name: ClassVar[str] = "zero"
     distribution: ClassVar[str] = "disagg-zero"
     options_model: ClassVar[type[ZeroOptions]] = ZeroOptions  # type: ignore[assignment]
-    # Every call gathers (stage 3) or reduces (stages 2-3) as a collective:
-    # every rank must be called for every microbatch, with or without samples.
-    lockstep: ClassVar[bool] = True
+    # Every call gathers (stage 3) or reduces (stages 2-3) as a collective, so
+    # every rank must be called for every microbatch, as core does for every
+    # strategy; but a rank may get no sample (it joins with zeros), so no
+    # replica needs a sample in every microbatch.
+    lockstep: ClassVar[bool] = False
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: ZeroOptions) -> list[str]:  # type: ignore[override]
@@ -222,14 +224,14 @@ class ZeroStrategy(Strategy):
             return
         # One small all-reduce: which parameters got a gradient on some rank,
         # and how many backwards each rank ran (they must agree: a mismatch
-        # means the caller broke the lockstep contract).
+        # means some rank was not called for some microbatch).
         flags = torch.tensor(self._got + [self._backwards], dtype=torch.int64, device=self.ctx.device)
         self.ctx.comm.all_reduce(flags)
         if int(flags[-1]) != self._backwards * self.ctx.world_size:
             raise RuntimeError(
                 f"ZeRO group {self.ctx.module!r}: rank {self.ctx.rank} ran {self._backwards} backward(s) "
                 f"this step but the group ran {int(flags[-1])} in total over {self.ctx.world_size} ranks; "
-                f"every rank must be called for every microbatch (strategy 'zero' is lockstep)"
+                f"every rank must be called for every microbatch, with or without samples"
             )
         self._present = [bool(v) for v in flags[:-1].tolist()]
         if not self._backwards:
