@@ -76,7 +76,7 @@ def write_outputs(
             "",
             published_md(rows, ratios, published.PAPER),
         ]
-    pngs = plot(bench.points + probes, out, bench.budget)
+    pngs = plot(bench.points, out, bench.budget, probes)
     json_path, md_path = out / "bench.json", out / "bench.md"
     json_path.write_text(json.dumps(result, indent=2, default=str))
     md_path.write_text("\n".join(md) + "\n")

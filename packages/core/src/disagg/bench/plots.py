@@ -26,8 +26,11 @@ def _series(points: list[dict[str, Any]], value: Any) -> dict[str, list[tuple[in
     return {k: sorted(v, key=lambda t: t[0]) for k, v in out.items()}
 
 
-def plot(points: list[dict[str, Any]], out_dir: Path, budget: int | None) -> list[Path]:
-    """Write ``throughput.png`` and ``memory.png``; return their paths."""
+def plot(
+    points: list[dict[str, Any]], out_dir: Path, budget: int | None, probes: list[dict[str, Any]] = ()
+) -> list[Path]:
+    """Write ``throughput.png`` (sweep points: the budget probes' single steps
+    are not timed) and ``memory.png`` (sweep points and probes); return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a CI machine
@@ -50,6 +53,7 @@ def plot(points: list[dict[str, Any]], out_dir: Path, budget: int | None) -> lis
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     mib = 1024 * 1024
+    points = [*points, *probes]
     for name, s in _series(points, lambda p: p["memory_per_rank"].get("measured")).items():
         (line,) = ax.plot([x for x, _, _ in s], [y / mib for _, y, _ in s], marker="o", label=name)
         over = [(x, y) for x, y, p in s if p.get("fits_budget") is False]

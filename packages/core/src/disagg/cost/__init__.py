@@ -10,9 +10,11 @@ predicts what a machine cannot run; a planner can rank layouts with them.
 
 Which figures are exact is stated per :class:`Cost` (``Cost.exact``) and in
 each formula's docstring: vision-group communication under ``ulysses``,
-``megatron_tp`` (without sequence parallelism), ``ddp`` and ``zero`` equals
-what :class:`disagg.interfaces.CommCounter` counts, byte for byte; state bytes
-are exact except under ``zero``; activations and FLOPs are estimates.
+``megatron_tp`` (without sequence parallelism) and ``ddp`` equals what
+:class:`disagg.interfaces.CommCounter` counts, byte for byte (``zero``: the
+strategy's own analytic count, within 0.2% of what it reports); state bytes
+are exact except under ``zero``; fp32 saved activations of the Qwen2.5-VL
+tower are exact under ``ddp``/``ulysses``/``megatron_tp``; the rest are estimates.
 """
 
 from disagg.cost.predict import DTYPE_BYTES, STRATEGIES, Cost, predict

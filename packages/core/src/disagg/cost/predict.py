@@ -133,7 +133,7 @@ def predict(
     if recompute:
         act = memory.recomputed_activation_bytes(module, tokens, strategy, degree, w.act_bytes, sp)
     exact = ["state_bytes"] if strategy != "zero" else []
-    if vision and (strategy in ("ulysses", "ddp", "zero") or (strategy == "megatron_tp" and not sp)):
+    if vision and (strategy in ("ulysses", "ddp") or (strategy == "megatron_tp" and not sp)):
         exact.append("comm_bytes")
     return Cost(
         state_bytes=memory.state_bytes(tensors, strategy, degree, w.world, stage),
