@@ -1,6 +1,8 @@
 """megatron_tp under core's bf16 rule (``compute_dtype``: fp32 parameters,
 gradients and optimizer state; the forward autocast to bf16 on the CPU): a step
-runs, its loss and gradients are close to fp32's, parameters stay fp32."""
+runs, its loss and gradients are close to fp32's, parameters stay fp32. As an
+encoder, core runs the backward outside autocast, where megatron's linear
+functions need the forward's autocast state replayed (CUDA-only custom_bwd)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 import pytest
 import torch
 from dropout_cases import tp_bf16_rank
+from toy_encoder import ToyEncoderFamily, encoder_rank
 from tp_cases import _loads, make_batch, rel
 
 from disagg.testing.dist import run_ranks
@@ -38,3 +41,20 @@ def test_bf16_step_close_to_fp32(tiny_dirs):
             assert float((bf16["params"][n] - p).abs().max()) <= 2.5e-3, n
         flat = [torch.cat([d[n].flatten() for n in fp32["params"]]) for d in (bf16["params"], fp32["params"])]
         assert rel(*flat) <= 1e-2
+
+
+def test_bf16_encoder_backward_outside_autocast():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(5, 32, generator=g), torch.randn(3, 32, generator=g)]
+    gs = [torch.randn(5, 24, generator=g), torch.randn(3, 24, generator=g)]
+    ref = ToyEncoderFamily(".").build()
+    outs = [ref(x) for x in xs]
+    torch.autograd.backward(outs, gs)
+    res = run_ranks(encoder_rank, 2, 2, xs, gs, torch.bfloat16)
+    # (the last row linear adds its fp32 bias after the bf16 matmul, so values come out fp32)
+    assert res[0]["dtypes"] == {"torch.float32"}
+    for got, want in zip(res[0]["values"], outs):
+        got = torch.from_numpy(got)
+        assert not torch.equal(got, want.detach()) and rel(got, want.detach()) <= 2e-2, "bf16 matmuls"
+    for n, p in ref.named_parameters():
+        assert rel(torch.from_numpy(res[0]["grads"][n]), p.grad) <= 5e-2, n

@@ -64,20 +64,24 @@ class ToyEncoderFamily(EncoderFamily):
         return state
 
 
-def encoder_rank(rank: int, degree: int, xs: list, gs: list) -> dict:
-    from disagg.interfaces import GroupContext, OptimSpec
+def encoder_rank(rank: int, degree: int, xs: list, gs: list, dtype: torch.dtype = torch.float32) -> dict:
+    """Encode under core's ``compute_dtype(dtype)`` and backward outside it, as core's worker does."""
+    from disagg.interfaces import GroupContext, OptimSpec, compute_dtype
     from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
-    ctx = GroupContext("vision", rank, degree, degree, 1, torch.device("cpu"), torch.float32)
+    ctx = GroupContext("vision", rank, degree, degree, 1, torch.device("cpu"), dtype)
     fam = ToyEncoderFamily(".")
     strat = MegatronTPStrategy(ctx, fam, MegatronTPOptions())
     strat.setup(fam.build(), OptimSpec(lr=1e-3))
-    shards = strat.encode(0, [{"x": x} for x in xs])
+    with compute_dtype(ctx.device, dtype):
+        shards = strat.encode(0, [{"x": x} for x in xs])
     grads = [g if ctx.shard == 0 else torch.zeros(0, g.shape[1]) for g in gs]
     strat.backward(0, [s.value for s in shards], grads)
     strat.reduce_gradients()
     return {
         "rows": [int(s.value.shape[0]) for s in shards],
-        "values": [s.value.detach().numpy().copy() for s in shards],
+        "values": [s.value.detach().float().numpy().copy() for s in shards],
+        "dtypes": {str(s.value.dtype) for s in shards}
+        | {str(p.grad.dtype) for p in strat.module.parameters()},
         "grads": {k: v.numpy() for k, v in strat.full_grads().items()},
     }

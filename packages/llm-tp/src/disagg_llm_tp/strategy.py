@@ -92,6 +92,8 @@ class MegatronTPStrategy(Strategy):
         self.rng: ShardRNG | None = None
         #: microbatch -> every output of the encoder on this TP rank, until its backward
         self._pending: dict[int, list[torch.Tensor]] = {}
+        #: microbatch -> the autocast state its forward ran under (see :meth:`backward`)
+        self._autocast: dict[int, tuple[bool, torch.dtype]] = {}
 
     # -- groups ----------------------------------------------------------------------------------------
     def _init_megatron(self) -> None:
@@ -207,12 +209,15 @@ class MegatronTPStrategy(Strategy):
         assert isinstance(self.family, EncoderFamily) and self.module is not None
         outs = [self.family.encode(self.module, x) for x in inputs]
         self._pending[mb] = outs
+        kind = self.ctx.device.type
+        self._autocast[mb] = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         if self.ctx.shard == 0:
             return [EmbeddingShard.whole(o) for o in outs]
         return [EmbeddingShard.empty(o.shape[0], o.shape[1], like=o) for o in outs]
 
     def release(self, mb: int) -> None:
         self._pending.pop(mb, None)
+        self._autocast.pop(mb, None)
 
     def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Shard 0 received the gradients; its TP peers need them too."""
@@ -224,8 +229,15 @@ class MegatronTPStrategy(Strategy):
             self.ctx.comm.broadcast(buf, src=src, group=self.tp_group)
             full.append(buf)
         pairs = [(o, g) for o, g in zip(pending, full) if o.requires_grad and o.numel()]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        enabled, dtype = self._autocast.pop(mb, (False, torch.float32))
+        # megatron's linear functions restore the forward's autocast state in their
+        # backward through torch.amp.custom_bwd for CUDA only; on other devices
+        # (CPU bf16) a bf16 output gradient would meet the fp32 weight in a matmul.
+        # Core autocasts the forward only, so replay its state here (no cast of our own).
+        replay = enabled and self.ctx.device.type != "cuda"
+        with torch.autocast(self.ctx.device.type, dtype=dtype, enabled=replay):
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
     # -- gradients -------------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
