@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from disagg.interfaces import GroupContext, OptimSpec
-from disagg.interfaces.strategy import clip_coefficient
 from disagg.interfaces.activations import saved_bytes_hooks
+from disagg.interfaces.strategy import clip_coefficient
 
 MAX_NORM = 0.05  # small enough that clipping is active in every step
 LR = 1e-3
