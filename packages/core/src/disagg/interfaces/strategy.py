@@ -48,9 +48,11 @@ class Strategy(ABC):
     name: ClassVar[str]
     #: the plugin distribution that provides it (for error messages)
     distribution: ClassVar[str] = "disagg-core"
-    #: every rank must run the same module calls in every microbatch (ZeRO-3
-    #: gathers parameters inside forward): config validation then requires each
-    #: microbatch to give every replica at least one sample
+    #: the strategy cannot run a replica that got no sample in a microbatch
+    #: (its ranks' collectives depend on having data): config validation then
+    #: requires each microbatch to give every replica at least one sample. The
+    #: first-party strategies do not need it (``zero`` makes the same
+    #: collectives whatever a rank's share, an empty one included)
     lockstep: ClassVar[bool] = False
     options_model: ClassVar[type[StrategyOptions]] = StrategyOptions
 
