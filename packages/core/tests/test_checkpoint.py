@@ -1,0 +1,186 @@
+"""Checkpoints you can trust, on the toy families: a save that dies before its
+rename leaves the previous checkpoint complete and resumable, a truncated file
+is refused by its checksum, ``keep_last`` prunes, and a rank killed mid-run is
+recovered from the newest checkpoint with the undisturbed run's losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from disagg.config.schema import Config
+from disagg.runtime import checkpoint as ckpt
+from disagg.runtime.orchestrator import Orchestrator
+from disagg.runtime.run import run_training
+from disagg.testing import toy
+from disagg.testing.toy import ToyDataSource, make_toy_dirs
+
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def toy_registry():
+    """Built-ins plus the toy families, process-wide for this module's runs."""
+    from disagg import plugins
+
+    previous = plugins._REGISTRY  # noqa: SLF001 - restored exactly afterwards
+    pm, _ = plugins.make_plugin_manager(load_entry_points=False)
+    pm.register(toy, name="disagg.testing.toy")
+    reg = plugins.build_registry(pm)
+    plugins.set_registry(reg)
+    try:
+        yield reg
+    finally:
+        plugins.set_registry(previous)
+
+
+def _cfg(root: Path, dirs, out: str, **over) -> Config:
+    enc, lm = dirs
+    raw = {
+        "model": {"vision": {"family": "toy", "path": str(enc)}, "llm": {"family": "toy", "path": str(lm)}},
+        "parallel": {"vision": {"replicas": 2}, "llm": {"replicas": 1}},
+        "train": {"steps": STEPS, "lr": 1e-2, "clip_grad_norm": 1.0, "weight_decay": 0.1},
+        "checkpoint": {"every": 2},
+        "output_dir": str(root / out),
+    }
+    for k, v in over.items():
+        raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v
+    return Config.model_validate(raw)
+
+
+class DriverKilled(BaseException):
+    """Like a SIGKILL of the driver: no ``except Exception`` handler runs."""
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "step" in r}  # the last line of a step wins
+
+
+def _train(cfg: Config, registry) -> dict:
+    return run_training(cfg, registry=registry, data_source=ToyDataSource(4), progress=False)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(ray_local, toy_registry, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    dirs = make_toy_dirs(root / "models")
+    cfg = _cfg(root, dirs, "plain")
+    _train(cfg, toy_registry)
+    return root, dirs, _losses(root / "plain")
+
+
+def test_driver_dying_mid_save_leaves_the_previous_checkpoint(undisturbed, toy_registry, monkeypatch):
+    root, dirs, losses = undisturbed
+    cfg = _cfg(root, dirs, "killed")
+    real_write = ckpt._write
+
+    def die_before_manifest(path, text):
+        if path.name == ckpt.MANIFEST and path.parent.name == "step-4.tmp":
+            raise DriverKilled("the driver dies mid-save, before the rename")
+        real_write(path, text)
+
+    monkeypatch.setattr(ckpt, "_write", die_before_manifest)
+    with pytest.raises(DriverKilled):
+        _train(cfg, toy_registry)
+    monkeypatch.undo()
+    run = root / "killed"
+    assert (run / "checkpoints" / "step-4.tmp").is_dir(), "the interrupted save stays a .tmp dir"
+    assert ckpt.latest_checkpoint(run) == run / "checkpoints" / "step-2"
+    manifest = ckpt.verify_checkpoint(run / "checkpoints" / "step-2")
+    assert manifest["layout"]["vision"] == {"strategy": "ddp", "degree": 1, "replicas": 2}
+    for part in ("vision/full.safetensors", "vision/optim.safetensors", "llm/schedule.json"):
+        assert part in manifest["files"]
+    assert "vision/rng/rank-1.safetensors" in manifest["files"]
+    # resume from the newest complete checkpoint: steps 3.. equal the undisturbed run exactly
+    resumed = _cfg(root, dirs, "killed", checkpoint={"resume_from": str(ckpt.latest_checkpoint(run))})
+    _train(resumed, toy_registry)
+    got = _losses(run)
+    assert [got[s] for s in range(3, STEPS + 1)] == [losses[s] for s in range(3, STEPS + 1)]
+    assert not (run / "checkpoints" / "step-4.tmp").exists(), "the next save cleans the stale .tmp"
+
+
+def test_truncated_file_is_refused_and_keep_last_prunes(undisturbed, toy_registry, tmp_path):
+    import shutil
+
+    root, dirs, _ = undisturbed
+    src = root / "plain" / "checkpoints" / "step-4"
+    bad = tmp_path / "step-4"
+    shutil.copytree(src, bad)
+    f = bad / "llm" / "optim.safetensors"
+    f.write_bytes(f.read_bytes()[:-7])
+    with pytest.raises(ckpt.CheckpointError, match=r"llm/optim.safetensors fails its checksum.*truncated"):
+        ckpt.verify_checkpoint(bad)
+    cfg = _cfg(root, dirs, "refused", checkpoint={"resume_from": str(bad)})
+    with pytest.raises(ckpt.CheckpointError, match="fails its checksum"):
+        _train(cfg, toy_registry)
+    (bad / ckpt.MANIFEST).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="its save did not finish"):
+        ckpt.verify_checkpoint(bad)
+    # keep_last: 1 leaves only the final checkpoint
+    pruned = _cfg(root, dirs, "pruned", checkpoint={"keep_last": 1}, train={"steps": 4})
+    _train(pruned, toy_registry)
+    assert [p.name for p in ckpt.complete_checkpoints(root / "pruned")] == ["step-4"]
+
+
+def _kill_at(step: int, module_index: int, rank: int, monkeypatch) -> list[int]:
+    """Kill one actor's process by pid at the start of ``step`` (once)."""
+    killed: list[int] = []
+    real_step = Orchestrator.step
+
+    def step_and_kill(self, batch):
+        # a restarted run's new orchestrator counts from 0 again: kill once only
+        if not killed and self.steps_done + 1 == step:
+            import ray
+
+            pid = ray.get(self.groups[module_index].actors[rank].placement.remote())["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Orchestrator, "step", step_and_kill)
+    return killed
+
+
+def test_killed_rank_is_recovered_from_the_newest_checkpoint(undisturbed, toy_registry, monkeypatch):
+    root, dirs, losses = undisturbed
+    killed = _kill_at(4, 0, 1, monkeypatch)  # vision rank 1, during step 4: step-2 is the newest
+    cfg = _cfg(root, dirs, "recovered", fault_tolerance={"max_restarts": 1})
+    summary = _train(cfg, toy_registry)
+    assert killed and summary["status"] == "ok" and summary["restarts"] == 1
+    run = root / "recovered"
+    got = _losses(run)
+    assert got[STEPS] == losses[STEPS], "the final loss equals the undisturbed run's"
+    assert [got[s] for s in range(1, STEPS + 1)] == [losses[s] for s in range(1, STEPS + 1)]
+    (event,) = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert event["rank"] == "module 'vision' rank 1" and event["action"].endswith("step-2")
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in logged if "event" in r] == ["actor_died"]
+
+
+def test_restarts_exhausted_names_module_and_rank(undisturbed, toy_registry, monkeypatch):
+    from disagg.runtime.recovery import RestartsExhausted
+
+    root, dirs, _ = undisturbed
+    _kill_at(2, 1, 0, monkeypatch)  # the LLM's only rank
+    cfg = _cfg(root, dirs, "exhausted")  # max_restarts: 0
+    with pytest.raises(RestartsExhausted, match=r"module 'llm' rank 0 died.*max_restarts is 0"):
+        _train(cfg, toy_registry)
+
+
+def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path, capsys):
+    from disagg.cli.train import _resume_path
+
+    root = tmp_path / "run" / "checkpoints"
+    for name, complete in (("step-9", True), ("step-10", True), ("step-12.tmp", True), ("step-11", False)):
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / ckpt.MANIFEST).write_text("{}")
+    assert _resume_path("auto", str(tmp_path / "run")) == str(root / "step-10")  # numeric, complete only
+    assert _resume_path("some/where", str(tmp_path / "run")) == "some/where"
+    assert _resume_path("auto", str(tmp_path / "empty")) is None
+    assert "starting at step 0" in capsys.readouterr().err
