@@ -38,15 +38,16 @@ class UlyssesStrategy(Strategy):
             return [
                 f"family {family.name!r} does not support strategy 'ulysses' "
                 "(it has no ulysses hook points); "
-                "use strategy 'ddp', 'zero' or 'megatron_tp', or a family that subclasses "
-                "disagg_vision_sp.UlyssesFamily (qwen2_5_vl, llava)"
+                "use strategy 'ddp', 'zero' or 'megatron_tp', or a family that implements "
+                "disagg.interfaces.UlyssesFamily (qwen2_5_vl, llava; whisper, qwen2_audio with disagg-audio)"
             ]
         problems = list(family.check("ulysses", degree, replicas))
         heads = family.ulysses_heads()
         if heads % degree:
             divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+            module = "audio" if getattr(family, "modality", "image") == "audio" else "vision"
             problems.append(
-                f"parallel.vision.degree={degree}: {heads} attention heads of family {family.name!r} "
+                f"parallel.{module}.degree={degree}: {heads} attention heads of family {family.name!r} "
                 f"are not divisible by it; use a divisor of {heads}: {divisors}"
             )
         return problems
