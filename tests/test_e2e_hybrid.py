@@ -22,7 +22,7 @@ from disagg.plugins import get_registry  # noqa: E402
 from disagg.testing.reference import assert_close_dicts  # noqa: E402
 
 FAMILY = "qwen2_5_vl"
-STEPS = 5
+STEPS = 3
 
 
 @pytest.fixture(scope="module")
