@@ -156,7 +156,7 @@ class ZeroStrategy(Strategy):
         else:  # one whole-module gather per call, reduce-scatter gradients
             sent = self._gathers * f * params + f * grads
         self.ctx.comm.add(f"zero{self.options.stage}_analytic", int(sent))
-        self.ctx.comm.add("all_reduce", 2 * (n - 1) * 8 * (len(self._params) + 1) // n)  # agreement
+        # the agreement all-reduce of reduce_gradients is counted where it runs (ctx.comm.all_reduce)
         self._gathers = 0
 
     def _hand_to_engine(self, local: list[torch.Tensor | None]) -> None:
