@@ -88,6 +88,10 @@ class ParallelConfig(Strict):
     transport: str = "auto"
     """``auto`` (object store on CPU, direct transport on CUDA), ``object_store``, ``gloo``,
     ``nccl`` or a plugin's."""
+    assign: Literal["balanced", "contiguous"] = "balanced"
+    """How a microbatch's samples are split over a group's replicas: ``balanced`` evens out
+    each replica's tokens (vision patches for an encoder, all tokens for the LLM) so no
+    replica waits for a heavier one; ``contiguous`` slices in order. The math is the same."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """Longest a rank waits in one collective for the other ranks of its group; past it the
     run stops with an error naming the module, the ranks and the step (never a silent hang)."""

@@ -12,6 +12,7 @@ import ray
 from disagg.config.dump import dump_resolved
 from disagg.config.schema import Config
 from disagg.config.validate import ResolvedConfig, validate
+from disagg.data.balance import balance
 from disagg.metrics.jsonl import JsonlMetricsLogger
 from disagg.metrics.step import step_record, summarize
 from disagg.plugins import Registry, get_registry, notify
@@ -19,6 +20,7 @@ from disagg.runtime.checkpoint import load_checkpoint, save_checkpoint
 from disagg.runtime.orchestrator import ActorDied, Orchestrator
 from disagg.runtime.plan import make_plan
 from disagg.runtime.recovery import recover
+from disagg.runtime.routing import contiguous
 
 
 def run_training(
@@ -65,6 +67,7 @@ def run_training(
             collective_timeout_s=cfg.parallel.collective_timeout_s,
             schedule=registry.schedules[cfg.train.schedule](),
             max_inflight=cfg.train.max_inflight,
+            assign=balance if cfg.parallel.assign == "balanced" else contiguous,
         )
 
     records: list[dict[str, Any]] = []
