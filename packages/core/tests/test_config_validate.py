@@ -163,3 +163,24 @@ def test_family_that_cannot_be_built_is_reported(reg, workdir, monkeypatch):
     monkeypatch.setattr(disagg_cfgtest_plugin.CfgLLM, "__init__", boom)
     found = problems(workdir, base())
     assert list(found) == ["model.llm"] and "OSError: no config.json" in found["model.llm"]
+
+
+def test_resume_with_other_batch_size_or_data_is_refused_before_any_actor(reg, workdir):
+    """The data position is derived from the step, so a checkpoint may only be
+    resumed with the batch size, data files and seed it was trained with."""
+    import json
+
+    from disagg.config.fingerprint import run_fingerprint
+
+    ckpt = workdir / "run" / "checkpoints" / "step-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text("{}")
+    saved = check(workdir, base()).config
+    (ckpt / "meta.json").write_text(json.dumps({"step": 2, "fingerprint": run_fingerprint(saved)}))
+    resume = ["checkpoint.resume_from=run/checkpoints/step-2"]
+    check(workdir, base(), resume)  # the same run resumes
+    got = problems(workdir, base(), [*resume, "data.batch_size=8"])
+    assert "data.batch_size: the checkpoint has 4, this run has 8" in got["checkpoint.resume_from"]
+    (workdir / "d.jsonl").write_text('{"other": 1}\n')
+    got = problems(workdir, base(), resume)
+    assert "data.train" in got["checkpoint.resume_from"] and "d.jsonl" in got["checkpoint.resume_from"]
