@@ -26,6 +26,8 @@ from disagg.plugins import get_registry
 
 manifest = json.loads(Path(sys.argv[1]).read_text())
 reg = get_registry()
+# audio encoders size their projector to the LLM they feed: the tiny qwen2 here
+llm_width = AutoConfig.from_pretrained(manifest["models"]["qwen2"]).hidden_size
 report = {}
 for name, path in manifest["models"].items():
     cfg = AutoConfig.from_pretrained(path)
@@ -45,7 +47,8 @@ for name, path in manifest["models"].items():
     r["families"] = {}
     for (role, fam), cls in reg.families.items():
         if fam == name:
-            module = cls(path).build()
+            options = {"hidden_size": llm_width} if getattr(cls, "modality", None) == "audio" else {}
+            module = cls(path, options).build()
             r["families"][role] = sum(p.numel() for p in module.parameters())
     report[name] = r
 print("REPORT" + json.dumps(report))

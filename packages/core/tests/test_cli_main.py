@@ -33,7 +33,8 @@ def fake_runtime(monkeypatch):
     calls = []
     mod = types.ModuleType("disagg.runtime.run")
 
-    def run_training(cfg, address=None):
+    def run_training(resolved, address=None):
+        cfg = resolved.config
         calls.append((cfg, address))
         if cfg.train.steps == 13:
             raise RuntimeError("actor vision/rank 1 died")

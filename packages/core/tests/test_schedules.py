@@ -64,3 +64,29 @@ def test_schedules_are_registered_like_plugins():
     reg = get_registry()
     assert {"sequential", "encoders_ahead"} <= set(reg.schedules)
     assert "schedules" in reg.plugins["disagg.builtin"].registered
+
+
+def test_a_plugin_schedule_is_registered_through_the_hook(disagg_registry):
+    import disagg
+    from disagg.plugins import register_plugin
+
+    class Reversed(Sequential):
+        """A third-party order: whole microbatches, last first."""
+
+        name = "reversed"
+
+        def order(self, n, *, max_inflight, frozen):
+            one = Sequential().order(1, max_inflight=1, frozen=frozen)
+            return [Op(op.phase, mb) for mb in reversed(range(n)) for op in one]
+
+    class Plugin:
+        @staticmethod
+        @disagg.hookimpl
+        def disagg_register_schedules(register):
+            register(Reversed)
+
+    reg = register_plugin(Plugin, name="mine")
+    assert reg.schedules["reversed"] is Reversed and "schedules" in reg.plugins["mine"].registered
+    ops = reg.schedules["reversed"]().order(3, max_inflight=1, frozen=False)
+    check_order(ops, 3, max_inflight=1, frozen=False, name="reversed")
+    assert ops[0] == Op("forward", 2)
