@@ -13,7 +13,7 @@ from test_data_fakes import caption_sample, families, make_tokenizer_dir, write_
 
 from disagg.config.schema import Config
 from disagg.data import build_data_source
-from disagg.runtime.routing import assign
+from disagg.runtime.routing import contiguous
 
 ray.cloudpickle.register_pickle_by_value(test_data_fakes)  # Ray workers cannot import test modules
 N = 8
@@ -104,7 +104,7 @@ def test_no_shuffle_is_file_order(root):
 def test_two_dp_replicas_see_disjoint_samples(src):
     seen: list[list[int]] = [[], []]
     for batch in islice(src.batches(), 2):  # one epoch
-        for replica, positions in enumerate(assign(len(batch), 2)):
+        for replica, positions in enumerate(contiguous([1] * len(batch), 2)):
             seen[replica] += [batch[p].index for p in positions]
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == list(range(N))

@@ -32,57 +32,12 @@ reference's bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from fnmatch import fnmatchcase
 
-import torch
 from torch import nn
 
-
-class ShardRNG:
-    """A generator state of its own on ``device``, swapped in by :meth:`fork`."""
-
-    def __init__(self, seed: int, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self._active = False
-        with torch.random.fork_rng(devices=self._cuda_devices()):
-            if self.device.type == "cuda":
-                torch.cuda.manual_seed(seed)
-            else:
-                torch.manual_seed(seed)
-            self.state = self._get()
-
-    def _cuda_devices(self) -> list[int]:
-        return [self.device.index or 0] if self.device.type == "cuda" else []
-
-    def _get(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
-
-    def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-    @contextlib.contextmanager
-    def fork(self) -> Iterator[None]:
-        """Draw from this stream inside; the default stream is left where it was."""
-        if self._active:  # nested regions share the one stream
-            yield
-            return
-        saved = self._get()
-        self._set(self.state)
-        self._active = True
-        try:
-            yield
-        finally:
-            self._active = False
-            self.state = self._get()
-            self._set(saved)
+from disagg.interfaces.rng import ShardRNG
 
 
 def fork_around(module: nn.Module, patterns: tuple[str, ...] | list[str], rng: ShardRNG) -> list[str]:

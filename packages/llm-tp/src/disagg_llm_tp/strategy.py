@@ -42,9 +42,10 @@ from disagg.interfaces import (
     agree_on_grads,
     dropout_seed,
 )
+from disagg.interfaces.rng import ShardRNG
 from disagg_llm_tp.layers import ShardSpec, local_slice, merge
 from disagg_llm_tp.parallelize import TPPlan, parallelize_module
-from disagg_llm_tp.rng import ShardRNG, fork_around
+from disagg_llm_tp.rng import fork_around
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 

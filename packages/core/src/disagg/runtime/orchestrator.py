@@ -176,8 +176,8 @@ class Orchestrator:
         one object addressed to its LLM replica."""
         for task in f.route.encodes:
             g = self.group(task.module)
-            refs = [s.inputs[g.module] for s in f.samples if s.index in task.samples]
-            ids = [s.index for s in f.samples if s.index in task.samples]
+            mine = [s for s in f.samples if s.index in task.samples]  # batch order, as sources expect
+            refs, ids = [s.inputs[g.module] for s in mine], [s.index for s in mine]
             grad = train and g.spec.optim is not None
             self._side_refs += g.call("encode", f.mb, ids, refs, grad, ranks=list(task.ranks))
         for src in f.route.sources:

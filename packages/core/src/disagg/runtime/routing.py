@@ -147,11 +147,6 @@ def contiguous(costs: Sequence[int], parts: int) -> list[list[int]]:
     return [list(r) for r in balanced(len(costs), parts)]
 
 
-def assign(n: int, replicas: int) -> list[list[int]]:
-    """Sample positions (0..n-1) each replica processes: disjoint, covering, balanced."""
-    return [list(r) for r in balanced(n, replicas)]
-
-
 def balanced(n: int, parts: int) -> list[range]:
     base, extra = divmod(n, parts)
     out, start = [], 0

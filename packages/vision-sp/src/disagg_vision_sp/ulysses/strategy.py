@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from disagg.interfaces import EmbeddingShard, Family, Strategy, StrategyOptions, dropout_seed
+from disagg.interfaces.rng import ShardRNG
 from disagg_vision_sp.ulysses import attention
 from disagg_vision_sp.ulysses.layout import UlyssesFamily, plan_bounds
-from disagg_vision_sp.ulysses.rng import ShardRNG
 
 
 class UlyssesStrategy(Strategy):
@@ -71,6 +71,11 @@ class UlyssesStrategy(Strategy):
                 sub.config._attn_implementation = attention.ATTN_NAME
         self.group = self._replica_group()
         if self.ctx.degree > 1:
+            # Every activation of a ulysses forward differs across the ranks of a
+            # replica (own tokens outside the all-to-all, a head shard inside), so
+            # the forward draws dropout from a per-shard stream. Masks cannot equal
+            # the single-process encoder's: HF draws one mask over all heads and
+            # tokens from one stream.
             ctx = self.ctx
             self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
         return module

@@ -257,7 +257,12 @@ class ModuleWorker:
         out = {}
         for k, sid, module, positions in layout.get(source, []):
             g = embeds[k][module].grad
-            if g is None:  # the LLM did not use this embedding: it gets no gradient at all
+            if g is None:
+                # The LLM did not use this embedding (no first-party family does this:
+                # each consumes every placeholder). Zeros, not "no gradient": the
+                # encoder's backward is collective under ulysses/TP, so every rank
+                # must run it. The cost is weight decay on an encoder that the
+                # single-process model would leave untouched in this step.
                 g = torch.zeros_like(embeds[k][module])
             out[sid] = g[positions.to(g.device)].detach()
             self.record.sent_bytes += out[sid].numel() * out[sid].element_size()

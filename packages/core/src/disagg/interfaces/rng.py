@@ -1,18 +1,19 @@
-"""Dropout in a ulysses forward: one RNG stream per (replica, shard).
+"""One dropout stream per shard of a replica, swapped in around a region.
 
-Every activation of a ulysses forward differs across the ranks of a replica:
-outside the all-to-all a rank holds its own tokens, inside it a head shard of
-the whole sequence. Drawn from the default generator (core reseeds it per
-replica, the same state on every rank of the replica), two ranks would give
-their tokens or heads identical masks whenever the shapes agree, e.g. the
-attention probabilities of heads ``i`` and ``i + h/d`` of an image would
-always be dropped together. The forward therefore draws from a stream seeded
-by ``dropout_seed(seed, replica, shard)`` (Megatron's model-parallel RNG
-tracker idea; megatron's own tracker forks CUDA generator state only).
+Core reseeds the default generator per replica (``dropout_seed(seed, replica)``),
+so every rank of a replica draws the same masks from it. Where the ranks of a
+replica hold *different* activations of the same shape (a head shard under
+tensor parallelism, a token or head shard under sequence parallelism), those
+identical masks would correlate: heads ``i`` and ``i + h/d`` always dropped
+together. A strategy forks a stream seeded with
+``dropout_seed(seed, replica, shard)`` around such regions; this is Megatron's
+model-parallel RNG tracker idea. Megatron's own ``CudaRNGStatesTracker`` swaps
+``torch.cuda`` generator states only, so on the CPU dropout would keep drawing
+from the default generator; :class:`ShardRNG` swaps the generator of the
+module's own device (CPU or CUDA), so the same code runs on both.
 
-Masks cannot equal the single-process encoder's: HF draws one mask over all
-heads and tokens of a batch of images from one stream, here each rank draws
-those of its heads (or tokens) of the concatenated sequence from its own.
+It lives here, not in a plugin, because several strategies need it and plugins
+must not import each other.
 """
 
 from __future__ import annotations
