@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 TEXT = [("Answer briefly.", "A red square."), ("What is in the picture?", "A blue circle.")]
 
@@ -47,3 +48,51 @@ def write_mixed_data(root: Path) -> Path:
     path = root / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def make_mixed_tiny(out: Path, family: str) -> dict[str, Any]:
+    """A tiny ``family`` model dir (make-tiny) with the mixed dataset beside it."""
+    from disagg.cli.make_tiny import make_tiny
+
+    manifest = make_tiny(out, [family], data=False)
+    manifest["train"] = str(write_mixed_data(out / "data"))
+    manifest["media_root"] = str(out / "data")
+    return manifest
+
+
+def mixed_config(model: dict, parallel: dict, data: dict, out: Path, steps: int, **train: Any) -> Any:
+    """The config both mixed-data e2e tests run, validated: batch 4 in file order,
+    2 microbatches, weight decay on."""
+    from disagg.config.schema import Config
+    from disagg.config.validate import validate
+    from disagg.plugins import get_registry
+
+    cfg = Config.model_validate(
+        {
+            "model": model,
+            "parallel": parallel,
+            "data": {
+                "train": data["train"],
+                "media_root": data["media_root"],
+                "batch_size": 4,
+                "shuffle": False,
+                "num_workers": 1,
+            },
+            # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
+            # summation-order noise in near-zero gradients cannot flip parameters.
+            "train": {
+                "steps": steps,
+                "lr": 1e-3,
+                "eps": 1e-3,
+                "weight_decay": 0.1,
+                "microbatches": 2,
+                "seed": 0,
+                "clip_grad_norm": 1.0,
+                **train,
+            },
+            "checkpoint": {"every": 0},
+            "output_dir": str(out),
+        }
+    )
+    validate(cfg, get_registry())
+    return cfg

@@ -20,11 +20,9 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
 from hf_reference import batches_of, exported_state, run_metrics, train_reference  # noqa: E402
-from mixed_data import write_mixed_data  # noqa: E402
+from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
 from disagg.config.schema import Config  # noqa: E402
-from disagg.config.validate import validate  # noqa: E402
-from disagg.plugins import get_registry  # noqa: E402
 from disagg.testing.reference import assert_close_dicts  # noqa: E402
 
 STEPS = 3
@@ -32,49 +30,15 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from disagg.cli.make_tiny import make_tiny
-
-    out = tmp_path_factory.mktemp("tiny")
-    manifest = make_tiny(out, ["qwen2_5_vl"], data=False)
-    manifest["train"] = str(write_mixed_data(out / "data"))
-    manifest["media_root"] = str(out / "data")
-    return manifest
+    return make_mixed_tiny(tmp_path_factory.mktemp("tiny"), "qwen2_5_vl")
 
 
 def _config(tiny: dict, out: Path, vision: dict, llm: dict, **train: object) -> Config:
-    path = tiny["models"]["qwen2_5_vl"]
-    cfg = Config.model_validate(
-        {
-            "model": {
-                "vision": {"family": "qwen2_5_vl", "path": path},
-                "llm": {"family": "qwen2_5_vl", "path": path},
-            },
-            "parallel": {"vision": vision, "llm": llm},
-            "data": {
-                "train": tiny["train"],
-                "media_root": tiny["media_root"],
-                "batch_size": 4,
-                "shuffle": False,
-                "num_workers": 1,
-            },
-            # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
-            # summation-order noise in near-zero gradients cannot flip parameters.
-            "train": {
-                "steps": STEPS,
-                "lr": 1e-3,
-                "eps": 1e-3,
-                "weight_decay": 0.1,
-                "microbatches": 2,
-                "seed": 0,
-                "clip_grad_norm": 1.0,
-                **train,
-            },
-            "checkpoint": {"every": 0},
-            "output_dir": str(out),
-        }
-    )
-    validate(cfg, get_registry())
-    return cfg
+    model = {
+        "vision": {"family": "qwen2_5_vl", "path": tiny["models"]["qwen2_5_vl"]},
+        "llm": {"family": "qwen2_5_vl", "path": tiny["models"]["qwen2_5_vl"]},
+    }
+    return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS, **train)
 
 
 def _hf_kwargs(image_token_id: int):

@@ -56,7 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-vision-tokens",
-        type=int,
         default=None,
         help="longest length the budget search may try (default: 4 x the longest of --vision-tokens)",
     )
@@ -100,6 +99,12 @@ def run(args: argparse.Namespace) -> int:
         predict_lengths = [] if args.predict.strip().lower() == "none" else parse_tokens(args.predict)
     except ValueError as exc:
         raise ConfigError([Problem("--vision-tokens", str(exc))]) from None
+    max_tokens = None
+    if args.max_vision_tokens is not None:  # same spelling as --vision-tokens: 8k, 16384
+        try:
+            (max_tokens,) = parse_tokens(args.max_vision_tokens)
+        except ValueError as exc:
+            raise ConfigError([Problem("--max-vision-tokens", f"one length, e.g. 8k: {exc}")]) from None
     dtype = cfg.train.dtype
     if dtype == "auto":  # one dtype for every layout, decided once
         import torch
@@ -120,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=out,
         registry=get_registry(),
         budget=args.mem_budget,
-        max_vision_tokens=args.max_vision_tokens,
+        max_vision_tokens=max_tokens,
         progress=Progress(len(layouts) + extra),
     )
     bench.sweep()
