@@ -1,10 +1,14 @@
-"""``disagg export CHECKPOINT OUT_DIR``: Hugging Face dirs from a checkpoint."""
+"""``disagg export CHECKPOINT OUT_DIR``: Hugging Face dirs from a checkpoint, and
+``OUT_DIR/disagg_model.json``, the manifest that reassembles a model composed of several dirs."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "write Hugging Face dirs (loadable by from_pretrained) from a checkpoints/step-N dir"
+HELP = (
+    "write Hugging Face dirs (loadable by from_pretrained) from a checkpoints/step-N dir, "
+    "plus disagg_model.json naming each dir's module, family and options"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
 
     from disagg.config.errors import ConfigError, Problem
     from disagg.plugins import get_registry
-    from disagg.runtime.checkpoint import export_checkpoint
+    from disagg.runtime.export import MANIFEST, export_checkpoint
 
     ckpt = Path(args.checkpoint)
     if not (ckpt / "meta.json").is_file():
@@ -31,4 +35,5 @@ def run(args: argparse.Namespace) -> int:
         )
     for path in export_checkpoint(ckpt, args.out_dir, get_registry()):
         print(path)
+    print(Path(args.out_dir) / MANIFEST)
     return 0

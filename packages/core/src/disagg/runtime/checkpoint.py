@@ -22,14 +22,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
-
 from disagg.config.fingerprint import run_fingerprint
 from disagg.config.schema import Config
 from disagg.plugins import Registry
 from disagg.runtime.actor.state import file_digest
-from disagg.runtime.plan import families_for
 
 FORMAT = "disagg-full/1"
 MANIFEST = "manifest.json"
@@ -168,47 +164,10 @@ def checkpoint_step(path: str | Path) -> int:
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, registry: Registry) -> list[Path]:
-    """Write HF dirs for a checkpoint of any layout (from its full form): one
-    per source dir of the config's modules (a whole-VLM source gets every
-    module that came from it)."""
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    verify_checkpoint(checkpoint)
-    meta = json.loads((checkpoint / "meta.json").read_text())
-    cfg = Config.model_validate(meta["config"])
-    families = families_for(cfg, registry)
-    by_source: dict[Path, list[str]] = {}
-    for m, fam in families.items():
-        by_source.setdefault(fam.path.resolve(), []).append(m)
-    written = []
-    for source, modules in by_source.items():
-        dest = out_dir if len(by_source) == 1 else out_dir / "-".join(modules)
-        _copy_non_weights(source, dest)
-        tensors = _load_weights(source)
-        for m in modules:
-            full = load_file(str(checkpoint / m / "full.safetensors"))
-            tensors.update(families[m].export_state(full))
-        tensors = {k: v.contiguous().clone() for k, v in tensors.items()}  # no shared storage (tied)
-        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
-        written.append(dest)
-    return written
+    """HF dirs and their manifest for a checkpoint: :func:`disagg.runtime.export.export_checkpoint`."""
+    from disagg.runtime.export import export_checkpoint as export
 
-
-def _copy_non_weights(source: Path, dest: Path) -> None:
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in source.iterdir():
-        if (
-            f.is_file()
-            and not f.name.endswith((".safetensors", ".bin"))
-            and f.name != "model.safetensors.index.json"
-        ):
-            shutil.copy2(f, dest / f.name)
-
-
-def _load_weights(source: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(source.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    return export(checkpoint, out_dir, registry)
 
 
 def _versions() -> dict[str, str]:

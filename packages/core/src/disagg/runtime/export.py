@@ -1,0 +1,136 @@
+"""``disagg export``: Hugging Face dirs from a checkpoint, plus the manifest that reassembles them.
+
+One HF dir is written per *source* dir of the config's modules: a whole-VLM
+source (vision and LLM from one Qwen2.5-VL dir) gets every module that came
+from it, so ``from_pretrained`` of the model class still loads it; a model
+composed of separate dirs (Qwen2.5-VL vision + Whisper audio + Qwen2 LLM) gets
+one dir per source. No single HF class loads such a composition, so
+``OUT_DIR/disagg_model.json`` records which dir holds which module, with its
+family, role and options (a Whisper projector's width, say): everything
+:func:`load_exported` needs to rebuild each module through its family's
+``from_pretrained`` path. Its ``model`` entry has the shape of the config's
+``model:`` section, so the export also trains further as it is.
+
+Core stays free of model code: what goes into each dir is the families'
+``export_state``; this module only copies files and writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from disagg.config.schema import Config
+from disagg.config.validate import role_of
+from disagg.interfaces import EncoderFamily, Family
+from disagg.plugins import Registry
+from disagg.runtime.plan import families_for
+
+MANIFEST = "disagg_model.json"
+FORMAT = "disagg-export/1"
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, registry: Registry) -> list[Path]:
+    """Write the HF dirs and ``OUT_DIR/disagg_model.json`` for a checkpoint of
+    any layout (read from its full form, no actors); return the HF dirs.
+    With one source the HF dir is ``OUT_DIR`` itself, otherwise
+    ``OUT_DIR/<modules joined by ->``."""
+    from disagg.runtime.checkpoint import verify_checkpoint
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    verify_checkpoint(checkpoint)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    cfg = Config.model_validate(meta["config"])
+    families = families_for(cfg, registry)
+    by_source: dict[Path, list[str]] = {}
+    for m, fam in families.items():
+        by_source.setdefault(fam.path.resolve(), []).append(m)
+    written, where = [], {}
+    for source, modules in by_source.items():
+        dest = out_dir if len(by_source) == 1 else out_dir / "-".join(modules)
+        _copy_non_weights(source, dest)
+        tensors = _load_weights(source)
+        for m in modules:
+            full = load_file(str(checkpoint / m / "full.safetensors"))
+            tensors.update(families[m].export_state(full))
+            where[m] = dest
+        tensors = {k: v.contiguous().clone() for k, v in tensors.items()}  # no shared storage (tied)
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+        written.append(dest)
+    manifest = {
+        "format": FORMAT,
+        "step": int(meta["step"]),
+        "checkpoint": str(checkpoint.resolve()),
+        "modules": {m: _entry(m, fam, where[m], out_dir) for m, fam in families.items()},
+    }
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return written
+
+
+def _entry(module: str, fam: Family, dest: Path, out_dir: Path) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "family": fam.name,
+        "role": fam.role,
+        # relative, so the export can be moved or copied as one dir
+        "path": dest.relative_to(out_dir).as_posix() or ".",
+        "options": fam.options,
+        "source": str(fam.path),
+    }
+    if isinstance(fam, EncoderFamily):
+        entry["modality"] = fam.modality
+    return entry
+
+
+def read_manifest(export_dir: str | Path) -> dict[str, Any]:
+    """The manifest of an export, with a clear error for anything else."""
+    path = Path(export_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: {export_dir} is not a `disagg export` dir")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    for m, e in manifest["modules"].items():
+        if e["role"] != role_of(m):
+            raise ValueError(f"{path}: modules.{m}.role is {e['role']!r}; module {m!r} is a {role_of(m)}")
+    return manifest
+
+
+def model_section(export_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """The config's ``model:`` section for the exported modules (absolute paths)."""
+    root = Path(export_dir).resolve()
+    return {
+        m: {"family": e["family"], "path": str(root / e["path"]), "options": dict(e["options"])}
+        for m, e in read_manifest(root)["modules"].items()
+    }
+
+
+def load_exported(export_dir: str | Path, registry: Registry) -> dict[str, Family]:
+    """Family instances for every exported module; ``build()`` on each loads
+    the trained weights with the family's ``from_pretrained`` path."""
+    return {
+        m: registry.family(role_of(m), s["family"])(s["path"], s["options"])
+        for m, s in model_section(export_dir).items()
+    }
+
+
+def _copy_non_weights(source: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if (
+            f.is_file()
+            and not f.name.endswith((".safetensors", ".bin"))
+            and f.name not in ("model.safetensors.index.json", MANIFEST)
+        ):
+            shutil.copy2(f, dest / f.name)
+
+
+def _load_weights(source: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(source.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
