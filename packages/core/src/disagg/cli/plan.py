@@ -9,7 +9,21 @@ HELP = "choose each module's strategy, degree, replicas and placement from the s
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a train config (its parallel section is ignored)")
-    parser.add_argument("--cluster", default=None, help="preset: h100x8 (default), h200x8, cpu")
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        help="preset: h100x8 (default), h200x8, cpu, cpu-local (cpu measured now), or a JSON "
+        "file from --calibrate",
+    )
+    parser.add_argument(
+        "--calibrate",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="FILE",
+        help="measure this machine (matmul FLOP/s, per-layer dispatch, gloo all-reduce latency and "
+        "bandwidth, Ray call latency with --ray) over the cluster's figures; save them to FILE if given",
+    )
     parser.add_argument("--ray", action="store_true", help="devices and memory from the running Ray cluster")
     for flag, what in (
         ("--gpus", "devices per node"),
@@ -20,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--flops", "peak FLOP/s per device, e.g. 989T"),
         ("--mfu", "fraction of the peak a step reaches, e.g. 0.4"),
         ("--usable", "fraction of device memory a plan may fill, e.g. 0.9"),
+        ("--intra-latency", "seconds per collective message step inside a node (alpha), e.g. 2us"),
+        ("--inter-latency", "seconds per collective message step across nodes, e.g. 5us"),
+        ("--layer-overhead", "fixed seconds per layer per microbatch (launch/dispatch), e.g. 0.2ms"),
+        ("--call-latency", "seconds per driver->actor call / object-store hop, e.g. 0.5ms"),
     ):
         parser.add_argument(flag, default=None, help=what)
     parser.add_argument("--vision-tokens", type=int, default=1024, help="patches per image (default 1024)")
@@ -103,21 +121,48 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.ranked else 1
 
 
+OVERRIDES = (
+    "gpus",
+    "nodes",
+    "gpu_mem",
+    "intra_bw",
+    "inter_bw",
+    "flops",
+    "mfu",
+    "usable",
+    "intra_latency",
+    "inter_latency",
+    "layer_overhead",
+    "call_latency",
+)
+
+
 def plan_for_config(cfg, registry, args):  # type: ignore[no-untyped-def]
     """The plan of ``cfg`` on the cluster ``args`` describe (a ``disagg plan`` namespace)."""
     from disagg.plan.cluster import cluster_from
     from disagg.plan.search import PLACEMENTS, plan
     from disagg.plan.workload import config_families, config_workload
 
-    overrides = {
-        k: getattr(args, k, None)
-        for k in ("gpus", "nodes", "gpu_mem", "intra_bw", "inter_bw", "flops", "mfu", "usable")
-    }
+    overrides = {k: getattr(args, k, None) for k in OVERRIDES}
     if getattr(args, "ray", False):
         from disagg.runtime.run import ensure_ray
 
         ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
-    cluster = cluster_from(args.cluster, overrides, ray_cluster=getattr(args, "ray", False))
+    calibrating = getattr(args, "calibrate", None)
+    cluster = cluster_from(
+        args.cluster or ("cpu" if calibrating else None),
+        # measured figures first, the command line's on top of them
+        None if calibrating else overrides,
+        ray_cluster=getattr(args, "ray", False),
+    )
+    if calibrating:
+        from disagg.plan.calibrate import calibrate
+        from disagg.plan.cluster import save_cluster
+
+        cluster = calibrate(cluster, ray_calls=getattr(args, "ray", False) or None)
+        cluster = cluster_from(cluster, overrides)
+        if isinstance(calibrating, str):
+            print(f"calibrated: wrote {save_cluster(cluster, calibrating)}")
     work = config_workload(
         cfg,
         vision_tokens=args.vision_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.cost import comm, flops, memory
+from disagg.cost import calls, comm, flops, memory
 from disagg.cost.shapes import DecoderShape, Shape, VisionShape
 
 STRATEGIES = ("ddp", "ulysses", "megatron_tp", "zero")
@@ -28,6 +28,9 @@ class Cost:
     flops: float
     #: which of the fields above are exact for this strategy (the rest are estimates)
     exact: tuple[str, ...] = field(default_factory=tuple)
+    #: collective calls per step, by kind (:mod:`disagg.cost.calls`): each pays a
+    #: fixed latency whatever its size; empty = the strategy reports none
+    comm_calls_by_kind: dict[str, int] = field(default_factory=dict)
 
     @property
     def comm_bytes(self) -> int:
@@ -49,6 +52,7 @@ class Cost:
             "sent_bytes": self.sent_bytes,
             "flops": self.flops,
             "exact": list(self.exact),
+            "comm_calls_by_kind": dict(self.comm_calls_by_kind),
         }
 
 
@@ -142,4 +146,5 @@ def predict(
         sent_bytes=comm.transfer_bytes(strategy, w),
         flops=work * w.samples_per_replica / share,
         exact=tuple(exact),
+        comm_calls_by_kind=calls.collective_calls(module, strategy, w, sequence_parallel=sp, stage=stage),
     )

@@ -1,16 +1,22 @@
-"""The machine a plan is for: devices per node, memory per device, bandwidths, FLOPs.
+"""The machine a plan is for: devices per node, memory per device, bandwidths,
+FLOPs, and the fixed latencies that dominate small steps.
 
-From a named preset (``h100x8``, ``h200x8``, ``cpu``), the command line
-(``--gpus 8 --gpu-mem 80GiB --intra-bw 360GB/s --inter-bw 50GB/s --flops 989T``),
-or the running Ray cluster (devices and memory per node; the rates come from a
-preset of the same kind, because Ray does not know them).
+From a named preset (``h100x8``, ``h200x8``, ``cpu``; ``cpu-local`` is ``cpu``
+with this machine's figures measured now, :mod:`disagg.plan.calibrate`), a JSON
+file written by ``disagg plan --calibrate FILE``, the command line (``--gpus 8
+--gpu-mem 80GiB --intra-bw 360GB/s --inter-bw 50GB/s --flops 989T
+--intra-latency 2us``), or the running Ray cluster (devices and memory per
+node; the rates come from a preset of the same kind, because Ray does not know
+them).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 
@@ -36,6 +42,23 @@ class Cluster:
     usable: float = 1.0
     #: compute dtype the plan assumes
     dtype: str = "bfloat16"
+    #: α of the α-β model: seconds per message step of a collective inside a node
+    #: and across nodes (a ring all-reduce over ``p`` ranks takes ``2(p-1)`` steps;
+    #: :func:`disagg.plan.model.collective_seconds`)
+    intra_latency: float = 0.0
+    inter_latency: float = 0.0
+    #: fixed seconds per layer per microbatch, forward + backward, whatever its size:
+    #: kernel launches (GPU) or eager dispatch of its ops (CPU)
+    layer_overhead: float = 0.0
+    #: launches are asynchronous (CUDA streams): the host's per-layer cost hides under
+    #: the device's work and only the part of it beyond the compute time counts;
+    #: eager CPU execution is synchronous, so there it adds up
+    async_launch: bool = False
+    #: seconds per driver -> actor call of the step (each carries a microbatch, its
+    #: rows or their gradients through the object store)
+    call_latency: float = 0.0
+    #: where the figures come from: ``preset`` or ``measured on <host> ...``
+    source: str = "preset"
 
     @property
     def devices(self) -> int:
@@ -49,12 +72,20 @@ class Cluster:
         """A ring over ``ranks`` devices runs at the slowest link it crosses."""
         return self.intra_bw if ranks <= self.devices_per_node else self.inter_bw
 
+    def latency(self, ranks: int) -> float:
+        """α per message step of a collective over ``ranks`` devices (the slowest hop)."""
+        return self.intra_latency if ranks <= self.devices_per_node else self.inter_latency
+
     def describe(self) -> str:
         return (
             f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} device(s), "
             f"{self.device_memory / 2**30:.1f} GiB each ({self.usable:.0%} usable), "
             f"{self.peak_flops / 1e12:.4g} TFLOP/s peak at {self.mfu:.0%} MFU, "
-            f"links {self.intra_bw / 1e9:.4g} GB/s intra / {self.inter_bw / 1e9:.4g} GB/s inter, {self.dtype}"
+            f"links {self.intra_bw / 1e9:.4g} GB/s intra / {self.inter_bw / 1e9:.4g} GB/s inter, "
+            f"latency {self.intra_latency * 1e6:.3g} us intra / {self.inter_latency * 1e6:.3g} us inter "
+            "per step, "
+            f"{self.layer_overhead * 1e3:.3g} ms per layer pass, {self.call_latency * 1e3:.3g} ms per call, "
+            f"{self.dtype} ({self.source})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,13 +97,46 @@ class Cluster:
 #: H100/H200 SXM: dense bf16 peak 989 TFLOP/s, NVLink 4 ring bandwidth ~360 GB/s per GPU
 #: (NCCL bus bandwidth), 400 Gb/s InfiniBand per GPU across nodes; MFU 40%, as the
 #: published prediction (disagg.bench.published) assumes.
-PRESETS: dict[str, Cluster] = {
-    "h100x8": Cluster("h100x8", 8, 1, 80 * 10**9, 989e12, 0.4, 360e9, 50e9),
-    "h200x8": Cluster("h200x8", 8, 1, 141 * 10**9, 989e12, 0.4, 360e9, 50e9),
-    # The CI machine: actors are CPU processes; float32; rates are rough orders of
-    # magnitude for one core (gloo over shared memory), meant for ranking, not timing.
-    "cpu": Cluster("cpu", os.cpu_count() or 1, 1, 8 * 2**30, 20e9, 0.5, 1e9, 1e9, dtype="float32"),
+#: Latencies: nccl-tests' all_reduce_perf on one 8-GPU NVLink node takes ~15-20 us for
+#: a few bytes, i.e. ~1.5 us per ring step (14 steps); across nodes NCCL's small-message
+#: latency over InfiniBand is several times that (~5 us per step: NIC + proxy thread).
+#: A CUDA kernel launch costs ~5 us of host time and a transformer layer's forward +
+#: backward is ~40 kernels in eager PyTorch (0.2 ms, hidden under the device's work
+#: unless the layer computes for less than that). One Ray actor call round trip is ~0.5 ms (Ray's release
+#: microbenchmark, "1:1 actor calls sync", ~2k calls/s).
+_GPU_LATENCY = {
+    "intra_latency": 1.5e-6,
+    "inter_latency": 5e-6,
+    "layer_overhead": 2e-4,
+    "async_launch": True,
+    "call_latency": 5e-4,
 }
+PRESETS: dict[str, Cluster] = {
+    "h100x8": Cluster("h100x8", 8, 1, 80 * 10**9, 989e12, 0.4, 360e9, 50e9, **_GPU_LATENCY),
+    "h200x8": Cluster("h200x8", 8, 1, 141 * 10**9, 989e12, 0.4, 360e9, 50e9, **_GPU_LATENCY),
+    # The CI machine: actors are CPU processes; float32; rates are rough orders of
+    # magnitude for one core (gloo over shared memory, a loopback TCP round trip
+    # ~50 us per step), eager PyTorch dispatch ~10 us per op and ~60 ops per layer
+    # forward + backward; meant for ranking, not timing. ``cpu-local`` (or
+    # ``disagg plan --calibrate``) measures them instead.
+    "cpu": Cluster(
+        "cpu",
+        os.cpu_count() or 1,
+        1,
+        8 * 2**30,
+        20e9,
+        0.5,
+        1e9,
+        1e9,
+        dtype="float32",
+        intra_latency=5e-5,
+        inter_latency=5e-5,
+        layer_overhead=6e-4,
+        call_latency=5e-4,
+    ),
+}
+#: presets measured on this machine when asked for (:func:`disagg.plan.calibrate.calibrate`)
+MEASURED = {"cpu-local": "cpu"}
 
 _SIZE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 _BINARY = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
@@ -91,15 +155,28 @@ def parse_quantity(text: str, what: str) -> float:
 
 
 def cluster_from(
-    preset: str | None = None, overrides: dict[str, Any] | None = None, *, ray_cluster: bool = False
+    preset: str | Cluster | None = None, overrides: dict[str, Any] | None = None, *, ray_cluster: bool = False
 ) -> Cluster:
-    """A preset (default ``h100x8``), then the Ray cluster's devices if asked,
-    then explicit ``overrides`` (``gpus``, ``gpu_mem``, ``intra_bw``, ``inter_bw``,
-    ``flops``, ``mfu``, ``nodes``, ``usable``; strings with units allowed)."""
+    """A preset (default ``h100x8``; ``cpu-local`` measures this machine) or a
+    cluster JSON file (``disagg plan --calibrate FILE``), then the Ray cluster's
+    devices if asked, then explicit ``overrides`` (``gpus``, ``gpu_mem``,
+    ``intra_bw``, ``inter_bw``, ``flops``, ``mfu``, ``nodes``, ``usable``,
+    ``intra_latency``, ``inter_latency``, ``layer_overhead``, ``call_latency``;
+    strings with units allowed)."""
     name = preset or "h100x8"
-    if name not in PRESETS:
-        raise ValueError(f"--cluster: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
-    c = PRESETS[name]
+    if isinstance(name, Cluster):
+        c = name
+    elif name in MEASURED:
+        from disagg.plan.calibrate import calibrate
+
+        c = calibrate(PRESETS[MEASURED[name]], name=name)
+    elif name in PRESETS:
+        c = PRESETS[name]
+    elif name.endswith(".json"):
+        c = load_cluster(name)
+    else:
+        allowed = ", ".join([*PRESETS, *MEASURED, "FILE.json"])
+        raise ValueError(f"--cluster: unknown preset {name!r}; allowed: {allowed}")
     if ray_cluster:
         c = _from_ray(c)
     o = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -116,12 +193,54 @@ def cluster_from(
         if key in o:
             value = parse_quantity(o[key], f"--{key.replace('_', '-')}")
             c = replace(c, **{field: int(value) if field == "device_memory" else value}, name=f"{c.name}*")
+    for key in ("intra_latency", "inter_latency", "layer_overhead", "call_latency"):
+        if key in o:
+            value = parse_seconds(o[key], f"--{key.replace('_', '-')}")
+            c = replace(c, **{key: value}, name=f"{c.name}*")
     for key in ("mfu", "usable"):
         if key in o:
             c = replace(c, **{key: float(o[key])})
     if c.devices < 1 or c.device_memory <= 0 or c.peak_flops <= 0 or c.intra_bw <= 0 or c.inter_bw <= 0:
         raise ValueError(f"cluster {c.describe()}: every figure must be positive")
+    latencies = (c.intra_latency, c.inter_latency, c.layer_overhead, c.call_latency)
+    if any(x < 0 or x != x for x in latencies):
+        raise ValueError(f"cluster {c.describe()}: latencies must be finite and >= 0")
     return c
+
+
+_SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_seconds(text: Any, what: str) -> float:
+    """``2us``, ``0.5ms``, ``1e-5`` -> seconds."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)?\s*", str(text).lower())
+    try:
+        return float(m.group(1)) * _SECONDS[m.group(2) or ""]  # type: ignore[union-attr]
+    except (AttributeError, ValueError):
+        raise ValueError(f"{what}: {text!r} is not a duration (e.g. 2us, 0.5ms, 1e-5)") from None
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """A cluster description written by ``disagg plan --calibrate FILE`` (or by hand)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--cluster: cannot read {path}: {exc}") from None
+    known = {f.name for f in fields(Cluster)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"--cluster {path}: unknown keys {unknown}; allowed: {', '.join(sorted(known))}")
+    try:
+        return Cluster(**raw)
+    except TypeError as exc:
+        raise ValueError(f"--cluster {path}: {exc}") from None
+
+
+def save_cluster(cluster: Cluster, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cluster.to_dict(), indent=1))
+    return path
 
 
 def _from_ray(base: Cluster) -> Cluster:

@@ -87,7 +87,7 @@ def _diff(best: Layout, other: Layout) -> str:
     """The two components where ``other`` loses the most time against ``best``."""
     deltas = []
     for m in best.groups:
-        for k in ("compute_s", "collective_s", "transfer_s"):
+        for k in ("compute_s", "collective_s", "overhead_s", "transfer_s"):
             deltas.append((other.times[m][k] - best.times[m][k], m, k))
     deltas.sort(reverse=True)
     parts = []
@@ -98,8 +98,12 @@ def _diff(best: Layout, other: Layout) -> str:
         if what == "collective":
             extra = (
                 f" ({sum(other.costs[m].comm_bytes_by_kind.values()) / 1e9:.3g} vs "
-                f"{sum(best.costs[m].comm_bytes_by_kind.values()) / 1e9:.3g} GB per rank)"
+                f"{sum(best.costs[m].comm_bytes_by_kind.values()) / 1e9:.3g} GB per rank, "
+                f"{sum(other.costs[m].comm_calls_by_kind.values())} vs "
+                f"{sum(best.costs[m].comm_calls_by_kind.values())} calls)"
             )
+        elif what == "overhead":
+            extra = f" ({other.microbatches} vs {best.microbatches} microbatches)"
         else:
             extra = ""
         parts.append(f"{m} {what} +{d:.3g} s{extra}")

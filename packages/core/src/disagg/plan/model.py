@@ -1,21 +1,39 @@
 """The planner's step-time and memory model over strategies' own costs.
 
 Each module's group reports its cost per rank through :meth:`Strategy.estimate`
-(core's analytic model for the first-party strategies). The planner turns it
-into time on a :class:`~disagg.plan.cluster.Cluster`:
+(core's analytic model for the first-party strategies): FLOPs, bytes and calls
+per collective kind, bytes shipped to the other group. The planner turns it
+into time on a :class:`~disagg.plan.cluster.Cluster`, per group:
 
-- a group's time = its FLOPs per rank / (peak x MFU) + its collective bytes per
-  rank / ring bandwidth (NVLink inside a node, the network when the group spans
-  nodes) + the bytes it ships to the other group / the link between them. Tensor-
-  and sequence-parallel collectives sit on the critical path, so nothing overlaps
-  inside a group.
-- groups combine per the step schedule: ``collocated`` groups share devices and
-  run one after the other (sum); ``disaggregated`` groups under
-  ``sequential`` also sum, and under ``encoders_ahead`` with ``M`` microbatches
-  overlap as a two-stage pipeline: ``max(t) + min(t) / M`` (fill and drain).
-- memory per device = state + saved activations of each group on it: the sum of
-  the groups for ``collocated`` (a device holds one rank of every group), each
-  group alone for ``disaggregated``; it must fit ``device_memory x usable``.
+- ``compute_s = FLOPs / (peak x MFU)``.
+- ``collective_s``, the α-β model (Thakur, Rabenseifner & Gropp, "Optimization
+  of Collective Communication Operations in MPICH", 2005): each call of kind
+  ``k`` over ``p`` ranks pays ``steps_k(p) · α`` (ring all-reduce ``2(p-1)``,
+  all-gather / reduce-scatter / all-to-all ``p-1``, broadcast ``ceil(log2 p)``)
+  and the bytes it sends pay ``1/bw``: ``Σ_k calls_k·steps_k(p)·α(p) + bytes/bw(p)``
+  with α and bw of the slowest link the group spans (NVLink inside a node, the
+  network across). Tensor- and sequence-parallel collectives sit on the critical
+  path, so nothing overlaps inside a group.
+- ``overhead_s``, what every microbatch pays whatever its size:
+  ``M·(L+1)·δ + (2·M + 2)·γ``: ``L`` layers (blocks) plus the embedding/merger/
+  head, forward + backward, at ``δ`` (``layer_overhead``: kernel launches,
+  eager dispatch) each; two driver calls per microbatch (encode + backward, or
+  loss_and_backward + release) and two per step (reduce_and_norm, step) at
+  ``γ`` (``call_latency``). Where launches are asynchronous (GPUs) the host's
+  ``M·(L+1)·δ`` runs under the device's work: only ``max(0, M·(L+1)·δ -
+  compute_s)`` counts; on a CPU (eager, synchronous) all of it does.
+- ``transfer_s = sent_bytes / bw_across + M·γ``: the rows (gradients) it
+  ships to the other group, one object-store hop per microbatch (``shards_for``
+  / ``grads_for``), over the link between the groups.
+
+Groups combine per the step schedule: ``collocated`` groups share devices and
+run one after the other (sum); ``disaggregated`` groups under ``sequential``
+also sum, and under ``encoders_ahead`` with ``M`` microbatches overlap as a
+two-stage pipeline: ``max(t) + min(t) / M`` (fill and drain), every term above
+included. Memory per device = state + saved activations of each group on it:
+the sum of the groups for ``collocated`` (a device holds one rank of every
+group), each group alone for ``disaggregated``; it must fit ``device_memory x
+usable``.
 
 Every vision replica takes one sample per microbatch (``M = batch / vision
 replicas``), as ``disagg bench`` runs it, so a rank holds one image's
@@ -24,6 +42,7 @@ activations at a time (``max_inflight`` of them under ``encoders_ahead``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +115,7 @@ class Layout:
     microbatches: int
     schedule: str
     costs: dict[str, Cost] = field(default_factory=dict)
-    #: per module: seconds of compute, collectives, cross-group transfer
+    #: per module: seconds of compute, collectives, fixed overhead, cross-group transfer
     times: dict[str, dict[str, float]] = field(default_factory=dict)
     step_time_s: float = 0.0
     #: bytes per device, worst device
@@ -165,24 +184,72 @@ def _encoder_width(work: Workload) -> int | None:
     return None
 
 
-def evaluate(layout: Layout, costs: dict[str, Cost], cluster: Cluster) -> Layout:
-    """Fill ``layout``'s time and memory from its groups' ``costs`` on ``cluster``."""
+#: driver calls a rank serves per microbatch (encode + backward; loss_and_backward +
+#: release) and per step (reduce_and_norm, step), besides the transfer hop
+CALLS_PER_MICROBATCH = 2
+CALLS_PER_STEP = 2
+
+
+def latency_steps(kind: str, ranks: int) -> int:
+    """Message steps of one collective call over ``ranks`` ranks (ring / pairwise /
+    binomial-tree algorithms, Thakur et al. 2005): each pays the link's α."""
+    if ranks <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (ranks - 1)
+    if kind == "broadcast":
+        return math.ceil(math.log2(ranks))
+    return ranks - 1  # all_gather, reduce_scatter, all_to_all, and any other kind
+
+
+def collective_seconds(cost: Cost, ranks: int, cluster: Cluster) -> float:
+    """α-β time of a group's collectives: latency per call and step, bytes over bandwidth."""
+    alpha = cluster.latency(ranks)
+    latency = sum(n * latency_steps(k, ranks) * alpha for k, n in cost.comm_calls_by_kind.items())
+    return latency + sum(cost.comm_bytes_by_kind.values()) / cluster.bandwidth(ranks)
+
+
+def layers_of(shape: Shape) -> int:
+    """Layers a microbatch passes through: blocks (or decoder layers) plus one for
+    the embedding / merger / head."""
+    return (shape.depth if isinstance(shape, VisionShape) else shape.layers) + 1
+
+
+def overhead_seconds(shape: Shape, microbatches: int, cluster: Cluster, compute_s: float = 0.0) -> float:
+    """Fixed cost per step whatever the sizes: layer passes and driver calls. With
+    asynchronous launches only the launch time beyond ``compute_s`` (the device's
+    work they queue) is on the critical path."""
+    launch = microbatches * layers_of(shape) * cluster.layer_overhead
+    if cluster.async_launch:
+        launch = max(0.0, launch - compute_s)
+    return launch + (CALLS_PER_MICROBATCH * microbatches + CALLS_PER_STEP) * cluster.call_latency
+
+
+def evaluate(
+    layout: Layout, costs: dict[str, Cost], cluster: Cluster, work: Workload | None = None
+) -> Layout:
+    """Fill ``layout``'s time and memory from its groups' ``costs`` on ``cluster``
+    (``work``: the module shapes, for the per-layer overhead; without it none is charged)."""
     layout.costs = costs
     rate = cluster.peak_flops * cluster.mfu
     total_ranks = sum(g.ranks for g in layout.groups.values())
-    across = cluster.bandwidth(total_ranks if layout.placement == "disaggregated" else 1)
-    for m, g in layout.groups.items():
-        c = costs[m]
-        layout.times[m] = {
-            "compute_s": c.flops / rate,
-            "collective_s": sum(c.comm_bytes_by_kind.values()) / cluster.bandwidth(g.ranks),
-            "transfer_s": c.sent_bytes / across,
+    spans = total_ranks if layout.placement == "disaggregated" else 1
+    across, hop = cluster.bandwidth(spans), cluster.call_latency
+    m = layout.microbatches
+    for name, g in layout.groups.items():
+        c = costs[name]
+        compute = c.flops / rate
+        layout.times[name] = {
+            "compute_s": compute,
+            "collective_s": collective_seconds(c, g.ranks, cluster),
+            "overhead_s": overhead_seconds(work.shapes[name], m, cluster, compute) if work else 0.0,
+            "transfer_s": c.sent_bytes / across + m * hop,
         }
-    per = {m: sum(t.values()) for m, t in layout.times.items()}
-    encoders = [per[m] for m in layout.groups if m != "llm"]
+    per = {name: sum(t.values()) for name, t in layout.times.items()}
+    encoders = [per[name] for name in layout.groups if name != "llm"]
     if layout.placement == "disaggregated" and layout.schedule == "encoders_ahead" and encoders:
         stages = [sum(encoders), per["llm"]]
-        layout.step_time_s = max(stages) + min(stages) / layout.microbatches
+        layout.step_time_s = max(stages) + min(stages) / m
     else:
         layout.step_time_s = sum(per.values())
     mems = [c.memory_bytes for c in costs.values()]

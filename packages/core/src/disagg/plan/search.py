@@ -122,7 +122,7 @@ def plan(
                 costs[g.module] = cache[key]
             if any(c is None for c in costs.values()):
                 continue
-            layouts.append(evaluate(layout, costs, cluster))  # type: ignore[arg-type]
+            layouts.append(evaluate(layout, costs, cluster, work))  # type: ignore[arg-type]
     layouts.sort(key=lambda x: (round(x.step_time_s, 12), x.memory_bytes, x.name()))
     return PlanResult(
         cluster=cluster,

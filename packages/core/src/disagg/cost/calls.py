@@ -1,0 +1,130 @@
+"""Collective *calls* one rank makes per optimizer step, by kind.
+
+The byte counts of :mod:`.comm` decide time when messages are large; when they
+are small (short sequences, tiny models, many layers of small activations)
+every call pays a fixed latency instead, whatever its size (the α of the
+α-β model, :func:`disagg.plan.model.collective_seconds`). These counts follow the
+same collectives :mod:`.comm` sums bytes over, call by call: a microbatch's
+samples go through each layer together (one call per layer and microbatch,
+not per sample), gradient reductions run once per step after the last
+microbatch.
+
+Notation as in :mod:`.comm`; ``M`` microbatches per step, ``T`` parameter
+tensors, ``L`` decoder layers / vision blocks, ``F`` full-attention blocks.
+"""
+
+from __future__ import annotations
+
+from disagg.cost.comm import Workload
+from disagg.cost.shapes import DecoderShape, ParamTensor, Shape, VisionShape
+
+#: DeepSpeed's default ``reduce_bucket_size`` / ``allgather_bucket_size`` (elements),
+#: deepspeed/runtime/zero/config.py (ZERO_REDUCE_BUCKET_SIZE_DEFAULT = 5e8)
+DEEPSPEED_BUCKET = 500_000_000
+
+
+def grad_reduce_calls(tensors: int, n: int) -> dict[str, int]:
+    """``Strategy.reduce_gradients`` of the base class (``ddp``, ``ulysses``):
+    ``agree_on_grads`` then one all-reduce per gradient tensor: ``1 + T``."""
+    return {"all_reduce": 1 + tensors} if n > 1 else {}
+
+
+def tp_grad_calls(w: Workload) -> dict[str, int]:
+    """``megatron_tp``'s reduction: ``agree_on_grads`` and the global-norm scalar over
+    the group, one flat all-reduce over replicas when there are several."""
+    if w.world == 1:
+        return {}
+    return {"all_reduce": 2 + (1 if w.replicas > 1 else 0)}
+
+
+def ulysses_calls(shape: VisionShape, w: Workload) -> dict[str, int]:
+    """Per full-attention block and microbatch: the q/k/v all-to-all and the output
+    all-to-all forward, both again backward (``4·F·M``); window blocks move nothing;
+    gradients summed over the group as ``ddp`` does."""
+    out = grad_reduce_calls(len(shape.tensors()), w.world)
+    if w.degree > 1:
+        out["all_to_all"] = 4 * len(shape.full_blocks) * w.microbatches
+    return out
+
+
+def megatron_vision_calls(shape: VisionShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
+    """Per microbatch, as :func:`.comm.megatron_vision_comm` sums bytes: without
+    sequence parallelism ``5·L + 2`` all-reduces (column input gradients, row
+    outputs, the merger's two); with it ``6·L + 3`` all-gathers, ``4·L + 1``
+    reduce-scatters and the merger's all-reduce; shard 0's broadcast of the output
+    gradient. Once per step: the gradient reduction (and, with sequence
+    parallelism, the partial norms' all-reduce)."""
+    d, m = w.degree, w.microbatches
+    out = tp_grad_calls(w)
+    if d > 1:
+        if sequence_parallel:
+            out["all_gather"] = m * (6 * shape.depth + 3)
+            out["reduce_scatter"] = m * (4 * shape.depth + 1)
+            out["all_reduce"] = out.get("all_reduce", 0) + m + 1
+        else:
+            out["all_reduce"] = out.get("all_reduce", 0) + m * (5 * shape.depth + 2)
+        out["broadcast"] = m
+    return out
+
+
+def megatron_llm_calls(shape: DecoderShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
+    """Per microbatch, as :func:`.comm.megatron_llm_comm` sums bytes: the vocabulary-
+    parallel embedding's output all-reduce, the cross entropy's three (max, sum of
+    exponentials, target logit), and without sequence parallelism ``7·L + 1``
+    layer all-reduces (with it ``6·L + 3`` all-gathers and ``4·L + 1``
+    reduce-scatters, and one all-reduce of the norms' partial gradients per step)."""
+    d, m = w.degree, w.microbatches
+    out = tp_grad_calls(w)
+    if d > 1:
+        per = 1 + 3
+        if sequence_parallel:
+            out["all_gather"] = m * (6 * shape.layers + 3)
+            out["reduce_scatter"] = m * (4 * shape.layers + 1)
+            out["all_reduce"] = out.get("all_reduce", 0) + 1
+        else:
+            per += 7 * shape.layers + 1
+        out["all_reduce"] = out.get("all_reduce", 0) + m * per
+    return out
+
+
+def zero_calls(
+    tensors: list[ParamTensor], stage: int, w: Workload, bucket: int = DEEPSPEED_BUCKET
+) -> dict[str, int]:
+    """DeepSpeed's collectives, counted as its engine issues them: stages 1-2
+    reduce gradients and gather updated parameters in buckets of ``bucket``
+    elements (``ceil(P / bucket)`` calls each; stage 1 all-reduces, stage 2
+    reduce-scatters); stage 3 gathers the parameters of every module that owns
+    some before its forward and again before its backward (``2·M·K``, ``K``
+    parameter-owning modules) and reduce-scatters gradients in buckets. One
+    all-reduce for the global gradient norm. An estimate: prefetching may
+    coalesce stage 3's gathers."""
+    if w.world == 1:
+        return {}
+    numel = sum(t.numel for t in tensors)
+    buckets = max(1, -(-numel // bucket))
+    if stage == 3:
+        owners = len({t.name.rsplit(".", 1)[0] for t in tensors})
+        return {"all_gather": 2 * w.microbatches * owners, "reduce_scatter": buckets, "all_reduce": 1}
+    if stage == 1:
+        return {"all_reduce": buckets + 1, "all_gather": buckets}
+    return {"reduce_scatter": buckets, "all_gather": buckets, "all_reduce": 1}
+
+
+def collective_calls(
+    shape: Shape, strategy: str, w: Workload, *, sequence_parallel: bool = False, stage: int = 3
+) -> dict[str, int]:
+    """Calls per rank per step of ``strategy`` (core's four) for ``shape`` on ``w``."""
+    if strategy == "ulysses":
+        assert isinstance(shape, VisionShape)
+        out = ulysses_calls(shape, w)
+    elif strategy == "megatron_tp":
+        out = (
+            megatron_vision_calls(shape, w, sequence_parallel)
+            if isinstance(shape, VisionShape)
+            else megatron_llm_calls(shape, w, sequence_parallel)  # type: ignore[arg-type]
+        )
+    elif strategy == "zero":
+        out = zero_calls(shape.tensors(), stage, w)
+    else:
+        out = grad_reduce_calls(len(shape.tensors()), w.world)
+    return {k: v for k, v in out.items() if v}
