@@ -68,7 +68,9 @@ class AutoPlan(Strict):
     first and trains its best layout; the choice is recorded in the run dir (``plan.json``)."""
 
     cluster: str | None = None
-    """Cluster preset (``h100x8``, ``h200x8``, ``cpu``); default: the Ray cluster's devices."""
+    """Cluster preset (``h100x8``, ``h200x8``, ``cpu``; ``cpu-local``: ``cpu`` measured on
+    this machine) or a JSON file from ``disagg plan --calibrate FILE``; default: the
+    Ray cluster's devices."""
     vision_tokens: PositiveInt = 1024
     """Patches per image the plan assumes."""
     text_tokens: PositiveInt = 128
