@@ -96,3 +96,44 @@ def test_parallel_auto_trains_and_records_the_layout(tiny: Path, ray_local):
     assert record["why"][0].startswith("best: ") and record["predicted"]["step_time_s"] > 0
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["loss"] > 0 for s in steps)
+
+
+def test_profile_reranks_when_measurement_disagrees(tiny: Path, capsys, monkeypatch):
+    """``--profile`` measures the top K through the bench's runner (stubbed here:
+    no actor starts) and re-ranks by the measurement: a measurement that reverses
+    the predicted order reverses the printed, written and JSON order."""
+    from disagg.bench.sweep import Bench
+    from disagg.cli.main import main
+
+    calls: list[str] = []
+
+    def fake_run(self, name, lengths, steps=None, tag=""):  # type: ignore[no-untyped-def]
+        calls.append(name)  # profile measures in predicted order: p1 (predicted best) first
+        step = 10.0 - len(calls)  # ... and each is measured faster than the one before
+        return [
+            {
+                "layout": name,
+                "vision_tokens": lengths[0],
+                "measured": {"step_time_s": step, "tokens_per_s": 100 / step},
+            }
+        ]
+
+    monkeypatch.setattr(Bench, "run", fake_run)
+    (tiny / "prof.yaml").write_text(yaml.safe_dump(config(tiny, "{}")))
+    argv = ["plan", str(tiny / "prof.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-tokens", "256"]
+    out, js = tiny / "prof-plan.yaml", tiny / "prof.json"
+    assert (
+        main(
+            [*argv, "--text-tokens", "32", "--top", "4", "--profile", "--write", str(out), "--json", str(js)]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert calls == ["p1", "p2", "p3", "p4"]
+    assert "re-ranked by measurement" in text and "spearman(predicted, measured step time) = -1.0" in text
+    ranked = json.loads(js.read_text())["ranked"]
+    measured = [r["measured"]["step_time_s"] for r in ranked[:4]]
+    assert measured == sorted(measured) == [6.0, 7.0, 8.0, 9.0]
+    predicted = [r["step_time_s"] for r in ranked[:4]]
+    assert predicted == sorted(predicted, reverse=True)  # the predicted worst of the 4 now leads
+    assert yaml.safe_load(out.read_text())["parallel"] == ranked[0]["parallel"]
