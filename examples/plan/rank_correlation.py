@@ -9,11 +9,13 @@ prediction can be recomputed from it with any cluster description:
     # from a dir holding `runs/bench/tiny` (`disagg make-tiny runs/bench/tiny`) and
     # a config naming it (examples/bench/bench.yaml does)
     python rank_correlation.py measure examples/bench/bench.yaml [STEPS]   # -> rank_correlation.json
-    disagg plan examples/bench/bench.yaml --calibrate cpu-local.json        # this machine's figures
     python rank_correlation.py compare examples/bench/bench.yaml rank_correlation.json [CLUSTER_JSON]
 
-``compare`` plans the same workload on the cluster (the calibrated JSON, else
-the ``cpu-local`` preset) and ranks the measured layouts by the new prediction.
+``measure`` runs the layouts (``disagg plan --profile``'s runner), then
+calibrates this machine in the same Ray session, under the same load (matmul,
+layer dispatch, gloo all-reduce, Ray actor call: ``disagg plan --calibrate``)
+and writes both; ``compare`` plans the same workload on that cluster (or the
+one in CLUSTER_JSON) and ranks the measured layouts by the prediction.
 """
 
 import json
@@ -23,7 +25,8 @@ import time
 from pathlib import Path
 
 from disagg.config.load import load_config
-from disagg.plan.cluster import cluster_from, load_cluster
+from disagg.plan.calibrate import calibrate
+from disagg.plan.cluster import PRESETS, Cluster, cluster_from, load_cluster
 from disagg.plan.profile import agreement, profile, spearman
 from disagg.plan.search import plan
 from disagg.plan.workload import config_families, config_workload
@@ -79,14 +82,24 @@ def measure(config: str, steps: int) -> None:
         "rows": rows,
         "at_measurement": agreement(measured),
     }
+    Path("rank_correlation.json").write_text(json.dumps(out, indent=1))  # kept if calibration fails
+    machine = cluster_from(calibrate(PRESETS["cpu"], name="cpu-local", ray_calls=True), {"gpus": 2})
+    out["cluster"] = machine.to_dict()
     print(json.dumps(out, indent=1))
     Path("rank_correlation.json").write_text(json.dumps(out, indent=1))
+    compare(config, "rank_correlation.json", None)
 
 
 def compare(config: str, measured_json: str, cluster_json: str | None) -> None:
-    cluster = load_cluster(cluster_json) if cluster_json else cluster_from("cpu-local", {"gpus": 2})
+    record = json.loads(Path(measured_json).read_text())
+    if cluster_json:
+        cluster = load_cluster(cluster_json)
+    elif "cluster" in record:
+        cluster = Cluster(**record["cluster"])
+    else:
+        cluster = cluster_from("cpu-local", {"gpus": 2})
     _, _, _, chosen = planned(config, cluster)
-    got = {r["key"]: r for r in json.loads(Path(measured_json).read_text())["rows"] if "error" not in r}
+    got = {r["key"]: r for r in record["rows"] if "error" not in r}
     rows = [(x, got[repr(key(x))]["step_time_s"]) for x in chosen if repr(key(x)) in got]
     pred = [x.step_time_s for x, _ in rows]
     meas = [m for _, m in rows]
