@@ -1,6 +1,6 @@
 """The demo: a tiny VLM learns to caption coloured shapes, on local Ray, on CPU.
 
-    python examples/demo/run.py [--out runs/demo] [--steps 200]
+    python examples/demo/run.py [--out runs/demo] [--steps 200] [--omni]
 
 1. ``disagg make-tiny``: a tiny random-weight Qwen2.5-VL dir and the shapes dataset.
 2. A config: vision ``ulysses`` degree 2 (sequence parallel), LLM
@@ -8,6 +8,12 @@
    ``<out>/demo.yaml`` so ``disagg train <out>/demo.yaml`` repeats the run.
 3. Held-out captions from the untrained model, training with a progress bar,
    the checkpoint exported to an HF dir, held-out captions again.
+
+``--omni``: three modules from three dirs (Qwen2.5-VL vision ``ulysses`` 2,
+Whisper audio ``ddp``, Qwen2 LLM ``megatron_tp`` 2) on samples that mix
+images, tones, both and neither (see ``omni.py``); the export is one HF dir
+per module plus ``disagg_model.json``, from which the held-out answers are
+generated.
 
 Exits 1 if training did not clearly help (loss and held-out score), so the
 demo doubles as a smoke test.
@@ -31,6 +37,8 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import omni  # noqa: E402 - next to this file
+
 FAMILY = "qwen2_5_vl"
 
 
@@ -49,21 +57,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=48, help="side of the square demo images in pixels")
     p.add_argument("--eval-samples", type=int, default=48, help="held-out samples to caption")
     p.add_argument("--no-progress", action="store_true")
+    omni.add_arguments(p)
     return p.parse_args(argv)
 
 
-def demo_config(tiny: Path, manifest: dict, out: Path, args: argparse.Namespace) -> dict:
-    vlm = str(tiny / FAMILY)
+def demo_config(
+    manifest: dict, out: Path, args: argparse.Namespace, model: dict, parallel: dict, split: str = ""
+) -> dict:
     return {
-        "model": {"vision": {"family": FAMILY, "path": vlm}, "llm": {"family": FAMILY, "path": vlm}},
-        "parallel": {
-            "placement": "collocated",
-            "vision": {"strategy": "ulysses", "degree": 2, "replicas": 1},
-            "llm": {"strategy": "megatron_tp", "degree": 2, "replicas": 1},
-        },
+        "model": model,
+        "parallel": parallel,
         "data": {
-            "train": manifest["data"]["train"],
-            "eval": manifest["data"]["eval"],
+            "train": manifest["data"][f"{split}train"],
+            "eval": manifest["data"][f"{split}eval"],
             "media_root": manifest["media_root"],
             "batch_size": args.batch_size,
             "num_workers": 2,
@@ -82,6 +88,13 @@ def demo_config(tiny: Path, manifest: dict, out: Path, args: argparse.Namespace)
     }
 
 
+VLM_PARALLEL = {
+    "placement": "collocated",
+    "vision": {"strategy": "ulysses", "degree": 2, "replicas": 1},
+    "llm": {"strategy": "megatron_tp", "degree": 2, "replicas": 1},
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     import yaml
     from evaluate import evaluate, load_eval
@@ -90,42 +103,61 @@ def main(argv: list[str] | None = None) -> int:
     from disagg.config.load import load_config
     from disagg.config.validate import validate
     from disagg.plugins import get_registry
-    from disagg.runtime.checkpoint import export_checkpoint
+    from disagg.runtime.export import export_checkpoint, load_exported
+    from disagg.runtime.plan import families_for
     from disagg.runtime.run import run_training
 
     args = parse_args(argv)
     out = Path(args.out).resolve()
+    tiny = out / "tiny"
     t0 = time.time()
-    print(f"[1/4] tiny {FAMILY} model and shapes dataset -> {out / 'tiny'}", flush=True)
-    manifest = make_tiny(
-        out / "tiny",
-        [FAMILY],
-        train_per_class=args.train_per_class,
-        eval_per_class=2,
-        image_size=args.image_size,
-    )
-    config_path = out / "demo.yaml"
-    config_path.write_text(yaml.safe_dump(demo_config(out / "tiny", manifest, out, args), sort_keys=False))
-    cfg = load_config(config_path)
     registry = get_registry()
+    names = [omni.VISION, omni.AUDIO] if args.omni else [FAMILY]
+    print(f"[1/4] tiny {' + '.join(names)} models and the demo dataset -> {tiny}", flush=True)
+    manifest = make_tiny(
+        tiny, names, train_per_class=args.train_per_class, eval_per_class=2, image_size=args.image_size
+    )
+    if args.omni:
+        _, width = omni.build_llm(tiny, registry)
+        model, parallel, split = omni.omni_model(tiny, width), omni.OMNI_PARALLEL, "omni_"
+        layout = "vision ulysses x2 + audio ddp + LLM megatron_tp x2"
+    else:
+        vlm = {"family": FAMILY, "path": str(tiny / FAMILY)}
+        model, parallel, split = {"vision": vlm, "llm": vlm}, VLM_PARALLEL, ""
+        layout = "vision ulysses x2 + LLM megatron_tp x2"
+    config_path = out / "demo.yaml"
+    config = demo_config(manifest, out, args, model, parallel, split)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    cfg = load_config(config_path)
     validate(cfg, registry)
-    held_out = load_eval(manifest["data"]["eval"], manifest["media_root"], args.eval_samples)
+    eval_file = manifest["data"][f"{split}eval"]
+    if args.omni:
+        held_out = omni.load_omni_eval(eval_file, manifest["media_root"], args.eval_samples)
+    else:
+        held_out = load_eval(eval_file, manifest["media_root"], args.eval_samples)
 
-    print(f"[2/4] held-out captions before training ({len(held_out)} samples)", flush=True)
-    before = evaluate(out / "tiny" / FAMILY, FAMILY, held_out)
+    print(f"[2/4] held-out answers before training ({len(held_out)} samples)", flush=True)
+    if args.omni:
+        before = omni.evaluate_omni(families_for(cfg, registry), held_out)
+    else:
+        before = evaluate(tiny / FAMILY, FAMILY, held_out)
 
-    print("[3/4] training: vision ulysses x2 + LLM megatron_tp x2, collocated, local Ray on CPU", flush=True)
+    print(f"[3/4] training: {layout}, collocated, local Ray on CPU", flush=True)
     summary = run_training(cfg, progress=not args.no_progress)
 
-    print("[4/4] exporting the checkpoint and captioning the held-out samples again", flush=True)
-    exported = export_checkpoint(summary["checkpoint"], Path(summary["run_dir"]) / "export", registry)[0]
-    after = evaluate(exported, FAMILY, held_out)
+    print("[4/4] exporting the checkpoint and answering the held-out samples again", flush=True)
+    export_dir = Path(summary["run_dir"]) / "export"
+    exported = export_checkpoint(summary["checkpoint"], export_dir, registry)
+    if args.omni:
+        after = omni.evaluate_omni(load_exported(export_dir, registry), held_out)
+    else:
+        after = evaluate(exported[0], FAMILY, held_out)
 
     result = {
         "before": before,
         "after": after,
         "summary": summary,
-        "export": str(exported),
+        "export": str(export_dir),
         "minutes": (time.time() - t0) / 60,
     }
     (Path(summary["run_dir"]) / "demo_result.json").write_text(json.dumps(result, indent=2))
@@ -134,16 +166,20 @@ def main(argv: list[str] | None = None) -> int:
         f"loss: {summary['first_loss']:.3f} (step 1) -> {summary['last_loss']:.3f} (step {summary['steps']})"
     )
     for name, r in (("before", before), ("after", after)):
-        print(
-            f"held-out {name:6s}: exact match {r['exact_match']:.0%}, colour {r['colour_acc']:.0%}, "
-            f"shape {r['shape_acc']:.0%}  (n={r['n']})"
-        )
+        if args.omni:
+            print(omni.report(r, name))
+        else:
+            print(
+                f"held-out {name:6s}: exact match {r['exact_match']:.0%}, colour {r['colour_acc']:.0%}, "
+                f"shape {r['shape_acc']:.0%}  (n={r['n']})"
+            )
     for ex in after["examples"]:
-        print(f"  {ex['image']}: {ex['generated']!r}  (reference {ex['caption']!r})")
+        media = ex.get("media", ex.get("image"))
+        print(f"  {media}: {ex['generated']!r}  (reference {ex.get('answer', ex.get('caption'))!r})")
     print(f"run dir: {summary['run_dir']}")
-    print(f"checkpoint: {summary['checkpoint']}  exported HF dir: {exported}")
+    print(f"checkpoint: {summary['checkpoint']}  exported: {', '.join(map(str, exported))}")
     print(f"repeat with: disagg train {config_path}")
-    score = lambda r: r["exact_match"] + r["colour_acc"] + r["shape_acc"]  # noqa: E731
+    score = omni.score if args.omni else lambda r: r["exact_match"] + r["colour_acc"] + r["shape_acc"]
     ok = summary["last_loss"] < 0.5 * summary["first_loss"] and score(after) > score(before)
     if not ok:
         print("training did not clearly improve the model", file=sys.stderr)

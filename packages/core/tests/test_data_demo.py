@@ -27,7 +27,7 @@ def test_demo_data_is_deterministic_and_readable(tmp_path: Path):
     a = make_demo_data(tmp_path / "a", train_per_class=2, eval_per_class=1, audio=True)
     make_demo_data(tmp_path / "b", train_per_class=2, eval_per_class=1, audio=True)
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
-    assert set(a) == {"train", "eval", "audio_train", "audio_eval"}
+    assert set(a) == {"train", "eval", "audio_train", "audio_eval", "omni_train", "omni_eval"}
 
     def bad(err):
         raise err
@@ -46,6 +46,12 @@ def test_demo_data_is_deterministic_and_readable(tmp_path: Path):
         a["audio_train"], tmp_path / "a", dataset=0, first_uid=0, modalities={"audio"}, on_bad=bad
     )
     clip = load_audio(tones[0].media["audio"][0])
+    omni = read_dataset(
+        a["omni_train"], tmp_path / "a", dataset=0, first_uid=0, modalities={"image", "audio"}, on_bad=bad
+    )
+    kinds = [tuple(sorted(r.media)) for r in omni]
+    # every four consecutive samples: image-only, audio-only, image+audio, text-only
+    assert kinds[:4] == [("image",), ("audio",), ("audio", "image"), ()] and len(omni) == len(train)
     assert (
         clip["sampling_rate"] == 16000 and clip["array"].shape == (8000,) and abs(clip["array"]).max() <= 1.0
     )

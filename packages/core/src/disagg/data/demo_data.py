@@ -2,9 +2,11 @@
 
 A task a tiny VLM learns in minutes on CPU: the caption names the colour and
 the shape (``disagg.tiny.COLOURS`` x ``SHAPES``), whose words the tiny
-tokenizers are trained on. Everything is drawn from a seed, so two machines
-generate byte-identical files. No model code here: only files in the
-LLaVA-style format the pipeline reads.
+tokenizers are trained on. With audio, tones of three pitches are captioned
+by pitch, and ``omni_*.jsonl`` mixes image-only, audio-only, image+audio and
+text-only samples in one file, for a vision + audio + LLM model. Everything
+is drawn from a seed, so two machines generate byte-identical files. No
+model code here: only files in the LLaVA-style format the pipeline reads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ RGB = {
 }
 IMAGE_PROMPT = "<image>\nDescribe the image."
 AUDIO_PROMPT = "<audio>\nDescribe the sound."
+BOTH_PROMPT = "<image><audio>\nDescribe the image and the sound."
+#: text-only samples: the model learns to repeat a caption (it must still read text)
+TEXT_PROMPT = "Repeat: {}"
 #: tone captions by pitch; all three are in ``disagg.tiny.corpus()``
 TONES = {"A low tone.": (180.0, 300.0), "A tone.": (400.0, 600.0), "A high tone.": (900.0, 1500.0)}
 
@@ -130,7 +135,42 @@ def make_demo_data(
                     write_wav(out / name, tone(rng.uniform(lo, hi), 0.5, audio_rate, rng), audio_rate)
                     rows.append(_sample("audio", name, AUDIO_PROMPT, text))
             written[f"audio_{split}"] = _write_jsonl(out / f"audio_{split}.jsonl", rows)
+        for split in ("train", "eval"):
+            written[f"omni_{split}"] = _write_omni(out, split, audio_rate, seed)
     return written
+
+
+def _write_omni(out: Path, split: str, rate: int, seed: int) -> Path:
+    """``omni_{split}.jsonl``: one sample per drawing of the split, in turn
+    image-only, audio-only, image+audio and text-only, each with fresh tones,
+    so every batch of four or more holds each kind."""
+    images = [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
+    rng = random.Random(seed + (3 if split == "train" else 10_003))
+    rows: list[dict[str, Any]] = []
+    for i, img in enumerate(images):
+        picture, said = img["image"], img["conversations"][1]["value"]
+        kind = ("image", "audio", "both", "text")[i % 4]
+        if kind in ("audio", "both"):
+            text, (lo, hi) = rng.choice(list(TONES.items()))
+            clip = f"audio/omni_{split}_{i:04d}.wav"
+            write_wav(out / clip, tone(rng.uniform(lo, hi), 0.5, rate, rng), rate)
+        if kind == "image":
+            rows.append(_sample("image", picture, IMAGE_PROMPT, said))
+        elif kind == "audio":
+            rows.append(_sample("audio", clip, AUDIO_PROMPT, text))
+        elif kind == "both":
+            row = _sample("image", picture, BOTH_PROMPT, f"{said} {text}")
+            rows.append({"audio": clip, **row})
+        else:
+            rows.append(
+                {
+                    "conversations": [
+                        {"from": "human", "value": TEXT_PROMPT.format(said)},
+                        {"from": "gpt", "value": said},
+                    ]
+                }
+            )
+    return _write_jsonl(out / f"omni_{split}.jsonl", rows)
 
 
 def _sample(kind: str, path: str, prompt: str, answer: str) -> dict[str, Any]:

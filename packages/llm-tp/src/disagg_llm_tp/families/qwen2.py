@@ -30,17 +30,22 @@ class Qwen2Family(HFDecoderFamily):
         vocab_size: int | None = None,
         tie_word_embeddings: bool = True,
         num_key_value_heads: int = 2,
+        hidden_size: int = 64,
         seed: int = 0,
     ) -> Path:
         """A tiny Qwen2 dir: q/k/v biases, GQA (4 heads, 2 KV), tied embeddings
         by default; ``vocab_size`` may exceed the tokenizer (pick one not
-        divisible by the degree to exercise vocabulary padding)."""
+        divisible by the degree to exercise vocabulary padding). ``hidden_size``
+        lets a composed model match its encoders' projectors (a Qwen2.5-VL
+        merger feeds an LLM of the width it was trained for)."""
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         out = Path(out_dir)
         tok = qwen_tokenizer(out)
         config = Qwen2Config(
-            **decoder_sizes(vocab_size or len(tok), num_key_value_heads=num_key_value_heads),
+            **decoder_sizes(
+                vocab_size or len(tok), num_key_value_heads=num_key_value_heads, hidden_size=hidden_size
+            ),
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=None,
             eos_token_id=tok.eos_token_id,
