@@ -84,7 +84,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The main job: a tiny multimodal training run on local Ray, on CPU."""
+    """The main job: a tiny multimodal training run on local Ray, on CPU
+    (``-- --omni``: vision + audio + LLM from three dirs; ``-- --help``: the options)."""
     install(session, "packages/core", *(f"packages/{p}" for p in PLUGINS))
     session.run("python", "examples/demo/run.py", *session.posargs, env=ENV)
 
