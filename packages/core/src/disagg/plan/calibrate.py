@@ -111,7 +111,9 @@ def gloo_alpha_beta(small: int = 1, large: int = 1 << 20, iters: int = 7) -> tup
     import multiprocessing as mp
     import tempfile
 
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    # fork is fast (torch already imported); a process running Ray's threads spawns
+    # instead, as forking one could inherit a lock another thread holds
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() and not _ray_running() else "spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
@@ -131,6 +133,14 @@ def gloo_alpha_beta(small: int = 1, large: int = 1 << 20, iters: int = 7) -> tup
     alpha = t_small / 2
     nbytes = 4 * large
     return alpha, nbytes / max(t_large - t_small, 1e-9)
+
+
+def _ray_running() -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return bool(ray.is_initialized())
 
 
 def ray_call_latency(calls: int = 50) -> float:
@@ -161,12 +171,7 @@ def calibrate(base: Cluster, *, name: str | None = None, ray_calls: bool | None 
     call = base.call_latency
     measured = ["matmul", "layer", "gloo"]
     if ray_calls is None:
-        try:
-            import ray
-
-            ray_calls = ray.is_initialized()
-        except ImportError:
-            ray_calls = False
+        ray_calls = _ray_running()
     if ray_calls:
         call = ray_call_latency()
         measured.append("ray call")
