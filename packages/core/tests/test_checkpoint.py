@@ -1,5 +1,5 @@
-"""Checkpoints you can trust, on the toy families: a save that dies before its
-rename leaves the previous checkpoint complete and resumable, a truncated file
+"""Checkpoints you can trust, on the toy families: a driver SIGKILLed in the
+middle of a save leaves the previous checkpoint complete and resumable, a truncated file
 is refused by its checksum, ``keep_last`` prunes, and a rank killed mid-run is
 recovered from the newest checkpoint with the undisturbed run's losses."""
 
@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,14 @@ from disagg.testing import toy
 from disagg.testing.toy import ToyDataSource, make_toy_dirs
 
 STEPS = 5
+#: Ray's agents (process titles, command lines), which outlive their raylet for a while
+#: (see the driver-kill test)
+RAY_AGENTS = (
+    "ray::DashboardAgent",
+    "ray::RuntimeEnvAgent",
+    "dashboard/agent.py",
+    "runtime_env/agent/main.py",
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +63,6 @@ def _cfg(root: Path, dirs, out: str, **over) -> Config:
     return Config.model_validate(raw)
 
 
-class DriverKilled(BaseException):
-    """Like a SIGKILL of the driver: no ``except Exception`` handler runs."""
-
-
 def _losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "step" in r}  # the last line of a step wins
@@ -74,34 +81,89 @@ def undisturbed(ray_local, toy_registry, tmp_path_factory):
     return root, dirs, _losses(root / "plain")
 
 
-def test_driver_dying_mid_save_leaves_the_previous_checkpoint(undisturbed, toy_registry, monkeypatch):
+def _kill_mid_save(config: Path, step: int, log: Path) -> dict:
+    """Run ``checkpoint_driver.py`` until its save of ``step`` has every shard
+    on disk but no manifest, SIGKILL it, and return the processes it had
+    started (its Ray) as they were at the kill, with their command lines."""
+    import psutil
+
+    ready = log.with_name("ready")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("checkpoint_driver.py")),
+                str(config),
+                str(step),
+                str(ready),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while not ready.exists():
+            assert proc.poll() is None, f"the driver exited before the save:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"no save of step {step} within 600 s:\n{log.read_text()[-3000:]}"
+            )
+            time.sleep(0.2)
+        assert int(ready.read_text()) == proc.pid
+        # cmdlines now: a process that exits later has none to read
+        children = {
+            p: " ".join(p.cmdline()).strip() for p in psutil.Process(proc.pid).children(recursive=True)
+        }
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:  # an assertion above failed: leave nothing running
+            proc.kill()
+            proc.wait()
+    return children
+
+
+def test_driver_killed_mid_save_leaves_the_previous_checkpoint(
+    undisturbed, toy_registry, tmp_path, monkeypatch, capsys
+):
+    import psutil
+
+    from disagg.cli.main import main
+    from disagg.config.dump import dump_resolved
+
     root, dirs, losses = undisturbed
-    cfg = _cfg(root, dirs, "killed")
-    real_write = ckpt._write
-
-    def die_before_manifest(path, text):
-        if path.name == ckpt.MANIFEST and path.parent.name == "step-4.tmp":
-            raise DriverKilled("the driver dies mid-save, before the rename")
-        real_write(path, text)
-
-    monkeypatch.setattr(ckpt, "_write", die_before_manifest)
-    with pytest.raises(DriverKilled):
-        _train(cfg, toy_registry)
-    monkeypatch.undo()
     run = root / "killed"
-    assert (run / "checkpoints" / "step-4.tmp").is_dir(), "the interrupted save stays a .tmp dir"
-    assert ckpt.latest_checkpoint(run) == run / "checkpoints" / "step-2"
-    manifest = ckpt.verify_checkpoint(run / "checkpoints" / "step-2")
+    config = dump_resolved(_cfg(root, dirs, "killed"), tmp_path)
+    children = _kill_mid_save(config, 4, tmp_path / "driver.log")
+    # The driver's own Ray (GCS, raylet, workers) dies with it. Ray's dashboard and runtime-env
+    # agents log "raylet is dead, exiting" at once but may linger in their shutdown: they are
+    # ended here, by pid (they are this test's), as is anything else left before the test fails.
+    _, alive = psutil.wait_procs(list(children), timeout=60)
+    for p in alive:
+        p.kill()
+    psutil.wait_procs(alive, timeout=30)
+    leaked = [children[p] for p in alive if not any(agent in children[p] for agent in RAY_AGENTS)]
+    assert not leaked, f"Ray processes outlived the killed driver: {leaked}"
+
+    stale = run / "checkpoints" / "step-4.tmp"
+    assert not (stale / ckpt.MANIFEST).exists(), "killed before the manifest"
+    for part in ("vision/full.safetensors", "vision/optim.safetensors", "llm/full.safetensors", "meta.json"):
+        assert (stale / part).is_file(), f"killed after the shards were written: {part} is missing"
+    assert ckpt.latest_checkpoint(run) == run / "checkpoints" / "step-2", "the .tmp is not a checkpoint"
+    manifest = ckpt.verify_checkpoint(run / "checkpoints" / "step-2")  # every checksum holds
     assert manifest["layout"]["vision"] == {"strategy": "ddp", "degree": 1, "replicas": 2}
     for part in ("vision/full.safetensors", "vision/optim.safetensors", "llm/schedule.json"):
         assert part in manifest["files"]
     assert "vision/rng/rank-1.safetensors" in manifest["files"]
-    # resume from the newest complete checkpoint: steps 3.. equal the undisturbed run exactly
-    resumed = _cfg(root, dirs, "killed", checkpoint={"resume_from": str(ckpt.latest_checkpoint(run))})
-    _train(resumed, toy_registry)
+    assert sorted(_losses(run)) == [1, 2, 3, 4], "the killed run logged steps 1-4"
+
+    # `disagg train --resume auto` continues from step-2, over the stale step-4.tmp
+    monkeypatch.setattr("disagg.data.build_data_source", lambda cfg, families: ToyDataSource(4))
+    assert main(["train", str(config), "--resume", "auto"]) == 0
+    assert f"resuming from {run / 'checkpoints' / 'step-2'}" in capsys.readouterr().err
     got = _losses(run)
-    assert [got[s] for s in range(3, STEPS + 1)] == [losses[s] for s in range(3, STEPS + 1)]
-    assert not (run / "checkpoints" / "step-4.tmp").exists(), "the next save cleans the stale .tmp"
+    assert [got[s] for s in range(1, STEPS + 1)] == [losses[s] for s in range(1, STEPS + 1)]  # exact
+    assert not stale.exists(), "the next save of step 4 replaced the stale .tmp"
+    ckpt.verify_checkpoint(run / "checkpoints" / "step-4")
 
 
 def test_truncated_file_is_refused_and_keep_last_prunes(undisturbed, toy_registry, tmp_path):
