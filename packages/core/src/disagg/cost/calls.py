@@ -9,6 +9,9 @@ samples go through each layer together (one call per layer and microbatch,
 not per sample), gradient reductions run once per step after the last
 microbatch.
 
+Estimates, all of them: :class:`disagg.interfaces.CommCounter` counts bytes, not
+calls, so no runtime count checks these (the bytes they go with are checked).
+
 Notation as in :mod:`.comm`; ``M`` microbatches per step, ``T`` parameter
 tensors, ``L`` decoder layers / vision blocks, ``F`` full-attention blocks.
 """
