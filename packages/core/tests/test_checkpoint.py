@@ -5,6 +5,7 @@ recovered from the newest checkpoint with the undisturbed run's losses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -135,14 +136,16 @@ def test_driver_killed_mid_save_leaves_the_previous_checkpoint(
     config = dump_resolved(_cfg(root, dirs, "killed"), tmp_path)
     children = _kill_mid_save(config, 4, tmp_path / "driver.log")
     # The driver's own Ray (GCS, raylet, workers) dies with it. Ray's dashboard and runtime-env
-    # agents log "raylet is dead, exiting" at once but may linger in their shutdown: they are
-    # ended here, by pid (they are this test's), as is anything else left before the test fails.
-    _, alive = psutil.wait_procs(list(children), timeout=60)
-    for p in alive:
-        p.kill()
-    psutil.wait_procs(alive, timeout=30)
-    leaked = [children[p] for p in alive if not any(agent in children[p] for agent in RAY_AGENTS)]
-    assert not leaked, f"Ray processes outlived the killed driver: {leaked}"
+    # agents log "raylet is dead, exiting" at once but linger in their shutdown: they are not
+    # waited for but ended here, by pid (they are this test's), as is anything else left over
+    # once the test has failed.
+    agents = [p for p, cmd in children.items() if any(a in cmd for a in RAY_AGENTS)]
+    _, alive = psutil.wait_procs([p for p in children if p not in agents], timeout=60)
+    for p in agents + alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(agents + alive, timeout=30)
+    assert not alive, f"Ray processes outlived the killed driver: {[children[p] for p in alive]}"
 
     stale = run / "checkpoints" / "step-4.tmp"
     assert not (stale / ckpt.MANIFEST).exists(), "killed before the manifest"
