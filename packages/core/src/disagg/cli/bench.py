@@ -39,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layouts", default=None, metavar="FILE", help="YAML file of named layouts instead of --preset"
     )
     parser.add_argument(
-        "--degree", type=int, default=2, help="SP/TP degree (and ZeRO ranks) of the preset's groups"
+        "--degree",
+        type=int,
+        default=2,
+        help="SP/TP degree (and ZeRO ranks) of the preset's groups; with --layouts, the d its targets are judged by",
     )
     parser.add_argument(
         "--vision-tokens", default="256,1k", help="vision lengths (patches per image), e.g. 1k,4k,16k"
