@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--degree",
         type=int,
         default=2,
-        help="SP/TP degree (and ZeRO ranks) of the preset's groups; with --layouts, the d its targets are judged by",
+        help="SP/TP degree (and ZeRO ranks) of the preset's groups; with --layouts, the d of its targets",
     )
     parser.add_argument(
         "--vision-tokens", default="256,1k", help="vision lengths (patches per image), e.g. 1k,4k,16k"
