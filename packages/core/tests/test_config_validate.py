@@ -139,6 +139,11 @@ def test_many_problems_are_collected(reg, workdir):
             "data.media_root",
             ["'nomedia' is not a directory"],
         ),
+        (
+            lambda c: c.update(ray={"num_cpus": 1}),
+            "ray.num_cpus",
+            ["1 logical CPUs cannot hold the ranks, which reserve 4", "max(8, cores, ranks + 2)"],
+        ),
     ],
 )
 def test_single_problem(reg, workdir, mutate, key, needles):

@@ -78,11 +78,29 @@ class _Checker:
             if module is not None:
                 resolved.modules[m] = module
         self.unused_groups()
+        self.ray(resolved)
         self.transport()
         self.train()
         self.data()
         self.resume()
         return resolved
+
+    def ray(self, resolved: ResolvedConfig) -> None:
+        """An embedded Ray too small for the ranks would wait forever for actors."""
+        n = self.cfg.ray.num_cpus
+        if n is None or self.cfg.ray.address:
+            return
+        need = sum(
+            m.degree * m.replicas * getattr(self.cfg.parallel, name).resources.num_cpus
+            for name, m in resolved.modules.items()
+        )
+        if n < need:
+            self.add(
+                ("ray", "num_cpus"),
+                f"{n} logical CPUs cannot hold the ranks, which reserve {need:g} "
+                "(degree x replicas x resources.num_cpus per module); raise it, or remove it "
+                "for the default max(8, cores, ranks + 2)",
+            )
 
     def resume(self) -> None:
         path = self.cfg.checkpoint.resume_from
