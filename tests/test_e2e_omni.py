@@ -21,8 +21,9 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 pytest.importorskip("disagg_audio")
 
+from mixed_data import mixed_config  # noqa: E402
+
 from disagg.config.schema import Config  # noqa: E402
-from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
 
 STEPS = 5
@@ -99,37 +100,13 @@ def omni(tmp_path_factory):
 
 
 def _config(omni: dict, out: Path, parallel: dict) -> Config:
-    cfg = Config.model_validate(
-        {
-            "model": {
-                "vision": {"family": "qwen2_5_vl", "path": str(omni["vision"])},
-                "audio": {"family": "whisper", "path": str(omni["audio"]), "options": {"hidden_size": 48}},
-                "llm": {"family": "qwen2", "path": str(omni["llm"])},
-            },
-            "parallel": parallel,
-            "data": {
-                "train": str(omni["train"]),
-                "media_root": str(omni["root"] / "data"),
-                "batch_size": 4,
-                "shuffle": False,
-                "num_workers": 1,
-            },
-            # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
-            # summation-order noise in near-zero gradients cannot flip parameters.
-            "train": {
-                "steps": STEPS,
-                "lr": 1e-3,
-                "eps": 1e-3,
-                "weight_decay": 0.1,
-                "seed": 0,
-                "clip_grad_norm": 1.0,
-            },
-            "checkpoint": {"every": 0},
-            "output_dir": str(out),
-        }
-    )
-    validate(cfg, get_registry())
-    return cfg
+    model = {
+        "vision": {"family": "qwen2_5_vl", "path": str(omni["vision"])},
+        "audio": {"family": "whisper", "path": str(omni["audio"]), "options": {"hidden_size": 48}},
+        "llm": {"family": "qwen2", "path": str(omni["llm"])},
+    }
+    data = {"train": str(omni["train"]), "media_root": str(omni["root"] / "data")}
+    return mixed_config(model, parallel, data, out, STEPS, microbatches=1)
 
 
 @pytest.fixture(scope="module")
