@@ -86,7 +86,7 @@ def exported_state(run_dir: Path, step: int, out: Path, model_cls: type) -> dict
     """The run's final checkpoint through ``disagg export``, loaded back with
     ``from_pretrained`` as a user would."""
     from disagg.plugins import get_registry
-    from disagg.runtime.checkpoint import export_checkpoint
+    from disagg.runtime.export import export_checkpoint
 
     (dest,) = export_checkpoint(Path(run_dir) / "checkpoints" / f"step-{step}", out, get_registry())
     model = model_cls.from_pretrained(str(dest), dtype=torch.float32)

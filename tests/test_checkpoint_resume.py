@@ -169,7 +169,7 @@ def test_zero3_export_reproduces_the_trained_loss(zero3, tmp_path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from disagg.plugins import get_registry
-    from disagg.runtime.checkpoint import export_checkpoint
+    from disagg.runtime.export import export_checkpoint
 
     cfg, losses = zero3
     (dest,) = export_checkpoint(_step3(cfg), tmp_path / "export", get_registry())

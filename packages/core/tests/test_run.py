@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from disagg.config.schema import Config
-from disagg.runtime.checkpoint import export_checkpoint
+from disagg.runtime.export import export_checkpoint
 from disagg.runtime.run import run_training
 from disagg.testing import toy
 from disagg.testing.toy import ToyDataSource, ToyLM, make_toy_dirs

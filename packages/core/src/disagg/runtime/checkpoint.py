@@ -24,7 +24,6 @@ from typing import Any
 
 from disagg.config.fingerprint import run_fingerprint
 from disagg.config.schema import Config
-from disagg.plugins import Registry
 from disagg.runtime.actor.state import file_digest
 
 FORMAT = "disagg-full/1"
@@ -161,13 +160,6 @@ def load_checkpoint(orch: Any, cfg: Config, path: str | Path) -> tuple[int, dict
 
 def checkpoint_step(path: str | Path) -> int:
     return int(json.loads((Path(path) / "meta.json").read_text())["step"])
-
-
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, registry: Registry) -> list[Path]:
-    """HF dirs and their manifest for a checkpoint: :func:`disagg.runtime.export.export_checkpoint`."""
-    from disagg.runtime.export import export_checkpoint as export
-
-    return export(checkpoint, out_dir, registry)
 
 
 def _versions() -> dict[str, str]:
