@@ -77,6 +77,26 @@ def _one_step(tower, n_side: int) -> int:
     return sum(saved)
 
 
+def test_weights_gathered_after_the_hooks_are_entered_are_not_counted(tower):
+    """ZeRO-3 enters the hooks with its parameters partitioned (empty storage)
+    and gathers them into new storage for the call: the gathered weights are
+    model state, so the count equals the one with resident weights."""
+    resident = _one_step(tower, 8)
+    tower.zero_grad()
+    full = [p.data for p in tower.parameters()]
+    for p in tower.parameters():
+        p.data = torch.empty(0)
+    n = 64
+    saved = []
+    with saved_bytes_hooks(tower, saved.append):
+        for p, d in zip(tower.parameters(), full):
+            p.data = d.clone()  # the gather: new storage
+        out = tower(torch.randn(n, 3 * 2 * 4 * 4), grid_thw=torch.tensor([[1, 8, 8]])).pooler_output
+    out.square().sum().backward()
+    assert sum(saved) == resident
+    assert sum(saved) == predict(shape(), "ddp", 1, 1, n).activation_bytes
+
+
 def test_state_and_activation_bytes_are_exact_in_fp32(tower):
     saved = _one_step(tower, 16)
     opt = torch.optim.AdamW(tower.parameters(), foreach=False)
@@ -98,11 +118,12 @@ def test_ulysses_and_tp_split_what_they_should():
     one = predict(s, "ddp", 1, 1, 1024)
     sp = predict(s, "ulysses", 4, 1, 1024)
     tp = predict(s, "megatron_tp", 4, 1, 1024)
-    z3 = predict(s, "zero", 1, 4, 1024, samples=4, options={"stage": 3})
+    z3 = predict(s, "zero", 1, 4, 1024, samples=4, options={"stage": 3, "persistence_threshold": 0})
     assert sp.activation_bytes < one.activation_bytes / 4 * 1.01
     assert sp.activation_bytes < tp.activation_bytes < one.activation_bytes
     assert sp.state_bytes == one.state_bytes and tp.state_bytes < one.state_bytes
-    assert z3.state_bytes == -(-16 * sum(t.numel for t in s.tensors()) // 4)
+    # fp32 ZeRO-3: a parameter partition, its master copy, a gradient partition, two moments
+    assert z3.state_bytes == 20 * sum(-(-t.numel // 4) for t in s.tensors())
     # window blocks move nothing under ulysses; TP all-reduces in every block
     assert set(sp.comm_bytes_by_kind) == {"all_to_all", "all_reduce"}
     assert sp.comm_bytes_by_kind["all_to_all"] < tp.comm_bytes_by_kind["all_reduce"]

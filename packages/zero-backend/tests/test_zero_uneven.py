@@ -44,6 +44,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "dirs": (enc, lm),
         "encoder": U.reference_encoder(enc),
         "big": U.reference_encoder(big),
+        "big_dir": big,
         "llm": U.reference_llm(lm),
     }
 
@@ -101,6 +102,21 @@ def test_stage3_really_partitions_and_still_matches(runs: dict) -> None:
             full, local, data = r["layout"][name]
             assert full > 100_000 and local == math.ceil(full / 2) and data == 0, (name, r["layout"][name])
     _check_encoder(got, runs["big"])
+    # with persistent and partitioned tensors mixed, the state and comm the
+    # strategy reports still equal core's formulas (see test_zero_equivalence)
+    from disagg.cost.comm import Workload, zero_comm
+    from disagg.cost.memory import zero_state_bytes
+
+    numels = [p.numel() for p in U.UnusedLayerEncoderFamily(runs["big_dir"]).build().parameters()]
+    assert any(k <= 100_000 for k in numels) and any(k > 100_000 for k in numels)
+    state = zero_state_bytes(numels, 3, 2)
+    for r in got:
+        for step, plan in enumerate(U.ENCODER_PLAN):
+            assert 0 <= r["state_bytes"][step] - state <= 16 + 8 * len(numels), f"step {step}"
+            if plan:  # a step without samples gathers and updates nothing
+                work = Workload(degree=1, replicas=2, seq_len=1, samples=2, microbatches=len(plan))
+                want = zero_comm(numels, 3, work, calls_per_mb=2)["zero3_analytic"]
+                assert r["comm"][step]["zero3_analytic"] == pytest.approx(want, abs=2), f"step {step}"
 
 
 def test_stage3_bf16_autocast_is_finite_and_close(runs: dict) -> None:

@@ -174,6 +174,9 @@ def _finish_step(strat: Any, rec: dict[str, Any]) -> None:
     rec["norm"].append(math.sqrt(nsq))
     rec["grads"].append(strat.full_grads())
     strat.step(clip_coefficient(math.sqrt(nsq), CLIP))
+    # the accounting the bench reports, read where the worker reads it (after the step)
+    rec.setdefault("comm", []).append(strat.ctx.comm.reset())
+    rec.setdefault("state_bytes", []).append(strat.state_bytes())
     strat.zero_grad()
 
 

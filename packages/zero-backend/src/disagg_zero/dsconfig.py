@@ -69,6 +69,15 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def persistence_threshold(options: ZeroOptions) -> int:
+    """Elements at or under which ZeRO-3 keeps a parameter whole on every rank,
+    as DeepSpeed reads its config (its default when ``ds_config`` sets none)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    section = build_ds_config(options, torch.float32)["zero_optimization"]
+    return int(DeepSpeedZeroConfig(**section).param_persistence_threshold)
+
+
 def zero_section_problems(options: ZeroOptions) -> list[str]:
     """What DeepSpeed's own schema says about ``zero_optimization`` (config time)."""
     from pydantic import ValidationError

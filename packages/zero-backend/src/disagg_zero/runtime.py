@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -95,6 +96,41 @@ def gathered(module: nn.Module, stage: int, has_engine: bool) -> Iterator[None]:
 
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         yield
+
+
+def held_bytes(module: nn.Module, ds_optimizer: Any, optimizer: Any) -> int:
+    """Bytes of every distinct storage this rank holds for training: the
+    module's parameters (whole, or ZeRO-3's persistent ones), their ZeRO-3
+    partitions and gradients, DeepSpeed's flat buffers, fp32 master copies and
+    gradient partitions (the tensor attributes of its optimizer, a level of
+    lists and dicts deep), and the torch optimizer's state. Storages shared by
+    views count once; meta tensors hold nothing."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: Any, depth: int = 0) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            if t.is_meta:
+                return
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        elif isinstance(t, (list, tuple)) and depth < 3:
+            for x in t:
+                add(x, depth + 1)
+        elif isinstance(t, dict) and depth < 3:
+            for x in t.values():
+                add(x, depth + 1)
+
+    for p in module.parameters():
+        add([p.data, getattr(p, "ds_tensor", None), p.grad])
+    if ds_optimizer is not None:
+        add(list(vars(ds_optimizer).values()))
+    if optimizer is not None:
+        add(list(optimizer.state.values()))
+    return total
 
 
 def remove_module_hooks(engine: Any) -> None:

@@ -39,7 +39,7 @@ from torch import nn
 from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, OptimSpec, Strategy
 from disagg.interfaces.strategy import make_scheduler
 from disagg_zero import runtime
-from disagg_zero.dsconfig import backward_scale, build_ds_config, zero_section_problems
+from disagg_zero.dsconfig import backward_scale, build_ds_config, persistence_threshold, zero_section_problems
 from disagg_zero.fullstate import ZeroFullState
 from disagg_zero.inject import injector, local_grads
 from disagg_zero.optim import make_masked_adamw
@@ -135,27 +135,41 @@ class ZeroStrategy(ZeroFullState, Strategy):
 
     def _count_comm(self) -> None:
         """DeepSpeed's collectives are internal, so count what ZeRO moves per
-        step analytically (ring algorithms: each rank sends (n-1)/n of a buffer)."""
+        step analytically (ring algorithms: each rank sends (n-1)/n of a buffer),
+        the expression of :func:`disagg.cost.comm.zero_comm`."""
         n = self.ctx.world_size
         if n == 1 or self.module is None:
             return
         elem = 4  # fp32 parameters and gradients (core's dtype rule)
-        params = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters()) * elem
+        numels = [
+            (getattr(p, "ds_numel", p.numel()), getattr(p, "ds_persist", False))
+            for p in self.module.parameters()
+        ]
+        params = sum(k for k, _ in numels) * elem
+        # ZeRO-3 keeps parameters under stage3_param_persistence_threshold whole
+        # on every rank: a gather skips them, the step re-gathers them once
+        persistent = sum(k for k, keep in numels if keep) * elem
         grads = sum(getattr(p, "ds_numel", p.numel()) for p in self._params) * elem
         f = (n - 1) / n
-        # gradients move only if some backward ran; stages 1-2 re-gather the
-        # parameters only after an update
+        # gradients move only if some backward ran; parameters are re-gathered
+        # only after an update
         grads = grads if self._backwards else 0
-        updated = params if self._any_grad() else 0
+        updated = self._any_grad()
         if self.options.stage == 1:
-            sent = 2 * f * grads + f * updated  # all-reduce gradients, all-gather updated params
+            sent = 2 * f * grads + f * params * updated  # all-reduce gradients, all-gather updated params
         elif self.options.stage == 2:
-            sent = f * grads + f * updated  # reduce-scatter gradients, all-gather updated params
-        else:  # one whole-module gather per call, reduce-scatter gradients
-            sent = self._gathers * f * params + f * grads
+            sent = f * grads + f * params * updated  # reduce-scatter gradients, all-gather updated params
+        else:  # a whole-module gather per call, reduce-scatter gradients
+            sent = self._gathers * f * (params - persistent) + f * grads + f * persistent * updated
         self.ctx.comm.add(f"zero{self.options.stage}_analytic", int(sent))
         # the agreement all-reduce of reduce_gradients is counted where it runs (ctx.comm.all_reduce)
         self._gathers = 0
+
+    def state_bytes(self) -> int:
+        """What this rank holds, read from the tensors themselves: torch's view
+        of a ZeRO module misses DeepSpeed's partitions and copies."""
+        assert self.module is not None
+        return runtime.held_bytes(self.module, getattr(self.engine, "optimizer", None), self.optimizer)
 
     def _hand_to_engine(self, local: list[torch.Tensor | None]) -> None:
         """Record which parameters got a gradient; hand them to DeepSpeed (see
@@ -274,17 +288,20 @@ class ZeroStrategy(ZeroFullState, Strategy):
     @classmethod
     def estimate(cls, query: Any, options: Any) -> Any:
         """Core's ``zero`` formulas for the stage; ``activation_checkpointing``
-        recomputes activations; ``offload_optimizer`` keeps the optimizer's
-        share (8 bytes per element, partitioned) off the GPU."""
+        recomputes activations; ``offload_optimizer`` keeps the fp32 master
+        partition and the two moments (12 bytes per element, partitioned) off
+        the GPU."""
         from dataclasses import replace
 
         from disagg.interfaces import analytic_cost
 
         if options.activation_checkpointing and not query.recompute:
             query = replace(query, recompute=True)
-        cost = analytic_cost("zero", query, {"stage": options.stage})
+        cost = analytic_cost(
+            "zero", query, {"stage": options.stage, "persistence_threshold": persistence_threshold(options)}
+        )
         if options.offload_optimizer:
             numel = sum(t.numel for t in query.shape.tensors())
             ranks = query.degree * query.replicas
-            cost = replace(cost, state_bytes=cost.state_bytes - -(-8 * numel // ranks))
+            cost = replace(cost, state_bytes=cost.state_bytes - 12 * -(-numel // ranks))
         return cost

@@ -19,7 +19,17 @@ def paper(degree: int, modules: list[str]) -> dict[str, dict[str, Any]]:
     enc = [m for m in modules if m != "llm"]
     tp = {"strategy": "megatron_tp", "degree": degree, "replicas": 1}
     sp = {"strategy": "ulysses", "degree": degree, "replicas": 1}
-    z3 = {"strategy": "zero", "stage": 3, "degree": 1, "replicas": degree}
+    # Every tensor of a tiny model sits under DeepSpeed's default persistence
+    # threshold (1e5 elements), which keeps it whole on every rank: ZeRO-3 would
+    # partition nothing. At 32B only norms and biases are that small; 0 makes
+    # the tiny model partition as the large one does.
+    z3 = {
+        "strategy": "zero",
+        "stage": 3,
+        "degree": 1,
+        "replicas": degree,
+        "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+    }
     # Megatron sequence parallelism in the LLM: the paper's DHP with less LLM activation memory.
     tp_sp = {**tp, "sequence_parallel": True}
     return {
@@ -68,3 +78,14 @@ def load_layouts(path: str | Path, modules: list[str]) -> dict[str, dict[str, An
     if problems:
         raise ConfigError(problems)
     return layouts
+
+
+def largest_group(layouts: dict[str, dict[str, Any]]) -> int:
+    """Ranks of the largest group (degree x replicas) over every layout: the
+    ``d`` a file of layouts is judged by, as ``--degree`` is for a preset."""
+    return max(
+        int(g.get("degree", 1)) * int(g.get("replicas", 1))
+        for parallel in layouts.values()
+        for g in parallel.values()
+        if isinstance(g, dict)
+    )

@@ -138,6 +138,9 @@ class Bench:
         for module, shape in self.shapes.items():
             group = parallel.get(module, {})
             opts = {k: v for k, v in group.items() if k in ("stage", "sequence_parallel")}
+            zero_section = group.get("ds_config", {}).get("zero_optimization", {})
+            if "stage3_param_persistence_threshold" in zero_section:
+                opts["persistence_threshold"] = zero_section["stage3_param_persistence_threshold"]
             kw: dict[str, Any] = {}
             if module != "vision":
                 kw = {"exchanged_rows": rows, "exchanged_width": self.vision.out_hidden}

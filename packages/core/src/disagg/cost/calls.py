@@ -19,6 +19,7 @@ tensors, ``L`` decoder layers / vision blocks, ``F`` full-attention blocks.
 from __future__ import annotations
 
 from disagg.cost.comm import Workload
+from disagg.cost.memory import DEEPSPEED_PERSISTENCE
 from disagg.cost.shapes import DecoderShape, ParamTensor, Shape, VisionShape
 
 #: DeepSpeed's default ``reduce_bucket_size`` / ``allgather_bucket_size`` (elements),
@@ -91,30 +92,43 @@ def megatron_llm_calls(shape: DecoderShape, w: Workload, sequence_parallel: bool
 
 
 def zero_calls(
-    tensors: list[ParamTensor], stage: int, w: Workload, bucket: int = DEEPSPEED_BUCKET
+    tensors: list[ParamTensor],
+    stage: int,
+    w: Workload,
+    bucket: int = DEEPSPEED_BUCKET,
+    calls_per_mb: int = 2,
+    persistence_threshold: int = DEEPSPEED_PERSISTENCE,
 ) -> dict[str, int]:
     """DeepSpeed's collectives, counted as its engine issues them: stages 1-2
     reduce gradients and gather updated parameters in buckets of ``bucket``
     elements (``ceil(P / bucket)`` calls each; stage 1 all-reduces, stage 2
-    reduce-scatters); stage 3 gathers the parameters of every module that owns
-    some before its forward and again before its backward (``2·M·K``, ``K``
-    parameter-owning modules) and reduce-scatters gradients in buckets. One
-    all-reduce for the global gradient norm. An estimate: prefetching may
-    coalesce stage 3's gathers."""
+    reduce-scatters); stage 3 gathers the whole module in one coalesced gather
+    per strategy call (``calls_per_mb·M``: an encoder's encode and backward, the
+    LLM's one forward-backward; ``zero`` drops DeepSpeed's per-submodule hooks;
+    none if every tensor is under the persistence threshold, one more after the
+    step for the persistent ones) and reduce-scatters gradients in buckets. One all-reduce for the global
+    gradient norm. An estimate: DeepSpeed may split a large gather."""
     if w.world == 1:
         return {}
     numel = sum(t.numel for t in tensors)
     buckets = max(1, -(-numel // bucket))
     if stage == 3:
-        owners = len({t.name.rsplit(".", 1)[0] for t in tensors})
-        return {"all_gather": 2 * w.microbatches * owners, "reduce_scatter": buckets, "all_reduce": 1}
+        small = [t.numel <= persistence_threshold for t in tensors]
+        gathers = calls_per_mb * w.microbatches * (not all(small)) + any(small)
+        return {"all_gather": gathers, "reduce_scatter": buckets, "all_reduce": 1}
     if stage == 1:
         return {"all_reduce": buckets + 1, "all_gather": buckets}
     return {"reduce_scatter": buckets, "all_gather": buckets, "all_reduce": 1}
 
 
 def collective_calls(
-    shape: Shape, strategy: str, w: Workload, *, sequence_parallel: bool = False, stage: int = 3
+    shape: Shape,
+    strategy: str,
+    w: Workload,
+    *,
+    sequence_parallel: bool = False,
+    stage: int = 3,
+    persistence_threshold: int = DEEPSPEED_PERSISTENCE,
 ) -> dict[str, int]:
     """Calls per rank per step of ``strategy`` (core's four) for ``shape`` on ``w``."""
     if strategy == "ulysses":
@@ -127,7 +141,13 @@ def collective_calls(
             else megatron_llm_calls(shape, w, sequence_parallel)  # type: ignore[arg-type]
         )
     elif strategy == "zero":
-        out = zero_calls(shape.tensors(), stage, w)
+        out = zero_calls(
+            shape.tensors(),
+            stage,
+            w,
+            calls_per_mb=2 if isinstance(shape, VisionShape) else 1,
+            persistence_threshold=persistence_threshold,
+        )
     else:
         out = grad_reduce_calls(len(shape.tensors()), w.world)
     return {k: v for k, v in out.items() if v}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.cost.memory import DEEPSPEED_PERSISTENCE
 from disagg.cost.shapes import DecoderShape, VisionShape
 
 GRAD_BYTES = 4  # parameters, gradients and optimizer state stay fp32 (disagg.interfaces.compute_dtype)
@@ -163,27 +164,39 @@ def _tp_grad_reduce(tensors: list, w: Workload) -> int:
     return agree + dp + all_reduce(8, w.world)
 
 
-def zero_comm(tensors: list[int], stage: int, w: Workload) -> dict[str, int]:
+def zero_comm(
+    tensors: list[int],
+    stage: int,
+    w: Workload,
+    calls_per_mb: int = 2,
+    persistence_threshold: int = DEEPSPEED_PERSISTENCE,
+) -> dict[str, int]:
     """DeepSpeed's collectives are internal; ``zero`` counts them analytically
     (and so does this, the same expression): with ``f = (n-1)/n`` and ``P`` the
-    parameter bytes at the compute dtype, stage 1 all-reduces gradients and
-    all-gathers updated parameters ``2fP + fP``, stage 2 reduce-scatters instead
-    ``fP + fP``, stage 3 gathers parameters in every forward and again in backward
-    and reduce-scatters gradients ``2·m·fP + fP`` (``m`` forwards per step).
-    The strategy reports a few hundred bytes more per step (0.2% on the tiny
-    model: small collectives outside this expression); DeepSpeed's bucketing
-    is not modelled."""
+    parameter bytes (fp32: DeepSpeed holds fp32 parameters under the dtype
+    rule), stage 1 all-reduces gradients and all-gathers updated parameters
+    ``2fP + fP``, stage 2 reduce-scatters instead ``fP + fP``, stage 3 gathers
+    the whole module once per strategy call and reduce-scatters gradients
+    ``c·m·f(P - Pp) + fP + fPp`` (``m`` microbatches; ``c`` calls per
+    microbatch: an encoder is called to encode and again for its backward,
+    ``c = 2``; the LLM's forward and backward are one call, ``c = 1``; ``Pp``
+    the tensors of at most ``stage3_param_persistence_threshold`` elements,
+    which stay whole on every rank and are re-gathered once after the step).
+    DeepSpeed's bucketing and per-tensor padding are
+    not modelled; the strategy's agreement all-reduce is counted where it runs,
+    so the measured figure is a few hundred bytes above this."""
     n = w.world
     if n == 1:
         return {}
-    params = grads = sum(tensors) * w.act_bytes
+    params = grads = sum(tensors) * GRAD_BYTES
     f = (n - 1) / n
     if stage == 1:
         sent = 2 * f * grads + f * params
     elif stage == 2:
         sent = f * grads + f * params
     else:
-        sent = 2 * w.microbatches * f * params + f * grads
+        persistent = sum(k for k in tensors if k <= persistence_threshold) * GRAD_BYTES
+        sent = calls_per_mb * w.microbatches * f * (params - persistent) + f * grads + f * persistent
     return {f"zero{stage}_analytic": int(sent)}
 
 

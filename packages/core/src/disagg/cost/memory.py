@@ -3,10 +3,17 @@
 State is parameters + gradients + AdamW's two moments, all fp32 under the dtype
 rule (16 bytes per element), plus AdamW's 4-byte ``step`` tensor per parameter
 tensor — what :meth:`Strategy.state_bytes` counts after a step. Exact for
-``ddp``, ``ulysses`` and ``megatron_tp``; for ``zero`` it is the ZeRO paper's
-partitioning (stage 1 optimizer states, 2 also gradients, 3 also parameters,
-over ``n`` ranks), which is what DeepSpeed holds, not what torch's view of the
-module reports.
+``ddp``, ``ulysses`` and ``megatron_tp``. For ``zero`` it is what DeepSpeed
+holds after its step in fp32 training (``disagg_zero`` counts the storages
+themselves), over ``n`` ranks and ``ψ`` elements: stages 1-2 keep the whole
+parameters and an fp32 master partition with its two moments, ``4ψ + 12ψ/n``
+(DeepSpeed frees their gradients in the step); stage 3 keeps each tensor's
+partition ``ceil(k/n)``, its own fp32 master copy, a gradient partition and the
+two moments, ``20·Σceil(k/n)``, plus the tensors of at most
+``stage3_param_persistence_threshold`` elements whole on every rank (DeepSpeed
+does not partition those between calls). Not the ZeRO paper's ``16ψ/n``: the
+paper counts mixed precision, where the master copy replaces an fp32
+parameter. Estimates within per-tensor scalars (step counters, norms).
 
 Activations are the bytes autograd saves for backward, counted per saved tensor
 as :func:`disagg.interfaces.activations.saved_bytes_hooks` counts them (a
@@ -39,21 +46,35 @@ from disagg.cost.shapes import DecoderShape, ParamTensor, VisionShape
 
 STATE_BYTES_PER_ELEMENT = 16  # fp32 parameter, gradient, exp_avg, exp_avg_sq
 STEP_TENSOR_BYTES = 4  # AdamW's per-tensor step count (a 0-d fp32 tensor)
+#: DeepSpeed's default stage3_param_persistence_threshold (deepspeed/runtime/zero/config.py)
+DEEPSPEED_PERSISTENCE = 100_000
 
 
-def state_bytes(tensors: list[ParamTensor], strategy: str, degree: int, world: int, stage: int = 0) -> int:
+def state_bytes(
+    tensors: list[ParamTensor],
+    strategy: str,
+    degree: int,
+    world: int,
+    stage: int = 0,
+    persistence_threshold: int = DEEPSPEED_PERSISTENCE,
+) -> int:
     """Parameter + gradient + optimizer bytes on one rank."""
     if strategy == "zero":
-        psi = sum(t.numel for t in tensors)
-        n = world
-        if stage == 1:
-            return 8 * psi + -(-8 * psi // n)
-        if stage == 2:
-            return 4 * psi + -(-12 * psi // n)
-        return -(-16 * psi // n)
+        return zero_state_bytes([t.numel for t in tensors], stage, world, persistence_threshold)
     local = degree if strategy == "megatron_tp" else 1
     elems = sum(t.local_numel(local) for t in tensors)
     return STATE_BYTES_PER_ELEMENT * elems + STEP_TENSOR_BYTES * len(tensors)
+
+
+def zero_state_bytes(
+    numels: list[int], stage: int, n: int, persistence_threshold: int = DEEPSPEED_PERSISTENCE
+) -> int:
+    """DeepSpeed's holdings after a step, fp32 training (see the module docstring)."""
+    psi = sum(numels)
+    if stage < 3:
+        return 4 * psi + 12 * -(-psi // n)
+    parts = sum(-(-k // n) for k in numels)
+    return 20 * parts + 4 * sum(k for k in numels if k <= persistence_threshold)
 
 
 def vision_activation_bytes(

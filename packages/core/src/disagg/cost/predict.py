@@ -79,7 +79,8 @@ def predict(
     ``exchanged_rows``/``exchanged_width``: rows per sample this module ships to
     the other group and their width (vision: ``seq_len / merge²`` rows of
     ``out_hidden``, the default; an LLM: the vision rows whose gradients it
-    returns). ``options``: the strategy's keys (``stage``, ``sequence_parallel``).
+    returns). ``options``: the strategy's keys (``stage``, ``sequence_parallel``,
+    ``persistence_threshold``: DeepSpeed's ``stage3_param_persistence_threshold``).
     ``recompute``: activations under full recomputation (each layer keeps its
     input only; :func:`memory.recomputed_activation_bytes`).
     """
@@ -92,6 +93,7 @@ def predict(
     opts = options or {}
     sp = bool(opts.get("sequence_parallel", False))
     stage = int(opts.get("stage", 3))
+    persist = int(opts.get("persistence_threshold", memory.DEEPSPEED_PERSISTENCE))
     samples = replicas if samples is None else samples
     vision = isinstance(module, VisionShape)
     if exchanged_rows is None:
@@ -119,7 +121,9 @@ def predict(
             else comm.megatron_llm_comm(module, w, sp)  # type: ignore[arg-type]
         )
     elif strategy == "zero":
-        kinds = comm.zero_comm(numels, stage, w)
+        kinds = comm.zero_comm(
+            numels, stage, w, calls_per_mb=2 if vision else 1, persistence_threshold=persist
+        )
     else:
         kinds = comm.replicated_comm(numels, w)
     kinds = {k: v for k, v in kinds.items() if v}
@@ -140,11 +144,13 @@ def predict(
     if vision and (strategy in ("ulysses", "ddp") or (strategy == "megatron_tp" and not sp)):
         exact.append("comm_bytes")
     return Cost(
-        state_bytes=memory.state_bytes(tensors, strategy, degree, w.world, stage),
+        state_bytes=memory.state_bytes(tensors, strategy, degree, w.world, stage, persist),
         activation_bytes=act,
         comm_bytes_by_kind=kinds,
         sent_bytes=comm.transfer_bytes(strategy, w),
         flops=work * w.samples_per_replica / share,
         exact=tuple(exact),
-        comm_calls_by_kind=calls.collective_calls(module, strategy, w, sequence_parallel=sp, stage=stage),
+        comm_calls_by_kind=calls.collective_calls(
+            module, strategy, w, sequence_parallel=sp, stage=stage, persistence_threshold=persist
+        ),
     )
