@@ -41,13 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--degree",
         type=int,
-        default=2,
-        help="SP/TP degree (and ZeRO ranks) of the preset's groups; with --layouts, the d of its targets",
+        default=None,
+        help="SP/TP degree (and ZeRO ranks) of the preset's groups (default 2); with --layouts, "
+        "the d of its targets (default: the largest group's ranks)",
     )
     parser.add_argument(
         "--vision-tokens", default="256,1k", help="vision lengths (patches per image), e.g. 1k,4k,16k"
     )
-    parser.add_argument("--samples", type=int, default=None, help="samples per step (default: --degree)")
+    parser.add_argument("--samples", type=int, default=None, help="samples per step (default: the degree)")
     parser.add_argument("--steps", type=int, default=4, help="steps per point; the first is warm-up")
     parser.add_argument(
         "--mem-budget",
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     require_matplotlib()
     from disagg.bench.data import parse_tokens
     from disagg.bench.output import write_outputs
-    from disagg.bench.presets import PRESETS, load_layouts
+    from disagg.bench.presets import PRESETS, largest_group, load_layouts
     from disagg.bench.runner import Progress
     from disagg.bench.sweep import Bench
     from disagg.config.errors import ConfigError, Problem
@@ -91,8 +92,10 @@ def run(args: argparse.Namespace) -> int:
     modules = cfg.modules()
     if args.layouts:
         layouts = load_layouts(args.layouts, modules)
+        degree = args.degree or largest_group(layouts)
     elif args.preset in PRESETS:
-        layouts = PRESETS[args.preset](args.degree, modules)
+        degree = args.degree or 2
+        layouts = PRESETS[args.preset](degree, modules)
     else:
         raise ConfigError(
             [Problem("--preset", f"unknown preset {args.preset!r}; allowed: {', '.join(PRESETS)}")]
@@ -122,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         base=cfg,
         layouts=layouts,
         vision_tokens=lengths,
-        samples=args.samples or args.degree,
+        samples=args.samples or degree,
         steps=args.steps,
         dtype=dtype,
         out_dir=out,
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     search = (
         {name: bench.largest_under_budget(name) for name in layouts} if args.mem_budget is not None else None
     )
-    files = write_outputs(bench, search, args.degree, predict_lengths)
+    files = write_outputs(bench, search, degree, predict_lengths)
     print(files["table_text"])
     for key in ("json", "markdown", "throughput_png", "memory_png"):
         print(f"{key}: {files[key]}")
