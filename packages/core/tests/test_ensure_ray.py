@@ -1,4 +1,4 @@
-"""The embedded local Ray has a logical CPU to spare beyond the training actors."""
+"""The embedded local Ray keeps logical CPUs to spare beyond the training actors."""
 
 from __future__ import annotations
 
@@ -25,3 +25,17 @@ def test_an_explicit_num_cpus_wins(monkeypatch):
     monkeypatch.setattr(run.ray, "init", lambda **kw: calls.append(kw))
     run.ensure_ray(None, 3, actors=8)
     assert calls[0]["num_cpus"] == 3
+
+
+@pytest.mark.parametrize("logical,cores,expected", [(16, 16, 14), (8, 2, 2), (8, 16, 6), (2, 2, 1)])
+def test_a_plan_on_local_ray_leaves_cpus_to_ray_data(monkeypatch, logical, cores, expected):
+    """``disagg plan --ray`` and ``parallel.auto`` size the CPU cluster from Ray:
+    as many ranks as cores, never every logical CPU (the same deadlock)."""
+    import ray
+
+    from disagg.plan import cluster
+
+    node = {"Alive": True, "Resources": {"CPU": float(logical), "memory": 8 * 2**30}}
+    monkeypatch.setattr(ray, "nodes", lambda: [node])
+    monkeypatch.setattr(cluster.os, "cpu_count", lambda: cores)
+    assert cluster.cluster_from("cpu", ray_cluster=True).devices_per_node == expected

@@ -266,7 +266,11 @@ def _from_ray(base: Cluster) -> Cluster:
             nodes=sum(1 for g in gpus if g),
             device_memory=memory,
         )
+    from disagg.runtime.run import SPARE_CPUS
+
     cpus = [int(n["Resources"].get("CPU", 0)) for n in nodes]
-    per_node = max(1, min(max(cpus or [1]), os.cpu_count() or 1))
+    # as many ranks as cores, and never every logical CPU: the plan's actors
+    # holding all of them would leave Ray Data none (see ensure_ray)
+    per_node = max(1, min(max(cpus or [1]) - SPARE_CPUS, os.cpu_count() or 1))
     mem = min(int(n["Resources"].get("memory", base.device_memory)) for n in nodes) // per_node
     return replace(base, name="ray(cpu)", devices_per_node=per_node, nodes=len(nodes), device_memory=mem)

@@ -149,6 +149,10 @@ def actor_count(resolved: ResolvedConfig) -> int:
     return sum(m.degree * m.replicas for m in resolved.modules.values())
 
 
+#: logical CPUs a local Ray keeps free of training actors, for Ray Data's tasks
+SPARE_CPUS = 2
+
+
 def ensure_ray(address: str | None, num_cpus: int | None, actors: int = 0) -> None:
     """Join ``address`` or start an embedded local Ray (once per process)."""
     if ray.is_initialized():
@@ -160,7 +164,7 @@ def ensure_ray(address: str | None, num_cpus: int | None, actors: int = 0) -> No
     # and two to spare: with every logical CPU held by a training actor, Ray
     # Data's streaming executor launched no preprocessing task and a run of
     # 8 actors on 8 logical CPUs (bench at degree 4) never reached step 1.
-    ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1, actors + 2), include_dashboard=False)
+    ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1, actors + SPARE_CPUS), include_dashboard=False)
 
 
 def _progress(total: int, start: int, enabled: bool) -> Any:
