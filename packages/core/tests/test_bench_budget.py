@@ -119,3 +119,22 @@ def test_parsers():
         grid_for(40, 4, 2)
     with pytest.raises(ValueError, match="not a number"):
         parse_tokens("lots")
+
+
+def test_targets_judge_the_best_dhp_variant_against_zero3():
+    from disagg.bench.report import targets, targets_md
+
+    search = {
+        "uniform_tp": {"largest_fitting": 1664},
+        "dhp_ulysses_tp": {"largest_fitting": 3072},
+        "dhp_ulysses_tp_sp": {"largest_fitting": 3584},
+        "uniform_zero3": {"largest_fitting": 1024},
+    }
+    t = targets([], 4, search)
+    x = t["largest_dhp_vs_zero3"]
+    assert x["layout"] == "dhp_ulysses_tp_sp" and x["measured"] == 3.5 and x["target_at_least"] == 3.4
+    assert x["per_layout"] == {"dhp_ulysses_tp": 3.0, "dhp_ulysses_tp_sp": 3.5}
+    md = targets_md(t)
+    assert "dhp_ulysses_tp 3.00" in md and "best dhp_ulysses_tp_sp 3.50 (target ≥ 3.40)" in md
+    # no ZeRO-3 limit: no ratio, rather than a division by nothing
+    assert "largest_dhp_vs_zero3" not in targets([], 4, {**search, "uniform_zero3": {"largest_fitting": 0}})

@@ -87,11 +87,22 @@ def targets(
             }
         out["per_length"].append(row)
     if budget_search:
-        dhp = budget_search.get("dhp_ulysses_tp", {}).get("largest_fitting")
         z3 = budget_search.get("uniform_zero3", {}).get("largest_fitting")
         out["largest_under_budget"] = {name: s["largest_fitting"] for name, s in budget_search.items()}
-        if dhp and z3:
-            out["largest_dhp_vs_zero3"] = {"measured": dhp / z3, "target_at_least": 0.85 * degree}
+        # every DHP variant against ZeRO-3; the target is judged on the best one
+        dhp = {
+            name: s["largest_fitting"] / z3
+            for name, s in budget_search.items()
+            if name.startswith("dhp_") and s.get("largest_fitting") and z3
+        }
+        if dhp:
+            best = max(dhp, key=lambda name: dhp[name])
+            out["largest_dhp_vs_zero3"] = {
+                "layout": best,
+                "measured": dhp[best],
+                "target_at_least": 0.85 * degree,
+                "per_layout": dhp,
+            }
     return out
 
 
@@ -118,7 +129,11 @@ def targets_md(t: dict[str, Any]) -> str:
         )
         if "largest_dhp_vs_zero3" in t:
             x = t["largest_dhp_vs_zero3"]
-            lines.append(f"DHP ÷ ZeRO-3: {x['measured']:.2f} (target ≥ {x['target_at_least']:.2f})")
+            each = ", ".join(f"{name} {r:.2f}" for name, r in x["per_layout"].items())
+            lines.append(
+                f"\nLargest fitting length, DHP ÷ ZeRO-3: {each}; best {x['layout']} "
+                f"{x['measured']:.2f} (target ≥ {x['target_at_least']:.2f})."
+            )
     return "\n".join(lines)
 
 
