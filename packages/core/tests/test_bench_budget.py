@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from disagg.bench.data import grid_for, parse_tokens
+from disagg.bench.data import grid_for, parse_tokens, snap_length
 from disagg.bench.sweep import Bench
 from disagg.cli.bench import parse_bytes
 from disagg.config.schema import Config
@@ -119,6 +119,18 @@ def test_parsers():
         grid_for(40, 4, 2)
     with pytest.raises(ValueError, match="not a number"):
         parse_tokens("lots")
+
+
+def test_lengths_are_photo_like_grids():
+    # 3376 = 211 windows of 4x4 (prime): only a 4x844 strip, which Qwen2-VL's
+    # image processor refuses (aspect >= 200); the search probed it once
+    with pytest.raises(ValueError, match=r"4x844 grid.*use e.g. 3360 or 3456"):
+        grid_for(3376, 4, 2)
+    assert snap_length(3376, 4, 2) == 3360 and grid_for(3360, 4, 2) == (56, 60)
+    assert snap_length(3376, 4, 2, below=False) == 3456
+    for n in range(16, 20000, 16):  # every snapped length is a grid of whole windows, at most 4:1
+        rows, cols = grid_for(snap_length(n, 4, 2), 4, 2)
+        assert rows % 4 == cols % 4 == 0 and cols <= 4 * rows and rows * cols <= max(n, 16)
 
 
 def test_targets_judge_the_best_dhp_variant_against_zero3():

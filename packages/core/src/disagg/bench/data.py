@@ -35,6 +35,21 @@ def parse_tokens(text: str) -> list[int]:
     return sorted(set(out))
 
 
+#: Qwen2-VL's image processor refuses an image whose long side is this many times its short one
+MAX_ASPECT = 200
+#: the budget search probes only lengths whose grid is at most this elongated (photo-like)
+SEARCH_ASPECT = 4
+
+
+def _factor(units: int) -> tuple[int, int]:
+    """``(a, b)``, ``a * b == units``, ``a <= b``, as square as possible."""
+    best = 1
+    for a in range(1, math.isqrt(units) + 1):
+        if units % a == 0:
+            best = a
+    return best, units // best
+
+
 def grid_for(n: int, window_side: int, merge: int) -> tuple[int, int]:
     """Patch grid ``(rows, cols)`` with ``rows * cols == n`` and both sides whole
     windows (``window_side`` patches), as square as possible."""
@@ -44,12 +59,29 @@ def grid_for(n: int, window_side: int, merge: int) -> tuple[int, int]:
             f"--vision-tokens: {n} is not a whole number of {side}x{side}-patch attention windows; "
             f"use a multiple of {side * side}"
         )
-    units = n // (side * side)
-    best = 1
-    for a in range(1, math.isqrt(units) + 1):
-        if units % a == 0:
-            best = a
-    return best * side, units // best * side
+    a, b = _factor(n // (side * side))
+    if b / a >= MAX_ASPECT:
+        near = [snap_length(n, window_side, merge, below) for below in (True, False)]
+        raise ValueError(
+            f"--vision-tokens: {n} patches make only a {a * side}x{b * side} grid of whole windows "
+            f"(aspect {b / a:.0f}, the image processor refuses {MAX_ASPECT} or more); "
+            f"use e.g. {near[0]} or {near[1]}"
+        )
+    return a * side, b * side
+
+
+def snap_length(n: int, window_side: int, merge: int, below: bool = True) -> int:
+    """The length nearest ``n`` (at or under it with ``below``, else over) whose
+    grid of whole windows is at most :data:`SEARCH_ASPECT` times as long as wide."""
+    side = max(window_side, merge)
+    k = max(1, n // (side * side) if below else -(-n // (side * side)))
+    step = -1 if below else 1
+    while k > 1:
+        a, b = _factor(k)
+        if b / a <= SEARCH_ASPECT:
+            break
+        k += step
+    return k * side * side
 
 
 def private_model_dir(src: Path, dst: Path, max_patches: int, patch: int) -> Path:

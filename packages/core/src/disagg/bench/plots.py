@@ -35,12 +35,15 @@ def plot(
 
     matplotlib.use("Agg")  # files only; no display on a CI machine
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 1024 and 20, not 2^10 and 2x10^1
     written = []
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, s in _series(points, lambda p: p.get("measured", {}).get("tokens_per_s")).items():
         ax.plot([x for x, _, _ in s], [y for _, y, _ in s], marker="o", label=name)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(plain)
     ax.set_xlabel("vision tokens per image")
     ax.set_ylabel("tokens/s (median after warm-up)")
     ax.set_title("Throughput per layout")
@@ -77,6 +80,9 @@ def plot(
         ax.axhline(budget / mib, color="red", ls="--", lw=1, label="budget (x: over)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.set_xlabel("vision tokens per image")
     ax.set_ylabel("MiB per rank (saved activations + state)")
     ax.set_title("Memory per rank (dotted: analytic)")

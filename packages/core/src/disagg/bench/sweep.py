@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disagg.bench.data import grid_for, private_model_dir, write_sweep_data
+from disagg.bench.data import grid_for, private_model_dir, snap_length, write_sweep_data
 from disagg.bench.runner import Progress, layout_config, memory_per_rank, run_layout, summarize
 from disagg.config.schema import Config
 from disagg.cost import VisionShape, predict, shapes_from_hf_config
@@ -44,6 +44,8 @@ class Bench:
         self.shapes = shapes
         self.vision: VisionShape = vision
         self.window_side = max(vision.window // vision.patch, vision.merge)
+        for n in self.vision_tokens:  # refuse an unusable length before any run
+            grid_for(n, self.window_side, vision.merge)
         self.placement = self.base.parallel.placement
         self._src = src
         self._model_dir: Path | None = None
@@ -224,7 +226,12 @@ class Bench:
                 cands = [lo + (top - lo) * f for f in (0.5, 0.75, 1.0)]
             else:
                 cands = [lo + (top - lo) * f for f in (0.25, 0.5, 0.75)]
-            snapped = sorted({max(unit, int(c) // unit * unit) for c in cands} - {lo, hi})
+            # photo-like grids only: a prime number of windows is one long strip
+            # (a 4x844 grid at 3376 patches), which the image processor refuses
+            snapped = sorted(
+                {snap_length(max(unit, int(c)), self.window_side, self.vision.merge) for c in cands}
+                - {lo, hi}
+            )
             snapped = [n for n in snapped if lo < n <= (hi - 1 if hi else cap)]
             if not snapped:
                 break

@@ -121,19 +121,23 @@ def run(args: argparse.Namespace) -> int:
     extra = 0
     if args.mem_budget is not None:
         extra = 2 * len(layouts)  # up to two probe runs per layout, for the time estimate
-    bench = Bench(
-        base=cfg,
-        layouts=layouts,
-        vision_tokens=lengths,
-        samples=args.samples or degree,
-        steps=args.steps,
-        dtype=dtype,
-        out_dir=out,
-        registry=get_registry(),
-        budget=args.mem_budget,
-        max_vision_tokens=max_tokens,
-        progress=Progress(len(layouts) + extra),
-    )
+    try:
+        bench = Bench(
+            base=cfg,
+            layouts=layouts,
+            vision_tokens=lengths,
+            samples=args.samples or degree,
+            steps=args.steps,
+            dtype=dtype,
+            out_dir=out,
+            registry=get_registry(),
+            budget=args.mem_budget,
+            max_vision_tokens=max_tokens,
+            progress=Progress(len(layouts) + extra),
+        )
+    except ValueError as exc:  # a length the model's windows or processor cannot take; no vision model
+        key = "--vision-tokens" if str(exc).startswith("--vision-tokens") else "model.vision"
+        raise ConfigError([Problem(key, str(exc))]) from None
     bench.sweep()
     search = (
         {name: bench.largest_under_budget(name) for name in layouts} if args.mem_budget is not None else None
