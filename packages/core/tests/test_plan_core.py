@@ -182,17 +182,20 @@ def test_collective_calls_follow_the_strategies_collectives():
     assert collective_calls(llm, "megatron_tp", one)["all_reduce"] == 7 * llm.layers + 5 + 2
     # one rank talks to nobody
     assert collective_calls(vision, "ddp", replace(one, degree=1)) == {}
-    # ZeRO-3: one whole-module gather per call (an encoder: encode + backward;
-    # the LLM: one call), one more after the step for the persistent tensors
+    # ZeRO-3: a whole-module gather per call (an encoder: encode + backward; the
+    # LLM: one call) of one all-gather per tensor; the persistent tensors once
+    # after the step; a reduce-scatter per backward
     z3w = replace(one, degree=1, replicas=2, microbatches=2)
     z3 = collective_calls(vision, "zero", z3w, stage=3, persistence_threshold=0)
-    assert z3["all_gather"] == 2 * 2
-    assert collective_calls(llm, "zero", z3w, stage=3, persistence_threshold=0)["all_gather"] == 2
-    assert (
-        collective_calls(vision, "zero", z3w, stage=3, persistence_threshold=100)["all_gather"] == 2 * 2 + 1
-    )
-    # DeepSpeed's default (1e5 elements) keeps this small tower whole: nothing to gather per call
-    assert collective_calls(vision, "zero", z3w, stage=3)["all_gather"] == 1
+    assert z3["all_gather"] == 2 * 2 * tensors and z3["reduce_scatter"] == 2
+    lt = len(llm.tensors())
+    assert collective_calls(llm, "zero", z3w, stage=3, persistence_threshold=0)["all_gather"] == 2 * lt
+    small = sum(t.numel <= 100 for t in vision.tensors())
+    assert 0 < small < tensors
+    got = collective_calls(vision, "zero", z3w, stage=3, persistence_threshold=100)["all_gather"]
+    assert got == 2 * 2 * (tensors - small) + small
+    # DeepSpeed's default (1e5 elements) keeps this small tower whole: only the re-gather after the step
+    assert collective_calls(vision, "zero", z3w, stage=3)["all_gather"] == tensors
     # the hook reports them beside the bytes
     cost = analytic_cost("ulysses", CostQuery(vision, 2, 1, 1024, microbatches=2, samples=2))
     assert cost.comm_calls_by_kind["all_to_all"] == 8 and cost.to_dict()["comm_calls_by_kind"]
