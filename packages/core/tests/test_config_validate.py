@@ -142,7 +142,7 @@ def test_many_problems_are_collected(reg, workdir):
         (
             lambda c: c.update(ray={"num_cpus": 1}),
             "ray.num_cpus",
-            ["1 logical CPUs cannot hold the ranks, which reserve 4", "max(8, cores, ranks + 2)"],
+            ["1 logical CPUs cannot hold the ranks, which reserve 4", "max(8, cores, reserved + 2)"],
         ),
     ],
 )
@@ -189,3 +189,23 @@ def test_resume_with_other_batch_size_or_data_is_refused_before_any_actor(reg, w
     (workdir / "d.jsonl").write_text('{"other": 1}\n')
     got = problems(workdir, base(), resume)
     assert "data.train" in got["checkpoint.resume_from"] and "d.jsonl" in got["checkpoint.resume_from"]
+
+
+def test_the_local_ray_is_sized_by_the_cpus_the_ranks_reserve(reg, workdir, monkeypatch):
+    """Ranks reserving 2 logical CPUs each (``resources.num_cpus``) need twice the
+    CPUs, or the embedded Ray would hold every one and starve Ray Data."""
+    from disagg.runtime import run
+
+    cfg = base()
+    cfg["parallel"]["vision"]["resources"] = {"num_cpus": 2}
+    cfg["parallel"]["llm"]["resources"] = {"num_cpus": 1.5}
+    resolved = check(workdir, cfg)
+    assert run.actor_count(resolved) == 2 * 2 + 2 * 1.5  # 7 CPUs for 4 ranks
+    calls = []
+    monkeypatch.setattr(run.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(run.ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    run.ensure_ray(None, None, actors=run.actor_count(resolved))
+    assert calls[0]["num_cpus"] == 9
+    cfg["ray"] = {"num_cpus": 6}
+    assert "reserve 7" in problems(workdir, cfg)["ray.num_cpus"]

@@ -221,8 +221,8 @@ class RayConfig(Strict):
     address: str | None = None
     """``null`` starts an embedded local Ray; ``auto`` joins a running cluster."""
     num_cpus: int | None = None
-    """Logical CPUs of the embedded Ray; default max(8, cores, ranks + 2), more than cores so that
-    every rank's actor fits and Ray Data keeps CPUs to schedule its preprocessing on."""
+    """Logical CPUs of the embedded Ray; default max(8, cores, the CPUs the ranks reserve + 2),
+    more than cores so that every rank's actor fits and Ray Data keeps CPUs for its preprocessing."""
 
 
 class Config(Strict):

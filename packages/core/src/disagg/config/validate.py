@@ -45,6 +45,15 @@ class ResolvedConfig:
     transport: str = "auto"
 
 
+def reserved_cpus(resolved: ResolvedConfig) -> float:
+    """Logical CPUs the training ranks reserve: degree x replicas x
+    ``resources.num_cpus`` per module."""
+    return sum(
+        m.degree * m.replicas * getattr(resolved.config.parallel, name).resources.num_cpus
+        for name, m in resolved.modules.items()
+    )
+
+
 def role_of(module: str) -> str:
     return "llm" if module == "llm" else "encoder"
 
@@ -90,16 +99,13 @@ class _Checker:
         n = self.cfg.ray.num_cpus
         if n is None or self.cfg.ray.address:
             return
-        need = sum(
-            m.degree * m.replicas * getattr(self.cfg.parallel, name).resources.num_cpus
-            for name, m in resolved.modules.items()
-        )
+        need = reserved_cpus(resolved)
         if n < need:
             self.add(
                 ("ray", "num_cpus"),
                 f"{n} logical CPUs cannot hold the ranks, which reserve {need:g} "
                 "(degree x replicas x resources.num_cpus per module); raise it, or remove it "
-                "for the default max(8, cores, ranks + 2)",
+                "for the default max(8, cores, reserved + 2)",
             )
 
     def resume(self) -> None:

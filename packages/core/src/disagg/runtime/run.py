@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import ray
 
 from disagg.config.dump import dump_resolved
 from disagg.config.schema import Config
-from disagg.config.validate import ResolvedConfig, validate
+from disagg.config.validate import ResolvedConfig, reserved_cpus, validate
 from disagg.data.balance import balance
 from disagg.metrics.jsonl import JsonlMetricsLogger
 from disagg.metrics.step import step_record, summarize
@@ -146,7 +147,8 @@ def _save(orch: Orchestrator, cfg: Config, run_dir: Path, step: int, data_source
 
 
 def actor_count(resolved: ResolvedConfig) -> int:
-    return sum(m.degree * m.replicas for m in resolved.modules.values())
+    """Logical CPUs the ranks reserve (``resources.num_cpus`` each), whole."""
+    return math.ceil(reserved_cpus(resolved))
 
 
 #: logical CPUs a local Ray keeps free of training actors, for Ray Data's tasks
