@@ -1,7 +1,8 @@
 """``disagg bench`` on the tiny Qwen2.5-VL: a tiny sweep (2 layouts, 2 vision
 lengths, 2 steps) leaves a complete, self-consistent bench.json, bench.md and
-plots, and the vision group's measured bytes equal the analytic count where the
-model is exact. A benchmark, not a timed test: no speed is asserted."""
+plots, the vision group's measured bytes equal the analytic count where the
+model is exact, and both groups' collective calls equal the planner's count.
+A benchmark, not a timed test: no speed is asserted."""
 
 from __future__ import annotations
 
@@ -81,6 +82,13 @@ def test_outputs_are_complete(bench: Path):
 def test_measured_bytes_equal_the_analytic_count(bench: Path):
     result = json.loads((bench / "bench.json").read_text())
     for p in result["points"]:
+        # collective calls, by kind, in both groups: what the planner's latency terms count
+        for m in ("vision", "llm"):
+            got_calls = p["measured"]["groups"][m]["collective_calls_per_rank"]
+            assert got_calls and got_calls == p["predicted"]["groups"][m]["comm_calls_by_kind"], (
+                p["layout"],
+                m,
+            )
         got = p["measured"]["groups"]["vision"]
         want = p["predicted"]["groups"]["vision"]
         where = f"{p['layout']} @ {p['vision_tokens']}"

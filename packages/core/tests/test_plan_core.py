@@ -303,3 +303,15 @@ def test_calibration_measures_positive_finite_figures():
         assert math.isfinite(v) and v > 0
     assert c.mfu == 1.0 and c.source.startswith("measured (matmul, layer, gloo)")
     assert c.call_latency == PRESETS["cpu"].call_latency  # not measured without Ray
+
+
+def test_comm_counter_counts_calls_beside_bytes():
+    from disagg.interfaces.comm import CommCounter
+
+    c = CommCounter()
+    c.add("all_reduce", 100)
+    c.add("all_reduce", 12, calls=3)  # one add for three small collectives
+    c.add("zero3_analytic", 5000, calls=0)  # bytes a library moves in calls it does not show
+    assert c.calls() == {"all_reduce": 4}
+    assert c.reset() == {"all_reduce": 112, "zero3_analytic": 5000}
+    assert c.calls() == {} and c.total() == 0

@@ -161,7 +161,8 @@ class ZeroStrategy(ZeroFullState, Strategy):
             sent = f * grads + f * params * updated  # reduce-scatter gradients, all-gather updated params
         else:  # a whole-module gather per call, reduce-scatter gradients
             sent = self._gathers * f * (params - persistent) + f * grads + f * persistent * updated
-        self.ctx.comm.add(f"zero{self.options.stage}_analytic", int(sent))
+        # DeepSpeed's own calls are not seen here (cost.calls.zero_calls counts them)
+        self.ctx.comm.add(f"zero{self.options.stage}_analytic", int(sent), calls=0)
         # the agreement all-reduce of reduce_gradients is counted where it runs (ctx.comm.all_reduce)
         self._gathers = 0
 

@@ -138,6 +138,7 @@ def summarize(records: list[dict[str, Any]], warmup: int = 1) -> dict[str, Any]:
             "wait_s": median("wait_s", m) if "wait_s" in last else None,
             "comm_bytes_per_rank": last["comm_bytes_per_rank"][m],
             "collective_bytes_per_rank": (last.get("collective_bytes_per_rank") or {}).get(m),
+            "collective_calls_per_rank": (last.get("collective_calls_per_rank") or {}).get(m),
             "sent_bytes_per_rank": (last.get("sent_bytes_per_rank") or {}).get(m),
             "state_bytes_per_rank": last["state_bytes_per_rank"][m],
             "activation_bytes_per_rank": max(r["activation_bytes_per_rank"][m] for r in records),

@@ -18,16 +18,27 @@ import torch.distributed as dist
 @dataclass
 class CommCounter:
     bytes_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: collective calls by kind: each pays a fixed latency whatever its size
+    calls_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, op: str, nbytes: int) -> None:
+    def add(self, op: str, nbytes: int, calls: int = 1) -> None:
+        """Count ``calls`` collectives of kind ``op`` sending ``nbytes`` in all
+        (``calls=0`` for bytes a library moves in calls it does not show)."""
         self.bytes_by_op[op] += int(nbytes)
+        if calls:
+            self.calls_by_op[op] += calls
 
     def total(self) -> int:
         return sum(self.bytes_by_op.values())
 
+    def calls(self) -> dict[str, int]:
+        return dict(self.calls_by_op)
+
     def reset(self) -> dict[str, int]:
+        """The bytes by kind since the last reset; both counts start again."""
         out = dict(self.bytes_by_op)
         self.bytes_by_op.clear()
+        self.calls_by_op.clear()
         return out
 
     # -- counted collectives ---------------------------------------------------------------------

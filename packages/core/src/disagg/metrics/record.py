@@ -23,6 +23,8 @@ class RankRecord:
     sent_bytes: int = 0
     #: bytes this rank sent in its group's collectives, by kind
     collective_bytes: dict[str, int] = field(default_factory=dict)
+    #: collective calls this rank made in its group, by kind
+    collective_calls: dict[str, int] = field(default_factory=dict)
     #: peak bytes autograd held saved for backward at once (all microbatches in flight)
     activation_bytes: int = 0
     #: parameters + gradients + optimizer state held by this rank
@@ -42,6 +44,10 @@ def reduce_group(records: list[RankRecord]) -> dict[str, Any]:
         "comm_bytes": sum(per_rank_comm),
         "comm_bytes_per_rank": max(per_rank_comm),
         "collective_bytes_per_rank": {k: max(r.collective_bytes.get(k, 0) for r in records) for k in kinds},
+        "collective_calls_per_rank": {
+            k: max(r.collective_calls.get(k, 0) for r in records)
+            for k in sorted({k for r in records for k in r.collective_calls})
+        },
         "sent_bytes_per_rank": max(r.sent_bytes for r in records),
         "time_s": max(r.busy_s for r in records),
         "wait_s": max(r.wait_s for r in records),

@@ -314,6 +314,7 @@ class ModuleWorker:
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         rec = self.record
+        rec.collective_calls = ctx.comm.calls()
         rec.collective_bytes = ctx.comm.reset()
         rec.peak_mem_bytes = int(peak)
         rec.state_bytes = self.strategy.state_bytes()  # type: ignore[union-attr]
