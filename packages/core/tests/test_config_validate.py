@@ -194,18 +194,19 @@ def test_resume_with_other_batch_size_or_data_is_refused_before_any_actor(reg, w
 def test_the_local_ray_is_sized_by_the_cpus_the_ranks_reserve(reg, workdir, monkeypatch):
     """Ranks reserving 2 logical CPUs each (``resources.num_cpus``) need twice the
     CPUs, or the embedded Ray would hold every one and starve Ray Data."""
+    from disagg.config.validate import reserved_cpus
     from disagg.runtime import run
 
     cfg = base()
     cfg["parallel"]["vision"]["resources"] = {"num_cpus": 2}
     cfg["parallel"]["llm"]["resources"] = {"num_cpus": 1.5}
     resolved = check(workdir, cfg)
-    assert run.actor_count(resolved) == 2 * 2 + 2 * 1.5  # 7 CPUs for 4 ranks
+    assert reserved_cpus(resolved) == 2 * 2 + 2 * 1.5  # 7 CPUs for 4 ranks
     calls = []
     monkeypatch.setattr(run.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(run.ray, "init", lambda **kw: calls.append(kw))
     monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
-    run.ensure_ray(None, None, actors=run.actor_count(resolved))
+    run.ensure_ray(None, None, reserved=reserved_cpus(resolved))
     assert calls[0]["num_cpus"] == 9
     cfg["ray"] = {"num_cpus": 6}
     assert "reserve 7" in problems(workdir, cfg)["ray.num_cpus"]

@@ -7,15 +7,15 @@ import pytest
 from disagg.runtime import run
 
 
-@pytest.mark.parametrize("actors,expected", [(0, 8), (6, 8), (8, 10), (12, 14)])
-def test_local_ray_leaves_cpus_beyond_the_actors(monkeypatch, actors, expected):
+@pytest.mark.parametrize("reserved,expected", [(0, 8), (6, 8), (8, 10), (12, 14), (7.5, 10)])
+def test_local_ray_leaves_cpus_beyond_the_actors(monkeypatch, reserved, expected):
     # 8 actors on 8 logical CPUs (bench at degree 4) never reached step 1: Ray Data
     # launched no preprocessing task while every CPU was held by an actor.
     calls = []
     monkeypatch.setattr(run.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(run.ray, "init", lambda **kw: calls.append(kw))
     monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
-    run.ensure_ray(None, None, actors=actors)
+    run.ensure_ray(None, None, reserved=reserved)  # CPUs the ranks reserve
     assert calls == [{"num_cpus": expected, "include_dashboard": False}]
 
 
@@ -23,7 +23,7 @@ def test_an_explicit_num_cpus_wins(monkeypatch):
     calls = []
     monkeypatch.setattr(run.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(run.ray, "init", lambda **kw: calls.append(kw))
-    run.ensure_ray(None, 3, actors=8)
+    run.ensure_ray(None, 3, reserved=8)
     assert calls[0]["num_cpus"] == 3
 
 

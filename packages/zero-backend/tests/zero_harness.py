@@ -10,8 +10,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from disagg.cost.memory import DEEPSPEED_PERSISTENCE
 from disagg.interfaces import GroupContext, OptimSpec
 from disagg.interfaces.strategy import clip_coefficient, make_scheduler
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, toy_samples
@@ -216,6 +218,35 @@ def rank_encoder(rank: int, enc_dir: Path, world: int, options: dict[str, Any]) 
     rec["params"] = strat.full_state_dict()
     rec["lr"] = strat.current_lr()
     return portable(rec)
+
+
+# -- accounting -------------------------------------------------------------------------------------
+def assert_accounting(
+    rec: dict[str, Any],
+    numels: list[int],
+    stage: int,
+    world: int,
+    microbatches: list[int],
+    calls_per_mb: int,
+    persistence_threshold: int = DEEPSPEED_PERSISTENCE,
+) -> None:
+    """What ``zero`` reported after each step (``_finish_step``) equals core's
+    cost formulas: the bytes DeepSpeed's storages hold (up to per-tensor
+    scalars: step counters, norms) and the analytic comm count.
+    ``microbatches``: per step, how many the rank ran (0: a step without
+    samples gathers and updates nothing, so only the state is checked)."""
+    from disagg.cost.comm import Workload, zero_comm
+    from disagg.cost.memory import zero_state_bytes
+
+    state = zero_state_bytes(numels, stage, world, persistence_threshold)
+    kind = f"zero{stage}_analytic"
+    for step, m in enumerate(microbatches):
+        got = rec["state_bytes"][step]
+        assert 0 <= got - state <= 16 + 8 * len(numels), f"step {step}: {got} vs {state}"
+        if m:
+            work = Workload(degree=1, replicas=world, seq_len=1, samples=world, microbatches=m)
+            want = zero_comm(numels, stage, work, calls_per_mb, persistence_threshold)[kind]
+            assert rec["comm"][step][kind] == pytest.approx(want, abs=2), f"step {step}"
 
 
 # -- one spawn per world size: every configuration in the same ranks ----------------------------

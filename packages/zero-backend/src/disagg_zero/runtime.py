@@ -102,8 +102,8 @@ def held_bytes(module: nn.Module, ds_optimizer: Any, optimizer: Any) -> int:
     """Bytes of every distinct storage this rank holds for training: the
     module's parameters (whole, or ZeRO-3's persistent ones), their ZeRO-3
     partitions and gradients, DeepSpeed's flat buffers, fp32 master copies and
-    gradient partitions (the tensor attributes of its optimizer, a level of
-    lists and dicts deep), and the torch optimizer's state. Storages shared by
+    gradient partitions (the tensor attributes of its optimizer, and those in
+    lists and dicts up to two levels deep), and the torch optimizer's state. Storages shared by
     views count once; meta tensors hold nothing."""
     seen: set[int] = set()
     total = 0

@@ -95,12 +95,12 @@ def run_layout(
     one did: the lengths it reached keep their records)."""
     import ray
 
-    from disagg.config.validate import validate
+    from disagg.config.validate import reserved_cpus, validate
     from disagg.data import build_data_source
     from disagg.runtime.plan import make_plan
-    from disagg.runtime.run import actor_count, ensure_ray, run_training
+    from disagg.runtime.run import ensure_ray, run_training
 
-    ensure_ray(cfg.ray.address, cfg.ray.num_cpus, actors=actor_count(validate(cfg, registry)))
+    ensure_ray(cfg.ray.address, cfg.ray.num_cpus, reserved=reserved_cpus(validate(cfg, registry)))
     families = make_plan(cfg, registry, ray.cluster_resources().get("GPU", 0.0)).families
     parts = []
     for path in jsonls:

@@ -37,17 +37,13 @@ class RankRecord:
 def reduce_group(records: list[RankRecord]) -> dict[str, Any]:
     """A group's figures: per-rank maxima (the slowest or fullest rank bounds
     the group), totals where the sum is what is meant."""
-    kinds = sorted({k for r in records for k in r.collective_bytes})
     per_rank_comm = [sum(r.collective_bytes.values()) + r.sent_bytes for r in records]
     return {
         "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
         "comm_bytes": sum(per_rank_comm),
         "comm_bytes_per_rank": max(per_rank_comm),
-        "collective_bytes_per_rank": {k: max(r.collective_bytes.get(k, 0) for r in records) for k in kinds},
-        "collective_calls_per_rank": {
-            k: max(r.collective_calls.get(k, 0) for r in records)
-            for k in sorted({k for r in records for k in r.collective_calls})
-        },
+        "collective_bytes_per_rank": _max_by_kind([r.collective_bytes for r in records]),
+        "collective_calls_per_rank": _max_by_kind([r.collective_calls for r in records]),
         "sent_bytes_per_rank": max(r.sent_bytes for r in records),
         "time_s": max(r.busy_s for r in records),
         "wait_s": max(r.wait_s for r in records),
@@ -55,6 +51,12 @@ def reduce_group(records: list[RankRecord]) -> dict[str, Any]:
         "state_bytes_per_rank": max(r.state_bytes for r in records),
         "lr": records[0].lr,
     }
+
+
+def _max_by_kind(per_rank: list[dict[str, int]]) -> dict[str, int]:
+    """Per collective kind, the most any rank counted (a rank without it counts 0)."""
+    kinds = sorted({k for counts in per_rank for k in counts})
+    return {k: max(counts.get(k, 0) for counts in per_rank) for k in kinds}
 
 
 @dataclass

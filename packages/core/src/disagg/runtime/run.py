@@ -44,7 +44,7 @@ def run_training(
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_resolved(cfg, run_dir)
-    ensure_ray(address or cfg.ray.address, cfg.ray.num_cpus, actors=actor_count(resolved))
+    ensure_ray(address or cfg.ray.address, cfg.ray.num_cpus, reserved=reserved_cpus(resolved))
     plan = make_plan(resolved, registry, ray.cluster_resources().get("GPU", 0.0))
     if data_source is None:
         from disagg.data import build_data_source
@@ -146,17 +146,14 @@ def _save(orch: Orchestrator, cfg: Config, run_dir: Path, step: int, data_source
     save_checkpoint(orch, cfg, run_dir, step, state)
 
 
-def actor_count(resolved: ResolvedConfig) -> int:
-    """Logical CPUs the ranks reserve (``resources.num_cpus`` each), whole."""
-    return math.ceil(reserved_cpus(resolved))
-
-
 #: logical CPUs a local Ray keeps free of training actors, for Ray Data's tasks
 SPARE_CPUS = 2
 
 
-def ensure_ray(address: str | None, num_cpus: int | None, actors: int = 0) -> None:
-    """Join ``address`` or start an embedded local Ray (once per process)."""
+def ensure_ray(address: str | None, num_cpus: int | None, reserved: float = 0) -> None:
+    """Join ``address`` or start an embedded local Ray (once per process);
+    ``reserved``: the logical CPUs the training ranks will hold
+    (:func:`disagg.config.validate.reserved_cpus`)."""
     if ray.is_initialized():
         return
     if address:
@@ -166,7 +163,8 @@ def ensure_ray(address: str | None, num_cpus: int | None, actors: int = 0) -> No
     # and two to spare: with every logical CPU held by a training actor, Ray
     # Data's streaming executor launched no preprocessing task and a run of
     # 8 actors on 8 logical CPUs (bench at degree 4) never reached step 1.
-    ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1, actors + SPARE_CPUS), include_dashboard=False)
+    spare = math.ceil(reserved) + SPARE_CPUS
+    ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1, spare), include_dashboard=False)
 
 
 def _progress(total: int, start: int, enabled: bool) -> Any:
