@@ -14,6 +14,7 @@ from torch import nn
 
 from disagg.interfaces import EncoderFamily, Family, LanguageFamily, OptimSpec
 from disagg.interfaces.strategy import make_scheduler
+from disagg.testing.tolerance import FP32, Precision, assert_exact, assert_tensors_close
 
 
 @dataclass
@@ -99,16 +100,15 @@ def assert_close_dicts(
     atol: float | None = None,
     what: str = "",
 ) -> None:
-    """Every tensor equal within ``rtol`` relative to its own scale.
+    """Kept for callers of the old helper; delegates to :mod:`disagg.testing.tolerance`.
 
-    The absolute floor is ``rtol * max|want|`` per tensor: elements that are
-    zero in exact arithmetic (e.g. attention key-bias gradients) are pure
-    rounding noise in fp32, and no element-wise relative bound holds for them.
+    ``rtol=0, atol=0`` is :func:`~disagg.testing.tolerance.assert_exact`; otherwise every tensor is
+    compared per element against its own scale (``tolerance.assert_tensors_close``). New checks call
+    the policy directly, and parameters after AdamW steps use ``assert_params_close`` (lr units).
     """
-    assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))[:10]}"
-    for k in want:
-        w = want[k].float()
-        floor = atol if atol is not None else rtol * float(w.abs().max()) if w.numel() else 0.0
-        torch.testing.assert_close(
-            got[k].float(), w, rtol=rtol, atol=floor, msg=lambda m, k=k: f"{what}{k}: {m}"
-        )
+    if rtol == 0 and atol == 0:
+        assert_exact(got, want, what)
+        return
+    if atol is not None:
+        raise ValueError("assert_close_dicts: an absolute tolerance is not part of the policy (tolerance.py)")
+    assert_tensors_close(got, want, what, Precision("fp32", rtol=rtol, param_unit=FP32.param_unit))

@@ -1,0 +1,306 @@
+"""The project's one tolerance policy: how an equivalence test compares a strategy with its reference.
+
+Every equivalence check in every package goes through the helpers below, so "equal to Hugging Face"
+means the same thing everywhere, and a bound never depends on which CPU kernels (AVX2, AVX-512, the
+thread count) either side happened to use. Each helper computes its *margin* (largest error / bound,
+over every element), fails naming the tensor, element index, error and bound, and, when the
+environment variable ``DISAGG_MARGIN_LOG`` names a file, appends one JSON line per check
+(``{"test", "what", "kind", "margin", "n"}``) so margins can be collected across a run.
+
+Why a per-element bound, and its scale
+--------------------------------------
+Both sides compute the same real numbers with different rounding: another summation order (a
+sharded matmul, a reduce across ranks, another SIMD width or thread split), never another formula.
+Rounding error in fp32 (unit roundoff u = 2^-24 ~ 6e-8) of an element ``y_i = sum_k a_k b_k`` is
+bounded by ``c * u * sum_k |a_k b_k|`` (Higham, ch. 3; c grows like sqrt(n) for the random-like
+rounding of real kernels, n for the worst case). The terms ``|a_k b_k|`` of one tensor come from
+the same operands (one weight matrix, one activation), so their size is a property of the *tensor*,
+not of the element: an element that is small because its terms cancel carries the same absolute
+noise as a large one. Hence every tensor check is
+
+    |got_i - want_i| <= rtol * (|want_i| + max_j |want_j|)        (own scale, per tensor)
+
+The floor is the tensor's *own* largest element, never a global maximum (a global floor would let a
+small tensor, e.g. a norm weight's gradient, be wrong by far more than its own size). The result is
+at least as strict as a whole-tensor relative norm for a single wrong element (a norm hides a few
+wrong elements among many right ones; this does not): an error of ``rtol`` relative in any element
+within a factor 2 of the tensor's largest is caught.
+
+fp32 bound: ``FP32.rtol = 1e-5`` (~168 u). The compared quantities are compositions of a few
+dozen reductions of length <= ~10^3 (tiny models: <= 4 layers, hidden <= 128, vocab <= ~10^3,
+sequences <= ~10^2 tokens): c * u with c ~ sqrt(n) * depth stays below 1e-5 on any IEEE-754
+binary32 machine, whatever the vector width or thread split, because neither changes the operands'
+size, only the order in which rounding happens. The recorded margins (``nox -s kernels``) are
+the measurement that backs this.
+
+Losses and grad norms (scalars): ``|got - want| <= rtol * |want|`` (a sum of positive terms, or
+a mean of them: no cancellation, so its own size is its scale).
+
+Parameters after AdamW steps, in units of the learning rate
+---------------------------------------------------------
+AdamW moves element i by ``lr * m_i / (sqrt(v_i) + eps)``: each element is divided by its own
+running magnitude, so an element whose gradient is tiny *relative to its tensor* (and therefore
+known only to the gradient check's absolute resolution ``2 * rtol * max|g|``) takes a step of up
+to ~lr in a direction rounding decides. No relative bound on the parameter holds for it; the bound
+that does is the gradient bound carried through Adam, per element:
+
+    |got_i - want_i| <= (steps + 1) * param_unit * |want_i|
+                        + lr * sum_t min(2 * R_t, (1 + R_t) * r_i / s_t)
+    r_i = 2 * rtol * max|g| / |g_i|      (g: the reference gradient of the element's first step)
+
+* ``(steps + 1) * param_unit * |want_i|``: the rounding of the stored value (the initial cast and
+  each step, on both sides; ``FP32.param_unit = 2 * 2^-24``).
+* ``r_i``: the relative resolution of element i's gradient *as the gradient check itself allows*:
+  the parameter check permits exactly what a passing gradient check implies, no more.
+* ``R_t = adam_ratio_limit(t)``: the largest ``|m/sqrt(v)|`` Adam can reach at step t for any
+  gradients (Cauchy-Schwarz; 1.00 for t <= 3). A gradient error ``d`` changes ``m/sqrt(v)`` by at
+  most ``(1 + R_t) * d / sqrt(v_t)``, and ``sqrt(v_t) >= s_t * |g_1|`` with
+  ``s_t = sqrt(b2^(t-1) (1 - b2) / (1 - b2^t))`` (~1/sqrt(t) early on). Two honest runs never
+  differ by more than ``2 * R_t`` lr in one step (opposite full steps): that is Adam's hard limit.
+
+An element with a resolved gradient (most of them) is held to a tiny fraction of lr, so one lr in
+such an element, or an update applied twice, fails. Elements whose gradient sign the gradient check
+cannot resolve (``r_i >= 1``: noise-level elements, e.g. a key bias that only matters through RoPE)
+get Adam's hard limit: decided per element from the reference's own gradient, never by name. Their
+margin is recorded apart (kind ``... adam-limit``): rounding can flip their step, so it can come
+near 1, but no honest run exceeds it. Adam's ``eps``, weight decay and clipping only shrink the
+sensitivity (clipping scales every element alike, which Adam ignores), so omitting them keeps the
+bound safe. A parameter absent from ``grads`` got no gradient in the reference: AdamW skips it, so
+it is held to the storage term alone (it must not have moved). ``lr`` is the largest learning rate
+of the steps (a schedule only lowers it).
+
+bf16
+----
+bf16 keeps 8 significant bits: ``BF16_EPS = 2^-8``. A stored bf16 value is within half an ulp of
+the real one and two nearby reals can round to neighbouring values, one ulp apart: at most
+``2 * BF16_EPS * |p|``. Values computed in bf16 (activations, gradients; fp32 accumulation) carry
+a few such roundings per layer: ``BF16.rtol = 8 * BF16_EPS`` (3%: ~2 roundings per layer for the
+<= 4-layer tiny models, plus the product of the two rounded operands). Parameters after bf16
+steps use the same lr-unit rule with ``rtol = BF16.rtol`` and ``param_unit = 2 * BF16_EPS`` (half
+an ulp, <= 2^-8 relative, per rounding on each side): an element whose gradient is resolved to a few
+percent moves within ~0.2 lr per step of the reference, and a parameter of the usual init scale
+(0.02) is stored to ~1e-4, so an update applied twice (a full extra lr) fails.
+
+Bit-exact checks
+----------------
+Resume (a step after loading a checkpoint vs the uninterrupted step), schedule equivalence (the
+same step run under two schedules by the same strategy) and export round trips use
+:func:`assert_exact`: both sides run in the same process or the same kind of process, on the same
+machine, with the same kernels, shapes and reduction order, so IEEE arithmetic (deterministic for
+identical operations on identical operands) gives identical bits on any CPU. A kernel change
+between two sides of such a check cannot happen, so no tolerance is needed and none is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+FP32_UNIT = 2.0**-24
+BF16_EPS = 2.0**-8
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bounds of one arithmetic: ``rtol`` for computed values (losses, logits, gradients);
+    ``param_unit`` for stored parameters: per rounding of the stored value (the initial cast and each
+    step), the largest relative difference it can put between the two sides (both sides' roundings)."""
+
+    name: str
+    rtol: float
+    param_unit: float
+
+
+# ~168 fp32 unit roundoffs: see the module docstring for why this holds on any IEEE binary32 machine.
+# A stored fp32 value is rounded by at most 2^-24 relative on each side.
+FP32 = Precision("fp32", rtol=1e-5, param_unit=2 * FP32_UNIT)
+# 8 bf16 epsilons for computed values; a stored bf16 value is rounded by at most half an ulp, <= 2^-8
+# relative, on each side (an fp32 reference rounds 2^16 times finer, within the factor 2).
+BF16 = Precision("bf16", rtol=8 * BF16_EPS, param_unit=2 * BF16_EPS)
+
+
+def _log(what: str, kind: str, margin: float, n: int) -> None:
+    path = os.environ.get("DISAGG_MARGIN_LOG")
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    rec = {
+        "test": test,
+        "what": what,
+        "kind": kind,
+        "margin": margin if math.isfinite(margin) else 1e300,
+        "n": n,
+    }
+    with open(path, "a") as f:  # one short write per line: appends from several processes stay whole lines
+        f.write(json.dumps(rec) + "\n")
+
+
+def _check(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    bound: torch.Tensor,
+    what: str,
+    kind: str,
+    mask: torch.Tensor | None = None,
+) -> float:
+    """Margin = max |got - want| / bound over the elements (those in ``mask`` if given); fails,
+    naming the worst element, above 1."""
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)} != reference {tuple(want.shape)}")
+    g, w = got.detach().double().cpu(), want.detach().double().cpu()
+    n = want.numel() if mask is None else int(mask.sum())
+    if n == 0:
+        return 0.0
+    err = (g - w).abs()
+    nan_g, nan_w = torch.isnan(g), torch.isnan(w)
+    err = torch.where(nan_g | nan_w, torch.where(nan_g & nan_w, 0.0, math.inf), err)
+    b = bound.double().cpu().expand_as(err)
+    ratio = torch.where(b > 0, err / b.clamp_min(1e-300), torch.where(err > 0, math.inf, 0.0))
+    if mask is not None:
+        ratio = torch.where(mask, ratio, -1.0)
+    idx = int(ratio.argmax())
+    margin = float(ratio.reshape(-1)[idx])
+    _log(what, kind, margin, n)
+    if not margin <= 1.0:
+        pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(idx), err.shape)) if err.dim() else ()
+        got_i, want_i = float(g.reshape(-1)[idx]), float(w.reshape(-1)[idx])
+        raise AssertionError(
+            f"{what}: element {pos}: got {got_i:.9g}, want {want_i:.9g}, "
+            f"error {float(err.reshape(-1)[idx]):.3e} > bound {float(b.reshape(-1)[idx]):.3e} "
+            f"(margin {margin:.3g}; {kind})"
+        )
+    return margin
+
+
+def assert_scalar_close(got: float, want: float, what: str, precision: Precision = FP32) -> float:
+    """A loss or grad norm (a sum or mean of positive terms): within ``rtol`` of its own size."""
+    w = torch.tensor(float(want), dtype=torch.float64)
+    return _check(torch.tensor(float(got), dtype=torch.float64), w, precision.rtol * w.abs(), what, "scalar")
+
+
+def tensor_bound(want: torch.Tensor, rtol: float) -> torch.Tensor:
+    """``rtol * (|want_i| + max|want|)``: relative per element with the tensor's own scale as floor."""
+    w = want.detach().double().abs()
+    return rtol * (w + (w.max() if w.numel() else 0.0))
+
+
+def assert_tensor_close(
+    got: torch.Tensor, want: torch.Tensor, what: str, precision: Precision = FP32
+) -> float:
+    """Logits, activations, gradients: per element, against the tensor's own scale (see module doc)."""
+    return _check(got, want, tensor_bound(want, precision.rtol), what, f"tensor {precision.name}")
+
+
+def _same_keys(got: Mapping, want: Mapping, what: str) -> None:
+    if set(got) != set(want):
+        only_got, only_want = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+        raise AssertionError(
+            f"{what}: keys differ: only in result {only_got[:10]}, only in reference {only_want[:10]}"
+        )
+
+
+def assert_tensors_close(
+    got: Mapping[str, torch.Tensor],
+    want: Mapping[str, torch.Tensor],
+    what: str = "",
+    precision: Precision = FP32,
+) -> float:
+    """The same names (a reference ``None`` gradient is absent and must stay absent, never zeros),
+    each tensor per element against its own scale. Returns the largest margin."""
+    _same_keys(got, want, what)
+    return max((assert_tensor_close(got[k], want[k], f"{what}{k}", precision) for k in want), default=0.0)
+
+
+def adam_ratio_limit(t: int, betas: tuple[float, float]) -> float:
+    """The largest ``|m_t / sqrt(v_t)|`` (bias-corrected) AdamW can reach at step ``t``, whatever the
+    gradients (Cauchy-Schwarz): 1 at step 1, ~1 for the first steps, (1-b1)/sqrt(1-b2) eventually."""
+    b1, b2 = betas
+    geo = sum((b1 * b1 / b2) ** j for j in range(t))
+    return (1 - b1) / (1 - b1**t) * math.sqrt((1 - b2**t) / (1 - b2) * geo)
+
+
+def param_bound(
+    want: torch.Tensor,
+    grad: torch.Tensor | None,
+    lr: float,
+    steps: int,
+    precision: Precision = FP32,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element bound on a parameter after ``steps`` AdamW steps (module doc: lr units), and the
+    mask of elements whose gradient sign the gradient check cannot resolve (bound = Adam's limit)."""
+    w = want.detach().double().abs()
+    bound = (steps + 1) * precision.param_unit * w  # the initial cast and each step round the stored value
+    if grad is None or steps == 0:
+        return bound, torch.zeros(w.shape, dtype=torch.bool)  # no gradient: AdamW left it alone
+    g = grad.detach().double().abs().reshape(w.shape)
+    resolution = 2 * precision.rtol * (g.max() if g.numel() else 0.0)  # the gradient check's absolute bound
+    r = torch.where(g > 0, resolution / g.clamp_min(1e-300), math.inf)
+    b2 = betas[1]
+    for t in range(1, steps + 1):
+        limit = adam_ratio_limit(t, betas)
+        floor = math.sqrt(b2 ** (t - 1) * (1 - b2) / (1 - b2**t))  # sqrt(v_t) >= floor * |g_1|
+        bound = bound + lr * torch.clamp((1 + limit) * r / floor, max=2 * limit)
+    return bound, r >= 1
+
+
+def assert_params_close(
+    got: Mapping[str, torch.Tensor],
+    want: Mapping[str, torch.Tensor],
+    *,
+    lr: float,
+    steps: int,
+    grads: Mapping[str, torch.Tensor] | None,
+    what: str = "",
+    precision: Precision = FP32,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> float:
+    """Parameters (a state dict) after ``steps`` AdamW steps at learning rate <= ``lr``.
+
+    ``grads``: the reference's first-step gradients (:func:`first_grads`); a name absent from it
+    got no gradient and is held to the storage rounding (it must not have moved). ``grads=None``
+    means unknown: every element gets Adam's limit (~2 lr per step), which only catches gross
+    errors; pass the gradients wherever the harness has them. Buffers (non-parameters in a state
+    dict, e.g. rotary tables) are held to the storage rounding. Returns the largest margin of the
+    elements with a resolved gradient."""
+    _same_keys(got, want, what)
+    worst = 0.0
+    kind = f"param {precision.name} lr-units"
+    for k in want:
+        if grads is None:  # unknown gradients: Adam's limit everywhere
+            bound, _ = param_bound(want[k], None, lr, steps, precision, betas)
+            bound = bound + 2 * lr * sum(adam_ratio_limit(t, betas) for t in range(1, steps + 1))
+            _check(got[k], want[k], bound, f"{what}{k}", kind + " adam-limit")
+            continue
+        bound, unresolved = param_bound(want[k], grads.get(k), lr, steps, precision, betas)
+        # Two checks, two margins: elements with a resolved gradient against the propagated bound, the
+        # rest against Adam's hard limit (which rounding can reach, but no honest run exceed).
+        worst = max(worst, _check(got[k], want[k], bound, f"{what}{k}", kind, ~unresolved))
+        _check(got[k], want[k], bound, f"{what}{k}", kind + " adam-limit", unresolved)
+    return worst
+
+
+def first_grads(steps: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each parameter's reference gradient at the first step it got one (the ``grads`` of
+    :func:`assert_params_close` for a parameter that first trains at a later step)."""
+    out: dict[str, torch.Tensor] = {}
+    for step in steps:
+        for k, g in step.items():
+            out.setdefault(k, g)
+    return out
+
+
+def assert_exact(got: Mapping[str, torch.Tensor] | torch.Tensor, want, what: str = "") -> float:
+    """Bit-exact (same kernels on both sides; module doc). Dicts must have the same keys."""
+    if isinstance(want, Mapping):
+        _same_keys(got, want, what)
+        for k in want:
+            assert_exact(got[k], want[k], f"{what}{k}")
+        return 0.0
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    return _check(got, want, torch.zeros(()), what, "exact")
