@@ -64,6 +64,7 @@ def tests(session: nox.Session) -> None:
     packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
     install(session, *packages, EXAMPLE)
     session.install("scikit-learn")  # its sample photographs feed the real-image pipeline test
+    session.install("datasets")  # writes the parquet / save_to_disk dirs the HF-dataset tests read
     session.install("-e", "packages/core[bench]")  # matplotlib: the bench test checks its plots
     pytest(session, *(f"{p}/tests" for p in packages), f"{EXAMPLE}/tests", "tests")
 

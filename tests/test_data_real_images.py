@@ -88,7 +88,7 @@ def test_photos_resized_within_pixel_budget(photos, tmp_path: Path, max_side: in
         },
     )
     src = build_data_source(cfg, fams)
-    assert src.stats() == {"samples": 2, "skipped": 0, "dropped_too_long": 0}
+    assert src.stats() == {"samples": 2, "skipped": 0, "dropped_too_long": 0, "truncated": 0}
     one, two = src.samples()
     vcfg = AutoConfig.from_pretrained(vlm).vision_config
     patch, merge = vcfg.patch_size, vcfg.spatial_merge_size

@@ -130,7 +130,7 @@ def test_too_long_error_and_drop(root: Path):
         stream(config(root, str(path), max_tokens=60, on_error="skip"))
     src, (first,) = stream(config(root, str(path), max_tokens=60, on_too_long="drop"), steps=1)
     # 3 samples in the file; the dropped one is counted and the batch refilled
-    assert src.stats() == {"samples": 3, "skipped": 0, "dropped_too_long": 1}
+    assert src.stats() == {"samples": 3, "skipped": 0, "dropped_too_long": 1, "truncated": 0}
     assert [s.source for s in first] == [f"{path}:1", f"{path}:3"]
 
 
@@ -140,7 +140,7 @@ def test_skip_counts_every_bad_sample(root: Path):
     lines = [GOOD] + bad + [GOOD]
     path = write_jsonl(root / "mixed.jsonl", lines)
     src, (first,) = stream(config(root, str(path), on_error="skip"), steps=1)
-    assert src.stats() == {"samples": len(lines), "skipped": len(bad), "dropped_too_long": 0}
+    assert src.stats() == {"samples": len(lines), "skipped": len(bad), "dropped_too_long": 0, "truncated": 0}
     # nothing silent: each skip is recorded with its location
     assert sorted(p.split(": ")[0] for p in src.problems) == sorted(
         f"{path}:{i}" for i in range(2, len(lines))

@@ -107,13 +107,19 @@ class ParallelConfig(Strict):
     """Choose the groups, placement and microbatches with the planner (``parallel: auto``)."""
 
 
+DataFormat = Literal["auto", "llava", "sharegpt", "hf"]
+
+
 class DatasetEntry(Strict):
     path: str
-    """A JSON or JSONL file of LLaVA-style conversations."""
+    """A JSON/JSONL file, a ``.parquet`` file, or a Hugging Face dataset dir (``save_to_disk``
+    output or a dir of parquet files)."""
     weight: float = Field(1.0, gt=0)
     """Relative sampling weight when several datasets are mixed."""
     media_root: str | None = None
     """Dir media paths are relative to; default ``data.media_root``."""
+    format: DataFormat | None = None
+    """Row format of this dataset; default ``data.format``."""
 
 
 class DataConfig(Strict):
@@ -123,12 +129,26 @@ class DataConfig(Strict):
     """Held-out dataset for evaluation."""
     media_root: str = "."
     """Dir that media paths in the datasets are relative to."""
+    format: DataFormat = "auto"
+    """Row format: ``llava`` (``conversations`` + ``image``/``audio``), ``sharegpt``
+    (LLaMA-Factory / ms-swift: ``messages`` + ``images``/``audios``, optional ``system``),
+    ``hf`` (a Hugging Face dataset dir or parquet whose rows are either), or ``auto``
+    (a dir or parquet is ``hf``; the row format is detected from the first row with media)."""
+    min_pixels: PositiveInt | None = None
+    """Smallest image area the image processor resizes to (Qwen2.5-VL style processors);
+    ``null``: the processor's own setting."""
+    max_pixels: PositiveInt | None = None
+    """Largest image area the image processor resizes to, which bounds vision tokens per image
+    (Qwen2.5-VL: one token per 28x28 pixels); ``null``: the processor's own setting."""
     batch_size: PositiveInt = 4
     """Samples per optimizer step (the global batch)."""
     max_tokens: PositiveInt | None = None
     """Longest tokenized sample; see ``on_too_long``."""
-    on_too_long: Literal["error", "drop"] = "error"
-    """What to do with a sample longer than ``max_tokens`` (drops are counted)."""
+    on_too_long: Literal["error", "drop", "truncate"] = "error"
+    """A sample longer than ``max_tokens``: ``error`` stops with its file/line, ``drop`` skips
+    it (counted as ``dropped_too_long``), ``truncate`` cuts its tokens to ``max_tokens``
+    (counted as ``truncated``; refused, as an error, when the cut would fall inside or
+    before an image's or audio's placeholder tokens)."""
     on_error: Literal["error", "skip"] = "error"
     """Bad sample (missing media, bad placeholders...): stop with its file/line, or skip and count it."""
     num_workers: PositiveInt = 2

@@ -90,7 +90,7 @@ class _Checker:
         self.ray(resolved)
         self.transport()
         self.train()
-        self.data()
+        self.data(resolved)
         self.resume()
         return resolved
 
@@ -287,10 +287,14 @@ class _Checker:
             if kinds and kind not in kinds:
                 self.add(path, f"unknown scheduler {kind!r}; {allowed(kinds)}{did_you_mean(kind, kinds)}")
 
-    def data(self) -> None:
+    def data(self, resolved: ResolvedConfig) -> None:
         d = self.cfg.data
         if d is None:
             return
+        from disagg.data.checks import data_problems
+
+        for path, message in data_problems(self.cfg, {m: r.family for m, r in resolved.modules.items()}):
+            self.add(path, message)
         entries = (
             [(("data", "train"), d.train, None)]
             if isinstance(d.train, str)
@@ -299,7 +303,8 @@ class _Checker:
         if d.eval:
             entries.append((("data", "eval"), d.eval, None))
         for path, file, media_root in entries:
-            if not Path(file).is_file():
+            # a Hugging Face dataset (data.format: hf) is a dir
+            if not (Path(file).is_file() or Path(file).is_dir()):
                 self.add(path, f"data file {file!r} does not exist (relative paths are from {Path.cwd()})")
             if media_root and not Path(media_root).is_dir():
                 self.add((*path[:-1], "media_root"), f"{media_root!r} is not a directory")

@@ -27,17 +27,22 @@ def check_data(
     first :data:`MAX_LISTED`), token and per-module media token ``min/mean/max``."""
     from tqdm.auto import tqdm
 
-    src = build_data_source(cfg, families, split=split)
+    # video rows are reported one by one below, not refused all at once
+    src = build_data_source(cfg, families, split=split, refuse_video=False)
     # every problem is collected, none raised; too-long samples are reported whatever the policy
-    scfg = dataclasses.replace(src.cfg, keep_inputs=False, on_error="skip", on_too_long="drop")
+    # (truncate stays: what it refuses is a problem, what it cuts is counted)
+    policy = "truncate" if cfg.data.on_too_long == "truncate" else "drop"
+    scfg = dataclasses.replace(src.cfg, keep_inputs=False, on_error="skip", on_too_long=policy)
     stream = SampleStream(src.indexes, src.uid_base, file_order(src.sizes), scfg)
     report: dict[str, Any] = {
         "split": split,
         "files": [ix.path for ix in src.indexes],
+        "formats": [f"{ix.path}: {ix.format} ({ix.how})" for ix in src.indexes],
         "samples": len(src),
         "ok": 0,
         "bad": 0,
         "too_long": 0,
+        "truncated": 0,
         "problems": [],
     }
     tokens: list[int] = []
@@ -48,6 +53,7 @@ def check_data(
         status = meta["status"]
         if status == "ok":
             report["ok"] += 1
+            report["truncated"] += int(bool(meta.get("truncated")))
             tokens.append(meta["num_tokens"])
             for m, n in meta["num_media_tokens"].items():
                 media.setdefault(m, []).append(n)
@@ -72,7 +78,9 @@ def _summary(values: list[int]) -> dict[str, float]:
 def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"{report['split']}: {report['samples']} samples in {', '.join(report['files'])}",
-        f"ok: {report['ok']}, bad: {report['bad']}, too long (data.max_tokens): {report['too_long']}",
+        f"ok: {report['ok']}, bad: {report['bad']}, too long (data.max_tokens): {report['too_long']}"
+        + (f", truncated: {report['truncated']}" if report.get("truncated") else ""),
+        *(f"format: {f}" for f in report.get("formats", [])),
     ]
     t = report["tokens"]
     if t.get("samples"):

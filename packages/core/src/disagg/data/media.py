@@ -8,14 +8,16 @@ Resampling is the family's business: it knows the rate its model expects.
 
 from __future__ import annotations
 
+import io
 import wave
 from typing import Any
 
 import numpy as np
 
 
-def load_media(kind: str, path: str) -> Any:
-    """One decoded media item; raises the decoder's own error on bad files."""
+def load_media(kind: str, path: str | bytes) -> Any:
+    """One decoded media item from a file path or the file's bytes (what a Hugging Face
+    dataset stores); raises the decoder's own error on bad files."""
     if kind == "image":
         return load_image(path)
     if kind == "audio":
@@ -23,16 +25,16 @@ def load_media(kind: str, path: str) -> Any:
     raise ValueError(f"unknown media kind {kind!r}; allowed: image, audio")
 
 
-def load_image(path: str):
+def load_image(path: str | bytes):
     from PIL import Image
 
-    with Image.open(path) as im:
+    with Image.open(io.BytesIO(path) if isinstance(path, bytes) else path) as im:
         # load() forces a full decode so truncated files fail here, not in the encoder
         im.load()
         return im.convert("RGB")
 
 
-def load_audio(path: str) -> dict[str, Any]:
+def load_audio(path: str | bytes) -> dict[str, Any]:
     """``{"array", "sampling_rate", "path"}``; the path lets a family's errors name the file.
 
     With ``soundfile`` installed (disagg-audio brings it) every format
@@ -42,12 +44,14 @@ def load_audio(path: str) -> dict[str, Any]:
         import soundfile
     except ImportError:
         soundfile = None
+    name = "<bytes>" if isinstance(path, bytes) else path
+    source = io.BytesIO(path) if isinstance(path, bytes) else path
     if soundfile is not None:
-        data, rate = soundfile.read(path, dtype="float32", always_2d=True)
-        return {"array": data.mean(axis=1).astype(np.float32), "sampling_rate": int(rate), "path": path}
-    if not path.lower().endswith(".wav"):
+        data, rate = soundfile.read(source, dtype="float32", always_2d=True)
+        return {"array": data.mean(axis=1).astype(np.float32), "sampling_rate": int(rate), "path": name}
+    if isinstance(path, str) and not path.lower().endswith(".wav"):
         raise ValueError(f"cannot read {path!r}: only .wav is supported without the 'soundfile' package")
-    with wave.open(path, "rb") as w:
+    with wave.open(source, "rb") as w:
         width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
         frames = w.readframes(w.getnframes())
     dtype = {1: np.uint8, 2: np.int16, 4: np.int32}.get(width)
@@ -59,4 +63,4 @@ def load_audio(path: str) -> dict[str, Any]:
     else:
         data /= float(np.iinfo(dtype).max)
     data = data.reshape(-1, channels).mean(axis=1)
-    return {"array": data.astype(np.float32), "sampling_rate": rate, "path": path}
+    return {"array": data.astype(np.float32), "sampling_rate": rate, "path": name}

@@ -32,6 +32,8 @@ class Processed:
     num_tokens: int
     num_label_tokens: int
     num_media_tokens: dict[str, int] = field(default_factory=dict)
+    #: cut to ``data.max_tokens`` (``on_too_long: truncate``)
+    truncated: bool = False
 
 
 class TooLong(Exception):
@@ -58,11 +60,15 @@ def preprocess_record(
     *,
     max_tokens: int | None = None,
     on_too_long: str = "error",
+    pixel_limits: dict[str, int] | None = None,
 ) -> Processed:
     """Decode media, expand placeholders, tokenize with the chat template, mask labels.
 
     Raises :class:`DataError` (with the record's location) for bad media and
-    too-long samples under ``on_too_long: error``, :class:`TooLong` under ``drop``.
+    too-long samples under ``on_too_long: error``, :class:`TooLong` under ``drop``;
+    ``truncate`` cuts the tokens after the last media placeholder or raises
+    :class:`TooLongError`. ``pixel_limits`` (``min_pixels``/``max_pixels``) go to
+    the image encoder's ``preprocess``.
     """
     llm: LanguageFamily = families["llm"]
     kind_module = modality_modules(families)
@@ -71,13 +77,17 @@ def preprocess_record(
     for kind, paths in rec.media.items():
         module = kind_module[kind]
         items = []
-        for p in paths:
+        for i, p in enumerate(paths):
             try:
                 items.append(load_media(kind, p))
             except Exception as exc:  # PIL/wave raise many types; the location is what matters
-                raise DataError(rec.source, f"cannot decode {kind} {p}: {type(exc).__name__}: {exc}") from exc
+                name = p if isinstance(p, str) else f"#{i + 1} (embedded bytes)"
+                raise DataError(
+                    rec.source, f"cannot decode {kind} {name}: {type(exc).__name__}: {exc}"
+                ) from exc
+        limits = pixel_limits if kind == "image" and pixel_limits else {}
         try:
-            enc_inputs[module] = families[module].preprocess(items)
+            enc_inputs[module] = families[module].preprocess(items, **limits)
         except DataError:
             raise
         except Exception as exc:
@@ -104,21 +114,55 @@ def preprocess_record(
                 "(does the text contain the placeholder token literally?)",
             )
         num_media[module] = found
+    truncated = False
     if max_tokens is not None and len(ids) > max_tokens:
-        if on_too_long == "drop":
+        if on_too_long == "truncate":
+            ids, labels = _truncate(ids, labels, max_tokens, num_media, llm, rec.source)
+            truncated = True
+        elif on_too_long == "drop":
             raise TooLong(f"{rec.source}: {len(ids)} tokens > data.max_tokens={max_tokens}")
-        raise TooLongError(
-            rec.source,
-            f"{len(ids)} tokens exceed data.max_tokens={max_tokens}; raise data.max_tokens or set "
-            "data.on_too_long: drop (allowed: error, drop)",
-        )
+        else:
+            raise TooLongError(
+                rec.source,
+                f"{len(ids)} tokens exceed data.max_tokens={max_tokens}; raise data.max_tokens or set "
+                "data.on_too_long: drop or truncate (allowed: error, drop, truncate)",
+            )
     # the first token is never predicted (labels shift by one): count what the loss counts
     n_labels = int((labels[1:] != IGNORE).sum())
     if n_labels == 0:
+        if truncated:
+            raise TooLongError(
+                rec.source,
+                f"truncated to data.max_tokens={max_tokens}, no assistant token is left to learn; "
+                "raise data.max_tokens or set data.on_too_long: drop",
+            )
         raise DataError(rec.source, "no label tokens: the assistant turns are empty")
 
     llm_inputs = {"input_ids": ids, "labels": labels, **llm.extra_inputs(enc_inputs)}
-    return Processed({"llm": llm_inputs, **enc_inputs}, len(ids), n_labels, num_media)
+    return Processed({"llm": llm_inputs, **enc_inputs}, len(ids), n_labels, num_media, truncated)
+
+
+def _truncate(
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    max_tokens: int,
+    num_media: dict[str, int],
+    llm: LanguageFamily,
+    source: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``max_tokens`` tokens, if every media placeholder token is among them: an
+    image cut in half, or dropped from the text but not from the encoder's inputs, would
+    no longer match its embeddings."""
+    for module in num_media:
+        where = torch.nonzero(ids == llm.placeholder_token_id(module)).flatten()
+        if where.numel() and int(where[-1]) >= max_tokens:
+            raise TooLongError(
+                source,
+                f"{len(ids)} tokens exceed data.max_tokens={max_tokens} and truncating would cut "
+                f"{module} placeholder tokens (the last is token {int(where[-1]) + 1}); raise "
+                "data.max_tokens, lower data.max_pixels, or set data.on_too_long: drop",
+            )
+    return ids[:max_tokens].clone(), labels[:max_tokens].clone()
 
 
 def _expand(

@@ -1,15 +1,10 @@
-"""Reading LLaVA-style datasets into validated records, before any worker starts.
+"""Dataset rows into validated records: turns normalized, media resolved.
 
-Accepted per sample (JSON list or JSONL, one object per line)::
-
-    {"image": "a.png" | ["a.png", ...], "audio": "t.wav" | [...],
-     "conversations": [{"from": "human", "value": "<image>\\nDescribe."},
-                       {"from": "gpt", "value": "A red square."}]}
-
-or ``"messages": [{"role": "user", "content": "..."}, ...]`` where ``content``
-may also be a list of ``{"type": "text"|"image"|"audio", ...}`` parts. Every
-structural problem is found here, in the driver, so that a bad file stops the
-run before training starts (or, with ``on_error: skip``, is counted).
+The row formats (``llava``, ``sharegpt``) are described in
+:mod:`disagg.data.formats`; turns are ``conversations`` (``from``/``value``)
+or ``messages`` (``role``/``content``, content also a list of
+``{"type": "text"|"image"|"audio", ...}`` parts) in both. Every structural
+problem (no media decoded yet) is found here, with the row's location.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from disagg.data.errors import DataError
+from disagg.data.formats import MEDIA_KEYS, format_of_key, other_format_key, refuse_video
 
 #: media kind -> the text that marks where one item goes in a turn
 PLACEHOLDERS: dict[str, str] = {"image": "<image>", "audio": "<audio>"}
@@ -42,8 +38,9 @@ class Record:
     source: str
     #: ``(role, text)`` with role in system/user/assistant; text keeps ``<image>``/``<audio>`` markers
     messages: list[tuple[str, str]]
-    #: media kind -> absolute paths, in placeholder order
-    media: dict[str, list[str]] = field(default_factory=dict)
+    #: media kind -> absolute paths (or the encoded bytes a Hugging Face dataset holds), in
+    #: placeholder order
+    media: dict[str, list[str | bytes]] = field(default_factory=dict)
 
 
 def read_dataset(
@@ -54,6 +51,7 @@ def read_dataset(
     first_uid: int,
     modalities: set[str],
     on_bad: Callable[[DataError], None],
+    fmt: str = "llava",
 ) -> list[Record]:
     """Records of one JSON/JSONL file. ``on_bad`` gets every bad sample's error
     (it raises for ``on_error: error`` and counts for ``skip``); a file that
@@ -88,7 +86,7 @@ def read_dataset(
     out: list[Record] = []
     for loc, item in raw:
         try:
-            messages, media = parse_sample(item, loc, Path(media_root), modalities)
+            messages, media = parse_sample(item, loc, Path(media_root), modalities, fmt)
         except DataError as exc:
             on_bad(exc)
             continue
@@ -97,28 +95,53 @@ def read_dataset(
 
 
 def parse_sample(
-    item: Any, loc: str, media_root: Path, modalities: set[str]
-) -> tuple[list[tuple[str, str]], dict[str, list[str]]]:
-    """Normalize one sample and check everything that needs no decoding."""
+    item: Any,
+    loc: str,
+    media_root: Path,
+    modalities: set[str],
+    fmt: str = "llava",
+    how: str = "",
+) -> tuple[list[tuple[str, str]], dict[str, list[str | bytes]]]:
+    """Normalize one sample of row format ``fmt`` and check everything that needs no decoding.
+
+    ``how`` says why the dataset is read as ``fmt`` (for the error when a row is not)."""
     if not isinstance(item, dict):
         raise DataError(loc, f"a sample must be a JSON object, got {type(item).__name__}")
+    refuse_video(item, loc)
+    other = other_format_key(item, fmt)
+    if other is not None:
+        raise DataError(
+            loc,
+            f"sample has {other!r}, a {format_of_key(other)} key, but the dataset is read as {fmt} "
+            f"({how or 'data.format: ' + fmt}); set data.format: {format_of_key(other)} "
+            "(allowed: auto, llava, sharegpt, hf)",
+        )
     turns = item.get("conversations", item.get("messages"))
     if turns is None:
         raise DataError(loc, "no 'conversations' or 'messages' list")
     if not isinstance(turns, list) or not turns:
         raise DataError(loc, "empty conversation: 'conversations'/'messages' must be a non-empty list")
     messages = [_turn(t, loc, i) for i, t in enumerate(turns)]
+    system = item.get("system") if fmt == "sharegpt" else None
+    if system is not None:
+        if not isinstance(system, str):
+            raise DataError(loc, f"'system' must be a string, got {type(system).__name__}")
+        if messages[0][0] == "system":
+            raise DataError(loc, "both a 'system' key and a system turn; keep one")
+        if system:
+            messages.insert(0, ("system", system))
     if not any(role == "assistant" for role, _ in messages):
         raise DataError(loc, "no assistant ('gpt') turn: the sample has nothing to learn")
 
-    media: dict[str, list[str]] = {}
+    media: dict[str, list[str | bytes]] = {}
     for kind, marker in PLACEHOLDERS.items():
-        files = _media_list(item.get(kind), loc, kind)
+        key = MEDIA_KEYS[fmt][kind]
+        files = _media_list(item.get(key), loc, key)
         count = sum(text.count(marker) for _, text in messages)
         if count != len(files):
             raise DataError(
                 loc,
-                f"{count} {marker} placeholder(s) in the text but {len(files)} {kind} file(s) in '{kind}'",
+                f"{count} {marker} placeholder(s) in the text but {len(files)} {kind} file(s) in '{key}'",
             )
         for role, text in messages:
             if role == "assistant" and marker in text:
@@ -134,14 +157,23 @@ def parse_sample(
                 f"sample has {kind} but no {kind} encoder is configured (media the model reads: "
                 f"{configured})",
             )
-        resolved = []
-        for f in files:
-            full = (media_root / f).resolve()
-            if not full.is_file():
-                raise DataError(loc, f"missing {kind} file {f!r} (looked for {full})")
-            resolved.append(str(full))
-        media[kind] = resolved
+        media[kind] = [_resolve(f, media_root, loc, kind) for f in files]
     return messages, media
+
+
+def _resolve(f: str | dict[str, Any], media_root: Path, loc: str, kind: str) -> str | bytes:
+    """A file name under ``media_root`` -> its absolute path; a Hugging Face ``Image``/``Audio``
+    value (``{"bytes", "path"}``) -> its bytes, or its path when it holds none."""
+    if isinstance(f, dict):
+        if f.get("bytes"):
+            return bytes(f["bytes"])
+        f = f.get("path") or ""
+        if not f:
+            raise DataError(loc, f"a {kind} value holds neither bytes nor a path")
+    full = (media_root / f).resolve()
+    if not full.is_file():
+        raise DataError(loc, f"missing {kind} file {f!r} (looked for {full})")
+    return str(full)
 
 
 def _turn(turn: Any, loc: str, i: int) -> tuple[str, str]:
@@ -173,11 +205,12 @@ def _part(part: Any, loc: str, i: int) -> str:
     )
 
 
-def _media_list(value: Any, loc: str, kind: str) -> list[str]:
+def _media_list(value: Any, loc: str, key: str) -> list[str | dict[str, Any]]:
     if value is None:
         return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if isinstance(value, (str, dict)):
+        value = [value]
+    if isinstance(value, list) and all(isinstance(v, (str, dict)) for v in value):
         return list(value)
-    raise DataError(loc, f"'{kind}' must be a file name or a list of file names, got {value!r}")
+    shown = repr(value) if len(repr(value)) < 200 else repr(value)[:200] + "..."
+    raise DataError(loc, f"'{key}' must be a file name or a list of file names, got {shown}")

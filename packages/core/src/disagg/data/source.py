@@ -21,6 +21,7 @@ import numpy as np
 
 from disagg.config.schema import Config, DatasetEntry
 from disagg.data.errors import DataError
+from disagg.data.formats import VideoError
 from disagg.data.index import DatasetIndex, index_dataset
 from disagg.data.order import StreamOrder, file_order
 from disagg.data.preprocess import modality_modules
@@ -64,7 +65,7 @@ class RayDataSource:
         #: group_by_length, the start of the current window and how many of its batches ran
         self.position = 0
         self.window_batches_done = 0
-        self._stats = {"samples": sum(self.sizes), "skipped": 0, "dropped_too_long": 0}
+        self._stats = {"samples": sum(self.sizes), "skipped": 0, "dropped_too_long": 0, "truncated": 0}
         self._window_stats = dict(self._stats)  # the counters as of self.position
         #: "location: problem" of skipped or dropped samples seen so far, for the run's log
         self.problems: list[str] = []
@@ -109,7 +110,7 @@ class RayDataSource:
             pos, done, stats = start_step * self.batch_size, 0, {}
             if window > 1:  # steps before start_step filled whole windows only if aligned
                 pos, done = (start_step // window) * window * self.batch_size, start_step % window
-        self._stats.update(skipped=0, dropped_too_long=0)
+        self._stats.update(skipped=0, dropped_too_long=0, truncated=0)
         self._stats.update({k: int(v) for k, v in stats.items() if k != "samples"})
         self.position, self.window_batches_done = pos, done
         window_stats = dict(self._stats)
@@ -160,6 +161,8 @@ class RayDataSource:
                 self.problems.append(meta["error"])
             log.warning("%s sample %s", status, meta["error"])
             return None
+        if meta.get("truncated"):
+            self._stats["truncated"] += 1
         modules = self.cfg.modules
         inputs = {m: r for m, r in zip(modules, refs) if m == "llm" or m in meta["num_media_tokens"]}
         return SampleRefs(
@@ -197,7 +200,12 @@ def dataset_entries(cfg: Config, split: str) -> list[DatasetEntry]:
 
 
 def build_data_source(
-    cfg: Config, families: dict[str, Any], *, split: str = "train", on_preprocess: Any = None
+    cfg: Config,
+    families: dict[str, Any],
+    *,
+    split: str = "train",
+    on_preprocess: Any = None,
+    refuse_video: bool = True,
 ) -> RayDataSource:
     """Index the ``split`` datasets of ``cfg.data`` and set up their stream.
 
@@ -206,14 +214,20 @@ def build_data_source(
     raises :class:`DataError` here; a bad sample raises it (file and line)
     when the stream reaches it, unless ``data.on_error: skip``.
     ``on_preprocess(position)`` is a test hook called in the worker with the
-    stream position of every sample it preprocesses.
+    stream position of every sample it preprocesses. Rows with video are
+    refused here, before any worker starts (``refuse_video=False``: each is
+    reported at its row as the stream reaches it, as ``disagg data check`` does).
     """
     data = cfg.data
     entries = dataset_entries(cfg, split)
     indexes = []
     for entry in entries:
         root = entry.media_root if entry.media_root is not None else data.media_root
-        indexes.append(index_dataset(entry.path, root))
+        ix = index_dataset(entry.path, root, entry.format or data.format)
+        log.info("%s: %d samples; %s", ix.path, ix.size, ix.how)
+        indexes.append(ix)
+        if refuse_video:
+            _refuse_video(ix)
     if sum(ix.size for ix in indexes) == 0:
         files = ", ".join(str(Path(e.path)) for e in entries)
         raise DataError(files, "no samples: the dataset files are empty")
@@ -225,13 +239,14 @@ def build_data_source(
         families=families,
         modules=[m for m in families if m != "llm"] + ["llm"],
         modalities=set(modality_modules(families)),
-        datasets=[(ix.path, ix.media_root) for ix in indexes],
+        datasets=[ix.spec() for ix in indexes],
         max_tokens=data.max_tokens,
         on_too_long=data.on_too_long,
         on_error=data.on_error,
         num_workers=data.num_workers,
         prefetch_bytes=PREFETCH_BYTES,
         on_preprocess=on_preprocess,
+        pixel_limits=pixel_limits(cfg),
     )
     return RayDataSource(
         indexes,
@@ -242,3 +257,21 @@ def build_data_source(
         shuffle=data.shuffle if split == "train" else False,
         group_by_length=data.group_by_length and split == "train",
     )
+
+
+def pixel_limits(cfg: Config) -> dict[str, int] | None:
+    """``data.min_pixels``/``max_pixels`` as the image encoder's ``preprocess`` keywords."""
+    d = cfg.data
+    out = {k: getattr(d, k) for k in ("min_pixels", "max_pixels") if getattr(d, k) is not None}
+    return out or None
+
+
+def _refuse_video(ix: DatasetIndex) -> None:
+    rows = ix.video_rows()
+    if rows:
+        shown = ", ".join(rows[:5]) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+        raise VideoError(
+            rows[0],
+            f"{len(rows)} sample(s) with video ({shown}), but video is not supported yet (it would "
+            "train as text only); remove them from the dataset (disagg data check lists each)",
+        )

@@ -28,7 +28,8 @@ import numpy as np
 import ray
 
 from disagg.data.errors import DataError
-from disagg.data.index import DatasetIndex, read_entry
+from disagg.data.formats import VideoError
+from disagg.data.index import DatasetIndex, DatasetSpec, read_entry
 from disagg.data.preprocess import TooLong, TooLongError, preprocess_record
 from disagg.data.records import Record, parse_sample
 
@@ -49,12 +50,14 @@ class StreamConfig:
     families: dict[str, Any]
     modules: list[str]
     modalities: set[str]
-    datasets: list[tuple[str, str]]  # (path, media_root) per dataset
+    datasets: list[DatasetSpec]
     max_tokens: int | None
     on_too_long: str
     on_error: str
     num_workers: int
     prefetch_bytes: int
+    #: ``min_pixels``/``max_pixels`` for the image encoder's preprocess (the set ``data`` keys)
+    pixel_limits: dict[str, int] | None = None
     #: False: only each sample's metadata comes out (``disagg data check``), no tensors kept
     keep_inputs: bool = True
     #: test hook: called with the stream position of each entry a worker starts preprocessing
@@ -73,22 +76,23 @@ def preprocess_one(cfg: StreamConfig, pos: int, uid: int, d: int, loc: str, off:
     """``(meta, inputs)`` of one stream entry; ``inputs`` is None unless ``meta["status"] == "ok"``."""
     if cfg.on_preprocess is not None:
         cfg.on_preprocess(pos)
-    path, root = cfg.datasets[d]
+    ds = cfg.datasets[d]
     try:
-        item = read_entry(loc, path, off, length, text)
-        messages, media = parse_sample(item, loc, Path(root), cfg.modalities)
+        item = read_entry(loc, ds.path, off, length, text, ds.table)
+        messages, media = parse_sample(item, loc, Path(ds.media_root), cfg.modalities, ds.format, ds.how)
         out = preprocess_record(
             Record(uid, d, loc, messages, media),
             cfg.families,
             _tokenizer(cfg.families["llm"]),
             max_tokens=cfg.max_tokens,
             on_too_long=cfg.on_too_long,
+            pixel_limits=cfg.pixel_limits,
         )
     except TooLong as exc:
         return {"status": "dropped", "error": str(exc)}, None
     except DataError as exc:
-        # data.on_too_long is its own policy: on_error: skip does not cover it
-        skip = cfg.on_error == "skip" and not isinstance(exc, TooLongError)
+        # data.on_too_long is its own policy, and video is refused: on_error: skip covers neither
+        skip = cfg.on_error == "skip" and not isinstance(exc, (TooLongError, VideoError))
         status = "skipped" if skip else "error"
         return {"status": status, "error": str(exc), "location": exc.location, "problem": exc.problem}, None
     meta = {
@@ -96,6 +100,7 @@ def preprocess_one(cfg: StreamConfig, pos: int, uid: int, d: int, loc: str, off:
         "num_tokens": out.num_tokens,
         "num_label_tokens": out.num_label_tokens,
         "num_media_tokens": out.num_media_tokens,
+        "truncated": out.truncated,
     }
     return meta, out.inputs
 
@@ -160,7 +165,10 @@ class SampleStream:
             m = ds == d
             ix = self.indexes[int(d)]
             sel = idx[m]
-            if ix.offsets is not None:
+            if ix.table is not None:
+                off[m] = sel  # the row of the table
+                loc[m] = [ix.table.location(int(i)) for i in sel]
+            elif ix.offsets is not None:
                 off[m], length[m] = ix.offsets[sel], ix.lengths[sel]
                 loc[m] = [f"{ix.path}:{line}" for line in ix.lines[sel]]
             else:

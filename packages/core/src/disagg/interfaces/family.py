@@ -97,11 +97,17 @@ class EncoderFamily(Family):
     role: ClassVar[Role] = "encoder"
     #: media kind this encoder consumes: "image" or "audio"
     modality: ClassVar[str]
+    #: True when ``preprocess`` takes ``min_pixels``/``max_pixels`` keywords (``data.min_pixels``
+    #: / ``data.max_pixels``: the image area its processor resizes to); validation refuses
+    #: those keys for families that leave it False (fixed-resolution encoders)
+    pixel_limits: ClassVar[bool] = False
 
     @abstractmethod
     def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
         """All items of this modality in one sample -> the family's input tensors
-        (CPU, float32). Runs in data workers, never in the driver."""
+        (CPU, float32). Runs in data workers, never in the driver. With
+        ``pixel_limits`` it is called as ``preprocess(media, min_pixels=..,
+        max_pixels=..)`` (only the keys that are set)."""
 
     @abstractmethod
     def num_tokens(self, inputs: dict[str, torch.Tensor]) -> list[int]:

@@ -32,6 +32,7 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
         "lr": {m: g["lr"] for m, g in res.groups.items()},
         "skipped_samples": int(data_stats.get("skipped", 0)),
         "dropped_too_long": int(data_stats.get("dropped_too_long", 0)),
+        "truncated_too_long": int(data_stats.get("truncated", 0)),
     }
 
 
@@ -47,5 +48,6 @@ def summarize(records: list[dict[str, Any]], run_dir: str, status: str = "ok") -
         "mean_tokens_per_s": sum(tps) / len(tps),
         "skipped_samples": records[-1]["skipped_samples"],
         "dropped_too_long": records[-1]["dropped_too_long"],
+        "truncated_too_long": records[-1].get("truncated_too_long", 0),
         "run_dir": run_dir,
     }

@@ -24,11 +24,12 @@ def load_image(item: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def image_processor(path: str) -> Any:
-    """The family's own processor (cached per dir: data workers call preprocess per sample)."""
+def image_processor(path: str, **overrides: int) -> Any:
+    """The family's own processor (cached per dir: data workers call preprocess per sample);
+    ``overrides`` (e.g. ``max_pixels``) replace what its ``preprocessor_config.json`` says."""
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(path)
+    return AutoImageProcessor.from_pretrained(path, **overrides)
 
 
 def checkpoint_keys(path: Path) -> list[str]:

@@ -35,6 +35,7 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
 
     name: ClassVar[str] = "qwen2_5_vl"
     modality: ClassVar[str] = "image"
+    pixel_limits: ClassVar[bool] = True
 
     # -- config ---------------------------------------------------------------------------------
     def vision_config(self) -> Any:
@@ -97,8 +98,9 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
         return make_tiny_qwen2_5_vl(Path(out_dir))
 
     # -- data -----------------------------------------------------------------------------------
-    def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
-        proc = image_processor(str(self.path))
+    def preprocess(self, media: list[Any], **limits: int) -> dict[str, torch.Tensor]:
+        # min_pixels/max_pixels: the area each image is resized to, so its token count
+        proc = image_processor(str(self.path), **limits)
         out = proc(images=[load_image(m) for m in media], return_tensors="pt")
         return {
             "pixel_values": out["pixel_values"].to(torch.float32),
