@@ -62,7 +62,8 @@ def src(root):
 
 def test_refs_and_metadata(src, root):
     batch = next(src.batches())
-    assert len(batch) == 4 and src.stats() == {"samples": N, "skipped": 0, "dropped_too_long": 0, "truncated": 0}
+    assert len(batch) == 4
+    assert src.stats() == {"samples": N, "skipped": 0, "dropped_too_long": 0, "truncated": 0}
     s = batch[0]
     # the driver holds ObjectRefs and ints only; tensors live in the object store
     assert set(s.inputs) == {"vision", "llm"}

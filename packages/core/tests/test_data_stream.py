@@ -93,7 +93,8 @@ def test_resume_from_state_skips_preprocessing_of_earlier_samples(root, tmp_path
     first = ids(batches, 8)
     state = full.state()  # after step 8: 32 stream entries, one of them skipped
     rest = ids(batches, 3)
-    assert state == {"position": 33, "stats": {"samples": N, "skipped": 1, "dropped_too_long": 0, "truncated": 0}}
+    stats = {"samples": N, "skipped": 1, "dropped_too_long": 0, "truncated": 0}
+    assert state == {"position": 33, "stats": stats}
     assert all(len(b) == 4 for b in first + rest), "a skipped sample is replaced: batches stay full"
     assert BAD_LINE - 1 not in {i for b in first for i in b}
 
