@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 import test_data_fakes
+import torch
 from test_data_fakes import caption_sample, families, make_tokenizer_dir, write_image, write_jsonl
 
 from disagg.config.schema import Config
@@ -132,6 +133,64 @@ def test_too_long_error_and_drop(root: Path):
     # 3 samples in the file; the dropped one is counted and the batch refilled
     assert src.stats() == {"samples": 3, "skipped": 0, "dropped_too_long": 1, "truncated": 0}
     assert [s.source for s in first] == [f"{path}:1", f"{path}:3"]
+
+
+def _processed(root: Path, item: dict, **policy):
+    from disagg.data.preprocess import preprocess_record
+    from disagg.data.records import Record, parse_sample
+
+    fams = families(root / "tok")
+    messages, media = parse_sample(item, "t.jsonl:1", root, {"image"})
+    return preprocess_record(
+        Record(0, 0, "t.jsonl:1", messages, media), fams, fams["llm"].tokenizer(), **policy
+    )
+
+
+def test_truncate_cuts_after_the_media_or_refuses(root: Path):
+    from disagg.data.preprocess import TooLongError
+
+    write_image(root / "big.png", 32, 32)  # 64 placeholder tokens
+    long = caption_sample("ok.png", " ".join(["A red square."] * 20))
+    full = _processed(root, long)
+    cut = _processed(root, long, max_tokens=40, on_too_long="truncate")
+    assert full.num_tokens > 40 and cut.truncated and cut.num_tokens == 40
+    # the first 40 tokens and their labels, unchanged; every placeholder kept
+    for k in ("input_ids", "labels"):
+        assert torch.equal(cut.inputs["llm"][k], full.inputs["llm"][k][:40])
+    assert cut.num_media_tokens == full.num_media_tokens == {"vision": 4}
+    assert 0 < cut.num_label_tokens < full.num_label_tokens
+    assert torch.equal(cut.inputs["vision"]["pixels"], full.inputs["vision"]["pixels"])
+    # a short sample is left alone
+    assert not _processed(root, GOOD, max_tokens=40, on_too_long="truncate").truncated
+    # the cut would fall inside the image's 64 placeholders: refused, not a half image
+    with pytest.raises(TooLongError, match=r"t\.jsonl:1: \d+ tokens .* would cut vision placeholder tokens"):
+        _processed(root, caption_sample("big.png", "A."), max_tokens=40, on_too_long="truncate")
+    # the cut would leave nothing to learn: refused
+    labels = _processed(root, GOOD).inputs["llm"]["labels"]
+    first_label = int(torch.nonzero(labels != -100)[0])
+    with pytest.raises(TooLongError, match="no assistant token is left"):
+        _processed(root, GOOD, max_tokens=first_label, on_too_long="truncate")
+
+
+def test_too_long_policies_through_the_stream(root: Path):
+    """error stops at the sample, drop skips and counts it, truncate cuts and counts it; a
+    truncation that would cut an image stops the run even with on_error: skip."""
+    write_image(root / "big.png", 32, 32)
+    long = caption_sample("ok.png", " ".join(["A red square."] * 20))
+    path = write_jsonl(root / "policies.jsonl", [GOOD, long, GOOD, long])
+    with pytest.raises(DataError, match=rf"{path}:2: \d+ tokens exceed data.max_tokens=40"):
+        stream(config(root, str(path), max_tokens=40))
+    src, batches = stream(config(root, str(path), max_tokens=40, on_too_long="drop"), steps=1)
+    assert src.stats()["dropped_too_long"] == 1 and [s.source for s in batches[0]] == [
+        f"{path}:1",
+        f"{path}:3",
+    ]
+    src, batches = stream(config(root, str(path), max_tokens=40, on_too_long="truncate"))
+    assert src.stats() == {"samples": 4, "skipped": 0, "dropped_too_long": 0, "truncated": 2}
+    assert [s.num_tokens for s in batches[0] + batches[1]][1::2] == [40, 40]
+    bad = write_jsonl(root / "cut_image.jsonl", [GOOD, caption_sample("big.png", "A.")])
+    with pytest.raises(DataError, match=rf"{bad}:2: .*would cut vision placeholder tokens"):
+        stream(config(root, str(bad), max_tokens=40, on_too_long="truncate", on_error="skip"))
 
 
 def test_skip_counts_every_bad_sample(root: Path):
