@@ -96,3 +96,21 @@ def mixed_config(model: dict, parallel: dict, data: dict, out: Path, steps: int,
     )
     validate(cfg, get_registry())
     return cfg
+
+
+def to_sharegpt(llava_path: Path, out: Path) -> Path:
+    """The same samples as LLaMA-Factory's sharegpt/openai style writes them (``messages`` with
+    ``role``/``content``, an ``images`` list), for the format-equivalence test."""
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    rows = []
+    for line in llava_path.read_text().splitlines():
+        row = json.loads(line)
+        image = row.get("image", [])
+        sg: dict[str, Any] = {
+            "messages": [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"]]
+        }
+        if image:
+            sg["images"] = image if isinstance(image, list) else [image]
+        rows.append(sg)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out

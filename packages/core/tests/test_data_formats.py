@@ -267,3 +267,23 @@ def test_hf_errors_name_the_path(root, tmp_path):
     )
     ds.to_parquet(str(tmp_path / "v.parquet"))
     assert index_dataset(tmp_path / "v.parquet", root).video_rows() == [f"{tmp_path / 'v.parquet'}[1]"]
+
+
+def test_pixel_limits_are_validated_against_the_family(root, disagg_registry):
+    """The fake image family has a fixed patch grid (no ``pixel_limits``): the keys are refused
+    at validation, naming them; so is a budget whose minimum exceeds its maximum."""
+    from test_data_check import FakesPlugin
+
+    from disagg.config.errors import ConfigError
+    from disagg.config.validate import validate
+    from disagg.plugins import get_registry, register_plugin
+
+    register_plugin(FakesPlugin(), name="fakes")
+    path = write_jsonl(root / "px.jsonl", [llava(*ROWS[0])])
+    with pytest.raises(ConfigError) as info:
+        validate(config(root, str(path), max_pixels=1000, min_pixels=2000), get_registry())
+    text = str(info.value)
+    assert "data.min_pixels" in text and "2000 is larger than data.max_pixels = 1000" in text
+    assert "family 'fake_image' (model.vision) resizes every image to its fixed input size" in text
+    assert "remove data.max_pixels" in text
+    validate(config(root, str(path)), get_registry())  # without them: fine
