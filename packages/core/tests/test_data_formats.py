@@ -287,3 +287,21 @@ def test_pixel_limits_are_validated_against_the_family(root, disagg_registry):
     assert "family 'fake_image' (model.vision) resizes every image to its fixed input size" in text
     assert "remove data.max_pixels" in text
     validate(config(root, str(path)), get_registry())  # without them: fine
+
+
+def test_readme_examples_read_as_their_format(root):
+    """Each JSON example in the README's data formats section is detected as the format it
+    illustrates and parses (its image file stood in for by a test image)."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    found = re.findall(r"<!-- data-format: (\w+) -->\n```(\w+)\n(.*?)\n```", readme, re.S)
+    assert [f for f, _, _ in found] == ["llava", "sharegpt", "hf"]
+    for fmt, lang, text in found:
+        if lang != "json":
+            assert "save_to_disk" in text
+            continue
+        item = json.loads(text)
+        assert detect_format([("README", item)])[0] == fmt
+        (root / "shapes").mkdir(exist_ok=True)
+        write_image(root / "shapes" / "red_square.png", 8, 8)
+        messages, media = parse_sample(item, "README", root, {"image"}, fmt)
+        assert len(media["image"]) == 1 and messages[-1] == ("assistant", "A red square.")
