@@ -85,9 +85,36 @@ def processed(root: Path, item: dict, fmt: str) -> dict:
     return out.inputs
 
 
+def llama_factory_conversations(images: list[str], prompt: str, answer: str, system: str | None = None):
+    """LLaMA-Factory's default sharegpt columns: ``conversations`` of ``from``/``value``."""
+    row = sharegpt(images, prompt, answer, system)
+    turns = row.pop("messages")
+    row["conversations"] = [
+        {"from": {"user": "human"}.get(t["role"], "gpt"), "value": t["content"]} for t in turns
+    ]
+    return row
+
+
+def ms_swift(images: list[str], prompt: str, answer: str, system: str | None = None):
+    """ms-swift: the system prompt is a turn, the media a plain list."""
+    row = sharegpt(images, prompt, answer)
+    if system:
+        row["messages"].insert(0, {"role": "system", "content": system})
+    return row
+
+
+def trl_parts(images: list[str], prompt: str, answer: str, system: str | None = None):
+    """TRL / HF-hub VLM sets: content as a list of typed parts."""
+    row = ms_swift(images, prompt, answer, system)
+    user = row["messages"][-2]
+    user["content"] = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+    return row
+
+
 @pytest.mark.parametrize("row", ROWS, ids=["image", "system+text", "two images"])
-def test_sharegpt_row_equals_its_llava_row(root, row):
-    a, b = processed(root, llava(*row), "llava"), processed(root, sharegpt(*row), "sharegpt")
+@pytest.mark.parametrize("spelling", [sharegpt, llama_factory_conversations, ms_swift, trl_parts])
+def test_sharegpt_row_equals_its_llava_row(root, row, spelling):
+    a, b = processed(root, llava(*row), "llava"), processed(root, spelling(*row), "sharegpt")
     assert a.keys() == b.keys()
     for m in a:
         assert a[m].keys() == b[m].keys()

@@ -86,7 +86,8 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"trained {summary['steps']} steps: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
         f"mean throughput: {summary['mean_tokens_per_s']:.1f} tokens/s",
-        f"skipped samples: {summary['skipped_samples']}, dropped (too long): {summary['dropped_too_long']}",
+        f"skipped samples: {summary['skipped_samples']}, dropped (too long): {summary['dropped_too_long']}"
+        + (f", truncated: {summary['truncated_too_long']}" if summary.get("truncated_too_long") else ""),
         f"run dir: {summary['run_dir']}",
     ]
     if summary.get("checkpoint"):

@@ -97,7 +97,8 @@ def open_table(path: Path) -> Table:
         if not files:
             raise DataError(
                 str(path),
-                "not a Hugging Face dataset dir: no state.json (save_to_disk) and no .parquet files",
+                "not a Hugging Face dataset dir: no state.json (save_to_disk) and no .parquet files "
+                "(name a JSON/JSONL file itself)",
             )
     else:
         raise DataError(str(path), "dataset file not found")
