@@ -23,7 +23,7 @@ from disagg.config.schema import Config
 from disagg.plugins import Registry
 
 #: keys of ``parallel`` that are not module groups (kept from the base config)
-_PARALLEL_SETTINGS = ("placement", "transport", "collective_timeout_s")
+_PARALLEL_SETTINGS = ("placement", "transport", "collective_timeout_s", "start_timeout_s")
 
 
 def layout_config(

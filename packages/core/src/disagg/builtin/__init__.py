@@ -24,8 +24,9 @@ def disagg_register_schedules(register: Callable[[type], None]) -> None:
 
 @hookimpl
 def disagg_register_transports(register: Callable[[type], None]) -> None:
-    from disagg.builtin.transports import DirectTransport, ObjectStoreTransport
+    from disagg.builtin.transports import CudaIpcTransport, DirectTransport, ObjectStoreTransport
 
     register(ObjectStoreTransport)
+    register(CudaIpcTransport)
     for backend in ("gloo", "nccl"):
         register(DirectTransport.for_backend(backend))

@@ -40,7 +40,9 @@ class Resources(Strict):
     num_cpus: float = Field(1.0, ge=0)
     """Logical CPUs each rank's actor reserves."""
     num_gpus: float | None = Field(None, ge=0)
-    """GPUs per rank; default 1 (disaggregated) or 1/number-of-groups (collocated) when GPUs exist."""
+    """GPUs per rank, on CUDA; default 1 (disaggregated: whole GPUs only) or, collocated, an even
+    split of the GPU the ranks of one index share (what explicit shares leave; they may sum to
+    at most 1). 0 is refused on CUDA."""
 
 
 class GroupConfig(BaseModel):
@@ -88,8 +90,11 @@ class ParallelConfig(Strict):
     """``collocated``: groups share devices (fractional GPUs); ``disaggregated``: each group
     its own devices, on its own node when the cluster has several."""
     transport: str = "auto"
-    """``auto`` (object store on CPU, direct transport on CUDA), ``object_store``, ``gloo``,
-    ``nccl`` or a plugin's."""
+    """``auto``: ``object_store`` on CPU; on CUDA ``cuda_ipc`` when every group has one rank on
+    one shared GPU (collocated), ``nccl`` between disaggregated groups when cupy is installed
+    (``pip install 'disagg-core[nccl]'``), else ``object_store``. Or name one: ``object_store``
+    (any layout), ``cuda_ipc``, ``nccl`` or a plugin's; one that cannot work in the layout
+    (e.g. ``nccl`` with collocated groups sharing a GPU) is refused with the reason."""
     assign: Literal["balanced", "contiguous"] = "balanced"
     """How a microbatch's samples are split over a group's replicas: ``balanced`` evens out
     each replica's tokens (vision patches for an encoder, all tokens for the LLM) so no
@@ -97,6 +102,10 @@ class ParallelConfig(Strict):
     collective_timeout_s: float = Field(600.0, gt=0)
     """Longest a rank waits in one collective for the other ranks of its group; past it the
     run stops with an error naming the module, the ranks and the step (never a silent hang)."""
+    start_timeout_s: float = Field(900.0, gt=0)
+    """Longest the driver waits for the groups' actors to be placed on the cluster and set up
+    (weights loaded, ``torch.distributed`` joined); past it the run stops naming the module, the
+    ranks and the resources they asked for."""
     vision: GroupConfig = Field(default_factory=GroupConfig)
     """The vision encoder's group (ignored unless ``model.vision`` is set)."""
     audio: GroupConfig = Field(default_factory=GroupConfig)

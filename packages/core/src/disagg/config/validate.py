@@ -89,6 +89,7 @@ class _Checker:
         self.unused_groups()
         self.ray(resolved)
         self.transport()
+        self.devices()
         self.train()
         self.data(resolved)
         self.resume()
@@ -263,6 +264,18 @@ class _Checker:
                 ("parallel", "transport"),
                 f"{name!r} cannot be used: {cls.unavailable_reason}; {allowed(usable)}",
             )
+
+    def devices(self) -> None:
+        """GPU shares and the transport's fit to the layout, for the configured
+        device (``auto``: what is wrong on any device; the plan checks again
+        once the device is known)."""
+        from disagg.config.devices import gpu_share_problems, transport_problems
+
+        device = self.cfg.train.device
+        for path, message in gpu_share_problems(self.cfg, device) + transport_problems(
+            self.cfg, self.reg, device
+        ):
+            self.add(path, message)
 
     def train(self) -> None:
         t = self.cfg.train

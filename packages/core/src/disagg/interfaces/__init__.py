@@ -9,7 +9,7 @@ from disagg.interfaces.precision import compute_dtype
 from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
 from disagg.interfaces.shard import EmbeddingShard
 from disagg.interfaces.strategy import Strategy, StrategyOptions
-from disagg.interfaces.transport import Transport
+from disagg.interfaces.transport import Layout, Transport
 
 __all__ = [
     "AttentionScope",
@@ -28,6 +28,7 @@ __all__ = [
     "GroupContext",
     "LanguageFamily",
     "LayerMap",
+    "Layout",
     "OptimSpec",
     "SeqLayout",
     "Strategy",

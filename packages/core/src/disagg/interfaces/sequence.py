@@ -74,7 +74,7 @@ class UlyssesFamily(ABC):
     ) -> torch.Tensor:
         """Forward of tokens ``[lo, hi)`` (compute order) -> their output rows
         ``[(hi - lo) // unit, hidden]``. Runs the HF submodules of ``module``
-        whose attention implementation is ``disagg_ulysses``."""
+        whose attention implementation is ``disagg_ulysses_flash``."""
 
     def ulysses_attention_modules(self, module: nn.Module) -> list[nn.Module]:
         """The (sub)models whose ``config._attn_implementation`` ulysses replaces."""

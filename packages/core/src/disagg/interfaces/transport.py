@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a transport needs to know to say whether it can work: the device,
+    the placement and each module group's rank count (degree x replicas)."""
+
+    device: str
+    placement: str
+    ranks: dict[str, int]
+
+    @property
+    def one_gpu(self) -> bool:
+        """Every rank of every group on one device (collocated, one rank each):
+        each encoder rank's consumers share its GPU."""
+        return self.placement == "collocated" and max(self.ranks.values(), default=1) == 1
 
 
 class Transport:
@@ -18,6 +35,15 @@ class Transport:
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     #: why it cannot be used in this build, if it cannot (shown at config time)
     unavailable_reason: ClassVar[str | None] = None
+    #: tensors stay on the producer's device and Ray moves them device to device
+    #: (Ray Direct Transport); otherwise they are sent from host memory
+    on_device: ClassVar[bool] = False
+
+    @classmethod
+    def refuse(cls, layout: Layout) -> str | None:
+        """Why this transport cannot work in ``layout`` (a sentence with the
+        alternatives), or ``None``; asked at validation, before any actor starts."""
+        return None
 
     def setup(self, actors: list[Any]) -> None:
         """Prepare the actors of every group (driver side)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,14 +58,17 @@ def start_groups(
     dtype: str,
     seed: int,
     collective_timeout_s: float = 600.0,
+    start_timeout_s: float = 900.0,
 ) -> list[Group]:
-    """Create placement groups and actors, then each group's process group."""
+    """Create placement groups and actors, then each group's process group.
+    Raises :class:`StartTimeout` naming the module when its placement group or
+    its ranks' set-up does not finish within ``start_timeout_s``."""
     remote_cls = ray.remote(enable_tensor_transport=True)(ModuleWorker)
     gpus = device == "cuda"
     if placement == "collocated":
-        pgs, bundle_of = _collocated(specs, gpus)
+        pgs, bundle_of = _collocated(specs, gpus, start_timeout_s)
     else:
-        pgs, bundle_of = _disaggregated(specs, gpus)
+        pgs, bundle_of = _disaggregated(specs, gpus, start_timeout_s)
     groups = []
     for gi, spec in enumerate(specs):
         pg_index = 0 if placement == "collocated" else gi
@@ -98,14 +102,69 @@ def start_groups(
         groups.append(Group(spec, actors, pgs[pg_index]))
     # Start every group's torch.distributed world concurrently: set-up of one
     # group blocks until all its ranks have joined.
-    setups = []
-    for g in groups:
-        addr, port = ray.get(g.actors[0].rendezvous.remote())
-        setups += g.call("setup", addr, port)
-    ray.get(setups)
-    for g in groups:
-        g.nodes = [p["node_id"] for p in ray.get(g.call("placement"))]
+    try:
+        setups: dict[Any, tuple[Group, int]] = {}
+        deadline = time.monotonic() + start_timeout_s
+        for g in groups:
+            [(addr, port)] = _get_by(deadline, {g.actors[0].rendezvous.remote(): (g, 0)}, start_timeout_s)
+            setups.update({ref: (g, r) for r, ref in enumerate(g.call("setup", addr, port))})
+        _get_by(deadline, setups, start_timeout_s)
+        for g in groups:
+            g.nodes = [p["node_id"] for p in ray.get(g.call("placement"))]
+    except BaseException:
+        stop_groups(groups)  # nothing may keep holding the cluster's resources
+        raise
     return groups
+
+
+class StartTimeout(RuntimeError):
+    """A group's actors were not placed or set up in time (``parallel.start_timeout_s``)."""
+
+
+def _get_by(deadline: float, refs: dict[Any, tuple[Group, int]], timeout_s: float) -> list[Any]:
+    """``ray.get`` of ``refs`` (ref -> its group and rank) by ``deadline``;
+    :class:`StartTimeout` names the ranks that had not finished."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if ready:
+            ray.get(ready)  # a rank that failed to set up says why now, not after its peers time out
+        elif pending:
+            late: dict[str, list[int]] = {}
+            for ref in pending:
+                g, rank = refs[ref]
+                late.setdefault(g.module, []).append(rank)
+            (module, ranks), *_ = late.items()
+            spec = next(g.spec for g, _ in refs.values() if g.module == module)
+            raise StartTimeout(
+                f"module {module!r} ranks {sorted(ranks)} did not finish starting within {timeout_s:g} s "
+                f"(parallel.start_timeout_s): not placed (each asks num_cpus={spec.num_cpus:g}, "
+                f"num_gpus={spec.num_gpus if spec.num_gpus is not None else 'default'}; the cluster has "
+                f"{_free()} free) or still loading weights (then raise the timeout)"
+            )
+    return ray.get(list(refs))
+
+
+def _free() -> str:
+    free = ray.available_resources()
+    return ", ".join(f"{k} {free.get(k, 0):g}" for k in ("CPU", "GPU"))
+
+
+def _ready(pg: PlacementGroup, module: str, bundles: list[dict[str, float]], timeout_s: float) -> None:
+    """Wait for ``pg``; :class:`StartTimeout` names the module and what it asked."""
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise StartTimeout(
+            f"the placement group of {module} ({len(bundles)} bundles, e.g. {bundles[0]}) was not placed "
+            f"within {timeout_s:g} s (parallel.start_timeout_s); the cluster has {_free()} free and "
+            f"{_total()} in all: lower resources.num_cpus / num_gpus, the degree or replicas, or add nodes"
+        )
+
+
+def _total() -> str:
+    total = ray.cluster_resources()
+    return ", ".join(f"{k} {total.get(k, 0):g}" for k in ("CPU", "GPU"))
 
 
 def _gpus_per_rank(spec: GroupSpec, specs: list[GroupSpec], placement: str, rank: int) -> float:
@@ -113,12 +172,15 @@ def _gpus_per_rank(spec: GroupSpec, specs: list[GroupSpec], placement: str, rank
         return spec.num_gpus
     if placement == "disaggregated":
         return 1.0
-    # collocated: the ranks that share bundle `rank` split its GPU evenly
-    sharing = sum(1 for s in specs if s.size > rank)
-    return 1.0 / sharing
+    # collocated: the ranks on bundle `rank`'s GPU without a share of their own
+    # split evenly what the explicit shares leave (validation refuses sums past 1)
+    members = [s for s in specs if s.size > rank]
+    taken = sum(s.num_gpus for s in members if s.num_gpus is not None)
+    rest = sum(1 for s in members if s.num_gpus is None)
+    return max(0.0, 1.0 - taken) / max(rest, 1)
 
 
-def _collocated(specs: list[GroupSpec], gpus: bool):
+def _collocated(specs: list[GroupSpec], gpus: bool, timeout_s: float):
     """One bundle per device index; rank i of every group lives in bundle i."""
     n = max(s.size for s in specs)
     bundles = []
@@ -129,11 +191,11 @@ def _collocated(specs: list[GroupSpec], gpus: bool):
             b["GPU"] = 1.0
         bundles.append(b)
     pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready(), timeout=_PG_TIMEOUT)
+    _ready(pg, "the collocated groups " + ", ".join(repr(s.module) for s in specs), bundles, timeout_s)
     return [pg], (lambda gi, rank: rank)
 
 
-def _disaggregated(specs: list[GroupSpec], gpus: bool):
+def _disaggregated(specs: list[GroupSpec], gpus: bool, timeout_s: float):
     """A placement group per module, each aimed at a node no other group took
     (when the cluster has enough nodes), so groups never share devices."""
     alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -156,12 +218,15 @@ def _disaggregated(specs: list[GroupSpec], gpus: bool):
             bundle["GPU"] = spec.num_gpus or 1.0
         # Ray honours a target node only for STRICT_PACK; a group too big for
         # any single free node falls back to PACK anywhere.
-        pg = placement_group(
-            [dict(bundle) for _ in range(spec.size)],
-            strategy="STRICT_PACK" if target else "PACK",
-            _soft_target_node_id=target,
-        )
-        ray.get(pg.ready(), timeout=_PG_TIMEOUT)
+        bundles = [dict(bundle) for _ in range(spec.size)]
+        strategy = "STRICT_PACK" if target else "PACK"
+        pg = placement_group(bundles, strategy=strategy, _soft_target_node_id=target)
+        try:
+            _ready(pg, f"module {spec.module!r}", bundles, timeout_s)
+        except StartTimeout:
+            for earlier in pgs:
+                remove_placement_group(earlier)
+            raise
         if target:
             taken.add(target)
             free[target]["CPU"] -= need_cpu
@@ -169,9 +234,6 @@ def _disaggregated(specs: list[GroupSpec], gpus: bool):
                 free[target]["GPU"] = free[target].get("GPU", 0) - need_gpu
         pgs.append(pg)
     return pgs, (lambda gi, rank: rank)
-
-
-_PG_TIMEOUT = 120
 
 
 def stop_groups(groups: list[Group]) -> None:

@@ -48,6 +48,7 @@ class Orchestrator:
         clip_grad_norm: float | None = None,
         transport: Any = None,
         collective_timeout_s: float = 600.0,
+        start_timeout_s: float = 900.0,
         schedule: Schedule | None = None,
         max_inflight: int = 2,
         assign: Assign | None = None,
@@ -69,11 +70,14 @@ class Orchestrator:
             dtype=dtype,
             seed=seed,
             collective_timeout_s=collective_timeout_s,
+            start_timeout_s=start_timeout_s,
         )
         self.transport = transport
         if transport is not None:
             transport.setup([a for g in self.groups for a in g.actors])
         self._opts = transport.call_options() if transport is not None else {}
+        # shards and gradients leave their device only for the object store
+        self._host = not (transport is not None and transport.on_device)
         self._mb_counter = 0
         self._side_refs: list[Any] = []
         self.steps_done = 0
@@ -182,7 +186,9 @@ class Orchestrator:
             self._side_refs += g.call("encode", f.mb, ids, refs, grad, ranks=list(task.ranks))
         for src in f.route.sources:
             actor = self.group(src.module).actors[src.rank]
-            f.shard_refs[src.id] = actor.shards_for.options(**self._opts).remote(f.mb, list(src.samples))
+            f.shard_refs[src.id] = actor.shards_for.options(**self._opts).remote(
+                f.mb, list(src.samples), self._host
+            )
 
     def _llm(self, f: _Flight, loss_scale: float) -> list[Any]:
         needs_grad = [g.module for g in self.encoders if g.spec.optim is not None]
@@ -190,7 +196,8 @@ class Orchestrator:
         loss_refs = []
         for task in f.route.llm:  # every replica, even with no sample: it still runs in step
             ins = [by_index[i].inputs["llm"] for i in task.samples]
-            sources = [(sid, f.route.source(sid).module, f.shard_refs[sid]) for sid in task.sources]
+            # shard refs as top-level arguments: Ray resolves those (RDT included)
+            sources = [(sid, f.route.source(sid).module) for sid in task.sources]
             refs = self.llm.call(
                 "loss_and_backward",
                 f.mb,
@@ -199,6 +206,7 @@ class Orchestrator:
                 sources,
                 needs_grad,
                 loss_scale,
+                *[f.shard_refs[sid] for sid in task.sources],
                 ranks=list(task.ranks),
             )
             loss_refs.append(refs[0])  # every TP rank computes the same replica loss; count it once
@@ -220,8 +228,8 @@ class Orchestrator:
                 grads = []
                 for src in f.route.sources_of(g.module, rank):
                     head = self.llm.actors[f.route.llm[src.llm_replica].grad_rank]
-                    grads.append(head.grads_for.options(**self._opts).remote(f.mb, src.id))
-                self._side_refs.append(g.actors[rank].backward.remote(f.mb, grads))
+                    grads.append(head.grads_for.options(**self._opts).remote(f.mb, src.id, self._host))
+                self._side_refs.append(g.actors[rank].backward.remote(f.mb, *grads))
         for a in self.llm.actors:
             a.release.remote(f.mb)
 
@@ -234,10 +242,11 @@ class Orchestrator:
         by_index = {s.index: s for s in f.samples}
         outs = []
         for task in f.route.llm:
-            sources = [(sid, f.route.source(sid).module, f.shard_refs[sid]) for sid in task.sources]
+            sources = [(sid, f.route.source(sid).module) for sid in task.sources]
             ins = [by_index[i].inputs["llm"] for i in task.samples]
+            parts = [f.shard_refs[sid] for sid in task.sources]
             outs.append(
-                self.llm.call("evaluate", list(task.samples), ins, sources, ranks=list(task.ranks))[0]
+                self.llm.call("evaluate", list(task.samples), ins, sources, *parts, ranks=list(task.ranks))[0]
             )
         for task in f.route.encodes:
             for rank in task.ranks:

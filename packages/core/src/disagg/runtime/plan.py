@@ -61,12 +61,7 @@ def make_plan(resolved: ResolvedConfig | Config, registry: Registry, cluster_gpu
 
         resolved = validate(resolved, registry)
     cfg = resolved.config
-    device = cfg.train.device
-    if device == "auto":
-        device = "cuda" if cluster_gpus > 0 else "cpu"
-    dtype = cfg.train.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+    device, dtype = resolve_device_dtype(cfg.train.device, cfg.train.dtype, cluster_gpus)
     families = {m: r.family for m, r in resolved.modules.items()}
     specs = []
     for m in cfg.modules():
@@ -85,15 +80,36 @@ def make_plan(resolved: ResolvedConfig | Config, registry: Registry, cluster_gpu
                 num_gpus=g.resources.num_gpus,
             )
         )
+    name = resolve_transport(cfg, registry, device)
+    return Plan(families, specs, device, dtype, registry.transports[name]())
+
+
+def resolve_device_dtype(device: str, dtype: str, cluster_gpus: float) -> tuple[str, str]:
+    """``train.device`` and ``train.dtype`` with ``auto`` resolved: CUDA when the
+    Ray cluster (not the driver) has GPUs; bfloat16 on CUDA, float32 on CPU."""
+    if device == "auto":
+        device = "cuda" if cluster_gpus > 0 else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype
+
+
+def resolve_transport(cfg: Config, registry: Registry, device: str) -> str:
+    """The transport's name (``auto`` resolved for ``device`` and the layout),
+    after the checks that need the device: GPU shares and the transport's fit
+    (:mod:`disagg.config.devices`); raises :class:`ConfigError` naming the key."""
+    from disagg.builtin.transports import auto_transport
+    from disagg.config.devices import gpu_share_problems, layout_of, transport_problems
+    from disagg.config.errors import ConfigError, Problem
+    from disagg.config.source import dotted
+
+    found = gpu_share_problems(cfg, device) + transport_problems(cfg, registry, device)
     name = cfg.parallel.transport
     if name == "auto":
-        name = "nccl" if device == "cuda" else "object_store"
-    transport = registry.transports[name]()
-    if transport.unavailable_reason:
-        raise ValueError(f"parallel.transport: {name!r} cannot be used: {transport.unavailable_reason}")
-    if device not in transport.devices:
-        raise ValueError(
-            f"parallel.transport: {name!r} does not work on {device}; "
-            f"allowed there: {sorted(n for n, t in registry.transports.items() if device in t.devices)}"
-        )
-    return Plan(families, specs, device, dtype, transport)
+        name = auto_transport(layout_of(cfg, device), registry.transports)
+    elif registry.transports[name].unavailable_reason:  # validation already said so; a plain make_plan
+        reason = registry.transports[name].unavailable_reason
+        found.append((("parallel", "transport"), f"{name!r} cannot be used: {reason}"))
+    if found:
+        raise ConfigError([Problem(dotted(path), message) for path, message in found])
+    return name

@@ -66,6 +66,7 @@ def run_training(
             clip_grad_norm=cfg.train.clip_grad_norm,
             transport=plan.transport,
             collective_timeout_s=cfg.parallel.collective_timeout_s,
+            start_timeout_s=cfg.parallel.start_timeout_s,
             schedule=registry.schedules[cfg.train.schedule](),
             max_inflight=cfg.train.max_inflight,
             assign=balance if cfg.parallel.assign == "balanced" else contiguous,

@@ -4,7 +4,10 @@ It owns a ``torch.distributed`` world shared only with the other ranks of its
 module, a :class:`~disagg.interfaces.Strategy`, and the autograd graphs of the
 microbatches in flight. Every method that moves activations or gradients
 returns exactly one object (what Ray Direct Transport supports), addressed to
-one consumer, so the driver only wires ObjectRefs and never sees tensors.
+one consumer, so the driver only wires ObjectRefs and never sees tensors; the
+consumer takes them as top-level arguments (Ray resolves those, over RDT too,
+which neither transfers refs nested in lists nor allows ``ray.get`` on a
+two-sided transport's refs).
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ def _named(fn: Callable) -> Callable:
     def wrapper(self: ModuleWorker, *args: Any, **kwargs: Any) -> Any:
         rec = self.record  # step() starts a new record; this call's time belongs to the old one
         t0, waited = time.perf_counter(), rec.wait_s
+        if fn.__name__ in _CONSUMERS and self.idle_from is not None:
+            # Ray started this call once its shard/gradient arguments had arrived:
+            # the rank idled since its last call waiting on another group
+            rec.wait_s += t0 - self.idle_from
+            waited = rec.wait_s
         try:
             return fn(self, *args, **kwargs)
         except WorkerError:
@@ -57,8 +65,23 @@ def _named(fn: Callable) -> Callable:
         finally:
             # busy: inside this call, minus what it spent blocked on another group
             rec.busy_s += time.perf_counter() - t0 - (rec.wait_s - waited)
+            self.idle_from = time.perf_counter()
 
     return wrapper
+
+
+#: methods whose arguments are another group's outputs (their wait counts as ``wait_s``)
+_CONSUMERS = frozenset({"loss_and_backward", "backward"})
+
+
+def _for_wire(t: torch.Tensor, host: bool) -> torch.Tensor:
+    """A tensor that owns exactly its bytes: through the object store a view
+    would pickle its whole storage (the encoder's full output); ``host``: sent
+    from host memory (object store), else it stays on its device (RDT)."""
+    t = t.detach()
+    if host and t.device.type != "cpu":
+        return t.cpu().contiguous()
+    return t.clone(memory_format=torch.contiguous_format) if host else t.contiguous()
 
 
 class ModuleWorker:
@@ -94,6 +117,8 @@ class ModuleWorker:
         self.record = RankRecord(module, rank)
         # saved-activation bytes per microbatch in flight; their sum peaks at record.activation_bytes
         self.live_bytes: dict[int, int] = {}
+        # end of the last call (None: none in this step yet), for wait_s
+        self.idle_from: float | None = None
 
     # -- set-up -------------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -162,7 +187,7 @@ class ModuleWorker:
     def encode(self, mb: int, sample_ids: list[int], input_refs: list[Any], grad: bool = True) -> None:
         """Forward this rank's shard of each sample; outputs stay here until
         fetched. ``grad=False`` (evaluation, a frozen encoder) keeps no graph."""
-        inputs = self._get(input_refs, wait=False)
+        inputs = ray.get(input_refs)
         with self._count_saved(mb), self._compute(), torch.set_grad_enabled(grad):
             shards = self.strategy.encode(mb, inputs)  # type: ignore[union-attr]
         if len(shards) != len(sample_ids):
@@ -170,22 +195,28 @@ class ModuleWorker:
         self.pending[mb] = (list(sample_ids), shards)
 
     @_named
-    def shards_for(self, mb: int, sample_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
-        """This rank's shards of ``sample_ids`` — one object for one LLM replica."""
+    def shards_for(
+        self, mb: int, sample_ids: list[int], host: bool = True
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's shards of ``sample_ids`` — one object for one LLM
+        replica, every tensor in it on one device (RDT requires it): the
+        value's, or host memory when ``host`` (the object store)."""
         ids, shards = self.pending[mb]
         by_id = dict(zip(ids, shards))
         out = {}
         for i in sample_ids:
             s = by_id[i]
-            out[i] = (s.positions, s.value.detach(), s.total)
+            value = _for_wire(s.value, host)
+            out[i] = (s.positions.to(value.device), value, s.total)
             self.record.sent_bytes += s.value.numel() * s.value.element_size()
         return out
 
     @_named
-    def backward(self, mb: int, grad_refs: list[Any]) -> None:
-        """Backward from the gradients of this rank's shards (from every LLM replica)."""
+    def backward(self, mb: int, *grad_parts: dict[int, torch.Tensor]) -> None:
+        """Backward from the gradients of this rank's shards (one object from
+        each LLM replica, top-level arguments)."""
         grads: dict[int, torch.Tensor] = {}
-        for part in self._get(grad_refs):
+        for part in grad_parts:
             grads.update(part)
         ids, shards = self.pending.pop(mb)
         device = shards[0].value.device if shards else torch.device("cpu")
@@ -207,21 +238,24 @@ class ModuleWorker:
 
     # -- language-model role ------------------------------------------------------------------------
     def _assemble(
-        self, sample_ids: list[int], sources: list[tuple[int, str, Any]]
+        self, sample_ids: list[int], sources: list[tuple[int, str]], parts: tuple[dict, ...]
     ) -> tuple[list[dict[str, torch.Tensor]], dict[int, list]]:
         """Each sample's full embeddings per module, from the shards of every
-        source; and, per source id, where its rows went (for :meth:`grads_for`)."""
+        source ``(source id, module)`` (``parts``: their objects, in order); and,
+        per source id, where its rows went (for :meth:`grads_for`)."""
         device = self.strategy.ctx.device  # type: ignore[union-attr]
         embeds: list[dict[str, torch.Tensor]] = [{} for _ in sample_ids]
         layout: dict[int, list] = {}
         index = {s: k for k, s in enumerate(sample_ids)}
-        parts = self._get([ref for _, _, ref in sources])
-        for (source, module, _), part in zip(sources, parts):
+        if len(parts) != len(sources):
+            raise RuntimeError(f"{len(parts)} shard objects for {len(sources)} sources")
+        for (source, module), part in zip(sources, parts):
             for sid, (positions, value, total) in part.items():
                 e = embeds[index[sid]]
                 if module not in e:
                     e[module] = torch.zeros(total, value.shape[-1], dtype=value.dtype, device=device)
-                e[module][positions.to(device)] = value.to(device)
+                positions = positions.to(device)
+                e[module][positions] = value.to(device)
                 layout.setdefault(source, []).append((index[sid], sid, module, positions))
         return embeds, layout
 
@@ -231,15 +265,16 @@ class ModuleWorker:
         mb: int,
         sample_ids: list[int],
         input_refs: list[Any],
-        sources: list[tuple[int, str, Any]],
+        sources: list[tuple[int, str]],
         needs_grad: list[str],
         loss_scale: float,
+        *parts: dict[int, tuple[torch.Tensor, torch.Tensor, int]],
     ) -> float:
         """Assemble each sample's embeddings from its sources ``(source id,
-        module, ref)``, run forward and backward; keep the embedding gradients
-        for :meth:`grads_for`."""
-        inputs = self._get(input_refs, wait=False)
-        embeds, layout = self._assemble(sample_ids, sources)
+        module)`` and their shard objects ``parts`` (top-level arguments), run
+        forward and backward; keep the embedding gradients for :meth:`grads_for`."""
+        inputs = ray.get(input_refs)
+        embeds, layout = self._assemble(sample_ids, sources, parts)
         for e in embeds:
             for module, t in e.items():
                 t.requires_grad_(module in needs_grad)
@@ -250,9 +285,9 @@ class ModuleWorker:
         return loss_sum
 
     @_named
-    def grads_for(self, mb: int, source: int) -> dict[int, torch.Tensor]:
+    def grads_for(self, mb: int, source: int, host: bool = True) -> dict[int, torch.Tensor]:
         """Gradients of the shards that ``source`` delivered — one object for
-        exactly the encoder rank that produced them."""
+        exactly the encoder rank that produced them (in host memory when ``host``)."""
         _, embeds, layout = self.llm_leaves[mb]
         out = {}
         for k, sid, module, positions in layout.get(source, []):
@@ -264,7 +299,7 @@ class ModuleWorker:
                 # must run it. The cost is weight decay on an encoder that the
                 # single-process model would leave untouched in this step.
                 g = torch.zeros_like(embeds[k][module])
-            out[sid] = g[positions.to(g.device)].detach()
+            out[sid] = _for_wire(g[positions.to(g.device)], host)
             self.record.sent_bytes += out[sid].numel() * out[sid].element_size()
         return out
 
@@ -276,11 +311,15 @@ class ModuleWorker:
 
     @_named
     def evaluate(
-        self, sample_ids: list[int], input_refs: list[Any], sources: list[tuple[int, str, Any]]
+        self,
+        sample_ids: list[int],
+        input_refs: list[Any],
+        sources: list[tuple[int, str]],
+        *parts: dict[int, tuple[torch.Tensor, torch.Tensor, int]],
     ) -> tuple[float, int, int]:
         """Forward only: (loss sum, correct argmax predictions, label tokens)."""
-        inputs = self._get(input_refs, wait=False)
-        embeds, _ = self._assemble(sample_ids, sources)
+        inputs = ray.get(input_refs)
+        embeds, _ = self._assemble(sample_ids, sources, parts)
         module = self.strategy.module  # type: ignore[union-attr]
         module.eval()  # no dropout when measuring
         try:
@@ -321,16 +360,6 @@ class ModuleWorker:
         rec.lr = lr
         self.record = RankRecord(self.module, self.rank)
         return rec
-
-    def _get(self, refs: list[Any], wait: bool = True) -> list[Any]:
-        """``ray.get``; with ``wait``, the time blocked counts as waiting on
-        another group (shards or gradients it has not produced yet)."""
-        if not wait:
-            return ray.get(refs)
-        t0 = time.perf_counter()
-        out = ray.get(refs)
-        self.record.wait_s += time.perf_counter() - t0
-        return out
 
     def _compute(self) -> Any:
         ctx = self.strategy.ctx  # type: ignore[union-attr]
