@@ -24,6 +24,7 @@ from disagg_vision_sp.families.common import (
     load_image,
     quiet_transformers,
 )
+from disagg_vision_sp.ulysses.attention import LENGTHS_KWARG
 from disagg_vision_sp.ulysses.layout import AttentionScope, SeqLayout, UlyssesFamily
 
 #: where the tower lives in the files of a whole-VLM dir (legacy and transformers-5 layouts)
@@ -174,13 +175,18 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
         local_windows = cu_window[(cu_window >= lo) & (cu_window <= hi)] - lo
         if local_windows.numel() < 2:  # an empty shard still runs every block (collectives)
             local_windows = torch.zeros(2, dtype=torch.long)
+        # window lengths from host memory: the attention's varlen call needs no device sync
+        bounds = [int(x) for x in local_windows.tolist()]
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        windows = {"max_seqlen": max(lengths), LENGTHS_KWARG: lengths}
         local_windows = local_windows.to(dev, torch.int32)
         whole = torch.tensor([0, hi - lo], device=dev, dtype=torch.int32)
+        spanning = {"max_seqlen": hi - lo, LENGTHS_KWARG: [hi - lo]}
         full = set(module.fullatt_block_indexes)
         for i, block in enumerate(module.blocks):
             if i in full:
                 with scope.spanning(layout.extra["full_segments"]):
-                    hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary)
+                    hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary, **spanning)
             else:
-                hidden = block(hidden, cu_seqlens=local_windows, position_embeddings=rotary)
+                hidden = block(hidden, cu_seqlens=local_windows, position_embeddings=rotary, **windows)
         return module.merger(hidden)

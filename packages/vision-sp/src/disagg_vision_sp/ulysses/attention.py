@@ -1,7 +1,14 @@
 """Ulysses attention, plugged into Hugging Face's ``AttentionInterface``.
 
 HF attention modules compute q/k/v, then call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``.
-We register one more implementation, ``disagg_ulysses``. Outside a
+We register one more implementation, ``disagg_ulysses_flash``. Its name says
+"flash" on purpose: HF's packed-sequence attentions (Qwen2.5-VL's vision
+blocks) then make one varlen call per block with ``cu_seq_lens_q`` instead of
+a Python loop with one attention call per window and a host sync (144 windows
+x 28 blocks for one 1344 x 1344 image). We do the varlen call with the real
+backend: one ``flash_attention_2`` call, or, for sdpa and eager, one batched
+call per distinct window length (usually up to four: whole windows and the
+image's edges), never a mask over the whole sequence. Outside a
 :meth:`UlyssesRuntime.spanning` scope it just calls the real backend (sdpa,
 eager, flash_attention_2) on the rank's own tokens: attention that is local by
 construction (Qwen2.5-VL windows cut on window boundaries) moves no bytes.
@@ -23,7 +30,12 @@ import torch.distributed as dist
 
 from disagg.interfaces.comm import CommCounter
 
-ATTN_NAME = "disagg_ulysses"
+ATTN_NAME = "disagg_ulysses_flash"
+#: keyword a caller passes through HF's block to give the segment lengths from
+#: host memory (``cu_seq_lens_q`` is on the device: reading it is a sync)
+LENGTHS_KWARG = "disagg_segment_lengths"
+#: HF's varlen keywords, which only a flash backend takes
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 _RUNTIME: ContextVar["UlyssesRuntime | None"] = ContextVar("disagg_ulysses_runtime", default=None)
 
@@ -96,11 +108,23 @@ def ulysses_attention_forward(
     rt = _RUNTIME.get()
     if rt is None:
         raise RuntimeError(f"attn_implementation {ATTN_NAME!r} used outside a ulysses forward")
+    lengths = kwargs.pop(LENGTHS_KWARG, None)
+    cu = kwargs.get("cu_seq_lens_q")
+    varlen = {k: kwargs.pop(k) for k in _VARLEN_KWARGS if k in kwargs}
     if query.shape[2] == 0 and rt.segments is None:
         return query.transpose(1, 2), None  # an empty local shard: nothing to attend
     if rt.segments is None:
-        out, _ = base_attention(rt.base)(module, query, key, value, attention_mask, **kwargs)
-        return out, None
+        if cu is None:  # a plain call (CLIP, SigLIP, Whisper): the backend as the model asked
+            out, _ = base_attention(rt.base)(module, query, key, value, attention_mask, **kwargs)
+            return out, None
+        if lengths is None:
+            lengths = _lengths(cu)  # one host sync per call: callers that can pass LENGTHS_KWARG
+        if attention_mask is not None:
+            raise ValueError("varlen attention takes no attention_mask; got one")
+        if "flash" in rt.base:
+            out, _ = base_attention(rt.base)(module, query, key, value, None, **varlen, **kwargs)
+            return out, None
+        return _segmented(rt.base, module, query, key, value, lengths, kwargs), None
     if attention_mask is not None:
         raise ValueError("ulysses attention builds its own segment masks; got an attention_mask")
     return _spanning_attention(rt, module, query, key, value, kwargs), None
@@ -158,11 +182,60 @@ def _segmented(
             **kwargs,
         )
         return out
-    parts = [
-        fn(module, qs, ks, vs, None, is_causal=False, **kwargs)[0]
-        for qs, ks, vs in zip(*(t.split(segments, dim=2) for t in (q, k, v)))
-    ]
-    return torch.cat(parts, dim=1)
+    return _batched_by_length(fn, module, q, k, v, segments, kwargs)
+
+
+def _lengths(cu: torch.Tensor) -> list[int]:
+    bounds = [int(x) for x in cu.tolist()]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _batched_by_length(
+    fn: Callable[..., tuple[torch.Tensor, Any]],
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: list[int],
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Block-diagonal attention as one batched call per distinct segment length:
+    segments of one length are stacked as a batch (each attends only to itself,
+    as in the per-segment loop), so no FLOP is spent outside the blocks.
+    ``[1, h, N, D]`` -> ``[1, N, h, D]``."""
+    h, n, d = q.shape[1], q.shape[2], q.shape[3]
+    segments = [s for s in segments if s]
+    if sum(segments) != n:
+        raise ValueError(f"segments cover {sum(segments)} tokens of {n}")
+    starts = [0]
+    for s in segments[:-1]:
+        starts.append(starts[-1] + s)
+    by_length: dict[int, list[int]] = {}
+    for i, s in enumerate(segments):
+        by_length.setdefault(s, []).append(i)
+
+    def batch(t: torch.Tensor, length: int, count: int) -> torch.Tensor:
+        return t[0].reshape(h, count, length, d).transpose(0, 1)  # [count, h, length, d]
+
+    if len(by_length) == 1:  # every segment one length: a view, no gather
+        (length, idx), = by_length.items()
+        out = fn(module, *(batch(t, length, len(idx)) for t in (q, k, v)), None, is_causal=False, **kwargs)[0]
+        return out.reshape(1, n, h, d)
+    # gather each length's tokens together (one index built on the host), attend, scatter back
+    order = torch.cat(
+        [torch.arange(starts[i], starts[i] + length) for length, idx in by_length.items() for i in idx]
+    ).to(q.device)
+    qs, ks, vs = (t.index_select(2, order) for t in (q, k, v))
+    parts, at = [], 0
+    for length, idx in by_length.items():
+        span = length * len(idx)
+        chunk = [batch(t[:, :, at : at + span], length, len(idx)) for t in (qs, ks, vs)]
+        parts.append(fn(module, *chunk, None, is_causal=False, **kwargs)[0])
+        at += span
+    gathered = torch.cat([p.reshape(-1, h, d) for p in parts])  # [N, h, d] in `order`
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(n, device=order.device)
+    return gathered.index_select(0, inverse).unsqueeze(0)
 
 
 def _all_to_all(
