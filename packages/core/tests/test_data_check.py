@@ -67,6 +67,19 @@ def test_check_reports_every_problem_and_lengths(tmp_path, ray_local, disagg_reg
     rc = main(["data", "check", str(tmp_path / "c.yaml"), "--no-progress", "--set", "data.max_tokens=5"])
     assert rc == 1 and "too long (data.max_tokens): 3" in capsys.readouterr().out
 
+    # truncate: what it cuts is counted and the lengths are the cut ones; a cut through the
+    # image placeholders is a problem of its sample
+    shortest = json.loads(out.read_text())["tokens"]["min"]
+    args = ["data", "check", str(tmp_path / "c.yaml"), "--no-progress", "--report", str(out)]
+    truncate = ["--set", "data.on_too_long=truncate", "--set"]
+    assert main([*args, *truncate, f"data.max_tokens={shortest - 1}"]) == 0
+    report = json.loads(out.read_text())
+    assert (report["ok"], report["truncated"], report["tokens"]["max"]) == (3, 3, shortest - 1)
+    assert main([*args, *truncate, "data.max_tokens=5"]) == 1
+    report = json.loads(out.read_text())
+    assert (report["ok"], report["bad"]) == (0, 3)
+    assert all("would cut vision placeholder tokens" in p for p in report["problems"])
+
 
 @pytest.mark.parametrize("argv", [["data"], ["data", "check"]])
 def test_check_usage_errors(argv):

@@ -236,7 +236,7 @@ def test_data_check_lists_every_video_row(ray_local, root, disagg_registry, tmp_
     assert report["formats"] == [f"{path}: sharegpt (data.format: auto detected sharegpt from {path}:1)"]
 
 
-@pytest.mark.parametrize("layout", ["parquet", "save_to_disk", "parquet_dir", "embedded_images"])
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk", "parquet_dir", "embedded_images", "jsonl_dir"])
 def test_hf_dataset_reads_the_jsonl_samples(ray_local, root, tmp_path, layout):
     datasets = pytest.importorskip("datasets")
     rows = [sharegpt(*r) for r in ROWS] * 2
@@ -257,20 +257,32 @@ def test_hf_dataset_reads_the_jsonl_samples(ray_local, root, tmp_path, layout):
         ds.select(range(4)).to_parquet(str(tmp_path / "pq" / "data" / "train-00000-of-00002.parquet"))
         ds.select(range(4, 6)).to_parquet(str(tmp_path / "pq" / "data" / "train-00001-of-00002.parquet"))
         path = tmp_path / "pq"
+    elif layout == "jsonl_dir":
+        (tmp_path / "js" / "data").mkdir(parents=True)
+        write_jsonl(tmp_path / "js" / "data" / "a.jsonl", rows[:4])
+        write_jsonl(tmp_path / "js" / "data" / "b.jsonl", ["", *rows[4:]])  # a blank first line
+        path = tmp_path / "js"
     else:
         path = tmp_path / "d.parquet"
         ds.to_parquet(str(path), batch_size=2)  # several row groups
     fmt = "hf" if layout != "parquet" else "auto"
-    got = {}
+    got, sources = {}, {}
     for name, p in (("jsonl", jsonl), ("hf", path)):
         src = build_data_source(
             config(root, str(p), format=fmt if name == "hf" else "auto"), families(root / "tok")
         )
         assert src.indexes[0].format == "sharegpt"
-        got[name] = [
-            {m: ray.get(r) for m, r in s.inputs.items()} for b in islice(src.batches(), 2) for s in b
-        ]
+        batches = list(islice(src.batches(), 2))
+        got[name] = [{m: ray.get(r) for m, r in s.inputs.items()} for b in batches for s in b]
+        sources[name] = [s.source for b in batches for s in b]
     assert len(got["hf"]) == 6
+    where = {
+        "parquet": [f"{path}[{j}]" for j in range(6)],
+        "jsonl_dir": [f"{path}/data/a.jsonl:{n}" for n in (1, 2, 3, 4)]
+        + [f"{path}/data/b.jsonl:{n}" for n in (2, 3)],
+    }
+    if layout in where:
+        assert sources["hf"] == where[layout]
     for a, b in zip(got["jsonl"], got["hf"]):
         assert a.keys() == b.keys()
         for m in a:

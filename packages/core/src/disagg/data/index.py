@@ -127,6 +127,11 @@ def index_dataset(path: str | Path, media_root: str | Path, fmt: str = "auto") -
     return ix
 
 
+def index_jsonl(path: str) -> DatasetIndex:
+    """The line index of one JSONL file (a file of a Hugging Face dataset dir)."""
+    return _index_json(Path(path), path, "")
+
+
 def _index_json(p: Path, path: str, media_root: str) -> DatasetIndex:
     if not p.is_file():
         raise DataError(path, "dataset file not found")

@@ -1,4 +1,5 @@
-"""Hugging Face datasets on disk, read row by row with pyarrow: parquet files and ``save_to_disk`` dirs.
+"""Hugging Face datasets on disk, read row by row: parquet files and ``save_to_disk`` dirs (pyarrow),
+and dirs of JSONL files (each indexed like a JSONL dataset).
 
 Why pyarrow and not ``datasets`` or ``ray.data.read_parquet``: the stream
 needs random access by row (a deterministic shuffle per seed, and a resumed
@@ -13,6 +14,9 @@ rows it preprocesses, so neither the driver nor a worker ever holds the table.
 
 A row is the dict ``datasets`` would give (``Image``/``Audio`` features stay
 ``{"bytes", "path"}`` structs: :mod:`disagg.data.records` decodes the bytes).
+Random access costs a parquet row group per sample read from a new group:
+write parquet with small row groups for shuffled training, or use
+``save_to_disk``, whose memory-mapped Arrow files make a row free to reach.
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ from disagg.data.formats import VIDEO_KEYS
 #: per worker process: the last few parquet row groups / Arrow tables read
 _CACHE: dict[tuple[str, int], Any] = {}
 _CACHE_SIZE = 4
+#: per process: the line index of each JSONL file of a dir (16 bytes a row)
+_JSONL: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
 class Table:
     """One dataset made of parquet files or ``save_to_disk`` Arrow files (picklable, small)."""
 
-    kind: str  # "parquet" or "arrow"
+    kind: str  # "parquet", "arrow" or "jsonl"
     files: tuple[str, ...]
     rows: tuple[int, ...]
 
@@ -51,10 +57,14 @@ class Table:
 
     def location(self, i: int) -> str:
         f, j = self._where(i)
+        if self.kind == "jsonl":
+            return _jsonl_index(self.files[f]).location(j)
         return f"{self.files[f]}[{j}]"
 
     def row(self, i: int) -> dict[str, Any]:
         f, j = self._where(i)
+        if self.kind == "jsonl":
+            return _jsonl_index(self.files[f]).read(j)
         if self.kind == "arrow":
             return _arrow_table(self.files[f]).slice(j, 1).to_pylist()[0]
         group, k = _row_group(self.files[f], j)
@@ -65,6 +75,9 @@ class Table:
         those columns are read."""
         out = []
         for path in self.files:
+            if self.kind == "jsonl":
+                out += _jsonl_index(path).video_rows()
+                continue
             cols = [c for c in _schema(self.kind, path).names if c in VIDEO_KEYS]
             if not cols:
                 continue
@@ -95,21 +108,34 @@ def open_table(path: Path) -> Table:
         files = sorted(path.rglob("*.parquet"))
         kind = "parquet"
         if not files:
+            files, kind = sorted(path.rglob("*.jsonl")), "jsonl"
+        if not files:
             raise DataError(
                 str(path),
-                "not a Hugging Face dataset dir: no state.json (save_to_disk) and no .parquet files "
-                "(name a JSON/JSONL file itself)",
+                "not a Hugging Face dataset dir: no state.json (save_to_disk), no .parquet and no "
+                ".jsonl files",
             )
     else:
         raise DataError(str(path), "dataset file not found")
     rows = []
     for f in files:
+        if kind == "jsonl":
+            rows.append(_jsonl_index(str(f)).size)
+            continue
         try:
             n = pq.ParquetFile(f).metadata.num_rows if kind == "parquet" else _arrow_table(str(f)).num_rows
         except Exception as exc:  # pyarrow raises several types for a bad file
             raise DataError(str(f), f"cannot read {kind} file: {type(exc).__name__}: {exc}") from None
         rows.append(int(n))
     return Table(kind, tuple(str(f) for f in files), tuple(rows))
+
+
+def _jsonl_index(path: str) -> Any:
+    from disagg.data.index import index_jsonl
+
+    if path not in _JSONL:
+        _JSONL[path] = index_jsonl(path)
+    return _JSONL[path]
 
 
 def _cached(key: tuple[str, int], load: Any) -> Any:
