@@ -142,6 +142,9 @@ def test_auto_detects_and_names_the_deciding_row(root):
     assert index_dataset(p, root).format == "llava"
     # an explicit format is taken as given
     assert index_dataset(root / "lf.jsonl", root, "llava").how == "data.format: llava"
+    # a malformed first line is the stream's to report (or skip): detection reads past it
+    p = write_jsonl(root / "broken_first.jsonl", ['{"messages": [', sharegpt(*ROWS[0])])
+    assert index_dataset(p, root).how == f"data.format: auto detected sharegpt from {p}:2"
 
 
 @pytest.mark.parametrize(

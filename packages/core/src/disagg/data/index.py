@@ -61,15 +61,14 @@ class DatasetIndex:
         return DatasetSpec(self.path, self.media_root, self.format, self.how, self.table)
 
     def first_rows(self, n: int) -> list[tuple[str, Any]]:
-        """``(location, parsed row)`` of the first ``n`` rows that parse (for format detection)."""
+        """``(location, parsed row)`` of those of the first ``n`` rows that parse (for format
+        detection; a malformed one is reported at its line when the stream reaches it)."""
         out = []
         for i in range(min(n, self.size)):
-            loc = self.location(i)
             try:
-                out.append((loc, self.read(i)))
+                out.append((self.location(i), self.read(i)))
             except DataError:
-                if i == 0:
-                    raise
+                continue
         return out
 
     def read(self, i: int) -> Any:
