@@ -49,6 +49,7 @@ class Registry:
     families: dict[tuple[str, str], type] = field(default_factory=dict)
     transports: dict[str, type] = field(default_factory=dict)
     schedules: dict[str, type] = field(default_factory=dict)
+    trackers: dict[str, type] = field(default_factory=dict)
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
     #: plugin name -> "ExceptionType: message" for plugins that failed to load
     failures: dict[str, str] = field(default_factory=dict)
@@ -175,6 +176,7 @@ _SINGULAR = {
     "families": "family",
     "transports": "transport",
     "schedules": "schedule",
+    "trackers": "tracker",
 }
 
 #: (Registry attribute, hook that fills it)
@@ -183,6 +185,7 @@ REGISTER_HOOKS: tuple[tuple[str, str], ...] = (
     ("families", "disagg_register_families"),
     ("transports", "disagg_register_transports"),
     ("schedules", "disagg_register_schedules"),
+    ("trackers", "disagg_register_trackers"),
 )
 
 
@@ -194,7 +197,7 @@ def provider_of(kind: str, name: str, role: str | None = None) -> str | None:
 
 
 def notify(hook: str, *, pm: pluggy.PluginManager | None = None, **kwargs: Any) -> list[str]:
-    """Call an observer hook (``disagg_log_metrics``, ``disagg_run_finished``)
+    """Call an observer hook (``disagg_run_started``, ``disagg_log_metrics``, ``disagg_run_finished``)
     on every plugin of ``pm`` (default: the process-wide registry's); an
     exception in one plugin is warned about and returned, never raised, so
     that a broken logger cannot stop a run."""

@@ -30,3 +30,15 @@ def disagg_register_transports(register: Callable[[type], None]) -> None:
     register(CudaIpcTransport)
     for backend in ("gloo", "nccl"):
         register(DirectTransport.for_backend(backend))
+
+
+@hookimpl
+def disagg_register_trackers(register: Callable[[type], None]) -> None:
+    # the classes only: each tracker imports its library when a run starts it
+    from disagg.metrics.jsonl import JsonlMetricsLogger
+    from disagg.trackers.mlflow import MLflowTracker
+    from disagg.trackers.tensorboard import TensorBoardTracker
+    from disagg.trackers.wandb import WandbTracker
+
+    for cls in (JsonlMetricsLogger, TensorBoardTracker, MLflowTracker, WandbTracker):
+        register(cls)

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "bench": "disagg.cli.bench",
     "plan": "disagg.cli.plan",
     "data": "disagg.cli.data",
+    "plot": "disagg.cli.plot",
 }
 
 EXIT_RUNTIME_ERROR = 1

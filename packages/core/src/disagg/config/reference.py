@@ -107,7 +107,9 @@ def _default(field: Any, model: type[BaseModel] | None) -> str:
     if field.is_required():
         return "**required**"
     if field.default is PydanticUndefined:
-        return "" if model is not None else "`{}`"
+        if model is not None:
+            return ""
+        return "`[]`" if field.default_factory is list else "`{}`"
     if field.default is None:
         return "`null`"
     value = field.default

@@ -185,7 +185,16 @@ class ModuleTrainConfig(Strict):
 
 class TrainConfig(Strict):
     steps: PositiveInt = 10
-    """Optimizer steps."""
+    """Optimizer steps. Set this or ``epochs``, not both."""
+    epochs: float | None = Field(None, gt=0)
+    """Passes over the training data, instead of ``steps``: the run takes
+    ceil(epochs x samples / ``data.batch_size``) steps, samples counted over every
+    ``data.train`` dataset when the run starts (with several weighted datasets an epoch is
+    that many samples drawn by weight). Fractions are allowed (``0.5``)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on the whole ``data.eval`` set every N steps (0: only after the last step;
+    with ``data.eval`` set the last step is always evaluated): eval mode, the train loss's
+    normalisation (sum over label tokens / the set's label tokens); ``eval_*`` in metrics."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -237,6 +246,10 @@ class CheckpointConfig(Strict):
     run dir's newest complete one)."""
     keep_last: int | None = Field(None, ge=1)
     """Keep only the newest K complete checkpoints (``null``: keep all)."""
+    keep_best: Literal["eval_loss"] | None = None
+    """``eval_loss``: also save a checkpoint at every evaluation that lowers the eval loss, and
+    never let ``keep_last`` remove the best one; ``checkpoints/best.json`` names it. Needs
+    ``data.eval``."""
 
 
 class FaultToleranceConfig(Strict):
@@ -244,6 +257,21 @@ class FaultToleranceConfig(Strict):
     """When a rank's process or node dies, tear the groups down, recreate them and resume from
     the newest complete checkpoint (from the start if none) up to N times; then stop with an
     error naming the module and rank."""
+
+
+class LoggingConfig(Strict):
+    trackers: list[str] = Field(default_factory=list)
+    """Experiment trackers besides ``metrics.jsonl`` (always written): ``tensorboard``,
+    ``mlflow``, ``wandb`` (``pip install 'disagg-core[trackers]'``) or a plugin's (see
+    ``disagg plugins``)."""
+    project: str = "disagg"
+    """The MLflow experiment / W&B project runs are grouped under."""
+    run_name: str | None = None
+    """The run's name in the trackers; default the run dir's name."""
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per tracker options, keyed by tracker name: ``tensorboard: {log_dir}`` (default
+    ``<run dir>/tensorboard``), ``mlflow: {tracking_uri, experiment}`` (default store
+    ``sqlite:///<run dir>/mlflow.db``), ``wandb: {mode, entity}`` (default mode ``offline``)."""
 
 
 class RayConfig(Strict):
@@ -267,6 +295,8 @@ class Config(Strict):
     """Saving and resuming."""
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """Recovery from dead actors."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Experiment trackers."""
     ray: RayConfig = Field(default_factory=RayConfig)
     """The Ray cluster to run on."""
     output_dir: str = "runs/default"

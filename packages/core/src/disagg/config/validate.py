@@ -7,6 +7,7 @@ Every problem is collected (not just the first) and raised together in one
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,7 +93,14 @@ class _Checker:
         self.devices()
         self.train()
         self.data(resolved)
+        self.evaluation()
+        self.trackers()
         self.resume()
+        if self.cfg.train.epochs is not None and not self.problems:
+            try:
+                resolved.config = with_epoch_steps(self.cfg)
+            except Exception as exc:  # e.g. a row of unknown format: named with its file and line
+                self.add(("train", "epochs"), f"cannot count the samples of data.train: {exc}")
         return resolved
 
     def ray(self, resolved: ResolvedConfig) -> None:
@@ -329,6 +337,84 @@ class _Checker:
                 f"{d.batch_size} is smaller than train.microbatches = {self.cfg.train.microbatches}; "
                 f"every microbatch needs a sample: use batch_size >= {self.cfg.train.microbatches}",
             )
+
+    def evaluation(self) -> None:
+        """``train.epochs`` (instead of steps), ``train.eval_every`` and
+        ``checkpoint.keep_best`` against what the data section provides. A
+        config without ``data`` runs only with a data source given in code:
+        the run checks it then."""
+        t, d = self.cfg.train, self.cfg.data
+        if t.epochs is not None:
+            if "steps" in t.model_fields_set:
+                self.add(
+                    ("train", "epochs"),
+                    f"{t.epochs:g} is set together with train.steps = {t.steps}; set exactly one of them",
+                )
+            if d is None:
+                self.add(("train", "epochs"), "needs data.train to count the samples of an epoch")
+        if d is None:
+            return
+        if t.eval_every and not d.eval:
+            self.add(("train", "eval_every"), f"{t.eval_every} needs data.eval (a held-out dataset file)")
+        if self.cfg.checkpoint.keep_best and not d.eval:
+            self.add(
+                ("checkpoint", "keep_best"),
+                f"{self.cfg.checkpoint.keep_best!r} needs data.eval (a held-out dataset file)",
+            )
+
+    def trackers(self) -> None:
+        log = self.cfg.logging
+        names = sorted(n for n in self.reg.trackers if n != "jsonl")
+        for i, name in enumerate(log.trackers):
+            cls = self.reg.trackers.get(name)
+            if cls is None:
+                self.add(
+                    ("logging", "trackers", i),
+                    f"unknown tracker {name!r}; {allowed(names)}{did_you_mean(name, names)}",
+                )
+                continue
+            missing = cls.missing()
+            if missing:
+                self.add(
+                    ("logging", "trackers", i),
+                    f"tracker {name!r} needs {', '.join(missing)}, which is not installed; run: "
+                    f"{cls.install} (or pip install 'disagg-core[trackers]' for every first-party tracker)",
+                )
+        for name, opts in log.options.items():
+            cls = self.reg.trackers.get(name)
+            if name not in log.trackers or cls is None:
+                self.add(
+                    ("logging", "options", name),
+                    f"options for tracker {name!r}, which logging.trackers does not name; "
+                    f"{allowed(list(log.trackers))}",
+                )
+                continue
+            try:
+                cls.options_model.model_validate(opts)
+            except ValidationError as exc:
+                self.problems += problems_from_errors(
+                    exc.errors(), cls.options_model, self.source, prefix=("logging", "options", name)
+                )
+
+
+def with_epoch_steps(cfg: Config) -> Config:
+    """``cfg`` with ``train.steps`` derived from ``train.epochs``:
+    ceil(epochs x samples in data.train / data.batch_size); ``epochs`` is
+    then cleared, so the resolved config runs as written."""
+    from disagg.data.index import index_dataset
+    from disagg.data.source import dataset_entries
+
+    assert cfg.data is not None and cfg.train.epochs is not None
+    data = cfg.data
+    samples = sum(
+        index_dataset(
+            e.path, e.media_root if e.media_root is not None else data.media_root, e.format or data.format
+        ).size
+        for e in dataset_entries(cfg, "train")
+    )
+    steps = max(1, math.ceil(cfg.train.epochs * samples / cfg.data.batch_size))
+    train = cfg.train.model_copy(update={"steps": steps, "epochs": None})
+    return cfg.model_copy(update={"train": train})
 
 
 def _scheduler_kinds() -> list[str]:

@@ -1,4 +1,4 @@
-"""The small contracts between core and plugins: families, strategies, transports."""
+"""The small contracts between core and plugins: families, strategies, transports, trackers."""
 
 from disagg.interfaces.comm import CommCounter
 from disagg.interfaces.context import GroupContext, OptimSpec, dropout_seed
@@ -9,6 +9,7 @@ from disagg.interfaces.precision import compute_dtype
 from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
 from disagg.interfaces.shard import EmbeddingShard
 from disagg.interfaces.strategy import Strategy, StrategyOptions
+from disagg.interfaces.tracker import Tracker, TrackerOptions
 from disagg.interfaces.transport import Layout, Transport
 
 __all__ = [
@@ -33,6 +34,8 @@ __all__ = [
     "SeqLayout",
     "Strategy",
     "StrategyOptions",
+    "Tracker",
+    "TrackerOptions",
     "Transport",
     "UlyssesFamily",
 ]

@@ -72,3 +72,5 @@ class StepResult:
     groups: dict[str, dict[str, Any]]
     #: every rank's record, by module
     records: dict[str, list[RankRecord]] = field(default_factory=dict)
+    #: tokens each module processed: an encoder's placeholder tokens, the LLM's sequences
+    module_tokens: dict[str, int] = field(default_factory=dict)

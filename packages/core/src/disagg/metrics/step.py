@@ -17,6 +17,7 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
         "tokens_per_s": res.tokens / res.step_time_s if res.step_time_s > 0 else 0.0,
         "tokens": res.tokens,
         "label_tokens": res.label_tokens,
+        "module_tokens": dict(res.module_tokens),
         "peak_mem_bytes": {m: g["peak_mem_bytes"] for m, g in res.groups.items()},
         "comm_bytes": {m: g["comm_bytes"] for m, g in res.groups.items()},
         "comm_bytes_per_rank": {m: g["comm_bytes_per_rank"] for m, g in res.groups.items()},
@@ -36,6 +37,18 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
     }
 
 
+def eval_fields(ev: dict[str, Any]) -> dict[str, Any]:
+    """The ``eval_*`` keys of a step's record, from ``Orchestrator.evaluate``."""
+    return {
+        "eval_loss": ev["loss"],
+        "eval_token_accuracy": ev["token_accuracy"],
+        "eval_label_tokens": ev["label_tokens"],
+        "eval_samples": ev["samples"],
+        "eval_module_tokens": dict(ev["tokens"]),
+        "eval_time_s": ev["time_s"],
+    }
+
+
 def summarize(records: list[dict[str, Any]], run_dir: str, status: str = "ok") -> dict[str, Any]:
     if not records:
         return {"status": status, "steps": 0, "run_dir": run_dir}
@@ -50,4 +63,13 @@ def summarize(records: list[dict[str, Any]], run_dir: str, status: str = "ok") -
         "dropped_too_long": records[-1]["dropped_too_long"],
         "truncated_too_long": records[-1].get("truncated_too_long", 0),
         "run_dir": run_dir,
+        **_eval_summary(records),
     }
+
+
+def _eval_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    evals = [(r["eval_loss"], r["step"]) for r in records if "eval_loss" in r]
+    if not evals:
+        return {}
+    best = min(evals)
+    return {"eval_loss": evals[-1][0], "best_eval_loss": best[0], "best_eval_step": best[1]}

@@ -49,10 +49,16 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(
-    orch: Any, cfg: Config, run_dir: Path, step: int, data_state: dict[str, Any] | None = None
+    orch: Any,
+    cfg: Config,
+    run_dir: Path,
+    step: int,
+    data_state: dict[str, Any] | None = None,
+    keep: Path | None = None,
 ) -> Path:
     """Write ``checkpoints/step-{step}`` atomically; keep the newest
-    ``checkpoint.keep_last``. Returns the checkpoint dir."""
+    ``checkpoint.keep_last`` and ``keep`` (the best one, ``checkpoint.keep_best``).
+    Returns the checkpoint dir."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
     if tmp.exists():  # a save that died before its rename
@@ -86,7 +92,8 @@ def save_checkpoint(
     _fsync_dir(root)
     if cfg.checkpoint.keep_last:
         for path in complete_checkpoints(run_dir)[: -cfg.checkpoint.keep_last]:
-            shutil.rmtree(path)
+            if keep is None or path.resolve() != Path(keep).resolve():
+                shutil.rmtree(path)
     return final
 
 

@@ -168,6 +168,7 @@ class Orchestrator:
             step_time_s=time.perf_counter() - t0,
             groups={g.module: reduce_group(r) for g, r in zip(self.groups, records)},
             records={g.module: r for g, r in zip(self.groups, records)},
+            module_tokens=self.module_tokens(batch),
         )
 
     def _next_mb(self) -> int:
@@ -176,14 +177,15 @@ class Orchestrator:
 
     # -- the three phases of a microbatch ----------------------------------------------------------------
     def _forward(self, f: _Flight, *, train: bool) -> None:
-        """Every encoder replica with work encodes; each source is fetched as
-        one object addressed to its LLM replica."""
+        """Every encoder replica with work encodes (``train=False``: in eval
+        mode, no graph); each source is fetched as one object addressed to its
+        LLM replica."""
         for task in f.route.encodes:
             g = self.group(task.module)
             mine = [s for s in f.samples if s.index in task.samples]  # batch order, as sources expect
             refs, ids = [s.inputs[g.module] for s in mine], [s.index for s in mine]
             grad = train and g.spec.optim is not None
-            self._side_refs += g.call("encode", f.mb, ids, refs, grad, ranks=list(task.ranks))
+            self._side_refs += g.call("encode", f.mb, ids, refs, grad, not train, ranks=list(task.ranks))
         for src in f.route.sources:
             actor = self.group(src.module).actors[src.rank]
             f.shard_refs[src.id] = actor.shards_for.options(**self._opts).remote(
@@ -234,31 +236,62 @@ class Orchestrator:
             a.release.remote(f.mb)
 
     # -- evaluation ----------------------------------------------------------------------------------
-    def evaluate(self, batch: list[SampleRefs]) -> dict[str, float]:
-        """Teacher-forced loss and greedy token accuracy on label tokens, from
-        the same route as training (forward only, no graphs kept)."""
-        f = _Flight(self._next_mb(), list(batch), self.route(list(batch)))
-        self._forward(f, train=False)
-        by_index = {s.index: s for s in f.samples}
-        outs = []
-        for task in f.route.llm:
-            sources = [(sid, f.route.source(sid).module) for sid in task.sources]
-            ins = [by_index[i].inputs["llm"] for i in task.samples]
-            parts = [f.shard_refs[sid] for sid in task.sources]
-            outs.append(
-                self.llm.call("evaluate", list(task.samples), ins, sources, *parts, ranks=list(task.ranks))[0]
-            )
-        for task in f.route.encodes:
-            for rank in task.ranks:
-                self.group(task.module).actors[rank].drop.remote(f.mb)
-        res = self._wait(outs + self._side_refs)[: len(outs)]
-        self._side_refs = []
-        loss, correct, total = (sum(x[i] for x in res) for i in range(3))
+    def evaluate(self, samples: list[SampleRefs], chunk: int | None = None) -> dict[str, Any]:
+        """Teacher-forced loss and greedy token accuracy over every sample, in
+        eval mode (no dropout, no graphs kept), routed as training routes.
+
+        The samples go through in chunks of at most ``chunk`` (default: all at
+        once; the run uses a training microbatch's size, so evaluation needs no
+        more activation memory than a step). The loss is the train loss's
+        normalisation over the whole set: the sum over its label tokens divided
+        by their count, whatever the chunks. Evaluation's time and collectives
+        count toward no training step."""
+        t0 = time.perf_counter()
+        samples = list(samples)
+        if not samples:
+            raise ValueError("evaluate: no samples")
+        parts = math.ceil(len(samples) / (chunk or len(samples)))
+        loss = correct = total = 0.0
+        for positions in split_microbatches(len(samples), parts):
+            part = [samples[i] for i in positions]
+            f = _Flight(self._next_mb(), part, self.route(part))
+            self._forward(f, train=False)
+            by_index = {s.index: s for s in part}
+            outs = []
+            for task in f.route.llm:  # every replica, with or without samples (collectives match)
+                sources = [(sid, f.route.source(sid).module) for sid in task.sources]
+                ins = [by_index[i].inputs["llm"] for i in task.samples]
+                shards = [f.shard_refs[sid] for sid in task.sources]  # top-level: the transport moves them
+                outs.append(
+                    self.llm.call(
+                        "evaluate", list(task.samples), ins, sources, *shards, ranks=list(task.ranks)
+                    )[0]
+                )
+            for task in f.route.encodes:
+                for rank in task.ranks:
+                    self.group(task.module).actors[rank].drop.remote(f.mb)
+            # one chunk at a time: encoder outputs of the whole set never wait in memory at once
+            res = self._wait(outs + self._side_refs)[: len(outs)]
+            self._side_refs = []
+            loss += sum(x[0] for x in res)
+            correct += sum(x[1] for x in res)
+            total += sum(x[2] for x in res)
+        self._wait([r for g in self.groups for r in g.call("end_evaluation")])
         return {
             "loss": loss / max(total, 1),
             "token_accuracy": correct / max(total, 1),
-            "label_tokens": total,
+            "label_tokens": int(total),
+            "samples": len(samples),
+            "tokens": self.module_tokens(samples),
+            "time_s": time.perf_counter() - t0,
         }
+
+    def module_tokens(self, samples: list[SampleRefs]) -> dict[str, int]:
+        """Tokens each module processes for ``samples``: an encoder's placeholder
+        tokens (its output rows), the LLM's whole sequences."""
+        out = {g.module: sum(s.num_media_tokens.get(g.module, 0) for s in samples) for g in self.encoders}
+        out[self.llm.module] = sum(s.num_tokens for s in samples)
+        return out
 
     # -- state -------------------------------------------------------------------------------------------
     def full_state_dict(self, module: str) -> dict[str, Any]:

@@ -14,14 +14,16 @@ from disagg.config.dump import dump_resolved
 from disagg.config.schema import Config
 from disagg.config.validate import ResolvedConfig, reserved_cpus, validate
 from disagg.data.balance import balance
-from disagg.metrics.jsonl import JsonlMetricsLogger
+from disagg.metrics.scalars import scalars
 from disagg.metrics.step import step_record, summarize
 from disagg.plugins import Registry, get_registry, notify
 from disagg.runtime.checkpoint import load_checkpoint, save_checkpoint
+from disagg.runtime.evaluation import Evaluation, eval_samples
 from disagg.runtime.orchestrator import ActorDied, Orchestrator
 from disagg.runtime.plan import make_plan
 from disagg.runtime.recovery import recover
 from disagg.runtime.routing import contiguous
+from disagg.runtime.tracking import start_trackers, stop_trackers
 
 
 def run_training(
@@ -30,13 +32,15 @@ def run_training(
     address: str | None = None,
     registry: Registry | None = None,
     data_source: Any = None,
+    eval_source: Any = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train as ``cfg`` says; return the final summary (with ``run_dir``).
 
     ``cfg`` is what :func:`disagg.config.validate.validate` returned (plugins
     resolved once, nothing re-checked here); a plain :class:`Config` is
-    validated first.
+    validated first. ``data_source`` / ``eval_source`` (anything with
+    ``samples()``) replace ``data.train`` / ``data.eval`` (tests, notebooks).
     """
     registry = registry or get_registry()
     resolved = cfg if isinstance(cfg, ResolvedConfig) else validate(cfg, registry)
@@ -44,44 +48,28 @@ def run_training(
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_resolved(cfg, run_dir)
-    ensure_ray(address or cfg.ray.address, cfg.ray.num_cpus, reserved=reserved_cpus(resolved))
-    plan = make_plan(resolved, registry, ray.cluster_resources().get("GPU", 0.0))
-    if data_source is None:
-        from disagg.data import build_data_source
-
-        data_source = build_data_source(cfg, plan.families)
-
     pm = registry.pm
-    logger = JsonlMetricsLogger(run_dir / "metrics.jsonl")
-    pm.register(logger, name=f"disagg.metrics.jsonl:{id(logger)}")
-
-    def start_groups() -> Orchestrator:
-        return Orchestrator(
-            plan.specs,
-            placement=cfg.parallel.placement,
-            device=plan.device,
-            dtype=plan.dtype,
-            seed=cfg.train.seed,
-            microbatches=cfg.train.microbatches,
-            clip_grad_norm=cfg.train.clip_grad_norm,
-            transport=plan.transport,
-            collective_timeout_s=cfg.parallel.collective_timeout_s,
-            start_timeout_s=cfg.parallel.start_timeout_s,
-            schedule=registry.schedules[cfg.train.schedule](),
-            max_inflight=cfg.train.max_inflight,
-            assign=balance if cfg.parallel.assign == "balanced" else contiguous,
-        )
-
+    # before any actor starts: a tracker also records a run that fails to start
+    trackers = start_trackers(cfg, run_dir, registry)
+    logger = trackers[0]  # the always-on jsonl tracker: restarts are recorded in metrics.jsonl
     records: list[dict[str, Any]] = []
     status = "failed"
     orch: Orchestrator | None = None
+    evaluation: Evaluation | None = None
     resume = cfg.checkpoint.resume_from
     failures = 0
     try:
+        ensure_ray(address or cfg.ray.address, cfg.ray.num_cpus, reserved=reserved_cpus(resolved))
+        plan = make_plan(resolved, registry, ray.cluster_resources().get("GPU", 0.0))
+        if data_source is None:
+            from disagg.data import build_data_source
+
+            data_source = build_data_source(cfg, plan.families)
+        evaluation = Evaluation(cfg, run_dir, eval_samples(cfg, plan.families, eval_source))
         while True:
-            orch = start_groups()
+            orch = _start_groups(cfg, plan, registry)
             try:
-                _train(orch, cfg, run_dir, data_source, resume, records, pm, progress)
+                _train(orch, cfg, run_dir, data_source, evaluation, resume, records, pm, progress)
                 break
             except ActorDied as exc:
                 # a rank's process or node is gone: new groups resume from the newest checkpoint
@@ -94,15 +82,35 @@ def run_training(
         summary = summarize(records, str(run_dir), status)
         if records:
             summary["checkpoint"] = str(run_dir / "checkpoints" / f"step-{records[-1]['step']}")
+        if evaluation is not None and evaluation.best is not None:
+            summary["best_checkpoint"] = evaluation.best["checkpoint"]
         summary["restarts"] = failures if status == "ok" else max(failures - 1, 0)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         try:
             notify("disagg_run_finished", pm=pm, summary=summary)
         finally:
-            pm.unregister(logger)
+            stop_trackers(trackers, pm)
             if orch is not None:
                 orch.shutdown()
     return summary
+
+
+def _start_groups(cfg: Config, plan: Any, registry: Registry) -> Orchestrator:
+    return Orchestrator(
+        plan.specs,
+        placement=cfg.parallel.placement,
+        device=plan.device,
+        dtype=plan.dtype,
+        seed=cfg.train.seed,
+        microbatches=cfg.train.microbatches,
+        clip_grad_norm=cfg.train.clip_grad_norm,
+        transport=plan.transport,
+        collective_timeout_s=cfg.parallel.collective_timeout_s,
+        start_timeout_s=cfg.parallel.start_timeout_s,
+        schedule=registry.schedules[cfg.train.schedule](),
+        max_inflight=cfg.train.max_inflight,
+        assign=balance if cfg.parallel.assign == "balanced" else contiguous,
+    )
 
 
 def _train(
@@ -110,6 +118,7 @@ def _train(
     cfg: Config,
     run_dir: Path,
     data_source: Any,
+    evaluation: Evaluation,
     resume: str | Path | None,
     records: list[dict[str, Any]],
     pm: Any,
@@ -126,12 +135,16 @@ def _train(
         for step, batch in zip(range(start + 1, cfg.train.steps + 1), batches):
             result = orch.step(batch)
             record = step_record(step, result, data_source.stats())
+            if evaluation.due(step):  # after the step: the eval loss of the updated weights
+                record.update(evaluation.run(orch))
             records.append(record)
-            notify("disagg_log_metrics", pm=pm, step=step, metrics=record)
+            notify("disagg_log_metrics", pm=pm, step=step, metrics=record, scalars=scalars(record))
             bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.train.steps:
-                _save(orch, cfg, run_dir, step, data_source)
+            best = "eval_loss" in record and evaluation.improves(record["eval_loss"])
+            scheduled = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+            if (scheduled or best) and step != cfg.train.steps:
+                _save(orch, cfg, run_dir, step, data_source, evaluation, record if best else None)
     finally:
         bar.close()
         if hasattr(batches, "close"):  # an abandoned stream stops prefetching
@@ -139,12 +152,28 @@ def _train(
     last = records[-1]["step"] if records else start
     if records and last < cfg.train.steps:
         raise RuntimeError(f"the data ran out after step {last} of train.steps={cfg.train.steps}")
-    _save(orch, cfg, run_dir, last, data_source)
+    final = records[-1] if records else {}
+    best = "eval_loss" in final and evaluation.improves(final["eval_loss"])
+    _save(orch, cfg, run_dir, last, data_source, evaluation, final if best else None)
 
 
-def _save(orch: Orchestrator, cfg: Config, run_dir: Path, step: int, data_source: Any) -> None:
+def _save(
+    orch: Orchestrator,
+    cfg: Config,
+    run_dir: Path,
+    step: int,
+    data_source: Any,
+    evaluation: Evaluation,
+    best: dict[str, Any] | None = None,
+) -> None:
+    """Checkpoint ``step``; ``best``: its record, whose eval loss is the lowest
+    so far (``checkpoint.keep_best``). ``keep_last`` never removes the best."""
     state = data_source.state() if hasattr(data_source, "state") else None
-    save_checkpoint(orch, cfg, run_dir, step, state)
+    path = Path(run_dir) / "checkpoints" / f"step-{step}"
+    keep = path if best is not None else evaluation.best_path()
+    save_checkpoint(orch, cfg, run_dir, step, state, keep=keep)
+    if best is not None:
+        evaluation.mark_best(step, best["eval_loss"], path)
 
 
 #: logical CPUs a local Ray keeps free of training actors, for Ray Data's tasks

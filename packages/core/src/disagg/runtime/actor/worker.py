@@ -184,12 +184,27 @@ class ModuleWorker:
 
     # -- encoder role -------------------------------------------------------------------------------
     @_named
-    def encode(self, mb: int, sample_ids: list[int], input_refs: list[Any], grad: bool = True) -> None:
+    def encode(
+        self,
+        mb: int,
+        sample_ids: list[int],
+        input_refs: list[Any],
+        grad: bool = True,
+        evaluating: bool = False,
+    ) -> None:
         """Forward this rank's shard of each sample; outputs stay here until
-        fetched. ``grad=False`` (evaluation, a frozen encoder) keeps no graph."""
+        fetched. ``grad=False`` (evaluation, a frozen encoder) keeps no graph;
+        ``evaluating`` runs the module in eval mode (no dropout)."""
         inputs = ray.get(input_refs)
-        with self._count_saved(mb), self._compute(), torch.set_grad_enabled(grad):
-            shards = self.strategy.encode(mb, inputs)  # type: ignore[union-attr]
+        module = self.strategy.module  # type: ignore[union-attr]
+        if evaluating:
+            module.eval()
+        try:
+            with self._count_saved(mb), self._compute(), torch.set_grad_enabled(grad):
+                shards = self.strategy.encode(mb, inputs)  # type: ignore[union-attr]
+        finally:
+            if evaluating:
+                module.train()
         if len(shards) != len(sample_ids):
             raise RuntimeError(f"strategy returned {len(shards)} shards for {len(sample_ids)} samples")
         self.pending[mb] = (list(sample_ids), shards)
@@ -327,6 +342,17 @@ class ModuleWorker:
                 return self.strategy.evaluate(inputs, embeds)  # type: ignore[union-attr]
         finally:
             module.train()
+
+    def end_evaluation(self) -> RankRecord:
+        """The record of an evaluation (its time and collectives) and a fresh
+        one, so that evaluation between steps counts toward no training step."""
+        ctx = self.strategy.ctx  # type: ignore[union-attr]
+        rec = self.record
+        rec.collective_calls = ctx.comm.calls()
+        rec.collective_bytes = ctx.comm.reset()
+        self.record = RankRecord(self.module, self.rank)
+        self.live_bytes.clear()
+        return rec
 
     # -- optimizer step -----------------------------------------------------------------------------
     @_named
