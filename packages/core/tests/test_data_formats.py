@@ -347,3 +347,33 @@ def test_readme_examples_read_as_their_format(root):
         write_image(root / "shapes" / "red_square.png", 8, 8)
         messages, media = parse_sample(item, "README", root, {"image"}, fmt)
         assert len(media["image"]) == 1 and messages[-1] == ("assistant", "A red square.")
+
+
+def test_embedded_media_bytes_equal_their_files(root):
+    """A Hugging Face ``Image``/``Audio`` value (``{"bytes", "path"}``) holding the encoded file
+    decodes to what the file does (LLaVA-OneVision-style rows: a singular ``image`` struct)."""
+    from test_data_fakes import write_wav
+
+    from disagg.data.media import load_media
+
+    write_wav(root / "beep.wav", 250)
+    wav_file, wav_bytes = (
+        load_media("audio", str(root / "beep.wav")),
+        load_media("audio", (root / "beep.wav").read_bytes()),
+    )
+    assert (
+        wav_file["sampling_rate"] == wav_bytes["sampling_rate"]
+        and (wav_file["array"] == wav_bytes["array"]).all()
+    )
+    row = llava(["a.png"], "Describe.", "A red square.")
+    embedded = {**row, "image": {"bytes": (root / "a.png").read_bytes(), "path": None}}
+    by_path = {**row, "image": {"bytes": None, "path": "a.png"}}
+    _, media = parse_sample(embedded, "t:1", root, {"image"}, "llava")
+    assert isinstance(media["image"][0], bytes)
+    want = processed(root, row, "llava")
+    for item in (embedded, by_path):
+        got = processed(root, item, "llava")
+        assert all(torch.equal(got[m][k], want[m][k]) for m in want for k in want[m])
+    empty = r"t:1: an image value \(a Hugging Face Image feature\) holds neither bytes nor a path"
+    with pytest.raises(DataError, match=empty):
+        parse_sample({**row, "image": {"bytes": None, "path": None}}, "t:1", root, {"image"}, "llava")

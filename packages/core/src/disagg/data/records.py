@@ -169,7 +169,10 @@ def _resolve(f: str | dict[str, Any], media_root: Path, loc: str, kind: str) -> 
             return bytes(f["bytes"])
         f = f.get("path") or ""
         if not f:
-            raise DataError(loc, f"a {kind} value holds neither bytes nor a path")
+            feature = kind.capitalize()
+            raise DataError(
+                loc, f"an {kind} value (a Hugging Face {feature} feature) holds neither bytes nor a path"
+            )
     full = (media_root / f).resolve()
     if not full.is_file():
         raise DataError(loc, f"missing {kind} file {f!r} (looked for {full})")
