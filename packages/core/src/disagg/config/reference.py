@@ -94,6 +94,11 @@ def _is_list(tp: Any) -> bool:
 def _type(tp: Any, model: type[BaseModel] | None) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(tp))
+    args = typing.get_args(tp)
+    if len(args) == 2 and type(None) in args:  # an optional choice: the choices, then null
+        inner = next(a for a in args if a is not type(None))
+        if typing.get_origin(inner) is typing.Literal:
+            return _type(inner, model) + " \\| null"
     text = re.sub(r"\b[\w.]+\.(\w+)", r"\1", str(tp) if not isinstance(tp, type) else tp.__name__)
     text = text.replace("typing.", "").replace("NoneType", "null").replace("None", "null")
     text = text.replace("Annotated[int, Gt(gt=0)]", "int")
