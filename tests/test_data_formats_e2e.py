@@ -87,4 +87,6 @@ def test_train_refuses_a_video_row_with_its_line(ray_local, tiny, tmp_path):
     path.write_text("\n".join([*rows[:5], json.dumps(video), *rows[5:]]) + "\n")
     with pytest.raises(VideoError, match=rf"{path}:6: 1 sample\(s\) with video .* not supported yet"):
         run_training(_config(tiny, str(path), tmp_path / "run"), progress=False)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+    # refused before any step (and before the groups start: the data source is built first)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("failed", 0)
