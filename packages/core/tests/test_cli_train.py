@@ -166,7 +166,7 @@ CASES: dict[str, tuple] = {
     "unknown_transport": (
         _set("parallel.transport", "carrier_pigeon"),
         [],
-        ["parallel.transport", "'carrier_pigeon'", "allowed: auto, gloo, nccl, object_store"],
+        ["parallel.transport", "'carrier_pigeon'", "allowed: auto, cuda_ipc, gloo, nccl, object_store"],
     ),
     "audio_group_without_model": (
         _set("parallel.audio", {"degree": 2}),

@@ -106,7 +106,8 @@ def test_cuda_ipc_is_refused_where_producer_and_consumer_do_not_share_a_gpu(reg,
 
 def test_cuda_transport_on_cpu_is_refused(reg, tmp_path):
     cfg = _cfg(tmp_path, transport="cuda_ipc", device="cpu")
-    _refused(lambda: validate(cfg, reg), r"'cuda_ipc' does not work on cpu; allowed there: auto, object_store")
+    allowed = "allowed there: auto, object_store"
+    _refused(lambda: validate(cfg, reg), rf"'cuda_ipc' does not work on cpu; {allowed}")
     _refused(lambda: make_plan(_cfg(tmp_path, transport="cuda_ipc"), reg, 0), r"does not work on cpu")
 
 
