@@ -141,3 +141,28 @@ def test_profile_reranks_when_measurement_disagrees(tiny: Path, capsys, monkeypa
     predicted = [r["step_time_s"] for r in ranked[:4]]
     assert predicted == sorted(predicted, reverse=True)  # the predicted worst of the 4 now leads
     assert yaml.safe_load(out.read_text())["parallel"] == ranked[0]["parallel"]
+
+
+def test_plan_write_carries_every_recompute_the_prediction_assumed(tiny: Path, capsys):
+    """With ``--recompute`` every module whose strategy can recompute does, and the
+    written ``parallel`` section says so for exactly the modules the prediction charged."""
+    from disagg.cli.main import main
+    from disagg.plugins import get_registry
+
+    (tiny / "base_rc.yaml").write_text(yaml.safe_dump(config(tiny, "{}")))
+    out, js = tiny / "plan_rc.yaml", tiny / "p_rc.json"
+    argv = ["plan", str(tiny / "base_rc.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-tokens", "256"]
+    assert main([*argv, "--text-tokens", "32", "--recompute", "--write", str(out), "--json", str(js)]) == 0
+    assert "recompute=" in capsys.readouterr().out  # each row prints the recompute it assumes
+    ranked = json.loads(js.read_text())["ranked"]
+    strategies = get_registry().strategies
+    for row in ranked:
+        for m, g in row["groups"].items():
+            section = row["parallel"][m]
+            assert section.get("recompute", "none") == g["recompute"], (row["name"], m)
+            offered = strategies[section["strategy"]].recompute_modes
+            assert (g["recompute"] != "none") == (len(offered) > 1), (row["name"], m)
+    written = yaml.safe_load(out.read_text())["parallel"]
+    assert {m: written[m].get("recompute", "none") for m in ("vision", "llm")} == {
+        m: ranked[0]["groups"][m]["recompute"] for m in ("vision", "llm")
+    }

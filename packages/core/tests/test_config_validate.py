@@ -210,3 +210,28 @@ def test_the_local_ray_is_sized_by_the_cpus_the_ranks_reserve(reg, workdir, monk
     assert calls[0]["num_cpus"] == 9
     cfg["ray"] = {"num_cpus": 6}
     assert "reserve 7" in problems(workdir, cfg)["ray.num_cpus"]
+
+
+def test_recompute_a_strategy_cannot_apply_is_refused_naming_module_and_allowed(reg, workdir):
+    cfg = base()
+    cfg["parallel"]["vision"]["recompute"] = "full"  # cfgtest_sp applies none
+    cfg["parallel"]["llm"]["recompute"] = "selective"  # ddp applies none, full
+    got = problems(workdir, cfg)
+    assert "strategy 'cfgtest_sp' cannot recompute 'full' for module 'vision'; allowed: none" in (
+        got["parallel.vision.recompute"]
+    )
+    assert "strategy 'ddp' cannot recompute 'selective' for module 'llm'; allowed: none, full" in (
+        got["parallel.llm.recompute"]
+    )
+    assert "c.yaml" in got["parallel.llm.recompute"]  # names the file (and line)
+    cfg["parallel"]["llm"]["recompute"] = "sometimes"
+    cfg["parallel"]["vision"].pop("recompute")
+    assert "none" in problems(workdir, cfg)["parallel.llm.recompute"]
+
+
+def test_recompute_reaches_the_strategy_options(reg, workdir):
+    cfg = base()
+    cfg["parallel"]["llm"]["recompute"] = "full"
+    resolved = check(workdir, cfg)
+    assert resolved.modules["llm"].options.recompute == "full"
+    assert resolved.modules["vision"].options.recompute == "none"

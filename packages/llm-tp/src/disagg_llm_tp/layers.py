@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from disagg.interfaces.comm import CommCounter
+from disagg.interfaces.recompute import replaying
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 Kind = Literal["column", "row", "vocab", "kv_replicated", "replicated"]
@@ -115,7 +116,9 @@ class TPColumnLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         x3, shape = _to_sbh(x)
-        if self.sp is None and x.requires_grad:  # the backward all-reduce of the input gradient
+        # The backward all-reduce of the input gradient, counted here; a recomputed
+        # block's replay runs this forward again but its backward only once.
+        if self.sp is None and x.requires_grad and not replaying():
             self.comm.add("all_reduce", _allreduce_bytes(x3, self.tp_size))
         with self.sp.save_shards() if self.sp is not None else contextlib.nullcontext():
             out, _ = super().forward(x3)

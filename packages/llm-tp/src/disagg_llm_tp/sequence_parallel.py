@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,7 @@ from torch.distributed._functional_collectives import (
 )
 
 from disagg.interfaces.comm import CommCounter
+from disagg.interfaces.recompute import checkpointed
 
 
 def _rows_per_rank(tokens: int, degree: int) -> int:
@@ -80,6 +81,21 @@ class SequenceParallelRegion:
     comm: CommCounter
     #: shape of the hidden states that last entered the region (set by ``split``)
     shape: torch.Size | None = None
+
+    def capture_shape(self) -> Callable[[], contextlib.AbstractContextManager[None]]:
+        """At a checkpointed block's forward: the shape its gathers use, to be the
+        region's again around the block's replay (:mod:`disagg.interfaces.recompute`)."""
+        shape = self.shape
+
+        @contextlib.contextmanager
+        def restored() -> Iterator[None]:
+            previous, self.shape = self.shape, shape
+            try:
+                yield
+            finally:
+                self.shape = previous
+
+        return restored
 
     # -- the three transitions ---------------------------------------------------------------------
     def split(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -138,7 +154,9 @@ class SequenceParallelRegion:
         active (the worker's activation-bytes counter) are applied to what is
         kept here: the shard, or any other tensor as it is."""
         last: _Gathered | None = getattr(self, "_last", None)
-        if last is None or not torch.is_grad_enabled():
+        # Inside a checkpointed block nothing saved is held (the replay gathers again),
+        # so keeping shards would only add an all-gather to the backward.
+        if last is None or not torch.is_grad_enabled() or checkpointed():
             yield
             return
         outer = _active_saved_tensors_hooks()

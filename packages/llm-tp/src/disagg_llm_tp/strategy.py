@@ -42,6 +42,7 @@ from disagg.interfaces import (
     agree_on_grads,
     dropout_seed,
 )
+from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.rng import ShardRNG
 from disagg_llm_tp.layers import ShardSpec, local_slice, merge
 from disagg_llm_tp.parallelize import TPPlan, parallelize_module
@@ -63,6 +64,9 @@ class MegatronTPStrategy(Strategy):
     name: ClassVar[str] = "megatron_tp"
     distribution: ClassVar[str] = "disagg-llm-tp"
     options_model: ClassVar[type[StrategyOptions]] = MegatronTPOptions
+    # selective would checkpoint Hugging Face's attention function inside the TP
+    # attention module; not wired yet, so it is refused at validation
+    recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
@@ -162,6 +166,15 @@ class MegatronTPStrategy(Strategy):
             ctx = self.ctx
             self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
             fork_around(module, [*lmap.heads, *lmap.extra.get("attention", {})], self.rng)
+        # A replayed block draws its attention masks from the TP stream again and
+        # gathers into the shape its forward saw (another microbatch's split may
+        # have changed the region's since: encoders run ahead).
+        self.recompute = Recompute(
+            self.options.recompute,
+            rngs=[self.rng] if self.rng is not None else [],
+            captures=[sp.capture_shape] if sp is not None else [],
+        )
+        self.recompute.apply_full(module, f"family {self.family.name!r} module")
         return module.to(self.ctx.device)
 
     # -- llm role --------------------------------------------------------------------------------------

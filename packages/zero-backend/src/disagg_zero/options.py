@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-from pydantic import ConfigDict, PositiveInt, field_validator
+from pydantic import ConfigDict, PositiveInt, field_validator, model_validator
 
 from disagg.interfaces import StrategyOptions
 
@@ -40,11 +41,25 @@ class ZeroOptions(StrategyOptions):
     """Elements per parameter all-gather bucket, stages 1-2 (DeepSpeed's default when unset)."""
     overlap_comm: bool | None = None
     """Overlap gradient reduction with backward (DeepSpeed's default when unset)."""
-    activation_checkpointing: bool = False
-    """Recompute activations in backward (Hugging Face gradient checkpointing, non-reentrant)."""
+    activation_checkpointing: bool | None = None
+    """Deprecated spelling of ``parallel.<module>.recompute: full`` (core's key, which every
+    strategy applies): ``true`` warns and means ``recompute: full``."""
     ds_config: dict[str, Any] = {}
     """Anything else, merged into the DeepSpeed config last
     (e.g. ``{zero_optimization: {stage3_prefetch_bucket_size: 0}}``)."""
+
+    @model_validator(mode="after")
+    def _deprecated_activation_checkpointing(self) -> ZeroOptions:
+        if self.activation_checkpointing:
+            warnings.warn(
+                "strategy 'zero': activation_checkpointing is deprecated; it now means "
+                "parallel.<module>.recompute: full (write that instead)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            if self.recompute == "none":
+                self.recompute = "full"
+        return self
 
     @field_validator("stage", mode="before")
     @classmethod

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagg.interfaces import Family, GroupContext
+from disagg.interfaces import GroupContext
 
 
 def prepare(ctx: GroupContext) -> ModuleType:
@@ -59,16 +59,6 @@ def config_errors(where: str) -> Iterator[None]:
         raise ValueError(
             f"{where} (strategy 'zero', ds_config): DeepSpeed rejected the config: {exc}"
         ) from exc
-
-
-def enable_activation_checkpointing(module: nn.Module, family: Family) -> None:
-    """Hugging Face gradient checkpointing, non-reentrant (works with ZeRO-3 hooks)."""
-    if not getattr(module, "supports_gradient_checkpointing", False):
-        raise ValueError(
-            f"activation_checkpointing: true, but family {family.name!r} builds a {type(module).__name__}, "
-            f"which does not support Hugging Face gradient checkpointing; set activation_checkpointing: false"
-        )
-    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def global_grad_norm(ds_optimizer: Any, stage: int) -> float:

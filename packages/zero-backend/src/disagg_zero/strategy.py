@@ -58,6 +58,7 @@ class ZeroStrategy(ZeroFullState, Strategy):
     # strategy; but a rank may get no sample (it joins with zeros), so no
     # replica needs a sample in every microbatch.
     lockstep: ClassVar[bool] = False
+    recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: ZeroOptions) -> list[str]:  # type: ignore[override]
@@ -87,8 +88,9 @@ class ZeroStrategy(ZeroFullState, Strategy):
 
     def setup(self, module: nn.Module, optim: OptimSpec | None) -> None:
         deepspeed = runtime.prepare(self.ctx)
-        if self.options.activation_checkpointing:
-            runtime.enable_activation_checkpointing(module, self.family)
+        # core's recompute (``activation_checkpointing: true`` is its deprecated spelling):
+        # the replay runs inside the strategy call that gathers the whole module (ZeRO-3)
+        self.recompute.apply_full(module, f"family {self.family.name!r} module")
         self.module = module.to(self.ctx.device)
         config = build_ds_config(self.options, self.ctx.dtype)
         if optim is None:
@@ -288,16 +290,16 @@ class ZeroStrategy(ZeroFullState, Strategy):
 
     @classmethod
     def estimate(cls, query: Any, options: Any) -> Any:
-        """Core's ``zero`` formulas for the stage; ``activation_checkpointing``
-        recomputes activations; ``offload_optimizer`` keeps the fp32 master
-        partition and the two moments (12 bytes per element, partitioned) off
-        the GPU."""
+        """Core's ``zero`` formulas for the stage; ``recompute`` (or its deprecated
+        spelling ``activation_checkpointing``) recomputes activations;
+        ``offload_optimizer`` keeps the fp32 master partition and the two moments
+        (12 bytes per element, partitioned) off the GPU."""
         from dataclasses import replace
 
         from disagg.interfaces import analytic_cost
 
-        if options.activation_checkpointing and not query.recompute:
-            query = replace(query, recompute=True)
+        if options.recompute != "none" and not query.recompute:
+            query = replace(query, recompute=options.recompute)
         cost = analytic_cost(
             "zero", query, {"stage": options.stage, "persistence_threshold": persistence_threshold(options)}
         )

@@ -32,10 +32,13 @@ def paper(degree: int, modules: list[str]) -> dict[str, dict[str, Any]]:
     }
     # Megatron sequence parallelism in the LLM: the paper's DHP with less LLM activation memory.
     tp_sp = {**tp, "sequence_parallel": True}
+    # The published run's setting: every module recomputes its blocks in backward.
+    rc = {"recompute": "full"}
     return {
         "uniform_tp": {**{m: dict(tp) for m in enc}, "llm": dict(tp)},
         "dhp_ulysses_tp": {**{m: dict(sp) for m in enc}, "llm": dict(tp)},
         "dhp_ulysses_tp_sp": {**{m: dict(sp) for m in enc}, "llm": tp_sp},
+        "dhp_ulysses_tp_sp_recompute": {**{m: {**sp, **rc} for m in enc}, "llm": {**tp_sp, **rc}},
         "uniform_zero3": {**{m: dict(z3) for m in enc}, "llm": dict(z3)},
     }
 

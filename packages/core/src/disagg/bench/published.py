@@ -8,9 +8,12 @@ encoder + TP for the LLM) at 1.26-1.37x the throughput of uniform TP, and
 Time is a roofline, stated so it can be argued with: FLOPs at ``MFU`` of the
 H100's dense bf16 peak plus bytes at NVLink ring bandwidth, not overlapped
 (tensor-parallel collectives sit on the critical path); collocated groups run
-one after the other on the same GPUs. Memory assumes full activation
-recomputation (the usual setting at these lengths): per layer only its input
-is kept, plus one layer's activations being recomputed.
+one after the other on the same GPUs. Every row says the
+``parallel.<module>.recompute`` it assumes, for both modules: ``none`` (what
+is saved for backward is held) or ``full`` (the usual setting at these
+lengths: per layer only its input is kept, plus one layer's activations while
+it is recomputed; the replay costs one more forward of FLOPs and the blocks'
+forward collectives again, :mod:`disagg.cost.recompute`).
 """
 
 from __future__ import annotations
@@ -77,14 +80,16 @@ LAYOUTS_32B: dict[str, dict[str, Any]] = {
 }
 
 
-def predict_published(vision_tokens: list[int]) -> list[dict[str, Any]]:
-    """One row per layout and vision length: predicted step time, tokens/s,
-    memory per GPU (and whether it fits 80 GB), bytes per GPU."""
+def predict_published(
+    vision_tokens: list[int], recompute: tuple[str, ...] = ("none", "full")
+) -> list[dict[str, Any]]:
+    """One row per recompute mode, layout and vision length: predicted step time,
+    tokens/s, memory per GPU (and whether it fits 80 GB), bytes per GPU."""
     shapes = shapes_from_hf_config(QWEN2_5_VL_32B)
     vision, llm = shapes["vision"], shapes["llm"]
     assert isinstance(vision, VisionShape) and isinstance(llm, DecoderShape)
     rows = []
-    for n in vision_tokens:
+    for mode, n in ((m, n) for m in recompute for n in vision_tokens):
         llm_len = n // vision.unit + TEXT_TOKENS
         for name, layout in LAYOUTS_32B.items():
             costs, seconds, memory = {}, 0.0, 0
@@ -106,7 +111,7 @@ def predict_published(vision_tokens: list[int]) -> list[dict[str, Any]]:
                     samples=SAMPLES,
                     microbatches=1 if g["strategy"] == "zero" else SAMPLES,
                     options={k: v for k, v in g.items() if k in ("stage", "sequence_parallel")},
-                    recompute=True,
+                    recompute=mode,
                     **kw,
                 )
                 costs[module] = cost.to_dict()
@@ -116,6 +121,7 @@ def predict_published(vision_tokens: list[int]) -> list[dict[str, Any]]:
             rows.append(
                 {
                     "layout": name,
+                    "recompute": mode,
                     "vision_tokens": n,
                     "step_time_s": seconds,
                     "tokens_per_s": tokens / seconds,
@@ -127,15 +133,16 @@ def predict_published(vision_tokens: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per vision length: predicted DHP / TP throughput and who fits 80 GB."""
-    by = {(r["layout"], r["vision_tokens"]): r for r in rows}
+def ratios(rows: list[dict[str, Any]], recompute: str = "full") -> list[dict[str, Any]]:
+    """Per vision length, under ``recompute``: predicted DHP / TP throughput and who fits 80 GB."""
+    by = {(r["layout"], r["vision_tokens"]): r for r in rows if r.get("recompute", recompute) == recompute}
     out = []
     for n in sorted({r["vision_tokens"] for r in rows}):
         tp, dhp = by[("uniform_tp", n)], by[("dhp_ulysses_tp", n)]
         out.append(
             {
                 "vision_tokens": n,
+                "recompute": recompute,
                 "throughput_dhp_vs_tp": dhp["tokens_per_s"] / tp["tokens_per_s"],
                 "throughput_dhp_sp_vs_tp": by[("dhp_ulysses_tp_sp", n)]["tokens_per_s"] / tp["tokens_per_s"],
                 "fits": {name: by[(name, n)]["fits"] for name in LAYOUTS_32B},

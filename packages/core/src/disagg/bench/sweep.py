@@ -156,9 +156,10 @@ class Bench:
                 samples=self.samples,
                 microbatches=mb,
                 options=opts,
+                recompute=group.get("recompute", "none"),
                 **kw,
             )
-            out["groups"][module] = cost.to_dict()
+            out["groups"][module] = {**cost.to_dict(), "recompute": group.get("recompute", "none")}
         figures = [g["memory_bytes"] for g in out["groups"].values()]
         out["memory_per_rank"] = sum(figures) if self.placement == "collocated" else max(figures)
         return out

@@ -15,6 +15,7 @@ class DDPStrategy(Strategy):
     so a sum — not a mean — gives the single-process gradient)."""
 
     name: ClassVar[str] = "ddp"
+    recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
@@ -28,6 +29,7 @@ class DDPStrategy(Strategy):
     def parallelize(self, module: nn.Module) -> nn.Module:
         # Gradient sum happens once per step in reduce_gradients, after all
         # microbatches, which is what DistributedDataParallel's no_sync would do.
+        self.recompute.apply_full(module, f"module {self.ctx.module!r}")
         return module
 
     @classmethod

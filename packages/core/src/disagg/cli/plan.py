@@ -45,7 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--samples", type=int, default=None, help="samples per step (default data.batch_size)"
     )
-    parser.add_argument("--recompute", action="store_true", help="assume full activation recomputation")
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="only layouts that recompute activations (parallel.<m>.recompute is searched per module "
+        "either way, and written into the plan)",
+    )
     parser.add_argument("--placement", choices=["any", "collocated", "disaggregated"], default="any")
     parser.add_argument(
         "--strategies",

@@ -60,9 +60,15 @@ class GroupConfig(BaseModel):
     """Optional cross-check: when set, must equal ``degree * replicas``."""
     resources: Resources = Field(default_factory=Resources)
     """Ray resources per rank."""
+    recompute: Literal["none", "full", "selective"] = "none"
+    """Activation recomputation: ``full`` keeps only each transformer block's input and
+    runs its forward again in backward; ``selective`` recomputes only the attention core
+    (scores, softmax, context). Each strategy applies it; one that cannot is refused
+    with the values it allows."""
 
     def strategy_options(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
+        """The strategy's own keys, plus ``recompute`` (core's key, applied by the strategy)."""
+        return {**(self.model_extra or {}), "recompute": self.recompute}
 
 
 class AutoPlan(Strict):
@@ -78,7 +84,9 @@ class AutoPlan(Strict):
     text_tokens: PositiveInt = 128
     """Text tokens per sample the plan assumes."""
     recompute: bool = False
-    """Plan memory as if activations were recomputed."""
+    """Only plan layouts that recompute activations (``parallel.<m>.recompute``) where the
+    module's strategy can; otherwise the planner searches ``recompute`` per module and the
+    layout it trains carries the chosen value."""
     placement: Literal["any", "collocated", "disaggregated"] = "any"
     """Placements the plan may choose."""
     strategies: list[str] | None = None

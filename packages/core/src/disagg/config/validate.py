@@ -171,6 +171,8 @@ class _Checker:
                 f"= {group.degree * group.replicas}; set ranks to {group.degree * group.replicas} or drop it",
             )
         options = self.options(m, group, strategy_cls) if strategy_cls else None
+        if options is not None and strategy_cls is not None:
+            self.recompute(m, group, strategy_cls, options)
         if strategy_cls is None or family_cls is None or options is None:
             return None
         try:
@@ -235,7 +237,7 @@ class _Checker:
             for err in exc.errors():
                 if err["type"] == "extra_forbidden":
                     key = str(err["loc"][-1])
-                    opts = list(model.model_fields)
+                    opts = [o for o in model.model_fields if o not in own]
                     hint = did_you_mean(key, own + opts)
                     self.add(
                         ("parallel", m, key),
@@ -244,6 +246,16 @@ class _Checker:
             rest = [e for e in exc.errors() if e["type"] != "extra_forbidden"]
             self.problems += problems_from_errors(rest, model, self.source, prefix=("parallel", m))
             return None
+
+    def recompute(self, m: str, group: GroupConfig, strategy_cls: type[Strategy], options: Any) -> None:
+        mode = getattr(options, "recompute", "none")
+        modes = tuple(getattr(strategy_cls, "recompute_modes", ("none",)))
+        if mode not in modes:
+            self.add(
+                ("parallel", m, "recompute"),
+                f"strategy {group.strategy!r} cannot recompute {mode!r} for module {m!r}; "
+                f"{allowed(list(modes))}",
+            )
 
     # -- whole config ----------------------------------------------------------------------------
     def unused_groups(self) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.cost import calls, comm, flops, memory
+from disagg.cost import recompute as rc
 from disagg.cost.shapes import DecoderShape, Shape, VisionShape
 
 STRATEGIES = ("ddp", "ulysses", "megatron_tp", "zero")
@@ -70,7 +71,7 @@ def predict(
     options: dict[str, Any] | None = None,
     exchanged_rows: int | None = None,
     exchanged_width: int | None = None,
-    recompute: bool = False,
+    recompute: str | bool = "none",
 ) -> Cost:
     """Cost of ``module`` under ``strategy`` on ``degree x replicas`` ranks, for a
     global batch of ``samples`` (default: one per replica) sequences of
@@ -81,9 +82,13 @@ def predict(
     ``out_hidden``, the default; an LLM: the vision rows whose gradients it
     returns). ``options``: the strategy's keys (``stage``, ``sequence_parallel``,
     ``persistence_threshold``: DeepSpeed's ``stage3_param_persistence_threshold``).
-    ``recompute``: activations under full recomputation (each layer keeps its
-    input only; :func:`memory.recomputed_activation_bytes`).
+    ``recompute``: ``parallel.<module>.recompute`` (``True``: ``full``): under
+    ``full`` each layer keeps its input only
+    (:func:`memory.recomputed_activation_bytes`), under ``selective`` the attention
+    core's saves go; the replay's FLOPs and collectives are charged
+    (:mod:`disagg.cost.recompute`).
     """
+    mode = rc.mode_of(recompute)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; the cost model knows: {', '.join(STRATEGIES)}")
     if dtype not in DTYPE_BYTES:
@@ -138,8 +143,20 @@ def predict(
         assert isinstance(module, DecoderShape)
         act = memory.llm_activation_bytes(module, tokens, strategy, degree, w.act_bytes, sp)
         work = flops.llm_flops(module, seq_len)
-    if recompute:
+    if mode == "full":
         act = memory.recomputed_activation_bytes(module, tokens, strategy, degree, w.act_bytes, sp)
+    elif mode == "selective":
+        held = -(-tokens // degree) if strategy == "ulysses" else tokens
+        act -= rc.selective_saving(module, held, w.act_bytes)
+    work += rc.extra_flops(module, seq_len, work, mode)
+    replay_bytes, replay_calls = rc.replay_comm(module, strategy, w, sp, mode)
+    for k, v in replay_bytes.items():
+        kinds[k] = kinds.get(k, 0) + v
+    call_counts = calls.collective_calls(
+        module, strategy, w, sequence_parallel=sp, stage=stage, persistence_threshold=persist
+    )
+    for k, v in replay_calls.items():
+        call_counts[k] = call_counts.get(k, 0) + v
     exact = ["state_bytes"] if strategy != "zero" else []
     if vision and (strategy in ("ulysses", "ddp") or (strategy == "megatron_tp" and not sp)):
         exact.append("comm_bytes")
@@ -150,7 +167,5 @@ def predict(
         sent_bytes=comm.transfer_bytes(strategy, w),
         flops=work * w.samples_per_replica / share,
         exact=tuple(exact),
-        comm_calls_by_kind=calls.collective_calls(
-            module, strategy, w, sequence_parallel=sp, stage=stage, persistence_threshold=persist
-        ),
+        comm_calls_by_kind=call_counts,
     )

@@ -6,6 +6,7 @@ from disagg.interfaces.cost import Cost, CostQuery, DecoderShape, VisionShape, a
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily, LayerMap
 from disagg.interfaces.grads import agree_on_grads
 from disagg.interfaces.precision import compute_dtype
+from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
 from disagg.interfaces.shard import EmbeddingShard
 from disagg.interfaces.strategy import Strategy, StrategyOptions
@@ -31,6 +32,7 @@ __all__ = [
     "LayerMap",
     "Layout",
     "OptimSpec",
+    "Recompute",
     "SeqLayout",
     "Strategy",
     "StrategyOptions",

@@ -37,8 +37,9 @@ class CostQuery:
     #: rows per sample shipped to / received from the other group, and their width
     exchanged_rows: int | None = None
     exchanged_width: int | None = None
-    #: assume full activation recomputation (each layer keeps only its input)
-    recompute: bool = False
+    #: ``parallel.<module>.recompute``: ``none``, ``full`` (each block keeps only its
+    #: input) or ``selective`` (the attention core); ``True`` is the old spelling of ``full``
+    recompute: str | bool = "none"
 
 
 def analytic_cost(strategy: str, query: CostQuery, options: dict[str, Any] | None = None) -> Cost:

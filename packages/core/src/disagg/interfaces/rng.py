@@ -66,3 +66,30 @@ class ShardRNG:
             self._active = False
             self.state = self._get()
             self._set(saved)
+
+    # -- activation recomputation (disagg.interfaces.recompute) ---------------------------------------
+    def snapshot(self) -> tuple[torch.Tensor | None, bool]:
+        """Where the stream stands at a checkpointed forward, for :meth:`replay`.
+        Inside :meth:`fork` the default generator *is* this stream (torch's
+        checkpoint restores it for the replay), so only that fact is kept."""
+        return (None, True) if self._active else (self.state.clone(), False)
+
+    @contextlib.contextmanager
+    def replay(self, snap: tuple[torch.Tensor | None, bool]) -> Iterator[None]:
+        """Re-run a checkpointed forward drawing the masks it drew: from the
+        snapshot, leaving the stream where the later forwards left it."""
+        state, active = snap
+        if active:
+            # The forward ran inside fork(): nested forks of the replay must not
+            # swap the (already restored) default generator for the advanced stream.
+            was, self._active = self._active, True
+            try:
+                yield
+            finally:
+                self._active = was
+            return
+        current, self.state = self.state, state.clone()  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            self.state = current

@@ -16,6 +16,7 @@ from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.cost import Cost, CostQuery
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily
 from disagg.interfaces.grads import agree_on_grads
+from disagg.interfaces.recompute import Recompute, RecomputeMode
 from disagg.interfaces.shard import EmbeddingShard
 
 
@@ -26,7 +27,12 @@ class StrategyOptions(BaseModel):
     at config time with the allowed ones listed.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    recompute: RecomputeMode = "none"
+    """``parallel.<module>.recompute`` (core's key, passed to every strategy): ``full``
+    recomputes every transformer block in backward, ``selective`` the attention core only;
+    a strategy lists what it can do in ``Strategy.recompute_modes``."""
 
 
 class Strategy(ABC):
@@ -55,6 +61,9 @@ class Strategy(ABC):
     #: collectives whatever a rank's share, an empty one included)
     lockstep: ClassVar[bool] = False
     options_model: ClassVar[type[StrategyOptions]] = StrategyOptions
+    #: values of ``parallel.<module>.recompute`` this strategy applies; others are
+    #: refused at validation, naming the module and these
+    recompute_modes: ClassVar[tuple[str, ...]] = ("none",)
 
     # -- validation, before any actor starts -------------------------------------------------
     @classmethod
@@ -70,6 +79,8 @@ class Strategy(ABC):
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
+        #: this module's ``recompute`` (strategies add their streams and captures)
+        self.recompute = Recompute(getattr(options, "recompute", "none"))
 
     @abstractmethod
     def parallelize(self, module: nn.Module) -> nn.Module:

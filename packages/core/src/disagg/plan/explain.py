@@ -44,7 +44,7 @@ def _workload(result: PlanResult) -> str:
     w = result.workload
     return (
         f"workload: {w.samples} samples/step, {w.vision_tokens} vision patches + {w.text_tokens} text tokens "
-        f"per sample, activations {'recomputed' if w.recompute else 'saved'}; "
+        f"per sample, recompute {'required where a strategy can' if w.recompute else 'searched per module'}; "
         f"{len(result.ranked)} layouts fit, {len(result.oom)} out of memory"
     )
 

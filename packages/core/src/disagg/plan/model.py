@@ -63,7 +63,8 @@ class Workload:
     text_tokens: int
     #: samples per optimizer step (``data.batch_size``)
     samples: int
-    #: assume full activation recomputation
+    #: plan only layouts that recompute activations, in modules whose strategy can
+    #: (``--recompute``); otherwise ``recompute`` is searched per module like any key
     recompute: bool = False
     #: microbatches an encoder rank holds under ``encoders_ahead`` (``train.max_inflight``)
     max_inflight: int = 2
@@ -139,7 +140,12 @@ class Layout:
             "memory_bytes": self.memory_bytes,
             "fits": self.fits,
             "groups": {
-                m: {**self.costs[m].to_dict(), "time_s": self.times[m]}
+                m: {
+                    **self.costs[m].to_dict(),
+                    "time_s": self.times[m],
+                    # the recompute the prediction assumed (what the plan writes)
+                    "recompute": dict(self.groups[m].options).get("recompute", "none"),
+                }
                 for m in self.groups
                 if m in self.costs
             },
@@ -172,7 +178,8 @@ def module_cost(
         inflight=inflight,
         exchanged_rows=None if vision else work.rows(),
         exchanged_width=None if vision else _encoder_width(work),
-        recompute=work.recompute,
+        # what the group's own options apply: nothing plans memory the run does not save
+        recompute=getattr(options, "recompute", "none"),
     )
     return strategy_cls.estimate(query, options)
 

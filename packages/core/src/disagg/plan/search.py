@@ -68,7 +68,7 @@ def plan(
     for name, cls in sorted(strategies.items()):
         for m in modules:
             found = False
-            for variant in OPTION_VARIANTS.get(name, [{}]):
+            for variant in _variants(cls, OPTION_VARIANTS.get(name, [{}]), work.recompute):
                 try:
                     options = cls.options_model(**variant)
                 except Exception:  # a third party's options may not accept our variant
@@ -132,6 +132,18 @@ def plan(
         skipped=skipped,
         not_for={m: v for m, v in not_for.items() if v},
     )
+
+
+def _variants(
+    cls: type[Strategy], variants: list[dict[str, Any]], only_recompute: bool
+) -> list[dict[str, Any]]:
+    """Each option variant once per ``recompute`` mode the strategy applies (like any
+    other layout key; ``none`` is left implicit). With ``only_recompute`` (``--recompute``)
+    ``none`` is left out where the strategy offers another mode."""
+    modes = list(getattr(cls, "recompute_modes", ("none",)))
+    if only_recompute and len(modes) > 1:
+        modes = [m for m in modes if m != "none"]
+    return [{**v, **({"recompute": m} if m != "none" else {})} for v in variants for m in modes]
 
 
 def _meshes(devices: int, samples: int) -> list[tuple[int, int]]:

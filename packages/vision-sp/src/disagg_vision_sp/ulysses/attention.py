@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.interfaces.comm import CommCounter
+from disagg.interfaces.recompute import Recompute
 
 ATTN_NAME = "disagg_ulysses_flash"
 #: keyword a caller passes through HF's block to give the segment lengths from
@@ -55,6 +56,8 @@ class UlyssesRuntime:
     comm: CommCounter
     #: global segment lengths of the attention in scope; None = local attention
     segments: list[int] | None = field(default=None)
+    #: the module's recomputation: ``selective`` checkpoints the attention core below
+    recompute: Recompute | None = field(default=None)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[UlyssesRuntime]:
@@ -62,6 +65,18 @@ class UlyssesRuntime:
         try:
             yield self
         finally:
+            _RUNTIME.reset(token)
+
+    @contextlib.contextmanager
+    def restored(self, segments: list[int] | None) -> Iterator[None]:
+        """Active again with the segments a checkpointed block saw at its forward
+        (its replay runs in backward, outside :meth:`active`)."""
+        token, previous = _RUNTIME.set(self), self.segments
+        self.segments = segments
+        try:
+            yield
+        finally:
+            self.segments = previous
             _RUNTIME.reset(token)
 
     @contextlib.contextmanager
@@ -75,6 +90,18 @@ class UlyssesRuntime:
             yield
         finally:
             self.segments = previous
+
+
+def current() -> UlyssesRuntime | None:
+    """The runtime of the forward in progress (None outside one)."""
+    return _RUNTIME.get()
+
+
+def _core(rt: UlyssesRuntime, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The attention core, checkpointed when the module recomputes it selectively."""
+    if rt.recompute is None:
+        return fn(*args, **kwargs)
+    return rt.recompute.attention(fn, *args, **kwargs)
 
 
 def register() -> None:
@@ -115,16 +142,16 @@ def ulysses_attention_forward(
         return query.transpose(1, 2), None  # an empty local shard: nothing to attend
     if rt.segments is None:
         if cu is None:  # a plain call (CLIP, SigLIP, Whisper): the backend as the model asked
-            out, _ = base_attention(rt.base)(module, query, key, value, attention_mask, **kwargs)
+            out, _ = _core(rt, base_attention(rt.base), module, query, key, value, attention_mask, **kwargs)
             return out, None
         if lengths is None:
             lengths = _lengths(cu)  # one host sync per call: callers that can pass LENGTHS_KWARG
         if attention_mask is not None:
             raise ValueError("varlen attention takes no attention_mask; got one")
         if "flash" in rt.base:
-            out, _ = base_attention(rt.base)(module, query, key, value, None, **varlen, **kwargs)
+            out, _ = _core(rt, base_attention(rt.base), module, query, key, value, None, **varlen, **kwargs)
             return out, None
-        return _segmented(rt.base, module, query, key, value, lengths, kwargs), None
+        return _core(rt, _segmented, rt.base, module, query, key, value, lengths, kwargs), None
     if attention_mask is not None:
         raise ValueError("ulysses attention builds its own segment masks; got an attention_mask")
     return _spanning_attention(rt, module, query, key, value, kwargs), None
@@ -149,7 +176,7 @@ def _spanning_attention(
     qkv = _all_to_all(rt, qkv, out_splits=rt.sizes, in_splits=[n] * d)  # [N, 3, hl, D], global order
     q, k, v = (t.unsqueeze(0) for t in qkv.permute(1, 2, 0, 3).unbind(0))  # each [1, hl, N, D]
 
-    out = _segmented(rt.base, module, q, k, v, rt.segments or [], kwargs)[0]  # [N, hl, D]
+    out = _core(rt, _segmented, rt.base, module, q, k, v, rt.segments or [], kwargs)[0]  # [N, hl, D]
     out = _all_to_all(rt, out.contiguous(), out_splits=[n] * d, in_splits=rt.sizes)  # [d*n, hl, D]
     return out.view(d, n, hl, head_dim).permute(1, 0, 2, 3).reshape(1, n, heads, head_dim)
 

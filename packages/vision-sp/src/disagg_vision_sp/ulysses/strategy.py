@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disagg.interfaces import EmbeddingShard, Family, Strategy, StrategyOptions, dropout_seed
+from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.rng import ShardRNG
 from disagg_vision_sp.ulysses import attention
 from disagg_vision_sp.ulysses.layout import UlyssesFamily, plan_bounds
@@ -31,6 +32,7 @@ from disagg_vision_sp.ulysses.layout import UlyssesFamily, plan_bounds
 class UlyssesStrategy(Strategy):
     name: ClassVar[str] = "ulysses"
     distribution: ClassVar[str] = "disagg-vision-sp"
+    recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full", "selective")
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
@@ -78,6 +80,12 @@ class UlyssesStrategy(Strategy):
             # tokens from one stream.
             ctx = self.ctx
             self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
+        # A replayed block draws its masks from the shard stream again and runs inside
+        # the runtime (and spanning scope) its forward saw.
+        self.recompute = Recompute(
+            self.options.recompute, rngs=[self.rng] if self.rng else [], captures=[_capture_runtime]
+        )
+        self.recompute.apply_full(module, f"family {self.family.name!r} tower")
         return module
 
     def _replica_group(self) -> dist.ProcessGroup | None:
@@ -112,6 +120,7 @@ class UlyssesStrategy(Strategy):
             shard=self.ctx.shard,
             sizes=[b - a for a, b in zip(bounds, bounds[1:])],
             comm=self.ctx.comm,
+            recompute=self.recompute,
         )
         forked = self.rng.fork() if self.rng is not None else contextlib.nullcontext()
         with runtime.active(), forked:
@@ -167,3 +176,13 @@ class UlyssesStrategy(Strategy):
         if not isinstance(query.shape, VisionShape):
             return None
         return analytic_cost("ulysses", query)
+
+
+def _capture_runtime() -> Any:
+    """At a checkpointed block's forward: the runtime and its spanning segments, to
+    be active again around the block's replay."""
+    rt = attention.current()
+    if rt is None:
+        return contextlib.nullcontext
+    segments = None if rt.segments is None else list(rt.segments)
+    return lambda: rt.restored(segments)

@@ -400,7 +400,13 @@ class ModuleWorker:
             self.live_bytes[mb] = self.live_bytes.get(mb, 0) + nbytes
             self.record.activation_bytes = max(self.record.activation_bytes, sum(self.live_bytes.values()))
 
-        return saved_bytes_hooks(self.strategy.module, add)  # type: ignore[union-attr]
+        def peak(nbytes: int) -> None:
+            # one recomputed block's saves, held on top of everything live until its backward
+            self.record.activation_bytes = max(
+                self.record.activation_bytes, sum(self.live_bytes.values()) + nbytes
+            )
+
+        return saved_bytes_hooks(self.strategy.module, add, peak)  # type: ignore[union-attr]
 
     # -- state --------------------------------------------------------------------------------------
     @_named

@@ -1,0 +1,172 @@
+"""Activation recomputation (``parallel.<module>.recompute``), applied by each strategy.
+
+``full``: every transformer block keeps only its input; its forward runs again
+in backward. ``selective``: only the attention core (scores, softmax, context)
+is recomputed, as Megatron's selective recompute. Both are
+``torch.utils.checkpoint`` (non-reentrant) at the places a strategy names: for
+``full``, Hugging Face's own gradient-checkpointing layers
+(``GradientCheckpointingLayer``: decoder layers, vision and audio blocks) get
+:meth:`Recompute.checkpoint` as their checkpoint function, so module hooks stay
+outside the replay as Transformers intends.
+
+What torch's checkpoint already replays: the default generators (CPU and the
+inputs' CUDA device) and the autocast state of the forward (the encoder
+backward runs outside autocast, the replay inside it again). What it cannot
+know and this module adds:
+
+- a strategy's own dropout streams (:class:`~disagg.interfaces.rng.ShardRNG`)
+  are snapshotted at the block's forward and replayed (``rngs``);
+- a strategy's per-forward state (the ulysses runtime and its spanning
+  segments, a sequence-parallel region's shape) is captured at the block's
+  forward and re-entered around the replay (``captures``);
+- :func:`replaying` tells code that counts a collective at forward time for
+  its backward (Megatron's column linear) not to count it again;
+- the replay's saved tensors are counted as the transient peak of the
+  activation-bytes metric (the kept inputs are counted by the worker's saved-
+  tensor hooks already: checkpoint saves them through them).
+
+Early stop is off: the whole block is replayed, so a replay issues exactly the
+block's forward collectives again and costs exactly one forward of FLOPs,
+which is what the cost model charges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from disagg.interfaces import activations
+from disagg.interfaces.rng import ShardRNG
+
+RecomputeMode = Literal["none", "full", "selective"]
+MODES: tuple[str, ...] = ("none", "full", "selective")
+
+#: a capture is called at a checkpointed region's forward and returns a factory of
+#: the context to re-enter around its replay (called once per replay)
+Capture = Callable[[], Callable[[], contextlib.AbstractContextManager[Any]]]
+
+_REPLAYING: ContextVar[bool] = ContextVar("disagg_recompute_replaying", default=False)
+_INSIDE: ContextVar[int] = ContextVar("disagg_recompute_inside", default=0)
+
+
+def replaying() -> bool:
+    """True while a checkpointed region re-runs its forward during backward."""
+    return _REPLAYING.get()
+
+
+def checkpointed() -> bool:
+    """True inside a checkpointed region (its forward or its replay): tensors
+    saved there are not held (the replay makes them again)."""
+    return _INSIDE.get() > 0
+
+
+class _Inside(contextlib.AbstractContextManager):
+    """Re-enterable: a replay may run more than once (``retain_graph``)."""
+
+    def __init__(self, replay: bool = False, enter: Sequence[Callable[[], Any]] = ()) -> None:
+        self.replay, self.enter = replay, list(enter)
+        self._stacks: list[tuple[contextlib.ExitStack, Any, Any]] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        inside = _INSIDE.set(_INSIDE.get() + 1)
+        replaying_token = _REPLAYING.set(True) if self.replay else None
+        try:
+            for make in self.enter:
+                stack.enter_context(make())
+        except BaseException:
+            stack.close()
+            raise
+        self._stacks.append((stack, inside, replaying_token))
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, inside, replaying_token = self._stacks.pop()
+        try:
+            stack.__exit__(*exc)
+        finally:
+            if replaying_token is not None:
+                _REPLAYING.reset(replaying_token)
+            _INSIDE.reset(inside)
+
+
+class Recompute:
+    """One rank's recomputation for one module: its mode, the strategy's own
+    dropout streams and the per-forward state its replay must see."""
+
+    def __init__(
+        self,
+        mode: str = "none",
+        rngs: Sequence[ShardRNG] = (),
+        captures: Sequence[Capture] = (),
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"recompute {mode!r} is not one of: {', '.join(MODES)}")
+        self.mode = mode
+        self.rngs = list(rngs)
+        self.captures = list(captures)
+
+    @property
+    def full(self) -> bool:
+        return self.mode == "full"
+
+    @property
+    def selective(self) -> bool:
+        return self.mode == "selective"
+
+    def checkpoint(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` keeping only its inputs; replayed in backward
+        with the forward's random streams, autocast and captured state."""
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+
+        def context_fn() -> tuple[Any, Any]:
+            # Called at the forward: what the replay must see again is read now.
+            snaps = [(rng, rng.snapshot()) for rng in self.rngs]
+            replays = [capture() for capture in self.captures]
+            sink = activations.current_sink()
+            enter: list[Callable[[], Any]] = [functools.partial(rng.replay, snap) for rng, snap in snaps]
+            enter += replays
+            if sink is not None:
+                enter.append(sink.transient)
+            return _Inside(), _Inside(replay=True, enter=enter)
+
+        return torch.utils.checkpoint.checkpoint(
+            fn,
+            *args,
+            use_reentrant=False,
+            context_fn=context_fn,
+            preserve_rng_state=True,
+            early_stop=False,
+            **kwargs,
+        )
+
+    def attention(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """An attention core: checkpointed under ``selective``, run as is otherwise."""
+        return self.checkpoint(fn, *args, **kwargs) if self.selective else fn(*args, **kwargs)
+
+    def apply_full(self, module: nn.Module, what: str = "module") -> int:
+        """Under ``full``, checkpoint every Hugging Face gradient-checkpointing
+        layer of ``module`` with :meth:`checkpoint`; returns how many. Raises
+        when the mode is ``full`` and ``module`` has none (nothing would be
+        saved: refusing beats planning memory the run does not save)."""
+        if not self.full:
+            return 0
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if not layers:
+            raise ValueError(
+                f"recompute: full, but {what} ({type(module).__name__}) has no Hugging Face "
+                "gradient-checkpointing layers to recompute; allowed: none"
+            )
+        for layer in layers:
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = self.checkpoint  # type: ignore[assignment]
+        return len(layers)
+

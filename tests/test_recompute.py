@@ -1,0 +1,130 @@
+"""``parallel.<module>.recompute``: every strategy gives what it gives without it.
+
+One spawn of 2 gloo ranks runs every case below in turn, each mode of each case
+on the same weights and seeds (``recompute_cases``): data shaped like the mixed
+data, 3 steps, 2 microbatches both encoded before either backward, dropout > 0
+in the LLM and in the towers. ``full``/``selective`` must equal ``none`` (the
+replay draws the same dropout masks, runs under the same autocast, spanning
+scope and sequence-parallel shape); ``none`` equals the single-process Hugging
+Face model by each strategy's own equivalence tests. Saved-activation bytes
+must fall, and collective calls equal ``none``'s plus the replayed forwards'.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from recompute_cases import Case, dumps, encoder_steps, llm_steps, loads, rank
+
+from disagg.testing.dist import run_ranks
+from disagg.testing.reference import assert_close_dicts
+
+RTOL = 1e-6
+ULY = "disagg_vision_sp.ulysses.strategy:UlyssesStrategy"
+TP = "disagg_llm_tp.strategy:MegatronTPStrategy"
+DDP = "disagg.builtin.ddp:DDPStrategy"
+ZERO = "disagg_zero.strategy:ZeroStrategy"
+QVL = "disagg_vision_sp.families.qwen2_5_vl:Qwen2_5_VLVision"
+LLAVA = "disagg_vision_sp.families.llava:LlavaVision"
+QWEN2 = "disagg_llm_tp.families.qwen2:Qwen2Family"
+
+
+def _cases(root) -> dict[str, Case]:  # noqa: ANN001
+    from disagg_llm_tp.families.qwen2 import Qwen2Family
+    from disagg_vision_sp.families.llava import LlavaVision
+    from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+    from recompute_cases import IMAGE_STEPS
+
+    qvl = Qwen2_5_VLVision.make_tiny(root / "qvl")
+    llava = LlavaVision.make_tiny(root / "llava")
+    qwen2 = Qwen2Family.make_tiny(root / "qwen2")
+    cfg = json.loads((qwen2 / "config.json").read_text())
+    qvl_steps = encoder_steps(Qwen2_5_VLVision(qvl), IMAGE_STEPS)
+    llava_steps = encoder_steps(LlavaVision(llava, {"attn_implementation": "eager"}), IMAGE_STEPS)
+    lm_steps = llm_steps(Qwen2Family(qwen2))
+    assert cfg["num_attention_heads"] % 2 == 0
+    eager = {"attn_implementation": "eager"}
+    both = ("none", "full", "selective")
+    return {
+        "ddp-llava": Case(DDP, LLAVA, str(llava), family_options=eager, steps=llava_steps),
+        "ddp-qwen2": Case(DDP, QWEN2, str(qwen2), module="llm", family_options=eager, steps=lm_steps),
+        "ulysses-qwen2_5_vl": Case(ULY, QVL, str(qvl), degree=2, replicas=1, modes=both, steps=qvl_steps),
+        "ulysses-llava": Case(
+            ULY, LLAVA, str(llava), degree=2, replicas=1, modes=both, family_options=eager, steps=llava_steps
+        ),
+        "megatron_tp-qwen2": Case(
+            TP, QWEN2, str(qwen2), module="llm", degree=2, replicas=1, family_options=eager, steps=lm_steps
+        ),
+        "megatron_tp-sp-qwen2": Case(
+            TP,
+            QWEN2,
+            str(qwen2),
+            module="llm",
+            degree=2,
+            replicas=1,
+            options={"sequence_parallel": True},
+            family_options=eager,
+            steps=lm_steps,
+        ),
+        "megatron_tp-sp-qwen2_5_vl": Case(
+            TP, QVL, str(qvl), degree=2, replicas=1, options={"sequence_parallel": True}, steps=qvl_steps
+        ),
+        **{
+            f"zero{s}-qwen2": Case(
+                ZERO, QWEN2, str(qwen2), module="llm", options={"stage": s}, family_options=eager, steps=lm_steps
+            )
+            for s in (1, 2, 3)
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cases = _cases(tmp_path_factory.mktemp("recompute"))
+    raw = run_ranks(rank, 2, dumps(list(cases.values())), timeout=1500)
+    per_rank = [loads(r) for r in raw]
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}, cases
+
+
+NAMES = [
+    "ddp-llava",
+    "ddp-qwen2",
+    "ulysses-qwen2_5_vl",
+    "ulysses-llava",
+    "megatron_tp-qwen2",
+    "megatron_tp-sp-qwen2",
+    "megatron_tp-sp-qwen2_5_vl",
+    "zero1-qwen2",
+    "zero2-qwen2",
+    "zero3-qwen2",
+]
+
+
+def _close(got, want, what: str) -> None:  # noqa: ANN001
+    if isinstance(want, dict):
+        assert_close_dicts(got, want, rtol=RTOL, what=what)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), what
+        for k, (g, w) in enumerate(zip(got, want)):
+            _close(g, w, f"{what}[{k}]")
+    elif torch.is_tensor(want):
+        assert_close_dicts({"t": got}, {"t": want}, rtol=RTOL, what=what)
+    else:
+        assert got == pytest.approx(want, rel=RTOL), what
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recompute_equals_none(runs, name):
+    results, cases = runs
+    for r, by_mode in enumerate(results[name]):
+        base = by_mode["none"]
+        assert any(base["grads"]), "gradients must flow"
+        for mode in cases[name].modes[1:]:
+            got = by_mode[mode]
+            for key in ("out", "loss", "egrads", "grads", "params"):
+                _close(got[key], base[key], f"{name} rank {r} {mode} {key}")
+            # recomputing holds less, in every step that did any work
+            for k, (a, b) in enumerate(zip(got["act"], base["act"])):
+                assert a < b or a == b == 0, (name, r, mode, k, a, b)
