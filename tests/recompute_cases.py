@@ -110,7 +110,9 @@ def llm_steps(family: Any) -> list[list[tuple[dict, dict]]]:
             s, e = {"input_ids": ids, "labels": labels}, {}
             if n_img:
                 e["vision"] = torch.randn(n_img, hidden, generator=g)
-                s.update(family.extra_inputs({"vision": {"image_grid_thw": torch.tensor([[1, 2, n_img * 2]])}}))
+                s.update(
+                    family.extra_inputs({"vision": {"image_grid_thw": torch.tensor([[1, 2, n_img * 2]])}})
+                )
             step.append((s, e))
         steps.append(step)
     return steps

@@ -13,6 +13,7 @@ must fall, and collective calls equal ``none``'s plus the replayed forwards'.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,10 +33,11 @@ QWEN2 = "disagg_llm_tp.families.qwen2:Qwen2Family"
 
 
 def _cases(root) -> dict[str, Case]:  # noqa: ANN001
+    from recompute_cases import IMAGE_STEPS
+
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_vision_sp.families.llava import LlavaVision
     from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
-    from recompute_cases import IMAGE_STEPS
 
     qvl = Qwen2_5_VLVision.make_tiny(root / "qvl")
     llava = LlavaVision.make_tiny(root / "llava")
@@ -73,7 +75,13 @@ def _cases(root) -> dict[str, Case]:  # noqa: ANN001
         ),
         **{
             f"zero{s}-qwen2": Case(
-                ZERO, QWEN2, str(qwen2), module="llm", options={"stage": s}, family_options=eager, steps=lm_steps
+                ZERO,
+                QWEN2,
+                str(qwen2),
+                module="llm",
+                options={"stage": s},
+                family_options=eager,
+                steps=lm_steps,
             )
             for s in (1, 2, 3)
         },
@@ -128,3 +136,50 @@ def test_recompute_equals_none(runs, name):
             # recomputing holds less, in every step that did any work
             for k, (a, b) in enumerate(zip(got["act"], base["act"])):
                 assert a < b or a == b == 0, (name, r, mode, k, a, b)
+
+
+def _predicted_calls(case: Case, mode: str, microbatches: int) -> dict[str, int]:
+    from recompute_cases import load
+
+    from disagg.cost import predict, shapes_from_hf_config
+
+    cfg = json.loads((Path(case.path) / "config.json").read_text())
+    shape = shapes_from_hf_config(cfg)[case.module]
+    name = load(case.strategy).name
+    return predict(
+        shape,
+        name,
+        case.degree,
+        case.replicas,
+        64,
+        microbatches=microbatches,
+        options=case.options,
+        recompute=mode,
+    ).comm_calls_by_kind
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "llava" not in n])
+def test_replayed_collectives_are_counted_and_predicted(runs, name):
+    """Measured calls with recompute = measured without + what ``disagg.cost`` says
+    the replay adds, step by step (microbatches with work on the rank's replica)."""
+    from recompute_cases import _microbatches
+
+    results, cases = runs
+    case = cases[name]
+    for r, by_mode in enumerate(results[name]):
+        replica = r // case.degree
+        for k, step in enumerate(case.steps):
+            m = sum(bool(part) for part in _microbatches(list(range(len(step))), replica, case.replicas))
+            for mode in case.modes[1:]:
+                got, base = by_mode[mode]["calls"][k], by_mode["none"]["calls"][k]
+                measured = {x: got.get(x, 0) - base.get(x, 0) for x in set(got) | set(base)}
+                want = {}
+                if m:
+                    a, b = _predicted_calls(case, mode, m), _predicted_calls(case, "none", m)
+                    want = {x: a.get(x, 0) - b.get(x, 0) for x in set(a) | set(b)}
+                assert {x: v for x, v in measured.items() if v} == {x: v for x, v in want.items() if v}, (
+                    name,
+                    r,
+                    k,
+                    mode,
+                )

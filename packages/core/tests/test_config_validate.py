@@ -217,11 +217,13 @@ def test_recompute_a_strategy_cannot_apply_is_refused_naming_module_and_allowed(
     cfg["parallel"]["vision"]["recompute"] = "full"  # cfgtest_sp applies none
     cfg["parallel"]["llm"]["recompute"] = "selective"  # ddp applies none, full
     got = problems(workdir, cfg)
-    assert "strategy 'cfgtest_sp' cannot recompute 'full' for module 'vision'; allowed: none" in (
-        got["parallel.vision.recompute"]
+    assert (
+        "strategy 'cfgtest_sp' cannot recompute 'full' for module 'vision'; allowed: none"
+        in (got["parallel.vision.recompute"])
     )
-    assert "strategy 'ddp' cannot recompute 'selective' for module 'llm'; allowed: none, full" in (
-        got["parallel.llm.recompute"]
+    assert (
+        "strategy 'ddp' cannot recompute 'selective' for module 'llm'; allowed: none, full"
+        in (got["parallel.llm.recompute"])
     )
     assert "c.yaml" in got["parallel.llm.recompute"]  # names the file (and line)
     cfg["parallel"]["llm"]["recompute"] = "sometimes"

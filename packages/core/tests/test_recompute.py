@@ -192,3 +192,31 @@ def test_unknown_mode_and_a_module_without_blocks_are_refused():
     with pytest.raises(ValueError, match="no Hugging Face gradient-checkpointing layers"):
         Recompute("full").apply_full(nn.Linear(2, 2))
     assert Recompute("none").apply_full(nn.Linear(2, 2)) == 0
+
+
+@pytest.mark.parametrize("side", [32, 64])  # 1k and 4k vision tokens
+def test_saved_bytes_under_full_recompute_are_the_kept_input_figure(side):
+    """The tiny Qwen2.5-VL tower (test_cost's config): what a full-recompute forward
+    holds (the kept block inputs, patches and merger) plus one block's replay, as
+    measured, against the analytic figure (memory.recomputed_activation_bytes)."""
+    from test_cost import VISION, shape
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from disagg.cost import predict
+
+    cfg = Qwen2_5_VLConfig(vision_config=VISION).vision_config
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    tower = Qwen2_5_VisionTransformerPretrainedModel(cfg).train()
+    assert Recompute("full").apply_full(tower) == VISION["depth"]
+    n = side * side
+    added, peaks = [], []
+    with saved_bytes_hooks(tower, added.append, peaks.append):
+        out = tower(torch.randn(n, 3 * 2 * 4 * 4), grid_thw=torch.tensor([[1, side, side]])).pooler_output
+    out.square().sum().backward()
+    measured = sum(added) + max(peaks)
+    want = predict(shape(), "ddp", 1, 1, n, recompute="full").activation_bytes
+    none = predict(shape(), "ddp", 1, 1, n).activation_bytes
+    assert abs(measured - want) <= 0.10 * want, (measured, want)
+    assert measured < 0.5 * none  # and it is what recomputation saves

@@ -169,4 +169,3 @@ class Recompute:
             layer.gradient_checkpointing = True
             layer._gradient_checkpointing_func = self.checkpoint  # type: ignore[assignment]
         return len(layers)
-
