@@ -45,11 +45,16 @@ def train_reference(
     batches: list[list[dict[str, dict[str, torch.Tensor]]]],
     forward_kwargs: Callable[[dict[str, dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
     train: Any,
+    param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
 ) -> ReferenceRun:
-    """``forward_kwargs(sample)``: the HF model's keyword arguments for one sample."""
+    """``forward_kwargs(sample)``: the HF model's keyword arguments for one sample.
+    ``param_groups(model)``: AdamW param groups picked from the HF model's own
+    submodules (per-part learning rates), default one group of every parameter.
+    A test freezes parts with ``requires_grad_(False)`` on the HF submodules: they
+    get no gradient, so AdamW and ``clip_grad_norm_`` skip them."""
     model.train()
     opt = torch.optim.AdamW(
-        model.parameters(),
+        param_groups(model) if param_groups else model.parameters(),
         lr=train.lr,
         weight_decay=train.weight_decay,
         betas=tuple(train.betas),

@@ -124,3 +124,89 @@ def test_encoders_ahead_with_four_microbatches_equals_hf_model(ray_local, tiny, 
     )
     run_training(cfg, progress=False)
     _assert_matches_reference(tmp_path / "run", reference, tmp_path)
+
+
+FROZEN_TOWER = {
+    # the common recipe: vision tower frozen, merger trained (at its own lr); the
+    # LLM's input embedding frozen too, which TP splits over the vocabulary
+    "vision": {"freeze": ["tower"], "param_groups": {"merger": {"lr": 3e-3}}},
+    "llm": {"freeze": ["embed_tokens"]},
+}
+
+
+def test_frozen_tower_trains_merger_like_hf_model(ray_local, tiny, tmp_path):
+    """``freeze: [tower]`` under ulysses 2 + megatron_tp 2 equals the HF model
+    whose tower the reference freezes itself (``requires_grad_(False)`` on its
+    own submodules, AdamW groups from its own attributes), at every step."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from disagg.runtime.run import run_training
+
+    run = tmp_path / "run"
+    cfg = _config(
+        tiny,
+        run,
+        {"strategy": "ulysses", "degree": 2},
+        {"strategy": "megatron_tp", "degree": 2},
+        modules=FROZEN_TOWER,
+    )
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tiny["models"]["qwen2_5_vl"], dtype=torch.float32
+    )
+    visual = model.model.visual
+    visual.patch_embed.requires_grad_(False)
+    visual.blocks.requires_grad_(False)
+    model.model.language_model.embed_tokens.requires_grad_(False)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def groups(m: torch.nn.Module) -> list[dict]:
+        merger = {id(p) for p in m.model.visual.merger.parameters()}
+        rest = [p for p in m.parameters() if id(p) not in merger]
+        return [{"params": rest}, {"params": list(m.model.visual.merger.parameters()), "lr": 3e-3}]
+
+    want = train_reference(
+        model, batches_of(cfg, STEPS), _hf_kwargs(model.config.image_token_id), cfg.train, groups
+    )
+    run_training(cfg, progress=False)
+    _assert_matches_reference(run, want, tmp_path)
+
+    got = exported_state(run, STEPS, tmp_path / "export2", Qwen2_5_VLForConditionalGeneration)
+    tower = [k for k in initial if ".visual.patch_embed." in k or ".visual.blocks." in k]
+    merger = [k for k in initial if ".visual.merger." in k]
+    assert tower and merger
+    for k in tower + [k for k in initial if "embed_tokens" in k]:
+        assert torch.equal(got[k], initial[k]), f"{k} is frozen but moved"
+    assert all(not torch.equal(got[k], initial[k]) for k in merger), "the merger should train"
+    # frozen parameters hold no optimizer state; the trained ones do
+    optim = load_file(str(run / "checkpoints" / f"step-{STEPS}" / "vision" / "optim.safetensors"))
+    names = {k.split("::")[0] for k in optim}
+    assert names and all(n.startswith("merger.") for n in names), sorted(names)[:5]
+
+
+@pytest.mark.parametrize(
+    "modules,key,needle",
+    [
+        ({"vision": {"freeze": ["towr"]}}, "train.modules.vision.freeze.0", "(did you mean 'tower'?)"),
+        (
+            {"llm": {"param_groups": {"merger": {"lr": 1e-3}}}},
+            "train.modules.llm.param_groups.merger",
+            "names the parts: embed_tokens, layers, lm_head, norm",
+        ),
+        (
+            {"vision": {"freeze": ["tower"], "param_groups": {"tower": {"lr": 1e-3}}}},
+            "train.modules.vision.param_groups.tower",
+            "is frozen",
+        ),
+    ],
+)
+def test_bad_part_names_are_config_errors(tiny, tmp_path, modules, key, needle):
+    """Named with the key and the family's documented parts, before any actor starts."""
+    from disagg.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _config(tiny, tmp_path, {"strategy": "ddp"}, {"strategy": "ddp"}, modules=modules)
+    text = str(err.value)
+    assert key in text and needle in text, text
+    if "unknown part" in text and "vision" in modules:
+        assert "names the parts: blocks, merger, patch_embed, tower" in text, text

@@ -56,3 +56,15 @@ def test_layer_map_matches_module(tiny_dirs):
         lmap = fam.layer_map()
         for pat in (*lmap.column, *lmap.row, *lmap.vocab, *lmap.output):
             assert any(fnmatchcase(n, pat) for n in names), (family, pat)
+
+
+def test_parts_match_and_cover_the_parameters(tiny_dirs):
+    from disagg.interfaces.parts import matches
+
+    for family in ("qwen2", "llama", "qwen2_5_vl"):
+        fam = family_cls(family)(tiny_dirs[family])
+        names = [n for n, _ in fam.build().named_parameters(remove_duplicate=False)]
+        parts = fam.parts()
+        for part, patterns in parts.items():
+            assert any(matches(n, patterns) for n in names), (family, part)
+        assert [n for n in names if not any(matches(n, p) for p in parts.values())] == [], family

@@ -73,3 +73,15 @@ def test_layer_maps_name_real_modules(tiny_qwen, tiny_llava):
         lm = family.layer_map()
         for pattern in (*lm.column, *lm.row, *lm.heads):
             assert any(fnmatch(n, pattern) for n in names), (family.name, pattern)
+
+
+def test_parts_match_and_cover_the_parameters(tiny_qwen, tiny_llava):
+    """Every documented part names real parameters, and the parts cover them all."""
+    from disagg.interfaces.parts import matches
+
+    for family in (Qwen2_5_VLVision(tiny_qwen), LlavaVision(tiny_llava)):
+        names = [n for n, _ in family.build().named_parameters()]
+        parts = family.parts()
+        for part, patterns in parts.items():
+            assert any(matches(n, patterns) for n in names), (family.name, part)
+        assert [n for n in names if not any(matches(n, p) for p in parts.values())] == [], family.name

@@ -155,9 +155,9 @@ class _RestoreAbsent(_FragmentMask):
 
 
 def make_masked_adamw(
-    params: list[nn.Parameter], optim: OptimSpec, cpu_adam: bool = False
+    params: list[nn.Parameter] | list[dict[str, Any]], optim: OptimSpec, cpu_adam: bool = False
 ) -> torch.optim.Optimizer:
-    """AdamW over ``params`` with ``optim``'s settings.
+    """AdamW over ``params`` (parameters or param groups) with ``optim``'s settings.
 
     ``cpu_adam`` picks DeepSpeed's vectorised CPU AdamW (``adamw_mode``) for
     offloaded optimizer states on GPU runs, where a per-fragment loop would be

@@ -99,8 +99,9 @@ class ZeroStrategy(ZeroFullState, Strategy):
                 # Nothing to shard without optimizer states or gradients.
                 return
         else:
+            self.freeze_parts(optim)
             self.optimizer = make_masked_adamw(
-                self.trainable_parameters(),
+                self.param_groups(optim),
                 optim,
                 cpu_adam=self.options.offload_optimizer and self.ctx.device.type == "cuda",
             )

@@ -84,6 +84,9 @@ class Qwen2AudioFamily(WhisperStyleEncoder):
         pooled = tower.avg_pooler(hidden.transpose(0, 1).unsqueeze(0))[0].transpose(0, 1)
         return module.multi_modal_projector(tower.layer_norm(pooled))
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        return {"tower": ("audio_tower.*",), "projector": ("multi_modal_projector.*",)}
+
     def layer_map(self) -> LayerMap:
         layers = "audio_tower.layers.*"
         return LayerMap(

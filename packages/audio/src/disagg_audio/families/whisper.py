@@ -178,6 +178,9 @@ class WhisperAudioFamily(WhisperStyleEncoder):
             },
         )
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        return {"encoder": ("encoder.*",), "projector": ("projector.*",)}
+
     # -- export ---------------------------------------------------------------------------------
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         prefix = find_prefix(checkpoint_keys(self.path), "conv1.weight", _ENCODER_PREFIXES)

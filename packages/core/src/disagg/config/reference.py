@@ -65,7 +65,9 @@ def _children(prefix: str, model: type[BaseModel], rows: list[tuple[str, str, st
             continue
         if typing.get_origin(field.annotation) is dict and _model_in(typing.get_args(field.annotation)[1]):
             rows.append((f"{prefix}.{name}", "mapping", "`{}`", _one_line(field.description)))
-            _children(f"{prefix}.{name}.<module>", _model_in(typing.get_args(field.annotation)[1]), rows)
+            # dict keys are module names, except a module's parts (``param_groups.<part>``)
+            key = "<part>" if name == "param_groups" else "<module>"
+            _children(f"{prefix}.{name}.{key}", _model_in(typing.get_args(field.annotation)[1]), rows)
             continue
         _rows(f"{prefix}.{name}", field, rows)
     if shared:

@@ -178,9 +178,28 @@ class DataConfig(Strict):
     tokens, cut into batches, and their order shuffled per ``train.seed``."""
 
 
+class PartTrainConfig(Strict):
+    """``train.modules.<m>.param_groups.<part>``: settings for one part of the module."""
+
+    lr: float | None = Field(None, gt=0)
+    """Learning rate of the part's parameters (default: the module's); the module's
+    scheduler scales it like the module's."""
+    weight_decay: float | None = Field(None, ge=0)
+    """Weight decay of the part's parameters (default: the module's)."""
+
+
 class ModuleTrainConfig(Strict):
-    freeze: bool = False
-    """No optimizer and no parameter gradients; gradients still flow through to upstream modules."""
+    freeze: bool | list[str] = False
+    """``true``: the whole module is frozen: no optimizer, no parameter gradients, and a frozen
+    encoder runs forward only (ahead of the LLM under ``encoders_ahead``); gradients still flow
+    through a frozen LLM to upstream encoders. A list of the family's part names (the README
+    lists them; an unknown one is answered with them), e.g. ``[tower]`` on ``qwen2_5_vl``
+    vision keeps the merger trainable: those parameters get no gradient and no optimizer
+    state; the rest train."""
+    param_groups: dict[str, PartTrainConfig] = Field(default_factory=dict)
+    """Per-part optimizer settings, keyed by the family's part names, e.g.
+    ``{merger: {lr: 1.0e-3}}``; parts not named use the module's. A parameter in several
+    named parts takes the first listed."""
     lr: float | None = Field(None, gt=0)
     """Overrides ``train.lr`` for this module."""
     weight_decay: float | None = Field(None, ge=0)

@@ -91,7 +91,7 @@ class _Checker:
         self.ray(resolved)
         self.transport()
         self.devices()
-        self.train()
+        self.train(resolved)
         self.data(resolved)
         self.evaluation()
         self.trackers()
@@ -297,14 +297,16 @@ class _Checker:
         ):
             self.add(path, message)
 
-    def train(self) -> None:
+    def train(self, resolved: ResolvedConfig) -> None:
         t = self.cfg.train
         configured = self.cfg.modules()
-        for m in t.modules:
+        for m, mt in t.modules.items():
             if m not in configured:
                 self.add(
                     ("train", "modules", m), f"module {m!r} is not configured in model; {allowed(configured)}"
                 )
+            elif m in resolved.modules:
+                self.parts(m, mt, resolved.modules[m].family)
         if t.schedule not in self.reg.schedules:
             names = sorted(self.reg.schedules)
             self.add(
@@ -319,6 +321,35 @@ class _Checker:
         ]:
             if kinds and kind not in kinds:
                 self.add(path, f"unknown scheduler {kind!r}; {allowed(kinds)}{did_you_mean(kind, kinds)}")
+
+    def parts(self, m: str, mt: Any, family: Family) -> None:
+        """Part names in ``freeze: [..]`` and ``param_groups`` are the family's."""
+        key = ("train", "modules", m)
+        try:
+            parts = family.parts()
+        except Exception as exc:
+            self.add(key, f"family {family.name!r} cannot list its parts: {type(exc).__name__}: {exc}")
+            return
+        names = sorted(parts)
+        if names:
+            known = f"family {family.name!r} names the parts: {', '.join(names)}"
+        else:
+            known = f"family {family.name!r} names no parts (use freeze: true or false)"
+        listed = mt.freeze if isinstance(mt.freeze, list) else []
+        for i, name in enumerate(listed):
+            if name not in parts:
+                self.add((*key, "freeze", i), f"unknown part {name!r}; {known}{did_you_mean(name, names)}")
+        for name in mt.param_groups:
+            if name not in parts:
+                self.add(
+                    (*key, "param_groups", name), f"unknown part {name!r}; {known}{did_you_mean(name, names)}"
+                )
+            elif mt.freeze is True or name in listed:
+                self.add(
+                    (*key, "param_groups", name),
+                    f"part {name!r} is frozen (train.modules.{m}.freeze), so it has no optimizer settings; "
+                    "remove it from param_groups or from freeze",
+                )
 
     def data(self, resolved: ResolvedConfig) -> None:
         d = self.cfg.data

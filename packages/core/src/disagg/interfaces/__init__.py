@@ -5,6 +5,7 @@ from disagg.interfaces.context import GroupContext, OptimSpec, dropout_seed
 from disagg.interfaces.cost import Cost, CostQuery, DecoderShape, VisionShape, analytic_cost
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily, LayerMap
 from disagg.interfaces.grads import agree_on_grads
+from disagg.interfaces.parts import PartGroup
 from disagg.interfaces.precision import compute_dtype
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
@@ -33,6 +34,7 @@ __all__ = [
     "Layout",
     "OptimSpec",
     "Recompute",
+    "PartGroup",
     "SeqLayout",
     "Strategy",
     "StrategyOptions",

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from disagg.interfaces.comm import CommCounter
+from disagg.interfaces.parts import PartGroup
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class OptimSpec:
     scheduler: str = "constant"  # any transformers.get_scheduler kind
     warmup_steps: int = 0
     total_steps: int = 1
+    #: ``train.modules.<m>.freeze: [part, ...]`` resolved: (part, its parameter-name
+    #: patterns) pairs; those parameters get no gradient and no optimizer state
+    frozen: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: ``train.modules.<m>.param_groups`` resolved, in config order (first match wins)
+    groups: tuple[PartGroup, ...] = ()
 
 
 @dataclass

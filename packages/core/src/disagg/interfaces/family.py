@@ -76,6 +76,14 @@ class Family(ABC):
         """Tensor-parallel layer map, or None when the family cannot be split."""
         return None
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        """Named parts of ``build()``'s module that ``train.modules.<m>.freeze``
+        and ``train.modules.<m>.param_groups`` may name: part -> ``fnmatch``
+        patterns over its parameter names, e.g. ``{"tower": ("patch_embed.*",
+        "blocks.*"), "merger": ("merger.*",)}``. Parts may overlap (a coarse
+        part and its pieces). Cheap: validation calls it before any actor starts."""
+        return {}
+
     # -- export ---------------------------------------------------------------------------------
     @abstractmethod
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

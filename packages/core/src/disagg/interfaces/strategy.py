@@ -16,6 +16,7 @@ from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.cost import Cost, CostQuery
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily
 from disagg.interfaces.grads import agree_on_grads
+from disagg.interfaces.parts import freeze_parts, optimizer_groups
 from disagg.interfaces.recompute import Recompute, RecomputeMode
 from disagg.interfaces.shard import EmbeddingShard
 
@@ -93,6 +94,7 @@ class Strategy(ABC):
         if optim is None:
             self.module.requires_grad_(False)
             return
+        self.freeze_parts(optim)
         self.optimizer = self.make_optimizer(optim)
         self.scheduler = make_scheduler(self.optimizer, optim)
 
@@ -100,10 +102,25 @@ class Strategy(ABC):
         assert self.module is not None
         return [p for p in self.module.parameters() if p.requires_grad]
 
+    def freeze_parts(self, optim: OptimSpec) -> None:
+        """Apply ``optim.frozen`` (the parts ``train.modules.<m>.freeze`` names)
+        to ``self.module``; strategies with their own ``setup`` call it before
+        collecting :meth:`trainable_parameters`."""
+        assert self.module is not None
+        freeze_parts(self.module, dict(optim.frozen), f"train.modules.{self.ctx.module}")
+
+    def param_groups(self, optim: OptimSpec) -> list[dict[str, Any]]:
+        """The trainable parameters as optimizer param groups: one per
+        ``train.modules.<m>.param_groups`` part (its lr / weight decay), plus
+        the rest with the module's settings."""
+        assert self.module is not None
+        where = f"train.modules.{self.ctx.module}"
+        return optimizer_groups(self.module, self.trainable_parameters(), optim.groups, where)
+
     def make_optimizer(self, optim: OptimSpec) -> torch.optim.Optimizer:
         # foreach=False keeps the update bit-identical to the per-tensor reference.
         return torch.optim.AdamW(
-            self.trainable_parameters(),
+            self.param_groups(optim),
             lr=optim.lr,
             weight_decay=optim.weight_decay,
             betas=optim.betas,

@@ -8,7 +8,7 @@ from typing import Any
 
 from disagg.config.schema import Config
 from disagg.config.validate import ResolvedConfig, role_of
-from disagg.interfaces import Family, OptimSpec, Transport
+from disagg.interfaces import Family, OptimSpec, PartGroup, Transport
 from disagg.plugins import Registry
 from disagg.runtime.groups import GroupSpec
 
@@ -32,16 +32,36 @@ def families_for(cfg: Config, registry: Registry) -> dict[str, Family]:
     return out
 
 
-def optim_for(cfg: Config, module: str) -> OptimSpec | None:
+def optim_for(cfg: Config, module: str, family: Family | None = None) -> OptimSpec | None:
+    """``train.*`` merged with ``train.modules.<module>.*``; None when the whole
+    module is frozen. Part names (``freeze: [..]``, ``param_groups``) resolve to
+    parameter-name patterns through ``family.parts()`` (validation has checked them)."""
     t = cfg.train
     o = t.modules.get(module)
-    if o is not None and o.freeze:
+    if o is not None and o.freeze is True:
         return None
 
     def pick(name: str) -> Any:
         v = getattr(o, name, None) if o is not None else None
         return getattr(t, name) if v is None else v
 
+    parts = family.parts() if family is not None else {}
+    frozen: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    groups: tuple[PartGroup, ...] = ()
+    if o is not None and (isinstance(o.freeze, list) and o.freeze or o.param_groups):
+        if family is None:
+            raise ValueError(f"train.modules.{module}: part names need the module's family to resolve")
+        names = o.freeze if isinstance(o.freeze, list) else []
+        frozen = tuple((n, tuple(parts[n])) for n in dict.fromkeys(names))
+        groups = tuple(
+            PartGroup(
+                part=n,
+                patterns=tuple(parts[n]),
+                lr=pick("lr") if g.lr is None else g.lr,
+                weight_decay=pick("weight_decay") if g.weight_decay is None else g.weight_decay,
+            )
+            for n, g in o.param_groups.items()
+        )
     return OptimSpec(
         lr=pick("lr"),
         weight_decay=pick("weight_decay"),
@@ -50,6 +70,8 @@ def optim_for(cfg: Config, module: str) -> OptimSpec | None:
         scheduler=pick("scheduler"),
         warmup_steps=pick("warmup_steps"),
         total_steps=t.steps,
+        frozen=frozen,
+        groups=groups,
     )
 
 
@@ -75,7 +97,7 @@ def make_plan(resolved: ResolvedConfig | Config, registry: Registry, cluster_gpu
                 options=r.options,
                 degree=r.degree,
                 replicas=r.replicas,
-                optim=optim_for(cfg, m),
+                optim=optim_for(cfg, m, r.family),
                 num_cpus=g.resources.num_cpus,
                 num_gpus=g.resources.num_gpus,
             )

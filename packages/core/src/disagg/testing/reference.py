@@ -37,6 +37,12 @@ class ReferenceModel:
             if spec is None:
                 mod.requires_grad_(False)
                 continue
+            if spec.frozen or spec.groups:
+                # The reference must not reuse the code under test's pattern matching.
+                raise ValueError(
+                    f"ReferenceModel takes whole-module settings only; freeze parts of {m!r} or give them "
+                    "their own param groups on the reference's HF modules directly"
+                )
             opt = torch.optim.AdamW(
                 mod.parameters(),
                 lr=spec.lr,

@@ -132,6 +132,16 @@ class HFDecoderFamily(LanguageFamily):
             },
         )
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        # A tied lm_head is the embedding's weight: freezing either part freezes both.
+        p = self.prefix
+        return {
+            "embed_tokens": (f"{p}.embed_tokens.*",),
+            "layers": (f"{p}.layers.*",),
+            "norm": (f"{p}.norm.*",),
+            "lm_head": ("lm_head.*",),
+        }
+
     #: attributes of the attention module holding the query-head count, if any
     head_attrs: ClassVar[tuple[str, ...]] = ()
 

@@ -77,3 +77,29 @@ def check_attn_implementation(options: dict[str, Any]) -> list[str]:
             f"allowed: {', '.join(ATTN_IMPLEMENTATIONS)}"
         ]
     return []
+
+
+#: which family reads a dir of each ``model_type`` (for "use family X" hints)
+FAMILY_OF_MODEL_TYPE = {
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "llava": "llava",
+}
+
+
+def check_model_type(path: Path, family: str, model_types: tuple[str, ...]) -> list[str]:
+    """A dir of another model type would fail later with a raw AttributeError
+    on a config field it lacks; say which family reads it instead."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return [f"model.vision.path={str(path)!r} has no config.json (not a Hugging Face model dir)"]
+    model_type = json.loads(cfg.read_text()).get("model_type")
+    if model_type in model_types or str(model_type).removesuffix("_vision") in model_types:
+        return []  # a whole VLM, or a tower saved on its own
+    other = FAMILY_OF_MODEL_TYPE.get(model_type)
+    hint = f"; use family {other!r}" if other else ""
+    return [
+        f"model.vision.path={str(path)!r} is a {model_type!r} model, which family {family!r} cannot read "
+        f"(it reads {', '.join(model_types)}){hint}"
+    ]

@@ -129,6 +129,9 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
             },
         )
 
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        return {"tower": ("vision_tower.*",), "projector": ("multi_modal_projector.*",)}
+
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         probe = "multi_modal_projector.linear_1.weight"
         prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)

@@ -18,6 +18,7 @@ from torch import nn
 from disagg.interfaces import EncoderFamily, LayerMap
 from disagg_vision_sp.families.common import (
     check_attn_implementation,
+    check_model_type,
     checkpoint_keys,
     find_prefix,
     image_processor,
@@ -37,6 +38,8 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
     name: ClassVar[str] = "qwen2_5_vl"
     modality: ClassVar[str] = "image"
     pixel_limits: ClassVar[bool] = True
+    #: ``model_type`` of the dirs this family reads (whole VLM)
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_vl",)
 
     # -- config ---------------------------------------------------------------------------------
     def vision_config(self) -> Any:
@@ -50,17 +53,21 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
         return int(self.vision_config().out_hidden_size)
 
     def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
-        return check_attn_implementation(self.options)
+        problems = check_model_type(self.path, self.name, self.model_types)
+        return problems + check_attn_implementation(self.options)
 
     # -- building -------------------------------------------------------------------------------
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+    def tower_class(self) -> type:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel,
         )
 
+        return Qwen2_5_VisionTransformerPretrainedModel
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         # Load only the tower's tensors, whatever dir layout: key_mapping strips the prefix.
         with quiet_transformers():
-            return Qwen2_5_VisionTransformerPretrainedModel.from_pretrained(
+            return self.tower_class().from_pretrained(
                 self.path,
                 config=self.vision_config(),
                 key_mapping={r"^model\.visual\.": "", r"^visual\.": ""},
@@ -87,6 +94,15 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
                 },
             },
         )
+
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        # "tower": everything before the merger (the usual recipe freezes it and trains the merger).
+        return {
+            "tower": ("patch_embed.*", "blocks.*"),
+            "patch_embed": ("patch_embed.*",),
+            "blocks": ("blocks.*",),
+            "merger": ("merger.*",),
+        }
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         prefix = find_prefix(checkpoint_keys(self.path), "patch_embed.proj.weight", _PREFIXES)
