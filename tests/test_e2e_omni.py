@@ -205,3 +205,36 @@ def _export_reassembles(ckpt: Path, out: Path, trained: dict, omni: dict) -> Non
     source.load_state_dict(trained["audio"])
     with torch.no_grad():
         assert torch.equal(audio.encode(built["audio"].eval(), inputs), audio.encode(source.eval(), inputs))
+
+
+def test_whisper_takes_its_projector_width_from_the_llm(omni, tmp_path):
+    """No ``options.hidden_size``: the projector maps to the LLM config's width,
+    and the export records it, so the exported dir rebuilds on its own."""
+    model = {
+        "audio": {"family": "whisper", "path": str(omni["audio"])},
+        "llm": {"family": "qwen2", "path": str(omni["llm"])},
+    }
+    from disagg.config.validate import validate
+
+    data = {"train": str(omni["train"]), "media_root": str(omni["root"] / "data")}
+    cfg = mixed_config(model, {}, data, tmp_path, 1, microbatches=1)
+    audio = validate(cfg, get_registry()).modules["audio"].family
+    assert audio.hidden_size() == 48 and audio.options["hidden_size"] == 48
+    assert audio.build().projector.linear_2.out_features == 48
+
+
+def test_audio_without_a_placeholder_in_the_llm_is_a_config_error(omni, tmp_path):
+    """qwen2_5_vl's LLM has no audio token: refused at validation (not inside a
+    Ray Data worker), naming the option that fixes it."""
+    from disagg.config.errors import ConfigError
+
+    model = {
+        "audio": {"family": "whisper", "path": str(omni["audio"])},
+        "llm": {"family": "qwen2_5_vl", "path": str(omni["vision"])},
+    }
+    data = {"train": str(omni["train"]), "media_root": str(omni["root"] / "data")}
+    with pytest.raises(ConfigError) as err:
+        mixed_config(model, {}, data, tmp_path, 1, microbatches=1)
+    text = str(err.value)
+    assert "model.llm.family" in text and "set model.llm.options.placeholder_tokens.audio" in text, text
+    assert "needed by model.audio" in text, text

@@ -122,7 +122,23 @@ def test_many_problems_are_collected(reg, workdir):
         (
             lambda c: c["model"]["vision"].update(family="cfgtst"),
             "model.vision.family",
-            ["unknown encoder family 'cfgtst'", "allowed: cfgtest"],
+            ["unknown encoder family 'cfgtst'", "installed encoder families: cfgtest", "did you mean"],
+        ),
+        (
+            # another model version is no typo: no "did you mean", the installed ones listed
+            lambda c: c["model"]["vision"].update(family="cfgtest2"),
+            "model.vision.family",
+            ["unknown encoder family 'cfgtest2'; installed encoder families: cfgtest"],
+        ),
+        (
+            lambda c: c["model"]["vision"].update(family="whisper"),
+            "model.vision.family",
+            ["pip install disagg-audio"],
+        ),
+        (
+            lambda c: c["model"]["llm"].update(family="qwen3_vl"),
+            "model.llm.family",
+            ["pip install disagg-llm-tp"],
         ),
         (
             lambda c: c["parallel"]["llm"].update(strategy="zero"),

@@ -14,6 +14,7 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
     from disagg_llm_tp.families.llama import LlamaFamily
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
+    from disagg_llm_tp.families.qwen2_vl import Qwen2VLLanguageFamily
 
     root = tmp_path_factory.mktemp("tiny")
     return {
@@ -21,4 +22,5 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
         "qwen2_untied": str(Qwen2Family.make_tiny(root / "qwen2_untied", tie_word_embeddings=False, seed=1)),
         "llama": str(LlamaFamily.make_tiny(root / "llama")),
         "qwen2_5_vl": str(Qwen25VLLanguageFamily.make_tiny(root / "qwen2_5_vl")),
+        "qwen2_vl": str(Qwen2VLLanguageFamily.make_tiny(root / "qwen2_vl")),
     }

@@ -25,6 +25,7 @@ CASES = [
     ("llama-d2", "llama", "llama", 2, 1, False),
     ("llama-d4-kv-replicated", "llama", "llama", 4, 1, False),
     ("qwen2_5_vl-mrope-d2", "qwen2_5_vl", "qwen2_5_vl", 2, 1, False),
+    ("qwen2_vl-mrope-d2", "qwen2_vl", "qwen2_vl", 2, 1, False),
     # Megatron sequence parallelism; with 3 samples (2 over 2 replicas) the token
     # counts (45; 7 and 14) are not multiples of the degree, so shards are padded.
     ("qwen2-tied-d4-kv-replicated-sp", "qwen2", "qwen2", 4, 1, True),

@@ -36,8 +36,14 @@ def family_cls(name: str):
     from disagg_llm_tp.families.llama import LlamaFamily
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
+    from disagg_llm_tp.families.qwen2_vl import Qwen2VLLanguageFamily
 
-    return {"qwen2": Qwen2Family, "llama": LlamaFamily, "qwen2_5_vl": Qwen25VLLanguageFamily}[name]
+    return {
+        "qwen2": Qwen2Family,
+        "llama": LlamaFamily,
+        "qwen2_5_vl": Qwen25VLLanguageFamily,
+        "qwen2_vl": Qwen2VLLanguageFamily,
+    }[name]
 
 
 def make_batch(family, n_samples: int = 4, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -106,11 +112,16 @@ def reference(case: Case) -> dict:
     return out
 
 
-def _hf_model(case: Case):
-    from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
+#: families whose dir is a whole Qwen VLM (the reference is its ForConditionalGeneration)
+QWEN_VL = ("qwen2_5_vl", "qwen2_vl")
 
-    if case.family == "qwen2_5_vl":
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(case.path, dtype=torch.float32)
+
+def _hf_model(case: Case):
+    from transformers import AutoModelForCausalLM
+
+    if case.family in QWEN_VL:
+        model_cls = family_cls(case.family).hf_classes()[1]
+        model = model_cls.from_pretrained(case.path, dtype=torch.float32)
         model.model.visual.requires_grad_(False)  # the vision group's parameters, not the LLM's
         return model
     return AutoModelForCausalLM.from_pretrained(case.path, dtype=torch.float32)
@@ -118,7 +129,7 @@ def _hf_model(case: Case):
 
 def _hf_logits(case: Case, fam, model, s: dict, e: dict) -> torch.Tensor:
     ids = s["input_ids"][None]
-    if case.family == "qwen2_5_vl":
+    if case.family in QWEN_VL:
         # HF's own multimodal path: encoder outputs handed in, mRoPE from image_grid_thw.
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 

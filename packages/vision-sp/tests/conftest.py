@@ -19,3 +19,18 @@ def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from disagg_vision_sp.families.llava import LlavaVision
 
     return LlavaVision.make_tiny(tmp_path_factory.mktemp("tiny") / "llava")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llava-1.5's layout: CLIP tower, CLS dropped from the features."""
+    from disagg_vision_sp.families.tiny_llava import make_tiny_llava
+
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny") / "llava_clip", tower="clip")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from disagg_vision_sp.families.qwen2_vl import Qwen2VLVision
+
+    return Qwen2VLVision.make_tiny(tmp_path_factory.mktemp("tiny") / "qwen2_vl")

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from disagg.plugins import build_registry, make_plugin_manager
 from disagg_vision_sp.families.llava import LlavaVision
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+from disagg_vision_sp.families.qwen2_vl import Qwen2VLVision
 from disagg_vision_sp.testing import random_images
 from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
 
@@ -21,6 +22,7 @@ def test_entry_point_registers_strategy_and_families(monkeypatch):
     assert reg.strategies["ulysses"] is UlyssesStrategy
     assert reg.family("encoder", "qwen2_5_vl") is Qwen2_5_VLVision
     assert reg.family("encoder", "llava") is LlavaVision
+    assert reg.family("encoder", "qwen2_vl") is Qwen2VLVision
     assert "vision_sp" in reg.plugins and not reg.failures
 
 
@@ -65,23 +67,43 @@ def test_qwen_preprocess_and_tokens(tiny_qwen):
     assert out.shape == (39, 48)
 
 
-def test_layer_maps_name_real_modules(tiny_qwen, tiny_llava):
+def _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl) -> list:
+    return [
+        Qwen2_5_VLVision(tiny_qwen),
+        LlavaVision(tiny_llava),
+        LlavaVision(tiny_llava_clip),
+        Qwen2VLVision(tiny_qwen2_vl),
+    ]
+
+
+def test_layer_maps_name_real_modules(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl):
     from fnmatch import fnmatch
 
-    for family in (Qwen2_5_VLVision(tiny_qwen), LlavaVision(tiny_llava)):
+    for family in _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl):
         names = [n for n, _ in family.build().named_modules()]
         lm = family.layer_map()
         for pattern in (*lm.column, *lm.row, *lm.heads):
             assert any(fnmatch(n, pattern) for n in names), (family.name, pattern)
 
 
-def test_parts_match_and_cover_the_parameters(tiny_qwen, tiny_llava):
+def test_parts_match_and_cover_the_parameters(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl):
     """Every documented part names real parameters, and the parts cover them all."""
     from disagg.interfaces.parts import matches
 
-    for family in (Qwen2_5_VLVision(tiny_qwen), LlavaVision(tiny_llava)):
+    for family in _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl):
         names = [n for n, _ in family.build().named_parameters()]
         parts = family.parts()
         for part, patterns in parts.items():
             assert any(matches(n, patterns) for n in names), (family.name, part)
         assert [n for n in names if not any(matches(n, p) for p in parts.values())] == [], family.name
+
+
+def test_a_dir_of_another_model_type_names_the_family_that_reads_it(
+    tiny_qwen, tiny_qwen2_vl, tiny_llava_clip
+):
+    """Today's raw AttributeError (a Qwen2-VL dir under qwen2_5_vl) is a sentence."""
+    (problem,) = Qwen2_5_VLVision(tiny_qwen2_vl).check("ulysses", 2, 1)
+    assert "is a 'qwen2_vl' model" in problem and "use family 'qwen2_vl'" in problem
+    (problem,) = Qwen2VLVision(tiny_qwen).check("ulysses", 2, 1)
+    assert "is a 'qwen2_5_vl' model" in problem and "use family 'qwen2_5_vl'" in problem
+    assert LlavaVision(tiny_llava_clip).check("ulysses", 2, 1) == []  # CLIP towers are accepted

@@ -1,4 +1,7 @@
-"""``ulysses`` on a LLaVA (SigLIP + MLP projector) encoder equals the single-process HF encoder."""
+"""``ulysses`` on a LLaVA (SigLIP or CLIP + MLP projector) encoder equals the single-process HF encoder.
+
+The CLIP tower (llava-1.5) attends over a CLS token per image that the LLM
+never receives: a shard may hold CLS rows, which no sample takes."""
 
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ from disagg_vision_sp.testing import (
 SAMPLES = [[(50, 40), (20, 30)], [(64, 64)], [(31, 17)], [(40, 90), (33, 33)]]
 
 
-@pytest.fixture(scope="module")
-def case(tiny_llava):
-    family = LlavaVision(tiny_llava)
+@pytest.fixture(scope="module", params=["siglip", "clip"])
+def case(request):
+    family = LlavaVision(
+        request.getfixturevalue("tiny_llava" if request.param == "siglip" else "tiny_llava_clip")
+    )
     inputs = [family.preprocess(random_images(s, seed=i)) for i, s in enumerate(SAMPLES)]
     grads = upstream_grads(family, inputs)
     outs, pgrads = reference(family, inputs, grads)
@@ -45,7 +50,13 @@ def test_encode_is_hf_get_image_features(case):
     assert [family.num_tokens(x) for x in inputs] == [[25, 25], [25], [25], [25, 25]]
 
 
-@pytest.mark.parametrize("degree,replicas", [(2, 1), (4, 1), (2, 2)])
+# CLIP at degree 2 already puts both images of sample 0 (and their CLS rows) on shard 0;
+# the other meshes run on SigLIP only, to keep the suite short.
+@pytest.mark.parametrize(
+    "case,degree,replicas",
+    [("siglip", 2, 1), ("siglip", 4, 1), ("siglip", 2, 2), ("clip", 2, 1)],
+    indirect=["case"],
+)
 def test_ulysses_matches_hf(case, degree, replicas):
     family, inputs, grads, ref_outs, ref_grads = case
     results = run_ulysses(degree, replicas, family, inputs, grads)

@@ -18,6 +18,8 @@ def disagg_register_strategies(register: Callable[[type], None]) -> None:
 def disagg_register_families(register: Callable[[type], None]) -> None:
     from disagg_vision_sp.families.llava import LlavaVision
     from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+    from disagg_vision_sp.families.qwen2_vl import Qwen2VLVision
 
     register(Qwen2_5_VLVision)
     register(LlavaVision)
+    register(Qwen2VLVision)

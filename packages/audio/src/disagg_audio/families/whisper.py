@@ -2,7 +2,8 @@
 
 Options (``model.audio.options``):
 
-- ``hidden_size`` (required): width of the LLM the rows feed.
+- ``hidden_size``: width of the LLM the rows feed; default the LLM family's hidden size
+  (set it only for an LLM family that does not report one).
 - ``pooling``: ``avg`` (mean of ``stride`` neighbouring positions, as Qwen2-Audio)
   or ``stack`` (concatenate them, as Ultravox); default ``avg``.
 - ``stride``: encoder positions per LLM row (50 per second of audio / stride); default 2.
@@ -81,9 +82,19 @@ class WhisperAudioFamily(WhisperStyleEncoder):
     def hidden_size(self) -> int:
         if "hidden_size" not in self.options:
             raise ValueError(
-                "model.audio.options.hidden_size is not set: family 'whisper' needs the LLM's hidden size"
+                "model.audio.options.hidden_size is not set and the LLM family reports no hidden size: "
+                "family 'whisper' needs it to size its projector"
             )
         return int(self.options["hidden_size"])
+
+    def use_llm(self, llm: Any) -> None:
+        """The projector maps to the LLM's width: take it from the LLM's config
+        unless ``options.hidden_size`` says otherwise."""
+        if "hidden_size" not in self.options:
+            try:
+                self.options["hidden_size"] = int(llm.hidden_size())
+            except NotImplementedError:
+                pass  # check() names the option to set
 
     def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
         problems = []
@@ -91,7 +102,8 @@ class WhisperAudioFamily(WhisperStyleEncoder):
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             problems.append(
                 f"model.audio.options.hidden_size={size!r}: family 'whisper' needs the LLM's hidden size "
-                "(a positive int, e.g. 896 for Qwen2-0.5B) to size its projector"
+                "(a positive int, e.g. 896 for Qwen2-0.5B) to size its projector; it is read from the "
+                "LLM family when that reports one"
             )
         stride = self.options.get("stride", 2)
         if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:

@@ -82,6 +82,8 @@ def make_tiny(
             manifest["skipped"][name] = str(exc)
             continue
         manifest["models"][name] = str(path)
+        for variant, build in cls.tiny_variants().items():
+            manifest["models"][variant] = str(build(out / variant))
 
     if data:
         from disagg.data.demo_data import make_demo_data

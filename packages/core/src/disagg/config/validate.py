@@ -20,7 +20,7 @@ from disagg.config.fingerprint import fingerprint_differences, run_fingerprint
 from disagg.config.schema import MODULES, Config, GroupConfig
 from disagg.config.source import SourceMap, dotted
 from disagg.config.translate import problems_from_errors
-from disagg.interfaces import Family, Strategy, StrategyOptions
+from disagg.interfaces import EncoderFamily, Family, LanguageFamily, Strategy, StrategyOptions
 from disagg.plugins import Registry, provider_of
 
 
@@ -83,11 +83,13 @@ class _Checker:
 
     def run(self) -> ResolvedConfig:
         resolved = ResolvedConfig(config=self.cfg, transport=self.cfg.parallel.transport)
+        self.llm_family = self._quiet_llm_family()
         for m in self.cfg.modules():
             module = self.module(m)
             if module is not None:
                 resolved.modules[m] = module
         self.unused_groups()
+        self.placeholders(resolved)
         self.ray(resolved)
         self.transport()
         self.devices()
@@ -102,6 +104,20 @@ class _Checker:
             except Exception as exc:  # e.g. a row of unknown format: named with its file and line
                 self.add(("train", "epochs"), f"cannot count the samples of data.train: {exc}")
         return resolved
+
+    def placeholders(self, resolved: ResolvedConfig) -> None:
+        """Every encoder needs a placeholder token in the LLM's prompts; without
+        one, preprocessing would fail late, inside a data worker."""
+        llm = resolved.modules.get("llm")
+        if llm is None:
+            return
+        for m in resolved.modules:
+            if m == "llm":
+                continue
+            try:
+                llm.family.placeholder_token_id(m)  # type: ignore[attr-defined]
+            except Exception as exc:
+                self.add(("model", "llm", "family"), f"{exc} (needed by model.{m})")
 
     def ray(self, resolved: ResolvedConfig) -> None:
         """An embedded Ray too small for the ranks would wait forever for actors."""
@@ -158,6 +174,7 @@ class _Checker:
             spec.family,
             {n: cls for (r, n), cls in self.reg.families.items() if r == role},
             provider_of("family", spec.family, role),
+            others={n for (r, n) in self.reg.families if r != role},
         )
         if not Path(spec.path).exists():
             self.add(
@@ -177,6 +194,8 @@ class _Checker:
             return None
         try:
             family = family_cls(spec.path, spec.options)
+            if isinstance(family, EncoderFamily) and self.llm_family is not None:
+                family.use_llm(self.llm_family)
         except Exception as exc:
             self.add(
                 ("model", m), f"family {spec.family!r} cannot read {spec.path!r}: {type(exc).__name__}: {exc}"
@@ -208,17 +227,51 @@ class _Checker:
             return None
         return ResolvedModule(m, role, strategy_cls, options, family, group.degree, group.replicas)
 
-    def lookup(self, path: tuple, what: str, name: str, table: dict[str, Any], provider: str | None) -> Any:
+    def _quiet_llm_family(self) -> LanguageFamily | None:
+        """The LLM's family instance for the encoders' ``use_llm``, or None when it
+        cannot be made (its own check reports why, in order)."""
+        spec = self.cfg.model.llm
+        cls = self.reg.families.get(("llm", spec.family))
+        if cls is None or not Path(spec.path).exists():
+            return None
+        try:
+            return cls(spec.path, spec.options)
+        except Exception:
+            return None
+
+    def lookup(
+        self,
+        path: tuple,
+        what: str,
+        name: str,
+        table: dict[str, Any],
+        provider: str | None,
+        others: set[str] | None = None,
+    ) -> Any:
+        """``others``: names registered for another role (a family named under the wrong module)."""
         if name in table:
             return table[name]
-        if provider is not None:
+        names = sorted(table)
+        if others and name in others:
+            self.add(
+                path,
+                f"{name!r} is not an {what} (it is registered for another role); installed "
+                f"{what.replace('family', 'families')}: {', '.join(names) or 'none'}",
+            )
+        elif provider is not None:
             self.add(
                 path,
                 f"{what} {name!r} is provided by {provider}, which is not installed or not loaded; "
                 f"run: pip install {provider}{self.limited_hint()}",
             )
+        elif others is not None:  # a family: name what is installed, never another model version
+            self.add(
+                path,
+                f"unknown {what} {name!r}; installed {what.replace('family', 'families')}: "
+                f"{', '.join(names) or 'none'}"
+                f"{_same_version_hint(name, names)}",
+            )
         else:
-            names = sorted(table)
             self.add(path, f"unknown {what} {name!r}; {allowed(names)}{did_you_mean(name, names)}")
         return None
 
@@ -458,6 +511,18 @@ def with_epoch_steps(cfg: Config) -> Config:
     steps = max(1, math.ceil(cfg.train.epochs * samples / cfg.data.batch_size))
     train = cfg.train.model_copy(update={"steps": steps, "epochs": None})
     return cfg.model_copy(update={"train": train})
+
+
+def _same_version_hint(name: str, names: list[str]) -> str:
+    """A did-you-mean that never offers another version of a model (``qwen3_vl`` is
+    not a typo of ``qwen2_5_vl``, and that family cannot load it)."""
+    import re
+
+    hint = did_you_mean(name, names)
+    if not hint:
+        return ""
+    close = hint.split("'")[1]
+    return hint if re.findall(r"\d+", close) == re.findall(r"\d+", name) else ""
 
 
 def _scheduler_kinds() -> list[str]:

@@ -97,6 +97,13 @@ class Family(ABC):
         """Write a tiny random-weight HF dir for this family; return its path."""
         raise NotImplementedError(f"family {cls.name!r} has no tiny-model builder")
 
+    @classmethod
+    def tiny_variants(cls) -> dict[str, Any]:
+        """Other tiny dirs ``disagg make-tiny`` writes for this family: dir name ->
+        a callable ``(out_dir: Path) -> Path`` (e.g. ``llava_clip``: LLaVA with a
+        CLIP tower, where ``make_tiny`` writes SigLIP)."""
+        return {}
+
 
 class EncoderFamily(Family):
     """A vision or audio encoder (projector included) that turns media into
@@ -129,11 +136,21 @@ class EncoderFamily(Family):
         """Width of the rows ``encode`` returns (the LLM's hidden size)."""
         raise NotImplementedError
 
+    def use_llm(self, llm: LanguageFamily) -> None:
+        """Called with the run's LLM family once it is known, before ``check``
+        (validation, ``families_for``): an encoder may take what it needs from
+        it, e.g. the width its projector maps to. Keep it cheap and picklable."""
+        return None
+
 
 class LanguageFamily(Family):
     """A causal language model that consumes text plus encoder embeddings."""
 
     role: ClassVar[Role] = "llm"
+
+    def hidden_size(self) -> int:
+        """Width of the embeddings the LLM consumes (what encoders project to)."""
+        raise NotImplementedError
 
     def tokenizer(self) -> Any:
         """The HF tokenizer of ``self.path`` (``AutoTokenizer.from_pretrained``)."""
@@ -172,3 +189,12 @@ class LanguageFamily(Family):
         shifted and flattened (``[T, V_local]``, ``[T]`` with -100 ignored), so
         that the strategy owns the loss reduction (vocab-parallel CE for TP).
         """
+
+
+def link_to_llm(families: dict[str, Family]) -> None:
+    """Hand every encoder family the LLM family (``EncoderFamily.use_llm``)."""
+    llm = families.get("llm")
+    if isinstance(llm, LanguageFamily):
+        for f in families.values():
+            if isinstance(f, EncoderFamily):
+                f.use_llm(llm)

@@ -34,7 +34,8 @@ class SeqLayout:
     cuts: list[int]
     #: encoder tokens per output row (Qwen2.5-VL merges 2x2 patches: 4); cuts are multiples of it
     unit: int
-    #: per output row in compute order: which sample it belongs to...
+    #: per output row in compute order: which sample it belongs to (-1: a row the
+    #: family computes but the LLM never receives, such as CLIP's CLS token)...
     row_sample: torch.Tensor
     #: ...and which row of that sample's full embedding (LLM placeholder order) it is
     row_pos: torch.Tensor

@@ -112,10 +112,14 @@ def model_section(export_dir: str | Path) -> dict[str, dict[str, Any]]:
 def load_exported(export_dir: str | Path, registry: Registry) -> dict[str, Family]:
     """Family instances for every exported module; ``build()`` on each loads
     the trained weights with the family's ``from_pretrained`` path."""
-    return {
+    from disagg.interfaces.family import link_to_llm
+
+    families = {
         m: registry.family(role_of(m), s["family"])(s["path"], s["options"])
         for m, s in model_section(export_dir).items()
     }
+    link_to_llm(families)
+    return families
 
 
 def _copy_non_weights(source: Path, dest: Path) -> None:

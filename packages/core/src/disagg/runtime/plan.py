@@ -9,6 +9,7 @@ from typing import Any
 from disagg.config.schema import Config
 from disagg.config.validate import ResolvedConfig, role_of
 from disagg.interfaces import Family, OptimSpec, PartGroup, Transport
+from disagg.interfaces.family import link_to_llm
 from disagg.plugins import Registry
 from disagg.runtime.groups import GroupSpec
 
@@ -29,6 +30,7 @@ def families_for(cfg: Config, registry: Registry) -> dict[str, Family]:
     for m in cfg.modules():
         mm = getattr(cfg.model, m)
         out[m] = registry.family(role_of(m), mm.family)(mm.path, mm.options)
+    link_to_llm(out)
     return out
 
 

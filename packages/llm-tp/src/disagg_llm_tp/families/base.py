@@ -18,6 +18,17 @@ from torch import nn
 
 from disagg.interfaces import LanguageFamily, LayerMap
 
+#: which first-party family reads a dir of each ``model_type`` (for "use family X" hints)
+FAMILY_OF_MODEL_TYPE = {
+    "qwen2": "qwen2",
+    "llama": "llama",
+    "llava": "llama",
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen2_audio": "qwen2_audio",
+}
+
 
 def allowed_degrees(heads: int, kv_heads: int) -> list[int]:
     """Degrees megatron_tp can use: divide the query heads, and split or
@@ -30,6 +41,8 @@ class HFDecoderFamily(LanguageFamily):
 
     #: model_type values of whole multimodal dirs whose language model this family runs
     vlm_model_types: ClassVar[tuple[str, ...]] = ()
+    #: model_type values of plain decoder dirs this family runs
+    model_types: ClassVar[tuple[str, ...]] = ()
     #: module name -> placeholder token text, used when the config names no id
     placeholder_tokens: ClassVar[dict[str, str]] = {}
     #: module name -> config attributes that may hold the placeholder id
@@ -53,6 +66,9 @@ class HFDecoderFamily(LanguageFamily):
     def text_config(self) -> Any:
         return self.config.get_text_config() if self.is_vlm else self.config
 
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
     @property
     def prefix(self) -> str:
         """Dotted path of the decoder (embeddings + layers) in ``build()``'s module."""
@@ -66,6 +82,16 @@ class HFDecoderFamily(LanguageFamily):
 
     # -- validation ------------------------------------------------------------------------------------
     def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        reads = (*self.model_types, *self.vlm_model_types)
+        model_type = self.config.model_type
+        if model_type not in reads:
+            # Another model's config lacks the fields this family reads (a raw AttributeError later).
+            other = FAMILY_OF_MODEL_TYPE.get(model_type)
+            hint = f"; use family {other!r}" if other else ""
+            return [
+                f"model.llm.path={str(self.path)!r} is a {model_type!r} model, which family {self.name!r} "
+                f"cannot read (it reads {', '.join(reads)}){hint}"
+            ]
         if strategy != "megatron_tp" or degree == 1:
             return []
         tc = self.text_config

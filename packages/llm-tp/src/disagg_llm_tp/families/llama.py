@@ -16,6 +16,7 @@ from disagg_llm_tp.families.tiny import decoder_sizes, llama_tokenizer, save_ran
 
 class LlamaFamily(HFDecoderFamily):
     name: ClassVar[str] = "llama"
+    model_types: ClassVar[tuple[str, ...]] = ("llama",)
     vlm_model_types: ClassVar[tuple[str, ...]] = ("llava",)
     placeholder_tokens: ClassVar[dict[str, str]] = {"vision": "<image>", "audio": "<audio>"}
 

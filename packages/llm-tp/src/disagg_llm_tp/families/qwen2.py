@@ -14,6 +14,7 @@ from disagg_llm_tp.families.tiny import decoder_sizes, qwen_tokenizer, save_rand
 
 class Qwen2Family(HFDecoderFamily):
     name: ClassVar[str] = "qwen2"
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2",)
     placeholder_tokens: ClassVar[dict[str, str]] = {"vision": "<|image_pad|>", "audio": "<|AUDIO|>"}
 
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:

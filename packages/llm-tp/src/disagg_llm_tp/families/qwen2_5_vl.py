@@ -27,10 +27,15 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
     placeholder_tokens: ClassVar[dict[str, str]] = {"vision": "<|image_pad|>"}
     head_attrs: ClassVar[tuple[str, ...]] = ("num_heads",)
 
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        from transformers import Qwen2_5_VLForConditionalGeneration
+    @classmethod
+    def hf_classes(cls) -> tuple[type, type]:
+        """(config class, ``ForConditionalGeneration`` class) of the whole VLM."""
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(self.path, **self._load_kwargs(dtype))
+        return Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        model = self.hf_classes()[1].from_pretrained(self.path, **self._load_kwargs(dtype))
         model.model.visual = None  # owned by the vision group; not trained here
         return model
 
@@ -69,8 +74,7 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
     ) -> Path:
         """A whole tiny Qwen2.5-VL dir (vision tower included, random weights),
         its tokenizer with the Qwen special tokens, and ``preprocessor_config.json``."""
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
+        config_cls, model_cls = cls.hf_classes()
         out = Path(out_dir)
         tok = qwen_tokenizer(out)
         ids = {
@@ -85,7 +89,23 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
             eos_token_id=tok.eos_token_id,
             bos_token_id=None,
         )
-        vision = dict(
+        config = config_cls(
+            text_config=text,
+            vision_config=cls.tiny_vision(text["hidden_size"]),
+            tie_word_embeddings=tie_word_embeddings,
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+        )
+        save_random(model_cls, config, out, seed)
+        _write_preprocessor(out)
+        return out
+
+    @classmethod
+    def tiny_vision(cls, out_hidden: int) -> dict:
+        """The tiny dir's vision config (patch 14, merge 2; the vision group's business)."""
+        return dict(
             depth=2,
             hidden_size=32,
             intermediate_size=64,
@@ -94,21 +114,9 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
             spatial_merge_size=2,
             temporal_patch_size=2,
             window_size=56,
-            out_hidden_size=text["hidden_size"],
+            out_hidden_size=out_hidden,
             fullatt_block_indexes=[1],
         )
-        config = Qwen2_5_VLConfig(
-            text_config=text,
-            vision_config=vision,
-            tie_word_embeddings=tie_word_embeddings,
-            image_token_id=ids["<|image_pad|>"],
-            video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"],
-        )
-        save_random(Qwen2_5_VLForConditionalGeneration, config, out, seed)
-        _write_preprocessor(out)
-        return out
 
 
 def _write_preprocessor(out: Path) -> None:

@@ -1,9 +1,12 @@
-"""``llava`` vision family: a LLaVA dir's SigLIP vision tower + MLP ``multi_modal_projector``.
+"""``llava`` vision family: a LLaVA dir's SigLIP or CLIP (llava-1.5) vision
+tower + MLP ``multi_modal_projector``.
 
 ``encode`` is ``LlavaModel.get_image_features`` for one sample (an int
 ``vision_feature_layer``). Under ``ulysses`` every image is one full-attention
 segment of the concatenated sequence, so every layer's attention spans shards
-and cuts may fall on any token.
+and cuts may fall on any token. A CLIP tower prepends a CLS token to each
+image; with ``vision_feature_select_strategy: default`` (llava-1.5) its row
+never reaches the LLM: the layout marks it dropped (``row_sample`` -1).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from disagg_vision_sp.families.common import (
 from disagg_vision_sp.ulysses.layout import AttentionScope, SeqLayout, UlyssesFamily
 
 _PREFIXES = ("", "model.")
-_TOWERS = ("siglip_vision_model",)
+_TOWERS = ("siglip_vision_model", "clip_vision_model")
 
 
 def _encoder_class() -> type:
@@ -82,14 +85,22 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
                 "family 'llava' "
                 "supports one int layer only"
             )
-        if cfg.vision_feature_select_strategy != "full":
-            # 'default' drops the first token, a CLS that SigLIP towers do not have.
+        strategy = cfg.vision_feature_select_strategy
+        allowed = ("full", "default") if self._has_cls() else ("full",)
+        if strategy not in allowed:
+            # 'default' drops the first token: a CLS for CLIP, an image patch for SigLIP (no CLS).
             problems.append(
-                f"vision_feature_select_strategy={cfg.vision_feature_select_strategy!r} "
-                f"in {self.path}/config.json: "
-                "family 'llava' (SigLIP towers, no CLS token) supports 'full' only"
+                f"vision_feature_select_strategy={strategy!r} in {self.path}/config.json: family 'llava' "
+                f"with a {cfg.vision_config.model_type!r} tower supports {' or '.join(map(repr, allowed))}"
             )
         return problems
+
+    def _has_cls(self) -> bool:
+        """CLIP towers prepend a CLS token to every image (and norm before the layers)."""
+        return self.config().vision_config.model_type == "clip_vision_model"
+
+    def _drops_cls(self) -> bool:
+        return self._has_cls() and self.config().vision_feature_select_strategy == "default"
 
     # -- building -------------------------------------------------------------------------------
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -121,6 +132,7 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
                 # never runs (post-layernorm, a pooling head when the tower has one).
                 "replicated": (
                     "vision_tower.embeddings.*",
+                    "vision_tower.pre_layrnorm.*",
                     f"{layers}.layer_norm1.*",
                     f"{layers}.layer_norm2.*",
                     "vision_tower.post_layernorm.*",
@@ -143,6 +155,13 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
 
         return make_tiny_llava(Path(out_dir))
 
+    @classmethod
+    def tiny_variants(cls) -> dict[str, Any]:
+        from disagg_vision_sp.families.tiny_llava import make_tiny_llava
+
+        # llava-1.5's layout: a CLIP tower whose CLS row is dropped from the features
+        return {"llava_clip": lambda out: make_tiny_llava(Path(out), tower="clip")}
+
     # -- data -----------------------------------------------------------------------------------
     def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
         proc = image_processor(str(self.path))
@@ -153,13 +172,20 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
         v = self.config().vision_config
         return (v.image_size // v.patch_size) ** 2
 
+    def _tower_tokens(self) -> int:
+        """Tokens of one image inside the tower (CLS included)."""
+        return self._patches() + int(self._has_cls())
+
     def num_tokens(self, inputs: dict[str, torch.Tensor]) -> list[int]:
-        return [self._patches()] * int(inputs["pixel_values"].shape[0])
+        per = self._tower_tokens() - int(self._drops_cls())
+        return [per] * int(inputs["pixel_values"].shape[0])
 
     def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         pixels = inputs["pixel_values"].to(module.device, module.dtype)
         out = module.vision_tower(pixels, output_hidden_states=True, return_dict=True)
         features = out.hidden_states[self.config().vision_feature_layer]
+        if self._drops_cls():
+            features = features[:, 1:]
         return module.multi_modal_projector(features).reshape(-1, self.hidden_size())
 
     # -- ulysses hook points --------------------------------------------------------------------
@@ -167,17 +193,27 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
         return int(self.config().vision_config.num_attention_heads)
 
     def ulysses_layout(self, inputs: list[dict[str, torch.Tensor]]) -> SeqLayout:
-        per_image = self._patches()
+        per_image = self._tower_tokens()
+        images = [int(x["pixel_values"].shape[0]) for x in inputs]
+        n = sum(images) * per_image
+        row_sample = torch.repeat_interleave(torch.arange(len(inputs)), torch.tensor(images) * per_image)
+        # each token's index inside its image, and, counting kept tokens only, inside its sample
+        in_image = torch.arange(n) % per_image
+        kept = torch.ones(n, dtype=torch.bool)
+        if self._drops_cls():
+            kept = in_image != 0
+            row_sample = torch.where(kept, row_sample, -1)  # the CLS row never reaches the LLM
         sample_rows = [sum(self.num_tokens(x)) for x in inputs]
-        n = sum(sample_rows)
-        row_sample = torch.repeat_interleave(torch.arange(len(inputs)), torch.tensor(sample_rows))
-        starts = torch.tensor([0] + sample_rows).cumsum(0)
+        row_pos = torch.zeros(n, dtype=torch.long)
+        for s in range(len(inputs)):
+            mine = row_sample == s
+            row_pos[mine] = torch.arange(int(mine.sum()))
         return SeqLayout(
             n_tokens=n,
             cuts=list(range(n + 1)),
             unit=1,
             row_sample=row_sample,
-            row_pos=torch.arange(n) - starts[row_sample],
+            row_pos=row_pos,
             sample_rows=sample_rows,
             extra={"segments": [per_image] * (n // per_image), "per_image": per_image},
         )
@@ -195,9 +231,12 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
         first, last = lo // p, -(-hi // p)  # images overlapping [lo, hi)
         pixels = torch.cat([x["pixel_values"] for x in inputs])[first:last].to(module.device, module.dtype)
         tower = module.vision_tower
-        # Patch + position embeddings are per token: embed the overlapping images, keep our tokens.
-        hidden = tower.embeddings(pixels).reshape(-1, tower.config.hidden_size)
-        hidden = hidden[lo - first * p : hi - first * p].unsqueeze(0)
+        # Patch + position embeddings (and CLIP's pre-norm) are per token: embed the
+        # overlapping images, keep our tokens.
+        hidden = tower.embeddings(pixels)
+        if self._has_cls():
+            hidden = tower.pre_layrnorm(hidden)
+        hidden = hidden.reshape(-1, tower.config.hidden_size)[lo - first * p : hi - first * p].unsqueeze(0)
         for layer in tower.encoder.layers[: self._feature_layers()]:
             with scope.spanning(layout.extra["segments"]):
                 hidden = layer(hidden, None)

@@ -1,8 +1,11 @@
-"""A whole tiny LLaVA HF dir: SigLIP vision tower + MLP projector + tiny Llama (random weights).
+"""A whole tiny LLaVA HF dir: SigLIP vision tower + MLP projector + tiny Llama (random weights),
+or, with ``tower="clip"``, llava-1.5's layout: a CLIP tower whose CLS token is
+dropped from the features (``vision_feature_select_strategy: default``).
 
 30x30 px images in 6 px patches give 25 tokens per image, which no degree > 1
-divides; the feature layer is the second to last (LLaVA's default), so the
-last tower layer is loaded but unused, as in real LLaVA checkpoints.
+divides (CLIP: 26 inside the tower); the feature layer is the second to last
+(LLaVA's default), so the last tower layer is loaded but unused, as in real
+LLaVA checkpoints.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ VISION = dict(
 )
 
 
-def make_tiny_llava(out_dir: Path, seed: int = 0) -> Path:
+def make_tiny_llava(out_dir: Path, seed: int = 0, tower: str = "siglip") -> Path:
     """Write config, safetensors weights, tokenizer and image processor; deterministic for ``seed``."""
-    from transformers import LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     from disagg.tiny import train_tokenizer
@@ -57,8 +61,13 @@ def make_tiny_llava(out_dir: Path, seed: int = 0) -> Path:
         vocab_size=400,
     )
     n_patches = (VISION["image_size"] // VISION["patch_size"]) ** 2
+    if tower == "clip":
+        clip = {k: v for k, v in VISION.items() if k != "vision_use_head"}
+        vision_config, select = CLIPVisionConfig(**clip, hidden_act="quick_gelu"), "default"
+    else:
+        vision_config, select = SiglipVisionConfig(**VISION), "full"
     config = LlavaConfig(
-        vision_config=SiglipVisionConfig(**VISION),
+        vision_config=vision_config,
         text_config=dict(
             model_type="llama",
             vocab_size=len(tok),
@@ -74,13 +83,18 @@ def make_tiny_llava(out_dir: Path, seed: int = 0) -> Path:
         ),
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         image_seq_length=n_patches,
-        vision_feature_select_strategy="full",
+        vision_feature_select_strategy=select,
         vision_feature_layer=-2,
         projector_hidden_act="gelu",
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    proc = SiglipImageProcessorPil(size={"height": VISION["image_size"], "width": VISION["image_size"]})
+    side = VISION["image_size"]
+    if tower == "clip":
+        # llava-1.5's processing: shortest edge resized to the tower's size, then a centre crop
+        proc = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    else:
+        proc = SiglipImageProcessorPil(size={"height": side, "width": side})
     proc.save_pretrained(out)
     return out

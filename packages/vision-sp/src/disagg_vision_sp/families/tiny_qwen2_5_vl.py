@@ -1,4 +1,4 @@
-"""A whole tiny Qwen2.5-VL HF dir (random weights), built offline.
+"""Whole tiny Qwen2.5-VL and Qwen2-VL HF dirs (random weights), built offline.
 
 Sizes are chosen so that tiny images still exercise everything the real model
 does: several attention windows per image, window and full-attention blocks,
@@ -57,14 +57,45 @@ VISION = dict(
 PROCESSOR = dict(min_pixels=16 * 16, max_pixels=64 * 64)
 
 
+#: Qwen2-VL's tower: no windows, LayerNorm blocks with a fc1/fc2 MLP (ratio 2 here)
+VISION_QWEN2_VL = dict(
+    depth=2,
+    embed_dim=32,
+    mlp_ratio=2,
+    num_heads=4,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    hidden_act="quick_gelu",
+)
+
+
 def make_tiny_qwen2_5_vl(out_dir: Path, seed: int = 0) -> Path:
     """Write config, safetensors weights, tokenizer and image processor; deterministic for ``seed``."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    return _make_tiny(
+        Path(out_dir), Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "out_hidden_size", VISION, seed
+    )
+
+
+def make_tiny_qwen2_vl(out_dir: Path, seed: int = 0) -> Path:
+    """A whole tiny Qwen2-VL dir, like :func:`make_tiny_qwen2_5_vl`."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    return _make_tiny(
+        Path(out_dir), Qwen2VLConfig, Qwen2VLForConditionalGeneration, "hidden_size", VISION_QWEN2_VL, seed
+    )
+
+
+def _make_tiny(
+    out: Path, config_cls: type, model_cls: type, out_key: str, vision: dict, seed: int, **extra: object
+) -> Path:
+    """``out_key``: the vision config's name for the merger's output width (the LLM's)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from disagg.tiny import train_tokenizer
 
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(
         out,
@@ -77,7 +108,7 @@ def make_tiny_qwen2_5_vl(out_dir: Path, seed: int = 0) -> Path:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text_hidden = 48
-    config = Qwen2_5_VLConfig(
+    config = config_cls(
         text_config=dict(
             vocab_size=len(tok),
             hidden_size=text_hidden,
@@ -91,21 +122,22 @@ def make_tiny_qwen2_5_vl(out_dir: Path, seed: int = 0) -> Path:
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
         ),
-        vision_config=dict(VISION, out_hidden_size=text_hidden),
+        vision_config=dict(vision, **{out_key: text_hidden}),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
+        **extra,
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
 
     proc = Qwen2VLImageProcessorPil(
-        patch_size=VISION["patch_size"],
-        temporal_patch_size=VISION["temporal_patch_size"],
-        merge_size=VISION["spatial_merge_size"],
+        patch_size=vision["patch_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+        merge_size=vision["spatial_merge_size"],
         **PROCESSOR,
     )
     proc.save_pretrained(out)

@@ -125,25 +125,32 @@ class UlyssesStrategy(Strategy):
         forked = self.rng.fork() if self.rng is not None else contextlib.nullcontext()
         with runtime.active(), forked:
             rows = fam.ulysses_forward(self.module, inputs, layout, lo, hi, runtime)
-        shards = self._split(rows, layout, lo // layout.unit, hi // layout.unit)
+        shards, picks = self._split(rows, layout, lo // layout.unit, hi // layout.unit)
         if rows.requires_grad:
-            self._pending[mb] = (rows, [s.value for s in shards])
+            self._pending[mb] = (rows, picks)
         return shards
 
     @staticmethod
-    def _split(rows: torch.Tensor, layout: Any, r0: int, r1: int) -> list[EmbeddingShard]:
-        """One shard per sample: the local rows of each sample are contiguous
-        because samples are concatenated in compute order."""
+    def _split(
+        rows: torch.Tensor, layout: Any, r0: int, r1: int
+    ) -> tuple[list[EmbeddingShard], list[slice | torch.Tensor]]:
+        """One shard per sample, and which local rows it took. A sample's rows
+        are contiguous (samples are concatenated in compute order) unless the
+        family drops some (``row_sample`` -1, e.g. CLIP's CLS rows), which no
+        shard takes."""
         owner = layout.row_sample[r0:r1]
-        shards = []
+        shards, picks = [], []
         for s, total in enumerate(layout.sample_rows):
             idx = torch.nonzero(owner == s).flatten()
             if idx.numel() == 0:
                 shards.append(EmbeddingShard.empty(total, rows.shape[-1], like=rows))
+                picks.append(slice(0, 0))
                 continue
             a, b = int(idx[0]), int(idx[-1]) + 1
-            shards.append(EmbeddingShard(layout.row_pos[r0 + a : r0 + b].clone(), rows[a:b], total))
-        return shards
+            pick: slice | torch.Tensor = slice(a, b) if b - a == idx.numel() else idx
+            shards.append(EmbeddingShard(layout.row_pos[r0 + idx].clone(), rows[pick], total))
+            picks.append(pick)
+        return shards, picks
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         """The per-shard dropout stream, so a resumed run draws the masks it would have."""
@@ -161,11 +168,13 @@ class UlyssesStrategy(Strategy):
         are empty: the all-to-all backward needs every rank of the replica."""
         if mb not in self._pending:
             return
-        rows, values = self._pending.pop(mb)
-        parts = [g.to(rows.device, rows.dtype).reshape(v.shape) for v, g in zip(values, grads)]
-        grad = torch.cat(parts) if parts else torch.zeros_like(rows)
-        if grad.shape != rows.shape:
-            raise ValueError(f"gradients cover {tuple(grad.shape)}, the encoded shard is {tuple(rows.shape)}")
+        rows, picks = self._pending.pop(mb)
+        if len(grads) != len(picks):
+            raise ValueError(f"{len(grads)} gradients for the {len(picks)} samples of microbatch {mb}")
+        # Rows no shard took (dropped by the family) get a zero gradient: the LLM never saw them.
+        grad = torch.zeros_like(rows)
+        for pick, g in zip(picks, grads):
+            grad[pick] = g.to(rows.device, rows.dtype).reshape(grad[pick].shape)
         torch.autograd.backward(rows, grad)
 
     @classmethod

@@ -1,0 +1,33 @@
+"""``qwen2_vl`` (role llm): the language model and ``lm_head`` inside a whole
+Qwen2-VL dir. Qwen2-VL's decoder, mRoPE and placeholders are Qwen2.5-VL's
+(the towers differ, and the vision group owns the tower)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
+
+
+class Qwen2VLLanguageFamily(Qwen25VLLanguageFamily):
+    name: ClassVar[str] = "qwen2_vl"
+    vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
+
+    @classmethod
+    def hf_classes(cls) -> tuple[type, type]:
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+        return Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    @classmethod
+    def tiny_vision(cls, out_hidden: int) -> dict:
+        return dict(
+            depth=2,
+            embed_dim=32,
+            mlp_ratio=2,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            hidden_size=out_hidden,
+        )

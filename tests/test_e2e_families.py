@@ -1,0 +1,134 @@
+"""Each vision-language family end to end through ``run_training`` against its
+single-process Hugging Face ``ForConditionalGeneration`` model, at every step,
+on the mixed dataset (image sizes, a two-image sample, text-only samples and
+a text-only global batch; two microbatches; weight decay on).
+
+Layouts: the published one (vision ``ulysses`` 2 + LLM ``megatron_tp`` 2),
+and both modules under ``megatron_tp`` 2 (the vision family's TP layer map).
+``qwen2_5_vl`` and the SigLIP ``llava`` are covered by test_e2e_mixes and
+test_e2e_llava; this file runs the families added after them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+pytest.importorskip("disagg_vision_sp")
+pytest.importorskip("disagg_llm_tp")
+
+from hf_reference import batches_of, exported_state, run_metrics, train_reference  # noqa: E402
+from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
+
+from disagg.config.schema import Config  # noqa: E402
+from disagg.testing.reference import assert_close_dicts  # noqa: E402
+
+STEPS = 3
+
+
+def _qwen_kwargs(cfg) -> Callable[[dict], dict]:  # noqa: ANN001
+    def kwargs(s: dict) -> dict:
+        llm = s["llm"]
+        kw = {"input_ids": llm["input_ids"][None], "labels": llm["labels"][None]}
+        if "vision" in s:
+            kw.update(
+                pixel_values=s["vision"]["pixel_values"],
+                image_grid_thw=s["vision"]["image_grid_thw"],
+                mm_token_type_ids=(llm["input_ids"][None] == cfg.image_token_id).int(),
+            )
+        return kw
+
+    return kwargs
+
+
+def _llava_kwargs(cfg) -> Callable[[dict], dict]:  # noqa: ANN001
+    def kwargs(s: dict) -> dict:
+        kw = {"input_ids": s["llm"]["input_ids"][None], "labels": s["llm"]["labels"][None]}
+        if "vision" in s:
+            kw["pixel_values"] = s["vision"]["pixel_values"]
+        return kw
+
+    return kwargs
+
+
+@dataclass(frozen=True)
+class Case:
+    tiny: str  # make-tiny name of the whole-VLM dir
+    vision: str
+    llm: str
+    hf_class: str  # transformers class of the whole model
+    kwargs: Callable
+    #: parameters whose exact gradient is 0 (a key bias: softmax ignores a shift
+    #: shared by all keys), compared with an absolute bound on rounding noise
+    zero_grad: Callable[[str], bool] = lambda k: False
+
+
+CASES = {
+    "qwen2_vl": Case("qwen2_vl", "qwen2_vl", "qwen2_vl", "Qwen2VLForConditionalGeneration", _qwen_kwargs),
+    # llava-1.5: CLIP tower (CLS token dropped from the features) + Llama
+    "llava_clip": Case(
+        "llava_clip",
+        "llava",
+        "llama",
+        "LlavaForConditionalGeneration",
+        _llava_kwargs,
+        zero_grad=lambda k: "vision_tower" in k and k.endswith("self_attn.k_proj.bias"),
+    ),
+}
+#: make-tiny family that writes each case's dir
+MAKE = {"qwen2_vl": "qwen2_vl", "llava_clip": "llava"}
+
+LAYOUTS = {
+    "ulysses2+tp2": ({"strategy": "ulysses", "degree": 2}, {"strategy": "megatron_tp", "degree": 2}),
+    "tp2+tp2": ({"strategy": "megatron_tp", "degree": 2}, {"strategy": "megatron_tp", "degree": 2}),
+}
+
+
+def _config(tiny: dict, case: Case, out: Path, vision: dict, llm: dict) -> Config:
+    path = tiny["models"][case.tiny]
+    model = {"vision": {"family": case.vision, "path": path}, "llm": {"family": case.llm, "path": path}}
+    return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, ray_local, tmp_path_factory):
+    """The tiny dir, its HF reference run (once per family) and the case."""
+    import transformers
+
+    case = CASES[request.param]
+    tiny = make_mixed_tiny(tmp_path_factory.mktemp("tiny"), MAKE[request.param])
+    ddp = {"strategy": "ddp"}
+    cfg = _config(tiny, case, tmp_path_factory.mktemp("ref"), ddp, ddp)
+    batches = batches_of(cfg, STEPS)
+    assert [all("vision" not in s for s in b) for b in batches] == [False, True, False]
+    cls = getattr(transformers, case.hf_class)
+    model = cls.from_pretrained(tiny["models"][case.tiny], dtype=torch.float32)
+    return case, tiny, train_reference(model, batches, case.kwargs(model.config), cfg.train)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_family_equals_hf_model_every_step(ray_local, family, tmp_path, layout):
+    import transformers
+
+    from disagg.runtime.run import run_training
+
+    case, tiny, want = family
+    vision, llm = LAYOUTS[layout]
+    run = tmp_path / "run"
+    run_training(_config(tiny, case, run, vision, llm), progress=False)
+    losses, norms = run_metrics(run)
+    assert losses == pytest.approx(want.losses, rel=1e-5), (losses, want.losses)
+    assert norms == pytest.approx(want.grad_norms, rel=1e-5), (norms, want.grad_norms)
+    got = exported_state(run, STEPS, tmp_path / "export", getattr(transformers, case.hf_class))
+    noise = {k for k in want.state if case.zero_grad(k)}
+    assert_close_dicts(
+        {k: v for k, v in got.items() if k not in noise},
+        {k: v for k, v in want.state.items() if k not in noise},
+        what=f"{case.tiny} {layout} after {STEPS} steps: ",
+    )
+    for k in noise:
+        assert float((got[k] - want.state[k]).abs().max()) <= 1e-6, k
