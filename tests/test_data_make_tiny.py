@@ -97,6 +97,12 @@ def test_make_tiny_dirs_load_offline(tmp_path: Path):
     # the vision and language families split the one dir: together they hold every parameter
     assert set(vl["families"]) == {"encoder", "llm"}
     assert vl["families"]["encoder"] + vl["families"]["llm"] == vl["params"]
+    # every whole-VLM dir splits into its vision and language families (llava_clip: a
+    # make-tiny variant of llava, read by families llava + llama)
+    for name in ("qwen2_vl", "qwen3_vl"):
+        r = report[name]
+        assert r["model_type"] == name and r["families"]["encoder"] + r["families"]["llm"] == r["params"]
+    assert report["llava_clip"]["model_type"] == "llava"
     for name in ("qwen2", "llama"):
         assert report[name]["model_type"] == name and report[name]["chat"]
         assert report[name]["families"]["llm"] == report[name]["params"]

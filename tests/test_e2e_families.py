@@ -69,6 +69,8 @@ class Case:
 
 CASES = {
     "qwen2_vl": Case("qwen2_vl", "qwen2_vl", "qwen2_vl", "Qwen2VLForConditionalGeneration", _qwen_kwargs),
+    # DeepStack features travel as extra columns of the image rows (see the qwen3_vl families)
+    "qwen3_vl": Case("qwen3_vl", "qwen3_vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen_kwargs),
     # llava-1.5: CLIP tower (CLS token dropped from the features) + Llama
     "llava_clip": Case(
         "llava_clip",
@@ -80,7 +82,7 @@ CASES = {
     ),
 }
 #: make-tiny family that writes each case's dir
-MAKE = {"qwen2_vl": "qwen2_vl", "llava_clip": "llava"}
+MAKE = {"qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl", "llava_clip": "llava"}
 
 LAYOUTS = {
     "ulysses2+tp2": ({"strategy": "ulysses", "degree": 2}, {"strategy": "megatron_tp", "degree": 2}),

@@ -15,6 +15,7 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
     from disagg_llm_tp.families.qwen2_vl import Qwen2VLLanguageFamily
+    from disagg_llm_tp.families.qwen3_vl import Qwen3VLLanguageFamily
 
     root = tmp_path_factory.mktemp("tiny")
     return {
@@ -23,4 +24,5 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
         "llama": str(LlamaFamily.make_tiny(root / "llama")),
         "qwen2_5_vl": str(Qwen25VLLanguageFamily.make_tiny(root / "qwen2_5_vl")),
         "qwen2_vl": str(Qwen2VLLanguageFamily.make_tiny(root / "qwen2_vl")),
+        "qwen3_vl": str(Qwen3VLLanguageFamily.make_tiny(root / "qwen3_vl")),
     }

@@ -26,6 +26,8 @@ CASES = [
     ("llama-d4-kv-replicated", "llama", "llama", 4, 1, False),
     ("qwen2_5_vl-mrope-d2", "qwen2_5_vl", "qwen2_5_vl", 2, 1, False),
     ("qwen2_vl-mrope-d2", "qwen2_vl", "qwen2_vl", 2, 1, False),
+    # DeepStack: 1 feature block beside each image row, added after layer 0; 2 replicas
+    ("qwen3_vl-deepstack-d2-r2", "qwen3_vl", "qwen3_vl", 2, 2, False),
     # Megatron sequence parallelism; with 3 samples (2 over 2 replicas) the token
     # counts (45; 7 and 14) are not multiples of the degree, so shards are padded.
     ("qwen2-tied-d4-kv-replicated-sp", "qwen2", "qwen2", 4, 1, True),

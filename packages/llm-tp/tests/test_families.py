@@ -14,17 +14,17 @@ from disagg_llm_tp.strategy import MegatronTPStrategy
 def test_plugin_registers_strategy_and_families():
     reg = build_registry(*make_plugin_manager())
     assert reg.strategies["megatron_tp"] is MegatronTPStrategy
-    for name in ("qwen2", "llama", "qwen2_5_vl", "qwen2_vl"):
+    for name in ("qwen2", "llama", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
         assert ("llm", name) in reg.families
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_placeholder_ids_come_from_config_or_tokenizer(tiny_dirs, family):
     fam = family_cls(family)(tiny_dirs[family])
     pid = fam.placeholder_token_id("vision")
     token = fam.tokenizer().convert_ids_to_tokens(pid)
     assert token == fam.placeholder_tokens["vision"]
-    if family in ("qwen2_5_vl", "qwen2_vl"):
+    if family in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
         assert pid == fam.config.image_token_id
 
 
@@ -50,7 +50,7 @@ def test_scatter_count_mismatch_is_a_clear_error(tiny_dirs):
 def test_layer_map_matches_module(tiny_dirs):
     from fnmatch import fnmatchcase
 
-    for family in ("qwen2", "llama", "qwen2_5_vl", "qwen2_vl"):
+    for family in ("qwen2", "llama", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
         fam = family_cls(family)(tiny_dirs[family])
         names = [n for n, _ in fam.build().named_modules()]
         lmap = fam.layer_map()
@@ -61,7 +61,7 @@ def test_layer_map_matches_module(tiny_dirs):
 def test_parts_match_and_cover_the_parameters(tiny_dirs):
     from disagg.interfaces.parts import matches
 
-    for family in ("qwen2", "llama", "qwen2_5_vl", "qwen2_vl"):
+    for family in ("qwen2", "llama", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
         fam = family_cls(family)(tiny_dirs[family])
         names = [n for n, _ in fam.build().named_parameters(remove_duplicate=False)]
         parts = fam.parts()

@@ -37,12 +37,14 @@ def family_cls(name: str):
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
     from disagg_llm_tp.families.qwen2_vl import Qwen2VLLanguageFamily
+    from disagg_llm_tp.families.qwen3_vl import Qwen3VLLanguageFamily
 
     return {
         "qwen2": Qwen2Family,
         "llama": LlamaFamily,
         "qwen2_5_vl": Qwen25VLLanguageFamily,
         "qwen2_vl": Qwen2VLLanguageFamily,
+        "qwen3_vl": Qwen3VLLanguageFamily,
     }[name]
 
 
@@ -51,7 +53,8 @@ def make_batch(family, n_samples: int = 4, seed: int = 0) -> tuple[list[dict], l
     g = torch.Generator().manual_seed(seed)
     pid = family.placeholder_token_id("vision")
     vocab = family.text_config.vocab_size
-    hidden = family.text_config.hidden_size
+    # qwen3_vl's image rows carry its DeepStack features as extra columns
+    hidden = family.text_config.hidden_size * (1 + getattr(family, "deepstack_layers", lambda: 0)())
     samples, embeds = [], []
     for i in range(n_samples):
         n_img = (0, 4, 2, 4)[i % 4]
@@ -113,7 +116,7 @@ def reference(case: Case) -> dict:
 
 
 #: families whose dir is a whole Qwen VLM (the reference is its ForConditionalGeneration)
-QWEN_VL = ("qwen2_5_vl", "qwen2_vl")
+QWEN_VL = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 
 def _hf_model(case: Case):
@@ -135,7 +138,19 @@ def _hf_logits(case: Case, fam, model, s: dict, e: dict) -> torch.Tensor:
 
         cfg = model.config
         kw = {"mm_token_type_ids": (ids == cfg.image_token_id).int()}
-        if e:
+        if e and case.family == "qwen3_vl":
+            # the rows' extra columns are the DeepStack features, handed to HF as its encoder returns them
+            from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+            width = cfg.text_config.hidden_size
+            blocks = list(e["vision"].split(width, dim=-1))
+            kw["image_grid_thw"] = s["image_grid_thw"]
+            kw["mm_encoder_outputs"] = {
+                "image": BaseModelOutputWithDeepstackFeatures(
+                    pooler_output=[blocks[0]], deepstack_features=[[b] for b in blocks[1:]]
+                )
+            }
+        elif e:
             kw["image_grid_thw"] = s["image_grid_thw"]
             kw["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=[e["vision"]])}
         model.model.rope_deltas = None

@@ -34,3 +34,10 @@ def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from disagg_vision_sp.families.qwen2_vl import Qwen2VLVision
 
     return Qwen2VLVision.make_tiny(tmp_path_factory.mktemp("tiny") / "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from disagg_vision_sp.families.qwen3_vl import Qwen3VLVision
+
+    return Qwen3VLVision.make_tiny(tmp_path_factory.mktemp("tiny") / "qwen3_vl")

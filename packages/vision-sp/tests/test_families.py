@@ -12,6 +12,7 @@ from disagg.plugins import build_registry, make_plugin_manager
 from disagg_vision_sp.families.llava import LlavaVision
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
 from disagg_vision_sp.families.qwen2_vl import Qwen2VLVision
+from disagg_vision_sp.families.qwen3_vl import Qwen3VLVision
 from disagg_vision_sp.testing import random_images
 from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
 
@@ -23,6 +24,7 @@ def test_entry_point_registers_strategy_and_families(monkeypatch):
     assert reg.family("encoder", "qwen2_5_vl") is Qwen2_5_VLVision
     assert reg.family("encoder", "llava") is LlavaVision
     assert reg.family("encoder", "qwen2_vl") is Qwen2VLVision
+    assert reg.family("encoder", "qwen3_vl") is Qwen3VLVision
     assert "vision_sp" in reg.plugins and not reg.failures
 
 
@@ -67,30 +69,33 @@ def test_qwen_preprocess_and_tokens(tiny_qwen):
     assert out.shape == (39, 48)
 
 
-def _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl) -> list:
+def _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl, tiny_qwen3_vl) -> list:
     return [
         Qwen2_5_VLVision(tiny_qwen),
         LlavaVision(tiny_llava),
         LlavaVision(tiny_llava_clip),
         Qwen2VLVision(tiny_qwen2_vl),
+        Qwen3VLVision(tiny_qwen3_vl),
     ]
 
 
-def test_layer_maps_name_real_modules(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl):
+def test_layer_maps_name_real_modules(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl, tiny_qwen3_vl):
     from fnmatch import fnmatch
 
-    for family in _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl):
+    for family in _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl, tiny_qwen3_vl):
         names = [n for n, _ in family.build().named_modules()]
         lm = family.layer_map()
         for pattern in (*lm.column, *lm.row, *lm.heads):
             assert any(fnmatch(n, pattern) for n in names), (family.name, pattern)
 
 
-def test_parts_match_and_cover_the_parameters(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl):
+def test_parts_match_and_cover_the_parameters(
+    tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl, tiny_qwen3_vl
+):
     """Every documented part names real parameters, and the parts cover them all."""
     from disagg.interfaces.parts import matches
 
-    for family in _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl):
+    for family in _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl, tiny_qwen3_vl):
         names = [n for n, _ in family.build().named_parameters()]
         parts = family.parts()
         for part, patterns in parts.items():
@@ -107,3 +112,16 @@ def test_a_dir_of_another_model_type_names_the_family_that_reads_it(
     (problem,) = Qwen2VLVision(tiny_qwen).check("ulysses", 2, 1)
     assert "is a 'qwen2_5_vl' model" in problem and "use family 'qwen2_5_vl'" in problem
     assert LlavaVision(tiny_llava_clip).check("ulysses", 2, 1) == []  # CLIP towers are accepted
+
+
+def test_qwen3_vl_rows_carry_the_deepstack_features(tiny_qwen3_vl):
+    """encode = HF's merged embeddings, then each DeepStack feature, as columns."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    family = Qwen3VLVision(tiny_qwen3_vl)
+    x = family.preprocess(random_images([(48, 32), (16, 16)]))
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(tiny_qwen3_vl)
+    out = hf.model.get_image_features(x["pixel_values"], x["image_grid_thw"])
+    want = torch.cat([torch.cat(out.pooler_output)] + [torch.cat(f) for f in out.deepstack_features], -1)
+    assert family.hidden_size() == 48 * 3 and want.shape == (28, 144)
+    assert torch.equal(family.encode(family.build(), x), want)

@@ -55,7 +55,8 @@ class ShardSpec:
     replicated: identical full copy on every TP rank.
 
     ``sp_partial``: a replicated parameter used on this rank's tokens only
-    (sequence parallelism), so each TP rank holds part of its gradient.
+    (sequence parallelism) or on its heads only (per-head norms), so each TP
+    rank holds part of its gradient.
     """
 
     kind: Kind

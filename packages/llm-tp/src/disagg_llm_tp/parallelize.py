@@ -21,7 +21,10 @@ Driven only by the family's :class:`~disagg.interfaces.LayerMap`:
   whose output re-enters it (every row linear inside a region);
 - ``extra["replicated"]`` (fnmatch patterns over parameter names) declares the
   parameters every TP rank holds in full (norms, patch/position embeddings).
-  The biases of row linears are replicated by construction.
+  The biases of row linears are replicated by construction;
+- ``extra["head_replicated"]`` (patterns) declares full copies that each TP
+  rank applies to its own attention heads only (Qwen3's per-head q/k norms):
+  each rank then holds part of their gradient, summed over the TP ranks.
 
 Every parameter leaves with a ``tp_spec`` (:class:`ShardSpec`); one that no
 declaration names is an error naming it, never a silent replica.
@@ -161,8 +164,12 @@ def parallelize_module(
             if kv_attr and hasattr(mod, kv_attr):
                 setattr(mod, kv_attr, kv_local)
 
+    per_head = tuple(lmap.extra.get("head_replicated", ()))
     for name, p in module.named_parameters():
         if not hasattr(p, "tp_spec"):
+            if _match(name, per_head):
+                mark(p, ShardSpec("replicated", sp_partial=True))  # used on this rank's heads only
+                continue
             assert _match(name, tuple(lmap.extra.get("replicated", ()))), name  # checked above
             mark(p, ShardSpec("replicated"))
     return plan
@@ -175,7 +182,7 @@ def unclassified_parameters(module: nn.Module, lmap: LayerMap) -> list[str]:
     wrong if it acts on a sharded activation (a new family's extra projection,
     say), so every one must be declared."""
     swapped = (*lmap.column, *lmap.row, *lmap.vocab, *lmap.output)
-    replicated = tuple(lmap.extra.get("replicated", ()))
+    replicated = (*lmap.extra.get("replicated", ()), *lmap.extra.get("head_replicated", ()))
     return [
         name
         for name, _ in module.named_parameters()

@@ -21,9 +21,11 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
     from disagg_llm_tp.families.qwen2_audio import Qwen2AudioLanguageFamily
     from disagg_llm_tp.families.qwen2_vl import Qwen2VLLanguageFamily
+    from disagg_llm_tp.families.qwen3_vl import Qwen3VLLanguageFamily
 
     register(Qwen2Family)
     register(LlamaFamily)
     register(Qwen25VLLanguageFamily)
     register(Qwen2AudioLanguageFamily)
     register(Qwen2VLLanguageFamily)
+    register(Qwen3VLLanguageFamily)

@@ -19,7 +19,9 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     from disagg_vision_sp.families.llava import LlavaVision
     from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
     from disagg_vision_sp.families.qwen2_vl import Qwen2VLVision
+    from disagg_vision_sp.families.qwen3_vl import Qwen3VLVision
 
     register(Qwen2_5_VLVision)
     register(LlavaVision)
     register(Qwen2VLVision)
+    register(Qwen3VLVision)

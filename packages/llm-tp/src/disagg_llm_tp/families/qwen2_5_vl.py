@@ -89,6 +89,7 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
             eos_token_id=tok.eos_token_id,
             bos_token_id=None,
         )
+        text.update(cls.tiny_text())
         config = config_cls(
             text_config=text,
             vision_config=cls.tiny_vision(text["hidden_size"]),
@@ -101,6 +102,11 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
         save_random(model_cls, config, out, seed)
         _write_preprocessor(out)
         return out
+
+    @classmethod
+    def tiny_text(cls) -> dict:
+        """Text-config entries a subclass's tiny dir changes."""
+        return {}
 
     @classmethod
     def tiny_vision(cls, out_hidden: int) -> dict:

@@ -16,6 +16,7 @@ from torch import nn
 
 from disagg.interfaces import LayerMap
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+from disagg_vision_sp.ulysses.attention import LENGTHS_KWARG
 from disagg_vision_sp.ulysses.layout import AttentionScope, SeqLayout
 
 
@@ -101,7 +102,9 @@ class Qwen2VLVision(Qwen2_5_VLVision):
     ) -> torch.Tensor:
         hidden, rotary = self.embed(module, inputs, layout, lo, hi)
         whole = torch.tensor([0, hi - lo], device=module.device, dtype=torch.int32)
+        # the local span's length from host memory: the varlen call needs no device sync
+        spanning = {"max_seqlen": hi - lo, LENGTHS_KWARG: [hi - lo]}
         for block in module.blocks:
             with scope.spanning(layout.extra["full_segments"]):
-                hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary)
+                hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary, **spanning)
         return module.merger(hidden)

@@ -1,4 +1,4 @@
-"""Whole tiny Qwen2.5-VL and Qwen2-VL HF dirs (random weights), built offline.
+"""Whole tiny Qwen2.5-VL, Qwen2-VL and Qwen3-VL HF dirs (random weights), built offline.
 
 Sizes are chosen so that tiny images still exercise everything the real model
 does: several attention windows per image, window and full-attention blocks,
@@ -70,6 +70,22 @@ VISION_QWEN2_VL = dict(
 )
 
 
+#: Qwen3-VL's tower: learned position grid (4 x 4, resampled per image), two DeepStack
+#: mergers (after blocks 0 and 1) beside the final one
+VISION_QWEN3_VL = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=4,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    num_position_embeddings=16,
+    deepstack_visual_indexes=[0, 1],
+    hidden_act="gelu_pytorch_tanh",
+)
+
+
 def make_tiny_qwen2_5_vl(out_dir: Path, seed: int = 0) -> Path:
     """Write config, safetensors weights, tokenizer and image processor; deterministic for ``seed``."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -88,8 +104,28 @@ def make_tiny_qwen2_vl(out_dir: Path, seed: int = 0) -> Path:
     )
 
 
+def make_tiny_qwen3_vl(out_dir: Path, seed: int = 0) -> Path:
+    """A whole tiny Qwen3-VL dir (q/k norms, interleaved mRoPE, DeepStack), like the others."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    text = {"head_dim": 12, "rope_parameters": {**ROPE, "mrope_interleaved": True}}
+    model_cls, vision = Qwen3VLForConditionalGeneration, VISION_QWEN3_VL
+    return _make_tiny(Path(out_dir), Qwen3VLConfig, model_cls, "out_hidden_size", vision, seed, text=text)
+
+
+#: text head_dim 12 -> 6 rotary frequencies over (t, h, w)
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]}
+
+
 def _make_tiny(
-    out: Path, config_cls: type, model_cls: type, out_key: str, vision: dict, seed: int, **extra: object
+    out: Path,
+    config_cls: type,
+    model_cls: type,
+    out_key: str,
+    vision: dict,
+    seed: int,
+    text: dict | None = None,
+    **extra: object,
 ) -> Path:
     """``out_key``: the vision config's name for the merger's output width (the LLM's)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -117,11 +153,12 @@ def _make_tiny(
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]},
+            rope_parameters=ROPE,
             bos_token_id=None,
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
-        ),
+        )
+        | (text or {}),
         vision_config=dict(vision, **{out_key: text_hidden}),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],

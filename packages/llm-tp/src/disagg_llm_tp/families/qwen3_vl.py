@@ -1,0 +1,126 @@
+"""``qwen3_vl`` (role llm): the language model and ``lm_head`` inside a whole
+Qwen3-VL dir, with its DeepStack inputs.
+
+The ``qwen3_vl`` vision family sends ``(1 + K) x hidden`` wide rows per image
+token: the merged embedding, then the K DeepStack features. ``forward``
+scatters the first block at the placeholders, as every family does, and hands
+the rest to ``Qwen3VLTextModel`` as HF's ``Qwen3VLModel.forward`` does
+(``visual_pos_masks`` = the image placeholders, ``deepstack_visual_embeds[k]``
+= the k-th block of every image row, in batch order), so the decoder adds
+feature k to its hidden states at the image positions after layer k.
+
+Under ``megatron_tp`` the residual stream is whole on every TP rank, where the
+features are added, and the embeddings' gradient (every column) is complete on
+every rank. Sequence parallelism would cut the stream the features are added
+to, so this family declares no sequence-parallel regions (refused by
+``megatron_tp``'s check).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces import LayerMap
+from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
+
+
+class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
+    name: ClassVar[str] = "qwen3_vl"
+    vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
+    # Qwen3-VL's text attention keeps no head count (it reshapes with -1).
+    head_attrs: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def hf_classes(cls) -> tuple[type, type]:
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+        return Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    def deepstack_layers(self) -> int:
+        return len(self.config.vision_config.deepstack_visual_indexes)
+
+    def layer_map(self) -> LayerMap:
+        base = super().layer_map()
+        p = self.prefix
+        extra = {k: v for k, v in base.extra.items() if k != "sequence_parallel"}
+        # q/k norms act on each head's features: a full copy on every TP rank, used
+        # on that rank's heads only (its gradient is summed over the TP ranks)
+        extra["head_replicated"] = (f"{p}.layers.*.self_attn.q_norm.*", f"{p}.layers.*.self_attn.k_norm.*")
+        return LayerMap(base.column, base.row, base.vocab, base.output, base.heads, extra)
+
+    def forward(
+        self,
+        module: nn.Module,
+        inputs: list[dict[str, torch.Tensor]],
+        embeds: list[dict[str, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        device = next(module.parameters()).device
+        ids, mask, labels = self.pad_batch(inputs, device)
+        width = self.hidden_size()
+        k = self.deepstack_layers()
+        for e in embeds:
+            if "vision" in e and e["vision"].shape[-1] != width * (1 + k):
+                raise ValueError(
+                    f"family 'qwen3_vl' takes image rows of {width} x (1 + {k} DeepStack layers) = "
+                    f"{width * (1 + k)} columns (the qwen3_vl vision family's), got {e['vision'].shape[-1]}"
+                )
+        main = [{m: (v[:, :width] if m == "vision" else v) for m, v in e.items()} for e in embeds]
+        x = self.scatter(module.get_input_embeddings()(ids), ids, main)
+        rows = [e["vision"] for e in embeds if "vision" in e]
+        deepstack: dict[str, Any] = {}
+        if rows:
+            image = ids == self._pid("vision")
+            deepstack = {
+                "visual_pos_masks": image,
+                # batch order = the row-major order of hidden_states[visual_pos_masks]
+                "deepstack_visual_embeds": [
+                    torch.cat([r[:, width * (j + 1) : width * (j + 2)] for r in rows]).to(x.dtype)
+                    for j in range(k)
+                ],
+            }
+        cfg = self.config
+        types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+        grids = [s["image_grid_thw"].reshape(-1, 3) for s in inputs if "image_grid_thw" in s]
+        grid = torch.cat(grids).to(device) if grids else None
+        model = module.model
+        model.rope_deltas = None  # never reuse positions cached by an earlier call
+        positions = model.compute_3d_position_ids(
+            input_ids=ids, inputs_embeds=x, image_grid_thw=grid, attention_mask=mask, mm_token_type_ids=types
+        )
+        hidden = model.language_model(
+            inputs_embeds=x, position_ids=positions, attention_mask=mask, use_cache=False, **deepstack
+        ).last_hidden_state
+        logits = module.lm_head(hidden)
+        logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+        return logits, labels[:, 1:].reshape(-1)
+
+    @classmethod
+    def tiny_vision(cls, out_hidden: int) -> dict:
+        return dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+            out_hidden_size=out_hidden,
+        )
+
+    @classmethod
+    def tiny_text(cls) -> dict:
+        # head_dim 16 -> 8 rotary frequencies, interleaved over (t, h, w)
+        return {
+            "head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        }
