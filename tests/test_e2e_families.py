@@ -69,8 +69,6 @@ class Case:
 
 CASES = {
     "qwen2_vl": Case("qwen2_vl", "qwen2_vl", "qwen2_vl", "Qwen2VLForConditionalGeneration", _qwen_kwargs),
-    # DeepStack features travel as extra columns of the image rows (see the qwen3_vl families)
-    "qwen3_vl": Case("qwen3_vl", "qwen3_vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen_kwargs),
     # llava-1.5: CLIP tower (CLS token dropped from the features) + Llama
     "llava_clip": Case(
         "llava_clip",
