@@ -6,7 +6,9 @@ a text-only global batch; two microbatches; weight decay on).
 Layouts: the published one (vision ``ulysses`` 2 + LLM ``megatron_tp`` 2),
 and both modules under ``megatron_tp`` 2 (the vision family's TP layer map).
 ``qwen2_5_vl`` and the SigLIP ``llava`` are covered by test_e2e_mixes and
-test_e2e_llava; this file runs the families added after them.
+test_e2e_llava; this file runs the families added after them: ``qwen2_vl``,
+``qwen3_vl`` (DeepStack features included) and the CLIP-tower ``llava``
+(llava-1.5).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class Case:
 
 CASES = {
     "qwen2_vl": Case("qwen2_vl", "qwen2_vl", "qwen2_vl", "Qwen2VLForConditionalGeneration", _qwen_kwargs),
+    # DeepStack features travel as extra columns of the image rows (see the qwen3_vl families)
+    "qwen3_vl": Case("qwen3_vl", "qwen3_vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen_kwargs),
     # llava-1.5: CLIP tower (CLS token dropped from the features) + Llama
     "llava_clip": Case(
         "llava_clip",
