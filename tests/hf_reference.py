@@ -12,7 +12,7 @@ and AdamW skips it, as it does in any HF training script.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +25,8 @@ class ReferenceRun:
     losses: list[float]
     grad_norms: list[float]
     state: dict[str, torch.Tensor]
+    #: after each step, the loss over ``eval_set`` in eval mode (empty without one)
+    eval_losses: list[float] = field(default_factory=list)
 
 
 def batches_of(cfg: Any, steps: int) -> list[list[dict[str, dict[str, torch.Tensor]]]]:
@@ -40,18 +42,51 @@ def batches_of(cfg: Any, steps: int) -> list[list[dict[str, dict[str, torch.Tens
     return out
 
 
+def eval_set_of(cfg: Any) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """The run's eval set (``data.eval``), every usable sample in file order."""
+    from disagg.data import build_data_source
+    from disagg.plugins import get_registry
+    from disagg.runtime.plan import families_for
+
+    source = build_data_source(cfg, families_for(cfg, get_registry()), split="eval")
+    return [{m: ray.get(ref) for m, ref in s.inputs.items()} for s in source.samples()]
+
+
+def eval_loss(
+    model: torch.nn.Module,
+    samples: list[dict[str, dict[str, torch.Tensor]]],
+    forward_kwargs: Callable[[dict[str, dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
+) -> float:
+    """The HF model's loss over ``samples`` in eval mode: the sum over every
+    label token divided by their count (one sample at a time, no padding)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            total = sum(int((s["llm"]["labels"][1:] != -100).sum()) for s in samples)
+            loss_sum = 0.0
+            for s in samples:
+                n = int((s["llm"]["labels"][1:] != -100).sum())
+                loss_sum += float(model(**forward_kwargs(s)).loss) * n
+    finally:
+        model.train(was_training)
+    return loss_sum / total
+
+
 def train_reference(
     model: torch.nn.Module,
     batches: list[list[dict[str, dict[str, torch.Tensor]]]],
     forward_kwargs: Callable[[dict[str, dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
     train: Any,
     param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+    eval_set: list[dict[str, dict[str, torch.Tensor]]] | None = None,
 ) -> ReferenceRun:
     """``forward_kwargs(sample)``: the HF model's keyword arguments for one sample.
     ``param_groups(model)``: AdamW param groups picked from the HF model's own
     submodules (per-part learning rates), default one group of every parameter.
     A test freezes parts with ``requires_grad_(False)`` on the HF submodules: they
-    get no gradient, so AdamW and ``clip_grad_norm_`` skip them."""
+    get no gradient, so AdamW and ``clip_grad_norm_`` skip them. With ``eval_set``,
+    the eval loss after every step (``train.eval_every: 1``)."""
     model.train()
     opt = torch.optim.AdamW(
         param_groups(model) if param_groups else model.parameters(),
@@ -61,7 +96,7 @@ def train_reference(
         eps=train.eps,
         foreach=False,
     )
-    losses, norms = [], []
+    losses, norms, evals = [], [], []
     for batch in batches:
         opt.zero_grad(set_to_none=True)
         total = sum(int((s["llm"]["labels"][1:] != -100).sum()) for s in batch)
@@ -79,12 +114,21 @@ def train_reference(
         opt.step()
         losses.append(loss_sum / total)
         norms.append(norm)
-    return ReferenceRun(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        if eval_set:
+            evals.append(eval_loss(model, eval_set, forward_kwargs))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ReferenceRun(losses, norms, state, evals)
 
 
 def run_metrics(run_dir: Path) -> tuple[list[float], list[float]]:
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+
+
+def run_eval_losses(run_dir: Path) -> list[float]:
+    """``eval_loss`` of every step that evaluated."""
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_loss"] for r in rows if "eval_loss" in r]
 
 
 def exported_state(run_dir: Path, step: int, out: Path, model_cls: type) -> dict[str, torch.Tensor]:

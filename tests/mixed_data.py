@@ -73,6 +73,7 @@ def mixed_config(model: dict, parallel: dict, data: dict, out: Path, steps: int,
             "parallel": parallel,
             "data": {
                 "train": data["train"],
+                "eval": data.get("eval"),  # None: no evaluation
                 "media_root": data["media_root"],
                 "batch_size": 4,
                 "shuffle": False,

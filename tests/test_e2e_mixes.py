@@ -19,18 +19,32 @@ import torch
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
-from hf_reference import batches_of, exported_state, run_metrics, train_reference  # noqa: E402
+from hf_reference import (  # noqa: E402
+    batches_of,
+    eval_set_of,
+    exported_state,
+    run_eval_losses,
+    run_metrics,
+    train_reference,
+)
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
 from disagg.config.schema import Config  # noqa: E402
 from disagg.testing.reference import assert_close_dicts  # noqa: E402
+from disagg.testing.tolerance import assert_scalar_close  # noqa: E402
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return make_mixed_tiny(tmp_path_factory.mktemp("tiny"), "qwen2_5_vl")
+    manifest = make_mixed_tiny(tmp_path_factory.mktemp("tiny"), "qwen2_5_vl")
+    # evaluated after every step: the last training batch (images of three sizes and text)
+    rows = Path(manifest["train"]).read_text().splitlines()
+    held = Path(manifest["train"]).with_name("eval.jsonl")
+    held.write_text("\n".join(rows[-4:]) + "\n")
+    manifest["eval"] = str(held)
+    return manifest
 
 
 def _config(tiny: dict, out: Path, vision: dict, llm: dict, **train: object) -> Config:
@@ -38,7 +52,7 @@ def _config(tiny: dict, out: Path, vision: dict, llm: dict, **train: object) -> 
         "vision": {"family": "qwen2_5_vl", "path": tiny["models"]["qwen2_5_vl"]},
         "llm": {"family": "qwen2_5_vl", "path": tiny["models"]["qwen2_5_vl"]},
     }
-    return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS, **train)
+    return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS, eval_every=1, **train)
 
 
 def _hf_kwargs(image_token_id: int):
@@ -66,7 +80,8 @@ def reference(ray_local, tiny, tmp_path_factory):
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         tiny["models"]["qwen2_5_vl"], dtype=torch.float32
     )
-    return train_reference(model, batches, _hf_kwargs(model.config.image_token_id), cfg.train)
+    kwargs = _hf_kwargs(model.config.image_token_id)
+    return train_reference(model, batches, kwargs, cfg.train, eval_set=eval_set_of(cfg))
 
 
 LAYOUTS = {
@@ -97,6 +112,11 @@ def _assert_matches_reference(run_dir: Path, reference, tmp_path: Path) -> None:
     losses, norms = run_metrics(run_dir)
     assert losses == pytest.approx(reference.losses, rel=1e-5), (losses, reference.losses)
     assert norms == pytest.approx(reference.grad_norms, rel=1e-5), (norms, reference.grad_norms)
+    # evaluation after every step, in eval mode over the whole eval set, equals the HF model's
+    evals = run_eval_losses(run_dir)
+    assert len(evals) == len(reference.eval_losses) == STEPS
+    for step, (got, want) in enumerate(zip(evals, reference.eval_losses), 1):
+        assert_scalar_close(got, want, what=f"eval loss after step {step}")
     got = exported_state(run_dir, STEPS, tmp_path / "export", Qwen2_5_VLForConditionalGeneration)
     assert_close_dicts(got, reference.state, what=f"after {STEPS} steps: ")
 
@@ -165,8 +185,9 @@ def test_frozen_tower_trains_merger_like_hf_model(ray_local, tiny, tmp_path):
         rest = [p for p in m.parameters() if id(p) not in merger]
         return [{"params": rest}, {"params": list(m.model.visual.merger.parameters()), "lr": 3e-3}]
 
+    kwargs = _hf_kwargs(model.config.image_token_id)
     want = train_reference(
-        model, batches_of(cfg, STEPS), _hf_kwargs(model.config.image_token_id), cfg.train, groups
+        model, batches_of(cfg, STEPS), kwargs, cfg.train, groups, eval_set=eval_set_of(cfg)
     )
     run_training(cfg, progress=False)
     _assert_matches_reference(run, want, tmp_path)

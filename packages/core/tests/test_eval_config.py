@@ -162,3 +162,50 @@ def test_keep_best_survives_keep_last(tmp_path):
     assert best["step"] == 2 and best["eval_loss"] == 1.0
     # a resumed run continues the record: 1.5 does not beat 1.0
     assert not Evaluation(cfg, tmp_path, samples=None).improves(1.5)
+
+
+def test_train_summary_names_the_eval_loss_and_the_best_checkpoint():
+    from disagg.cli.train import format_summary
+    from disagg.metrics.step import summarize
+
+    rows = [
+        {"step": s, "loss": 2.0 / s, "tokens_per_s": 10.0, "skipped_samples": 0, "dropped_too_long": 0}
+        for s in (1, 2, 3)
+    ]
+    for r, ev in zip(rows, (1.5, 0.5, 0.75)):
+        r["eval_loss"] = ev
+    summary = summarize(rows, "runs/x")
+    assert (summary["eval_loss"], summary["best_eval_loss"], summary["best_eval_step"]) == (0.75, 0.5, 2)
+    summary["best_checkpoint"] = "runs/x/checkpoints/step-2"
+    text = format_summary(summary)
+    assert "eval loss: 0.7500 (best 0.5000 after step 2)" in text and "runs/x/checkpoints/step-2" in text
+
+
+def test_readme_tracker_example_registers_and_logs(disagg_registry, capsys, tmp_path):
+    """The README's tracker snippet, as written, is a working plugin."""
+    import re
+    import types
+
+    from disagg.metrics.scalars import scalars
+    from disagg.plugins import notify
+    from disagg.runtime.tracking import start_trackers, stop_trackers
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "class PrintTracker" in b]
+    plugin = types.ModuleType("readme_tracker")
+    exec("import disagg\n" + code, plugin.__dict__)
+    reg = register_plugin(plugin, name="readme-tracker")
+    assert "print" in reg.trackers
+    cfg = Config.model_validate(
+        {"model": {"llm": {"family": "x", "path": "x"}}, "logging": {"trackers": ["print"]}}
+    )
+    trackers = start_trackers(cfg, tmp_path, reg)
+    try:
+        record = {"step": 1, "loss": 2.5, "eval_loss": 2.25, "comm_bytes": {"llm": 7}}
+        assert notify("disagg_log_metrics", pm=reg.pm, step=1, metrics=record, scalars=scalars(record)) == []
+        notify("disagg_run_finished", pm=reg.pm, summary={"status": "ok"})
+    finally:
+        stop_trackers(trackers, reg.pm)
+    out = capsys.readouterr().out
+    assert f"run {tmp_path} project disagg" in out and "1 2.5 2.25" in out
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == record  # jsonl is always on

@@ -86,10 +86,20 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"trained {summary['steps']} steps: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
         f"mean throughput: {summary['mean_tokens_per_s']:.1f} tokens/s",
+        *(
+            [
+                f"eval loss: {summary['eval_loss']:.4f} (best {summary['best_eval_loss']:.4f} "
+                f"after step {summary['best_eval_step']})"
+            ]
+            if "eval_loss" in summary
+            else []
+        ),
         f"skipped samples: {summary['skipped_samples']}, dropped (too long): {summary['dropped_too_long']}"
         + (f", truncated: {summary['truncated_too_long']}" if summary.get("truncated_too_long") else ""),
         f"run dir: {summary['run_dir']}",
     ]
+    if summary.get("best_checkpoint"):
+        lines.append(f"best checkpoint (checkpoint.keep_best): {summary['best_checkpoint']}")
     if summary.get("checkpoint"):
         lines.append(
             f"checkpoint: {summary['checkpoint']}  (export: disagg export {summary['checkpoint']} OUT_DIR)"

@@ -131,6 +131,7 @@ def _train(
     # the stream continues where the checkpointed run stopped (skips included)
     batches = data_source.batches(start, state=state) if state is not None else data_source.batches(start)
     bar = _progress(cfg.train.steps, start, progress)
+    shown: dict[str, str] = {}
     try:
         for step, batch in zip(range(start + 1, cfg.train.steps + 1), batches):
             result = orch.step(batch)
@@ -139,7 +140,9 @@ def _train(
                 record.update(evaluation.run(orch))
             records.append(record)
             notify("disagg_log_metrics", pm=pm, step=step, metrics=record, scalars=scalars(record))
-            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if "eval_loss" in record:  # shown until the next evaluation
+                shown["eval_loss"] = f"{record['eval_loss']:.4f}"
+            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **shown)
             bar.update(1)
             best = "eval_loss" in record and evaluation.improves(record["eval_loss"])
             scheduled = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
