@@ -154,23 +154,36 @@ FROZEN_TOWER = {
 }
 
 
-def test_frozen_tower_trains_merger_like_hf_model(ray_local, tiny, tmp_path):
-    """``freeze: [tower]`` under ulysses 2 + megatron_tp 2 equals the HF model
-    whose tower the reference freezes itself (``requires_grad_(False)`` on its
-    own submodules, AdamW groups from its own attributes), at every step."""
+FROZEN_LAYOUTS = {
+    "ulysses2+tp2": ({"strategy": "ulysses", "degree": 2}, {"strategy": "megatron_tp", "degree": 2}),
+    # ZeRO-3 partitions what it trains: the frozen tower is left out of DeepSpeed's optimizer
+    "zero3x2+ddp": (
+        {
+            "strategy": "zero",
+            "stage": 3,
+            "replicas": 2,
+            "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+        },
+        {"strategy": "ddp"},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(FROZEN_LAYOUTS))
+def test_frozen_tower_trains_merger_like_hf_model(ray_local, tiny, tmp_path, layout):
+    """``freeze: [tower]`` equals the HF model whose tower the reference freezes
+    itself (``requires_grad_(False)`` on its own submodules, AdamW groups from
+    its own attributes), at every step."""
     from safetensors.torch import load_file
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from disagg.runtime.run import run_training
 
+    vision, llm = FROZEN_LAYOUTS[layout]
+    if "zero" in (vision["strategy"], llm["strategy"]):
+        pytest.importorskip("disagg_zero")
     run = tmp_path / "run"
-    cfg = _config(
-        tiny,
-        run,
-        {"strategy": "ulysses", "degree": 2},
-        {"strategy": "megatron_tp", "degree": 2},
-        modules=FROZEN_TOWER,
-    )
+    cfg = _config(tiny, run, vision, llm, modules=FROZEN_TOWER)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         tiny["models"]["qwen2_5_vl"], dtype=torch.float32
     )
