@@ -109,3 +109,14 @@ def test_plugin_module_registers_on_a_fresh_manager(disagg_registry: plugins.Reg
 def test_package_has_no_torch_pin() -> None:
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert "torch" not in text.split("dependencies")[1].split("]")[0]
+
+
+def test_activation_checkpointing_is_a_deprecated_spelling_of_recompute_full() -> None:
+    with pytest.warns(FutureWarning, match=r"activation_checkpointing is deprecated.*recompute: full"):
+        opts = ZeroOptions(activation_checkpointing=True)
+    assert opts.recompute == "full"
+    with pytest.warns(FutureWarning):  # the new key wins where both are given
+        assert ZeroOptions(activation_checkpointing=True, recompute="full").recompute == "full"
+    assert ZeroOptions(recompute="full").recompute == "full"
+    assert ZeroOptions().recompute == "none"
+    assert ZeroStrategy.recompute_modes == ("none", "full")
