@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         default="paper",
         help="layouts to compare (default: paper = uniform_tp, "
-        "dhp_ulysses_tp, dhp_ulysses_tp_sp, uniform_zero3)",
+        "dhp_ulysses_tp, dhp_ulysses_tp_sp, dhp_ulysses_tp_sp_recompute, uniform_zero3)",
     )
     parser.add_argument(
         "--layouts", default=None, metavar="FILE", help="YAML file of named layouts instead of --preset"

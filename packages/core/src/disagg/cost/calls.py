@@ -56,13 +56,14 @@ def ulysses_calls(shape: VisionShape, w: Workload) -> dict[str, int]:
 
 
 def megatron_vision_calls(shape: VisionShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
-    """Per microbatch, as :func:`.comm.megatron_vision_comm` sums bytes: without
-    sequence parallelism ``5·L + 2`` all-reduces (column input gradients, row
-    outputs, the merger's two); with it ``6·L + 3`` all-gathers, ``4·L + 1``
+    """Per image (``megatron_tp`` encodes a microbatch's samples one by one: one
+    image per sample here), as :func:`.comm.megatron_vision_comm` sums bytes:
+    without sequence parallelism ``5·L + 2`` all-reduces (column input gradients,
+    row outputs, the merger's two); with it ``6·L + 3`` all-gathers, ``4·L + 1``
     reduce-scatters and the merger's all-reduce; shard 0's broadcast of the output
     gradient. Once per step: the gradient reduction (and, with sequence
     parallelism, the partial norms' all-reduce)."""
-    d, m = w.degree, w.microbatches
+    d, m = w.degree, max(w.samples_per_replica, w.microbatches)
     out = tp_grad_calls(w)
     if d > 1:
         if sequence_parallel:

@@ -58,6 +58,8 @@ def replay_comm(
         )
     if strategy == "megatron_tp":
         blocks, n = _blocks(shape), w.seq_len
+        if isinstance(shape, VisionShape):
+            m = max(s, m)  # an encoder's samples are encoded one by one (calls.megatron_vision_calls)
         if sequence_parallel:
             shard = (w.degree - 1) * -(-n // w.degree) * h * e
             return {"reduce_scatter": s * 2 * blocks * shard}, {"reduce_scatter": 2 * blocks * m}
