@@ -150,3 +150,25 @@ def test_targets_judge_the_best_dhp_variant_against_zero3():
     assert "dhp_ulysses_tp 3.00" in md and "best dhp_ulysses_tp_sp 3.50 (target ≥ 3.40)" in md
     # no ZeRO-3 limit: no ratio, rather than a division by nothing
     assert "largest_dhp_vs_zero3" not in targets([], 4, {**search, "uniform_zero3": {"largest_fitting": 0}})
+
+
+def test_targets_report_recompute_against_its_base_layout():
+    from disagg.bench.report import targets, targets_md
+
+    search = {
+        "dhp_ulysses_tp_sp": {"largest_fitting": 2816},
+        "dhp_ulysses_tp_sp_recompute": {"largest_fitting": 8448},
+        "uniform_zero3": {"largest_fitting": 1408},
+    }
+
+    def point(name: str, n: int, tps: float) -> dict:
+        return {"layout": name, "vision_tokens": n, "measured": {"tokens_per_s": tps, "groups": {}}}
+
+    points = [point("dhp_ulysses_tp_sp", 256, 100.0), point("dhp_ulysses_tp_sp_recompute", 256, 80.0)]
+    t = targets(points, 2, search)
+    x = t["recompute_vs_none"]["dhp_ulysses_tp_sp_recompute"]
+    assert x["baseline"] == "dhp_ulysses_tp_sp" and x["largest"] == 3.0 and x["target_at_least"] == 3.0
+    assert x["throughput"] == {256: 0.8}
+    md = targets_md(t)
+    assert "dhp_ulysses_tp_sp_recompute ÷ dhp_ulysses_tp_sp: longest fitting vision sequence 3.00×" in md
+    assert "256: 0.80" in md
