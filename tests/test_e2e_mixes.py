@@ -232,6 +232,12 @@ def test_frozen_tower_trains_merger_like_hf_model(ray_local, tiny, tmp_path, lay
             "train.modules.vision.param_groups.tower",
             "is frozen",
         ),
+        (
+            # blocks are part of the frozen tower
+            {"vision": {"freeze": ["tower"], "param_groups": {"blocks": {"lr": 1e-3}}}},
+            "train.modules.vision.param_groups.blocks",
+            "is frozen",
+        ),
     ],
 )
 def test_bad_part_names_are_config_errors(tiny, tmp_path, modules, key, needle):

@@ -389,6 +389,7 @@ class _Checker:
         else:
             known = f"family {family.name!r} names no parts (use freeze: true or false)"
         listed = mt.freeze if isinstance(mt.freeze, list) else []
+        frozen = {pattern for n in listed if n in parts for pattern in parts[n]}
         for i, name in enumerate(listed):
             if name not in parts:
                 self.add((*key, "freeze", i), f"unknown part {name!r}; {known}{did_you_mean(name, names)}")
@@ -397,7 +398,7 @@ class _Checker:
                 self.add(
                     (*key, "param_groups", name), f"unknown part {name!r}; {known}{did_you_mean(name, names)}"
                 )
-            elif mt.freeze is True or name in listed:
+            elif mt.freeze is True or name in listed or set(parts[name]) <= frozen:
                 self.add(
                     (*key, "param_groups", name),
                     f"part {name!r} is frozen (train.modules.{m}.freeze), so it has no optimizer settings; "
@@ -516,13 +517,13 @@ def with_epoch_steps(cfg: Config) -> Config:
 def _same_version_hint(name: str, names: list[str]) -> str:
     """A did-you-mean that never offers another version of a model (``qwen3_vl`` is
     not a typo of ``qwen2_5_vl``, and that family cannot load it)."""
+    import difflib
     import re
 
-    hint = did_you_mean(name, names)
-    if not hint:
-        return ""
-    close = hint.split("'")[1]
-    return hint if re.findall(r"\d+", close) == re.findall(r"\d+", name) else ""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    if close and re.findall(r"\d+", close[0]) == re.findall(r"\d+", name):
+        return f" (did you mean {close[0]!r}?)"
+    return ""
 
 
 def _scheduler_kinds() -> list[str]:

@@ -50,7 +50,7 @@ def optim_for(cfg: Config, module: str, family: Family | None = None) -> OptimSp
     parts = family.parts() if family is not None else {}
     frozen: tuple[tuple[str, tuple[str, ...]], ...] = ()
     groups: tuple[PartGroup, ...] = ()
-    if o is not None and (isinstance(o.freeze, list) and o.freeze or o.param_groups):
+    if o is not None and ((isinstance(o.freeze, list) and o.freeze) or o.param_groups):
         if family is None:
             raise ValueError(f"train.modules.{module}: part names need the module's family to resolve")
         names = o.freeze if isinstance(o.freeze, list) else []
