@@ -15,8 +15,11 @@ from disagg.plugins import get_registry
 DDP = {"strategy": "ddp", "degree": 1, "replicas": 1}
 
 
-def e2e_config(tiny: dict, out: Path, families: dict[str, str], parallel: dict, steps: int) -> Config:
-    """``families``: module -> (family, name of the tiny dir in ``tiny["models"]``)."""
+def e2e_config(
+    tiny: dict, out: Path, families: dict[str, str], parallel: dict, steps: int, checkpoint_every: int = 0
+) -> Config:
+    """``families``: module -> (family, name of the tiny dir in ``tiny["models"]``);
+    ``checkpoint_every``: 1 keeps every step's weights (compared step by step)."""
     cfg = Config.model_validate(
         {
             "model": {m: {"family": fam, "path": tiny["models"][d]} for m, (fam, d) in families.items()},
@@ -30,7 +33,7 @@ def e2e_config(tiny: dict, out: Path, families: dict[str, str], parallel: dict, 
             # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
             # summation-order noise in near-zero gradients cannot flip parameters.
             "train": {"steps": steps, "lr": 1e-3, "eps": 1e-3, "seed": 0, "clip_grad_norm": 1.0},
-            "checkpoint": {"every": 0},
+            "checkpoint": {"every": checkpoint_every},
             "output_dir": str(out),
         }
     )

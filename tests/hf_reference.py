@@ -27,6 +27,11 @@ class ReferenceRun:
     state: dict[str, torch.Tensor]
     #: after each step, the loss over ``eval_set`` in eval mode (empty without one)
     eval_losses: list[float] = field(default_factory=list)
+    #: the state after each step (``states[-1]`` is ``state``)
+    states: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    #: each step's gradients (before clipping), by state-dict name (a tied weight under
+    #: each of its names), of the parameters that got one
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 def batches_of(cfg: Any, steps: int) -> list[list[dict[str, dict[str, torch.Tensor]]]]:
@@ -96,7 +101,7 @@ def train_reference(
         eps=train.eps,
         foreach=False,
     )
-    losses, norms, evals = [], [], []
+    losses, norms, evals, states, grads = [], [], [], [], []
     for batch in batches:
         opt.zero_grad(set_to_none=True)
         total = sum(int((s["llm"]["labels"][1:] != -100).sum()) for s in batch)
@@ -107,6 +112,13 @@ def train_reference(
             (out.loss * n / total).backward()
             loss_sum += float(out.loss.detach()) * n
         params = [p for p in model.parameters() if p.grad is not None]
+        grads.append(
+            {
+                k: v.grad.detach().clone()
+                for k, v in model.state_dict(keep_vars=True).items()
+                if isinstance(v, torch.nn.Parameter) and v.grad is not None
+            }
+        )
         if train.clip_grad_norm:
             norm = float(torch.nn.utils.clip_grad_norm_(params, train.clip_grad_norm))
         else:
@@ -116,8 +128,60 @@ def train_reference(
         norms.append(norm)
         if eval_set:
             evals.append(eval_loss(model, eval_set, forward_kwargs))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return ReferenceRun(losses, norms, state, evals)
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return ReferenceRun(losses, norms, states[-1], evals, states, grads)
+
+
+def qwen2_5_vl_kwargs(image_token_id: int) -> Callable[[dict[str, dict[str, torch.Tensor]]], dict[str, Any]]:
+    """``Qwen2_5_VLForConditionalGeneration``'s keyword arguments for one sample,
+    as its processor hands them over (``mm_token_type_ids`` places mRoPE's image rows)."""
+
+    def kwargs(s: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+        llm = s["llm"]
+        kw: dict[str, Any] = {"input_ids": llm["input_ids"][None], "labels": llm["labels"][None]}
+        if "vision" in s:
+            kw.update(
+                pixel_values=s["vision"]["pixel_values"],
+                image_grid_thw=s["vision"]["image_grid_thw"],
+                mm_token_type_ids=(llm["input_ids"][None] == image_token_id).int(),
+            )
+        return kw
+
+    return kwargs
+
+
+def assert_run_matches(
+    run_dir: Path,
+    reference: ReferenceRun,
+    state_after: Callable[[int], dict[str, torch.Tensor]],
+    train: Any,
+    what: str = "",
+) -> list[float]:
+    """A run's logged loss and grad norm of every step, and ``state_after(step)`` (its
+    weights after each step, named as ``reference.states``), against the reference,
+    through the tolerance policy: scalars relative to their size, parameters in
+    units of the learning rate per element (``disagg.testing.tolerance``). Returns
+    the run's losses."""
+    from disagg.testing.tolerance import assert_params_close, assert_scalar_close, first_grads
+
+    losses, norms = run_metrics(run_dir)
+    assert len(losses) == len(norms) == len(reference.losses), (len(losses), len(reference.losses))
+    for step, (lo, no, want_lo, want_no) in enumerate(
+        zip(losses, norms, reference.losses, reference.grad_norms), start=1
+    ):
+        assert_scalar_close(lo, want_lo, f"{what}loss of step {step}")
+        assert_scalar_close(no, want_no, f"{what}grad norm of step {step}")
+    for step, want in enumerate(reference.states, start=1):
+        assert_params_close(
+            state_after(step),
+            want,
+            lr=train.lr,
+            steps=step,
+            grads=first_grads(reference.grads[:step]),
+            what=f"{what}after step {step}: ",
+            betas=tuple(train.betas),
+        )
+    return losses
 
 
 def run_metrics(run_dir: Path) -> tuple[list[float], list[float]]:

@@ -1,6 +1,9 @@
 """End to end on a tiny Qwen2.5-VL through `run_training`: every mix of
-strategies has the loss trajectory and final weights of the all-`ddp` run, and
-all-`ddp` has the loss of the single-process Hugging Face model.
+strategies equals the single-process Hugging Face model
+(``Qwen2_5_VLForConditionalGeneration``, one AdamW, ``tests/hf_reference.py``)
+at every step: the logged loss and gradient norm of each step, and every
+weight after each step (each step's checkpoint, exported and loaded back with
+``from_pretrained``).
 
 This is the disaggregated hybrid configuration of the published result
 (vision Ulysses SP + LLM Megatron TP), plus the mixed ZeRO backends.
@@ -16,9 +19,16 @@ import torch
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
-from e2e_run import DDP, e2e_config, train  # noqa: E402
+from e2e_run import DDP, e2e_config  # noqa: E402
+from hf_reference import (  # noqa: E402
+    ReferenceRun,
+    batches_of,
+    exported_state,
+    qwen2_5_vl_kwargs,
+    run_metrics,
+    train_reference,  # noqa: E402
+)
 
-from disagg.plugins import get_registry  # noqa: E402
 from disagg.testing.reference import assert_close_dicts  # noqa: E402
 
 FAMILY = "qwen2_5_vl"
@@ -35,27 +45,37 @@ def tiny(tmp_path_factory):
 
 def _config(tiny, out: Path, vision: dict, llm: dict):
     families = {"vision": (FAMILY, FAMILY), "llm": (FAMILY, FAMILY)}
-    return e2e_config(tiny, out, families, {"vision": vision, "llm": llm}, STEPS)
-
-
-def _train(tiny, out: Path, vision: dict, llm: dict):
-    return train(_config(tiny, out, vision, llm))
+    return e2e_config(tiny, out, families, {"vision": vision, "llm": llm}, STEPS, checkpoint_every=1)
 
 
 @pytest.fixture(scope="module")
-def all_ddp(ray_local, tiny, tmp_path_factory):
-    return _train(tiny, tmp_path_factory.mktemp("ddp"), DDP, DDP)
+def reference(ray_local, tiny, tmp_path_factory) -> ReferenceRun:
+    """The HF model trained on the run's global batches, its state kept after every step."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    cfg = _config(tiny, tmp_path_factory.mktemp("ref"), DDP, DDP)
+    batches = batches_of(cfg, STEPS)
+    assert all(any("vision" in s for s in b) for b in batches), "every step should carry images"
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny["models"][FAMILY], dtype=torch.float32)
+    return train_reference(model, batches, qwen2_5_vl_kwargs(model.config.image_token_id), cfg.train)
 
 
-def _assert_equivalent(got, want):
-    assert got[0] == pytest.approx(want[0], rel=1e-5), (got[0], want[0])
-    for m in ("vision", "llm"):
-        assert_close_dicts(got[1][m], want[1][m], what=f"{m} after {STEPS} steps: ")
+def _assert_equals_reference(run_dir: Path, reference: ReferenceRun, tmp_path: Path) -> list[float]:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    losses, norms = run_metrics(run_dir)
+    assert losses == pytest.approx(reference.losses, rel=1e-5), (losses, reference.losses)
+    assert norms == pytest.approx(reference.grad_norms, rel=1e-5), (norms, reference.grad_norms)
+    for step, want in enumerate(reference.states, start=1):
+        got = exported_state(run_dir, step, tmp_path / f"export-{step}", Qwen2_5_VLForConditionalGeneration)
+        assert_close_dicts(got, want, what=f"after step {step}: ")
+    return losses
 
 
-# The paper's DHP (ulysses vision + TP LLM) and zero2 vision + TP LLM are
-# checked against the single-process HF model on mixed data in test_e2e_mixes.
+# test_e2e_mixes checks the paper's DHP (ulysses vision + TP LLM) and zero2/zero3
+# layouts on mixed data (text-only steps, uneven replicas); these are the other mixes.
 HYBRIDS = {
+    "all_ddp": (DDP, DDP),
     "vision_ulysses2+llm_ddp": ({"strategy": "ulysses", "degree": 2}, DDP),
     "uniform_tp2": ({"strategy": "megatron_tp", "degree": 2}, {"strategy": "megatron_tp", "degree": 2}),
     "vision_ulysses2+llm_tp2_sequence_parallel": (
@@ -78,46 +98,16 @@ HYBRIDS = {
 
 
 @pytest.mark.parametrize("name", list(HYBRIDS))
-def test_mix_equals_all_ddp(ray_local, tiny, all_ddp, tmp_path, name):
+def test_mix_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path, name):
+    from disagg.runtime.run import run_training
+
     vision, llm = HYBRIDS[name]
     if "zero" in (vision["strategy"], llm["strategy"]):
         pytest.importorskip("disagg_zero")
-    got = _train(tiny, tmp_path / "run", {"replicas": 1, **vision}, {"replicas": 1, **llm})
-    _assert_equivalent(got, all_ddp)
-    assert got[0][-1] < got[0][0], "the loss should fall over the run"
-
-
-def test_all_ddp_first_step_equals_hugging_face_model(ray_local, tiny, all_ddp, tmp_path):
-    """The first global batch through the single-process HF VLM gives the first logged loss."""
-    import ray
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from disagg.data import build_data_source
-    from disagg.runtime.plan import families_for
-
-    cfg = _config(tiny, tmp_path / "x", DDP, DDP)
-    source = build_data_source(cfg, families_for(cfg, get_registry()))
-    batch = next(source.batches(0))
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        tiny["models"][FAMILY], torch_dtype=torch.float32
-    )
-    total, count = 0.0, 0
-    for s in batch:
-        llm = ray.get(s.inputs["llm"])
-        kw = {}
-        if "vision" in s.inputs:
-            v = ray.get(s.inputs["vision"])
-            # mm_token_type_ids is what the HF processor returns; mRoPE needs it
-            kw = {
-                "pixel_values": v["pixel_values"],
-                "image_grid_thw": v["image_grid_thw"],
-                "mm_token_type_ids": (llm["input_ids"][None] == model.config.image_token_id).int(),
-            }
-        out = model(input_ids=llm["input_ids"][None], labels=llm["labels"][None], **kw)
-        n = int((llm["labels"][1:] != -100).sum())
-        total += float(out.loss.detach()) * n
-        count += n
-    assert all_ddp[0][0] == pytest.approx(total / count, rel=1e-5)
+    cfg = _config(tiny, tmp_path / "run", {"replicas": 1, **vision}, {"replicas": 1, **llm})
+    run_training(cfg, progress=False)
+    losses = _assert_equals_reference(tmp_path / "run", reference, tmp_path)
+    assert losses[-1] < losses[0], "the loss should fall over the run"
 
 
 @pytest.mark.parametrize(

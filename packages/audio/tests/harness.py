@@ -1,5 +1,7 @@
 """Strategy-level equivalence harness for the audio families: ``ulysses`` or
-``megatron_tp`` ranks (gloo, in processes) vs the single-process HF encoder.
+``megatron_tp`` ranks (gloo, in processes) vs Hugging Face's own encoder
+forward in one process (:func:`disagg_audio.testing.hf_reference`: what HF
+computes and what the families define on top of it).
 
 The reference and the ranks see the same samples and the same upstream
 gradient (a fixed random tensor over each sample's full output). Reference
@@ -38,16 +40,6 @@ def upstream_grads(family: EncoderFamily, inputs: list[dict[str, torch.Tensor]],
     g = torch.Generator().manual_seed(seed)
     hidden = family.hidden_size()
     return [torch.randn(sum(family.num_tokens(x)), hidden, generator=g) for x in inputs]
-
-
-def reference(family: EncoderFamily, inputs: list, grads: list) -> tuple[list, dict]:
-    """Unpartitioned forward of every sample, backward from ``grads``."""
-    module = family.build(torch.float32)
-    module.train()
-    outs = [family.encode(module, x) for x in inputs]
-    torch.autograd.backward(outs, grads)
-    pgrads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
-    return [o.detach() for o in outs], pgrads
 
 
 def _strategy(name: str) -> tuple[type, Any]:

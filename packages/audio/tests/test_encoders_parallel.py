@@ -1,24 +1,29 @@
-"""``whisper`` and ``qwen2_audio`` under ``ulysses`` 2 and ``megatron_tp`` 2 equal the
-single-process encoder on a ragged batch: clips of different lengths, one
-spanning three windows, a sample with two clips, a clip shorter than one row
-group; outputs and gradients within 1e-5 relative."""
+"""``whisper`` (Ultravox-style stacking of 5 positions per row) and
+``qwen2_audio`` under ``ulysses`` 2 and ``megatron_tp`` 2 equal Hugging Face's
+own encoder forward in one process (``disagg_audio.testing``: Qwen2-Audio's
+masked tower and projector; Whisper's encoder masked as Qwen2-Audio masks it,
+Voxtral's stacking, LLaVA's projector) on a ragged batch: clips of different
+lengths, one spanning three windows, a sample with two clips, a clip shorter
+than one row group; outputs and gradients within 1e-5 relative."""
 
 from __future__ import annotations
 
 import pytest
-from harness import assert_matches, ragged_clips, reference, run_strategy, upstream_grads
+from harness import assert_matches, ragged_clips, run_strategy, upstream_grads
 
 from disagg_audio.families.qwen2_audio import Qwen2AudioFamily
 from disagg_audio.families.whisper import WhisperAudioFamily
+from disagg_audio.testing import hf_reference
 
 # seconds per clip, per sample (1 s windows in the tiny models): 3 windows; 2 clips; a sliver; 1 window
 SECONDS = [[2.3], [0.7, 0.45], [0.03], [1.0]]
 
 
 def _case(family):
-    inputs = [family.preprocess(items) for items in ragged_clips(SECONDS)]
+    clips = ragged_clips(SECONDS)
+    inputs = [family.preprocess(items) for items in clips]
     grads = upstream_grads(family, inputs)
-    outs, pgrads = reference(family, inputs, grads)
+    outs, pgrads = hf_reference(family, clips, grads)
     return family, inputs, grads, outs, pgrads
 
 

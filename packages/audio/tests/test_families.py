@@ -26,6 +26,34 @@ def test_whisper_full_window_equals_hf_encoder(tiny_whisper):
     assert rel(fam.encode(module, x), module.projector(pooled)) <= 1e-6
 
 
+def test_hf_reference_is_whisper_encoder_where_whisper_defines_it(tiny_whisper):
+    """The Whisper reference of the parallel tests (``disagg_audio.testing``) is HF's
+    ``WhisperEncoder.forward`` on full windows, stacked as Voxtral stacks; on a
+    trimmed window ``WhisperEncoder`` (which attends over the padding) differs:
+    trimming is the family's definition, and the reference masks the padding
+    as HF's Qwen2-Audio does."""
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    from disagg_audio.testing import HFAudioReference
+
+    fam = WhisperAudioFamily(tiny_whisper, {"hidden_size": 24, "pooling": "stack", "stride": 5})
+    ref = HFAudioReference(fam).eval()
+    whisper = WhisperEncoder.from_pretrained(tiny_whisper, key_mapping={r"^model\.encoder\.": ""}).eval()
+    with torch.no_grad():
+        for seconds, full in (([2.0], True), ([0.45], False)):
+            items = ragged_clips([seconds])[0]
+            features, mask = ref.hf_inputs(items)
+            hf = whisper(features).last_hidden_state
+            hidden, lengths = ref._masked_tower(features, mask)  # noqa: SLF001
+            if full:
+                assert lengths.tolist() == [50, 50] and rel(hidden, hf) <= 1e-6
+                stacked = ref.projector(hf.reshape(-1, 5 * hf.shape[-1]))  # Voxtral's get_audio_features
+                assert rel(ref(items), stacked) <= 1e-6
+            else:
+                (n,) = lengths.tolist()
+                assert n < 50 and rel(hidden[0, :n], hf[0, :n]) > 1e-3, "HF Whisper attends the padding"
+
+
 def test_qwen2_audio_equals_hf_masked_path(tiny_qwen2_audio):
     """HF pads every window to 30 s (here 1 s) and masks the padding; the
     rows it keeps equal ours, for windows of every length (ragged clips)."""
