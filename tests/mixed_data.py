@@ -60,9 +60,11 @@ def make_mixed_tiny(out: Path, family: str) -> dict[str, Any]:
     return manifest
 
 
-def mixed_config(model: dict, parallel: dict, data: dict, out: Path, steps: int, **train: Any) -> Any:
+def mixed_config(
+    model: dict, parallel: dict, data: dict, out: Path, steps: int, checkpoint_every: int = 0, **train: Any
+) -> Any:
     """The config both mixed-data e2e tests run, validated: batch 4 in file order,
-    2 microbatches, weight decay on."""
+    2 microbatches, weight decay on; ``checkpoint_every: 1`` keeps every step's weights."""
     from disagg.config.schema import Config
     from disagg.config.validate import validate
     from disagg.plugins import get_registry
@@ -91,7 +93,7 @@ def mixed_config(model: dict, parallel: dict, data: dict, out: Path, steps: int,
                 "clip_grad_norm": 1.0,
                 **train,
             },
-            "checkpoint": {"every": 0},
+            "checkpoint": {"every": checkpoint_every},
             "output_dir": str(out),
         }
     )

@@ -1,9 +1,12 @@
 """Three modules from three HF dirs, end to end through ``run_training``: a
 Qwen2.5-VL vision tower, a Whisper encoder (projector initialised, as the dir
 has none) and a Qwen2 LLM. Batches mix image-only, audio-only, image+audio
-and text-only samples; the per-step losses and gradient norms equal the
-single-process model (``disagg.testing.reference``) built from the same dirs,
-and so do every module's weights after the last step.
+and text-only samples; the per-step losses and gradient norms, and every
+module's weights after each step, equal Hugging Face's own modules from the
+same dirs in one process (:class:`HFOmni`: the Qwen2.5-VL ``visual`` tower,
+the Whisper encoder as ``disagg_audio.testing`` runs HF's forward, the
+``Qwen2ForCausalLM`` fed ``inputs_embeds`` with the rows scattered at the
+placeholder tokens, as HF's VLMs do), one AdamW over all of them.
 
 Layout of the issue: vision ``ulysses`` 2, audio ``zero`` stage 2 with 2
 replicas, LLM ``megatron_tp`` 2 (all-``ddp`` gives the same; it is left out
@@ -16,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
@@ -106,35 +110,82 @@ def _config(omni: dict, out: Path, parallel: dict) -> Config:
         "llm": {"family": "qwen2", "path": str(omni["llm"])},
     }
     data = {"train": str(omni["train"]), "media_root": str(omni["root"] / "data")}
-    return mixed_config(model, parallel, data, out, STEPS, microbatches=1)
+    return mixed_config(model, parallel, data, out, STEPS, checkpoint_every=1, microbatches=1)
+
+
+class HFOmni(torch.nn.Module):
+    """The HF modules of the three dirs and their composition, sample by sample."""
+
+    def __init__(self, omni: dict, audio_family) -> None:  # noqa: ANN001
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2ForCausalLM
+
+        from disagg_audio.testing import HFAudioReference
+
+        super().__init__()
+        self.visual = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            omni["vision"], dtype=torch.float32
+        ).model.visual
+        self.audio = HFAudioReference(audio_family)
+        self.llm = Qwen2ForCausalLM.from_pretrained(omni["llm"], dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(omni["llm"])
+        self.image_id, self.audio_id = tok.convert_tokens_to_ids(["<|image_pad|>", "<|AUDIO|>"])
+
+    def forward(self, input_ids, labels, pixel_values=None, image_grid_thw=None, audio=None):  # noqa: ANN001, ANN201
+        x = self.llm.get_input_embeddings()(input_ids)
+        if pixel_values is not None:
+            rows = self.visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+            x = x.masked_scatter((input_ids == self.image_id)[..., None], rows)
+        if audio is not None:
+            x = x.masked_scatter((input_ids == self.audio_id)[..., None], self.audio(audio))
+        return self.llm(inputs_embeds=x, labels=labels)
 
 
 @pytest.fixture(scope="module")
 def reference(ray_local, omni, tmp_path_factory):
-    """The single-process model from the same dirs, on the run's global batches."""
+    """HF's modules trained on the run's global batches (read from the object store),
+    each sample's clip decoded from its file for HF's feature extractor."""
     import ray
+    from hf_reference import train_reference
 
     from disagg.data import build_data_source
-    from disagg.runtime.plan import families_for, optim_for
-    from disagg.testing.reference import ReferenceModel
+    from disagg.runtime.plan import families_for
 
     cfg = _config(omni, tmp_path_factory.mktemp("ref"), {})
     families = families_for(cfg, get_registry())
-    source = build_data_source(cfg, families)
-    ref = ReferenceModel(families, {m: optim_for(cfg, m) for m in families})
-    for mod in ref.modules.values():
-        mod.train()
-    losses, norms, params, kinds = [], [], {}, []
-    for _, batch in zip(range(STEPS), source.batches(0)):
-        samples = [{m: ray.get(r) for m, r in s.inputs.items()} for s in batch]
+    rows = [json.loads(x) for x in Path(omni["train"]).read_text().splitlines()]
+    batches, kinds = [], []
+    for _, batch in zip(range(STEPS), build_data_source(cfg, families).batches(0)):
+        samples = []
+        for s in batch:
+            x = {m: ray.get(r) for m, r in s.inputs.items()}
+            if "audio" in x:
+                clip = str(omni["root"] / "data" / rows[s.index]["audio"])
+                # the sample is that row: its clip preprocesses to the run's audio inputs
+                ours = families["audio"].preprocess([clip])
+                assert all(torch.equal(ours[k], x["audio"][k]) for k in ours), s.index
+                x["audio_items"] = [clip]
+            samples.append(x)
+        batches.append(samples)
         kinds.append({(("vision" in s), ("audio" in s)) for s in samples})
-        step = ref.step(samples, cfg.train.clip_grad_norm)
-        losses.append(step.loss)
-        norms.append(step.grad_norm)
-        params = step.params
     mixed = {(True, False), (False, True), (True, True), (False, False)}
     assert kinds[:3] == [mixed, mixed, {(True, False), (False, False)}]
-    return losses, norms, params
+
+    def kwargs(s: dict) -> dict:
+        kw = {"input_ids": s["llm"]["input_ids"][None], "labels": s["llm"]["labels"][None]}
+        if "vision" in s:
+            kw.update(pixel_values=s["vision"]["pixel_values"], image_grid_thw=s["vision"]["image_grid_thw"])
+        if "audio" in s:
+            kw["audio"] = s["audio_items"]
+        return kw
+
+    model = HFOmni(omni, families["audio"])
+    run = train_reference(model, batches, kwargs, cfg.train)
+    prefixes = {"vision": "visual.", "audio": "audio.", "llm": "llm."}
+    run.states = [
+        {m: {k[len(p) :]: v for k, v in state.items() if k.startswith(p)} for m, p in prefixes.items()}
+        for state in run.states
+    ]
+    return run
 
 
 LAYOUTS = {
@@ -155,19 +206,19 @@ def test_three_modules_match_single_process(ray_local, omni, reference, tmp_path
         pytest.importorskip("disagg_zero")
     cfg = _config(omni, tmp_path / "run", {"vision": vision, "audio": audio, "llm": llm})
     run_training(cfg, progress=False)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    losses, norms = [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
-    assert losses == pytest.approx(reference[0], rel=1e-5), (losses, reference[0])
-    assert norms == pytest.approx(reference[1], rel=1e-5), (norms, reference[1])
+    from hf_reference import run_metrics
     from safetensors.torch import load_file
 
     from disagg.testing.reference import assert_close_dicts
 
-    ckpt = tmp_path / "run" / "checkpoints" / f"step-{STEPS}"
-    trained = {}
-    for m in ("vision", "audio", "llm"):
-        trained[m] = load_file(str(ckpt / m / "full.safetensors"))
-        assert_close_dicts(trained[m], reference[2][m], what=f"{m} after {STEPS} steps: ")
+    losses, norms = run_metrics(tmp_path / "run")
+    assert losses == pytest.approx(reference.losses, rel=1e-5), (losses, reference.losses)
+    assert norms == pytest.approx(reference.grad_norms, rel=1e-5), (norms, reference.grad_norms)
+    for step, want in enumerate(reference.states, start=1):
+        ckpt = tmp_path / "run" / "checkpoints" / f"step-{step}"
+        trained = {m: load_file(str(ckpt / m / "full.safetensors")) for m in ("vision", "audio", "llm")}
+        for m in trained:
+            assert_close_dicts(trained[m], want[m], what=f"{m} after step {step}: ")
     _export_reassembles(ckpt, tmp_path / "export", trained, omni)
 
 

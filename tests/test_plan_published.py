@@ -2,8 +2,9 @@
 H100 (80 GB), the paper's vision lengths. The plan must prefer Ulysses SP for
 the vision encoder with TP for the LLM over uniform TP and over ZeRO-3,
 predict ZeRO-3 out of memory at 16k vision tokens (where the paper saw it), and
-predict DHP's speedup over uniform TP (the paper measured 1.26-1.37x). Pure
-computation from each strategy's cost hook."""
+predict DHP faster than uniform TP by the step times the README records (1.08x
+at 16k and 32k), which is below the paper's measured 1.26-1.37x (the README
+says why). Pure computation from each strategy's cost hook."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def results():
     from disagg.plugins import get_registry
 
     return {n: plan_published(n, get_registry()) for n in (16 * 1024, 32 * 1024)}
+
+
+#: uniform TP and DHP predicted step seconds, as README.md records them
+RECORDED_STEP_S = {16 * 1024: (3.513, 3.246), 32 * 1024: (6.852, 6.322)}
 
 
 @pytest.mark.parametrize("n", [16 * 1024, 32 * 1024])
@@ -39,11 +44,12 @@ def test_plan_prefers_ulysses_vision_with_tp_llm(results, n):
         sum(dhp.costs["vision"].comm_bytes_by_kind.values())
         < sum(tp.costs["vision"].comm_bytes_by_kind.values()) / 5
     )
+    from disagg.bench.published import PAPER
+
     s = summary(result)
-    assert (
-        s["speedup_dhp_vs_tp"] == pytest.approx(tp.step_time_s / dhp.step_time_s)
-        and s["speedup_dhp_vs_tp"] > 1
-    )
+    assert (round(tp.step_time_s, 3), round(dhp.step_time_s, 3)) == RECORDED_STEP_S[n]
+    assert s["speedup_dhp_vs_tp"] == pytest.approx(tp.step_time_s / dhp.step_time_s)
+    assert round(s["speedup_dhp_vs_tp"], 2) == 1.08 < PAPER["throughput_dhp_vs_tp"][0]
 
 
 def test_zero3_runs_out_of_memory_where_the_paper_saw_it(results):

@@ -83,7 +83,9 @@ def test_bad_files(tmp_path, clips, tiny_whisper):
 
 def test_pipeline_errors_name_file_and_line(tmp_path, clips, tiny_qwen2_audio):
     """Through core's per-sample preprocessing: the location (file:line) and the
-    media file are both in the message; on_error: skip counts the sample instead."""
+    media file are both in the message; under on_error: skip the stream marks the
+    same samples "skipped" at their location instead of failing (the data source
+    then counts them: core's test_data_errors)."""
     from disagg.data.errors import DataError
     from disagg.data.preprocess import preprocess_record
     from disagg.data.records import read_dataset
@@ -120,6 +122,32 @@ def test_pipeline_errors_name_file_and_line(tmp_path, clips, tiny_qwen2_audio):
         with pytest.raises(DataError) as info:
             preprocess_record(rec, families, tok)
         assert str(info.value).startswith(f"{rec.source}:") and name in str(info.value)
+    # the stream's per-sample step (what every data worker runs): with on_error: skip
+    # the same files come back as "skipped" with their location (the source counts
+    # them), with on_error: error as "error"; the good clip is "ok" either way
+    from disagg.data.stream import StreamConfig, preprocess_one
+
+    for policy, bad_status in (("skip", "skipped"), ("error", "error")):
+        cfg = StreamConfig(
+            families=families,
+            modules=["audio", "llm"],
+            modalities={"audio"},
+            datasets=[(str(data), str(tmp_path))],
+            max_tokens=None,
+            on_too_long="error",
+            on_error=policy,
+            num_workers=1,
+            prefetch_bytes=0,
+        )
+        got = []
+        for i, r in enumerate(lines[:3]):
+            meta, inputs = preprocess_one(cfg, i, i, 0, f"{data}:{i + 1}", 0, 0, json.dumps(r))
+            got.append((meta["status"], meta.get("location"), inputs is None))
+        assert got == [
+            ("ok", None, False),
+            (bad_status, f"{data}:2", True),
+            (bad_status, f"{data}:3", True),
+        ], policy
 
 
 class _Qwen2AudioText(LanguageFamily):

@@ -59,6 +59,17 @@ def _optims(total=STEPS, vision_lr=1e-2, llm_lr=2e-2, frozen=()):
     return {m: (None if m in frozen else s) for m, s in specs.items()}
 
 
+def _reference_greedy(ref: ReferenceModel, samples: list) -> tuple[int, int]:
+    """Label tokens the single-process model predicts right (argmax), and label tokens."""
+    embeds = [
+        {m: f.encode(ref.modules[m], s[m]) for m, f in ref.families.items() if m != "llm" and m in s}
+        for s in samples
+    ]
+    logits, labels = ref.families["llm"].forward(ref.modules["llm"], [s["llm"] for s in samples], embeds)
+    mask = labels != -100
+    return int((logits.argmax(-1)[mask] == labels[mask]).sum()), int(mask.sum())
+
+
 def _run(toy_dirs, enc_replicas, llm_replicas, *, clip=0.5, microbatches=1, frozen=(), vision_lr=1e-2):
     optims = _optims(frozen=frozen, vision_lr=vision_lr)
     batches = [toy_samples(BATCH, seed=10 + s, text_only_every=4) for s in range(STEPS)]
@@ -83,9 +94,11 @@ def _run(toy_dirs, enc_replicas, llm_replicas, *, clip=0.5, microbatches=1, froz
         held_out = toy_samples(BATCH, seed=99, text_only_every=3)
         with torch.no_grad():
             want_loss, _ = ref.loss(held_out)
+            want_correct, want_tokens = _reference_greedy(ref, held_out)
         ev = orch.evaluate(put_samples(held_out, start=1000))
         assert ev["loss"] == pytest.approx(float(want_loss), rel=1e-5)
-        assert 0.0 <= ev["token_accuracy"] <= 1.0 and ev["label_tokens"] > 0
+        assert ev["label_tokens"] == want_tokens > 0
+        assert ev["token_accuracy"] == want_correct / want_tokens, (ev["token_accuracy"], want_correct)
         for m in frozen:  # a frozen module gets no parameter change at all
             assert_close_dicts(orch.full_state_dict(m), initial[m], rtol=0, atol=0, what=f"frozen {m} ")
         for m in {"vision", "llm"} - set(frozen):
