@@ -14,14 +14,31 @@ from disagg.runtime.groups import GroupSpec
 from disagg.runtime.orchestrator import GroupFailure, Orchestrator
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, make_toy_dirs, put_samples, toy_samples
 
+#: how long a worker may take to exit after shutdown: generous, so that a loaded
+#: machine never fails it; a process that is still there after it will not leave
+EXIT_WAIT_S = 300
 
-def _gone(pids: list[int], timeout: float = 30) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
+
+def _alive(pids: list[int]) -> list[str]:
+    """Those of ``pids`` still running (an exited process its parent has not reaped
+    yet, a zombie, is gone), described."""
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"pid {pid} ({p.name()}, {p.status()})")
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _survivors(pids: list[int]) -> list[str]:
+    """Poll until every one of ``pids`` is gone; those still running after ``EXIT_WAIT_S``."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while (alive := _alive(pids)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    return False
+    return alive
 
 
 def test_dead_actor_is_named_and_shutdown_is_clean(ray_local, tmp_path):
@@ -41,7 +58,8 @@ def test_dead_actor_is_named_and_shutdown_is_clean(ray_local, tmp_path):
             orch.step(put_samples(toy_samples(4, seed=1), start=4))
     finally:
         orch.shutdown()
-    assert _gone(pids), "worker processes survived shutdown"
+    survivors = _survivors(pids)
+    assert not survivors, f"worker processes still running {EXIT_WAIT_S} s after shutdown: {survivors}"
 
 
 def test_mismatched_collective_fails_within_the_timeout_naming_module_and_ranks(ray_local, tmp_path):
@@ -60,13 +78,13 @@ def test_mismatched_collective_fails_within_the_timeout_naming_module_and_ranks(
         collective_timeout_s=5,
     )
     try:
-        t0 = time.monotonic()
         with pytest.raises(GroupFailure) as err:
             orch.step(put_samples(toy_samples(4)))
-        elapsed = time.monotonic() - t0
     finally:
         orch.shutdown()
     msg = str(err.value)
     assert "step 1" in msg and "module 'llm' rank 0" in msg, msg
     assert "finished this phase: module 'llm' rank 1" in msg, msg  # the rank that skipped
-    assert elapsed < 60, f"took {elapsed:.0f} s for a 5 s collective timeout"
+    # what ended the wait: the peer's own collective timeout at the configured 5 s
+    # (gloo names it), not the driver's stall watchdog (65 s) nor the 10-minute default
+    assert "Timed out waiting 5000ms" in msg and "no rank finished a call" not in msg, msg
