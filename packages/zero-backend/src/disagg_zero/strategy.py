@@ -39,6 +39,7 @@ from torch import nn
 from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, OptimSpec, Strategy
 from disagg.interfaces.strategy import make_scheduler
 from disagg_zero import runtime
+from disagg_zero.comm import counted
 from disagg_zero.dsconfig import backward_scale, build_ds_config, persistence_threshold, zero_section_problems
 from disagg_zero.fullstate import ZeroFullState
 from disagg_zero.inject import injector, local_grads
@@ -79,7 +80,6 @@ class ZeroStrategy(ZeroFullState, Strategy):
         self._got: list[bool] = []  # per trainable parameter: a gradient on this rank this step
         self._present: list[bool] | None = None  # ... on some rank (after reduce_gradients)
         self._backwards = 0
-        self._gathers = 0
 
     # -- setup ------------------------------------------------------------------------------------
     def parallelize(self, module: nn.Module) -> nn.Module:
@@ -131,43 +131,11 @@ class ZeroStrategy(ZeroFullState, Strategy):
     def _whole(self) -> Iterator[None]:
         """The module's full parameters for one call (ZeRO-3: one all-gather)."""
         assert self.module is not None
-        if self.options.stage == 3 and self.engine is not None:
-            self._gathers += 1
-        with runtime.gathered(self.module, self.options.stage, self.engine is not None):
+        with (
+            counted(self.ctx.comm),
+            runtime.gathered(self.module, self.options.stage, self.engine is not None),
+        ):
             yield
-
-    def _count_comm(self) -> None:
-        """DeepSpeed's collectives are internal, so count what ZeRO moves per
-        step analytically (ring algorithms: each rank sends (n-1)/n of a buffer),
-        the expression of :func:`disagg.cost.comm.zero_comm`."""
-        n = self.ctx.world_size
-        if n == 1 or self.module is None:
-            return
-        elem = 4  # fp32 parameters and gradients (core's dtype rule)
-        numels = [
-            (getattr(p, "ds_numel", p.numel()), getattr(p, "ds_persist", False))
-            for p in self.module.parameters()
-        ]
-        params = sum(k for k, _ in numels) * elem
-        # ZeRO-3 keeps parameters under stage3_param_persistence_threshold whole
-        # on every rank: a gather skips them, the step re-gathers them once
-        persistent = sum(k for k, keep in numels if keep) * elem
-        grads = sum(getattr(p, "ds_numel", p.numel()) for p in self._params) * elem
-        f = (n - 1) / n
-        # gradients move only if some backward ran; parameters are re-gathered
-        # only after an update
-        grads = grads if self._backwards else 0
-        updated = self._any_grad()
-        if self.options.stage == 1:
-            sent = 2 * f * grads + f * params * updated  # all-reduce gradients, all-gather updated params
-        elif self.options.stage == 2:
-            sent = f * grads + f * params * updated  # reduce-scatter gradients, all-gather updated params
-        else:  # a whole-module gather per call, reduce-scatter gradients
-            sent = self._gathers * f * (params - persistent) + f * grads + f * persistent * updated
-        # DeepSpeed's own calls are not seen here (cost.calls.zero_calls counts them)
-        self.ctx.comm.add(f"zero{self.options.stage}_analytic", int(sent), calls=0)
-        # the agreement all-reduce of reduce_gradients is counted where it runs (ctx.comm.all_reduce)
-        self._gathers = 0
 
     def state_bytes(self) -> int:
         """What this rank holds, read from the tensors themselves: torch's view
@@ -189,7 +157,8 @@ class ZeroStrategy(ZeroFullState, Strategy):
         if clear is not None:
             clear()
         self.engine.set_gradient_accumulation_boundary(False)
-        self.engine.backward(injector(self._params, local, self._seed_scale))
+        with counted(self.ctx.comm):
+            self.engine.backward(injector(self._params, local, self._seed_scale))
         self._backwards += 1
 
     # -- encoder role -----------------------------------------------------------------------------
@@ -253,12 +222,13 @@ class ZeroStrategy(ZeroFullState, Strategy):
         if not self._backwards:
             return  # nothing to reduce: a step in which this group got no sample
         self.engine.set_gradient_accumulation_boundary(True)
-        if self.options.stage >= 2:
-            # Reduced in backward already; only the boundary bookkeeping is left
-            # (DeepSpeed's own entry point for caller-owned accumulation).
-            self.engine.optimizer.finalize_gradient_accumulation_boundary()
-        else:
-            self.engine.allreduce_gradients()
+        with counted(self.ctx.comm):
+            if self.options.stage >= 2:
+                # Reduced in backward already; only the boundary bookkeeping is left
+                # (DeepSpeed's own entry point for caller-owned accumulation).
+                self.engine.optimizer.finalize_gradient_accumulation_boundary()
+            else:
+                self.engine.allreduce_gradients()
 
     def _any_grad(self) -> bool:
         return self._present is not None and any(self._present)
@@ -266,12 +236,12 @@ class ZeroStrategy(ZeroFullState, Strategy):
     def grad_norm_sq(self) -> float:
         if self.engine is None or self.optimizer is None or not self._any_grad():
             return 0.0
-        return runtime.global_grad_norm(self.engine.optimizer, self.options.stage) ** 2
+        with counted(self.ctx.comm):
+            return runtime.global_grad_norm(self.engine.optimizer, self.options.stage) ** 2
 
     def step(self, clip_coef: float) -> None:
         if self.engine is None or self.optimizer is None:
             return
-        self._count_comm()
         if not self._any_grad():
             # The reference's AdamW skips every grad=None parameter, but its
             # schedule still advances once per optimizer step.
@@ -279,12 +249,14 @@ class ZeroStrategy(ZeroFullState, Strategy):
             return
         self.optimizer.present = self._present  # type: ignore[attr-defined]
         self.optimizer.clip_coef = float(clip_coef)  # type: ignore[attr-defined]
-        self.engine.step()  # the engine also steps the scheduler
+        with counted(self.ctx.comm):
+            self.engine.step()  # the engine also steps the scheduler
         self.optimizer.clip_coef = 1.0  # type: ignore[attr-defined]
 
     def zero_grad(self) -> None:
         if self.engine is not None and self.optimizer is not None:
-            self.engine.optimizer.zero_grad(set_to_none=True)
+            with counted(self.ctx.comm):
+                self.engine.optimizer.zero_grad(set_to_none=True)
         self._got = [False] * len(self._params)
         self._present = None
         self._backwards = 0

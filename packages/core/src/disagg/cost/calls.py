@@ -13,8 +13,9 @@ microbatch.
 ``disagg bench`` reports them (``collective_calls_per_rank``): for ``ulysses``,
 ``megatron_tp`` (with and without sequence parallelism) and ``ddp`` these
 counts equal the measured ones (``tests/test_bench.py``). ``zero``'s are
-DeepSpeed's own calls, which the strategy does not see: counted once by
-hand (:func:`zero_calls`), an estimate.
+DeepSpeed's own calls, counted as they run by wrapping ``torch.distributed``
+(:mod:`disagg_zero.comm`); :func:`zero_calls` equals that count on the ZeRO
+tests' toy models (``packages/zero-backend/tests``).
 
 Notation as in :mod:`.comm`; ``M`` microbatches per step, ``T`` parameter
 tensors, ``L`` decoder layers / vision blocks, ``F`` full-attention blocks.
@@ -104,30 +105,25 @@ def zero_calls(
     calls_per_mb: int = 2,
     persistence_threshold: int = DEEPSPEED_PERSISTENCE,
 ) -> dict[str, int]:
-    """DeepSpeed's collectives, counted as its engine issues them: stages 1-2
-    reduce gradients and gather updated parameters in buckets of ``bucket``
-    elements (``ceil(P / bucket)`` calls each; stage 1 all-reduces, stage 2
-    reduce-scatters). Stage 3: ``zero`` gathers the whole module once per
-    strategy call (``calls_per_mb`` per microbatch: an encoder's encode and
-    backward, the LLM's one forward-backward), and DeepSpeed's synchronous
-    gather issues one all-gather per tensor, so ``calls_per_mb·M·T`` for the
-    ``T`` tensors over the persistence threshold; after the step it re-gathers
-    the persistent ones, again one call each; every backward (one per
-    microbatch) reduce-scatters its gradients in buckets. One all-reduce for
-    the global gradient norm. Counted on DeepSpeed 0.18 with gloo (toy LM, 26
-    tensors, 2 microbatches: 52 all-gathers and 2 reduce-scatters per step at
-    threshold 0; 26 all-gathers after the step with every tensor persistent)."""
+    """DeepSpeed 0.19's collectives under ``zero``, as :func:`disagg.cost.comm.zero_comm`
+    sums their bytes, in buckets of ``bucket`` elements (``B = ceil(P / bucket)``
+    calls per reduction): stage 1 all-reduces gradients once per step (``B``),
+    stage 2 in every backward (``M·B``), both all-gather the updated partitions
+    (``B``); stage 3 gathers one tensor per call, ``calls_per_mb·M·T`` for the
+    ``T`` tensors over the persistence threshold plus the persistent ones once
+    after the step, and reduce-scatters in every backward (``M·B``). Every stage:
+    ``zero``'s agreement all-reduce and DeepSpeed's two scalar all-reduces (3)."""
     if w.world == 1:
         return {}
     numel = sum(t.numel for t in tensors)
     buckets = max(1, -(-numel // bucket))
+    small = 3
     if stage == 3:
         persistent = sum(t.numel <= persistence_threshold for t in tensors)
         gathers = calls_per_mb * w.microbatches * (len(tensors) - persistent) + persistent
-        return {"all_gather": gathers, "reduce_scatter": w.microbatches * buckets, "all_reduce": 1}
-    if stage == 1:
-        return {"all_reduce": buckets + 1, "all_gather": buckets}
-    return {"reduce_scatter": buckets, "all_gather": buckets, "all_reduce": 1}
+        return {"all_gather": gathers, "reduce_scatter": w.microbatches * buckets, "all_reduce": small}
+    reductions = buckets if stage == 1 else w.microbatches * buckets
+    return {"all_reduce": reductions + small, "all_gather": buckets}
 
 
 def collective_calls(

@@ -164,6 +164,12 @@ def _tp_grad_reduce(tensors: list, w: Workload) -> int:
     return agree + dp + all_reduce(8, w.world)
 
 
+#: bytes of the two scalars DeepSpeed all-reduces per step (its gradient norm in
+#: ``zero``'s grad_norm_sq and again in its step), by stage: fp32 for stages 1-2,
+#: 8 bytes for stage 3 (measured on DeepSpeed 0.19, gloo)
+ZERO_STEP_SCALARS = {1: (4, 4), 2: (4, 4), 3: (8, 8)}
+
+
 def zero_comm(
     tensors: list[int],
     stage: int,
@@ -171,33 +177,45 @@ def zero_comm(
     calls_per_mb: int = 2,
     persistence_threshold: int = DEEPSPEED_PERSISTENCE,
 ) -> dict[str, int]:
-    """DeepSpeed's collectives are internal; ``zero`` counts them analytically
-    (and so does this, the same expression): with ``f = (n-1)/n`` and ``P`` the
-    parameter bytes (fp32: DeepSpeed holds fp32 parameters under the dtype
-    rule), stage 1 all-reduces gradients and all-gathers updated parameters
-    ``2fP + fP``, stage 2 reduce-scatters instead ``fP + fP``, stage 3 gathers
-    the whole module once per strategy call and reduce-scatters gradients
-    ``c·m·f(P - Pp) + fP + fPp`` (``m`` microbatches; ``c`` calls per
-    microbatch: an encoder is called to encode and again for its backward,
-    ``c = 2``; the LLM's forward and backward are one call, ``c = 1``; ``Pp``
-    the tensors of at most ``stage3_param_persistence_threshold`` elements,
-    which stay whole on every rank and are re-gathered once after the step).
-    DeepSpeed's bucketing and per-tensor padding are
-    not modelled; the strategy's agreement all-reduce is counted where it runs,
-    so the measured figure is a few hundred bytes above this."""
+    """What DeepSpeed 0.19 sends per step under ``zero`` (``zero`` counts its real
+    calls, :mod:`disagg_zero.comm`; ``tests`` compare the two), with ``f = (n-1)/n``,
+    ``G = P`` the fp32 gradient / parameter bytes, ``m`` microbatches:
+
+    - stage 1: gradients all-reduced once per step (``2fG``), updated parameter
+      partitions all-gathered after the step (``fP``);
+    - stage 2: gradients all-reduced in every backward, i.e. every microbatch
+      (``m·2fG``: ZeRO-2's default ``use_multi_rank_bucket_allreduce`` all-reduces
+      each bucket rather than reduce-scattering it), then ``fP`` all-gathered;
+    - stage 3: the whole module gathered once per strategy call (``c`` calls per
+      microbatch: an encoder's encode and backward, ``c = 2``; the LLM's
+      forward-backward, ``c = 1``), each tensor over the persistence threshold
+      from its own padded partition (``(n-1)·ceil(numel/n)`` elements), the
+      persistent ones re-gathered once after the step; gradients reduce-scattered
+      in every backward, each tensor padded the same way (``m·(n-1)·Σ ceil(numel/n)``);
+    - every stage: ``zero``'s agreement all-reduce (one int64 per trainable tensor,
+      plus one) and DeepSpeed's two scalar all-reduces (:data:`ZERO_STEP_SCALARS`).
+
+    The flat buffers' alignment padding of stages 1-2 is not modelled (a few
+    elements per bucket)."""
     n = w.world
     if n == 1:
         return {}
-    params = grads = sum(tensors) * GRAD_BYTES
     f = (n - 1) / n
+    m = w.microbatches
+    grads = params = sum(tensors) * GRAD_BYTES
+    small = all_reduce(8 * (len(tensors) + 1), n) + sum(all_reduce(b, n) for b in ZERO_STEP_SCALARS[stage])
     if stage == 1:
-        sent = 2 * f * grads + f * params
-    elif stage == 2:
-        sent = f * grads + f * params
-    else:
-        persistent = sum(k for k in tensors if k <= persistence_threshold) * GRAD_BYTES
-        sent = calls_per_mb * w.microbatches * f * (params - persistent) + f * grads + f * persistent
-    return {f"zero{stage}_analytic": int(sent)}
+        return {"all_reduce": int(2 * f * grads) + small, "all_gather": int(f * params)}
+    if stage == 2:
+        return {"all_reduce": m * int(2 * f * grads) + small, "all_gather": int(f * params)}
+    shard = [(n - 1) * -(-k // n) * GRAD_BYTES for k in tensors]
+    persistent = sum(b for b, k in zip(shard, tensors) if k <= persistence_threshold)
+    gathered = sum(shard) - persistent
+    return {
+        "all_gather": calls_per_mb * m * gathered + persistent,
+        "reduce_scatter": m * sum(shard),
+        "all_reduce": small,
+    }
 
 
 def transfer_bytes(strategy: str, w: Workload) -> int:
