@@ -180,14 +180,18 @@ def reference(ray_local, omni, tmp_path_factory):
 
     model = HFOmni(omni, families["audio"])
     run = train_reference(model, batches, kwargs, cfg.train)
+    # one namespace per module, as the run's checkpoints name them
     prefixes = {"vision": "visual.", "audio": "audio.", "llm": "llm."}
-    run.states = [
-        {m: {k[len(p) :]: v for k, v in state.items() if k.startswith(p)} for m, p in prefixes.items()}
-        for state in run.states
-    ]
+
+    def rename(d: dict) -> dict:
+        return {f"{m}/{k[len(p) :]}": v for m, p in prefixes.items() for k, v in d.items() if k.startswith(p)}
+
+    run.states = [rename(x) for x in run.states]
+    run.grads = [rename(x) for x in run.grads]
     return run
 
 
+MODULES = ("vision", "audio", "llm")
 LAYOUTS = {
     "ulysses2+zero2x2+tp2": (
         {"strategy": "ulysses", "degree": 2},
@@ -206,19 +210,19 @@ def test_three_modules_match_single_process(ray_local, omni, reference, tmp_path
         pytest.importorskip("disagg_zero")
     cfg = _config(omni, tmp_path / "run", {"vision": vision, "audio": audio, "llm": llm})
     run_training(cfg, progress=False)
-    from hf_reference import run_metrics
+    from hf_reference import assert_run_matches
     from safetensors.torch import load_file
 
-    from disagg.testing.reference import assert_close_dicts
-
-    losses, norms = run_metrics(tmp_path / "run")
-    assert losses == pytest.approx(reference.losses, rel=1e-5), (losses, reference.losses)
-    assert norms == pytest.approx(reference.grad_norms, rel=1e-5), (norms, reference.grad_norms)
-    for step, want in enumerate(reference.states, start=1):
+    def state_after(step: int) -> dict:
         ckpt = tmp_path / "run" / "checkpoints" / f"step-{step}"
-        trained = {m: load_file(str(ckpt / m / "full.safetensors")) for m in ("vision", "audio", "llm")}
-        for m in trained:
-            assert_close_dicts(trained[m], want[m], what=f"{m} after step {step}: ")
+        return {
+            f"{m}/{k}": v for m in MODULES for k, v in load_file(str(ckpt / m / "full.safetensors")).items()
+        }
+
+    assert_run_matches(tmp_path / "run", reference, state_after, cfg.train)
+    ckpt = tmp_path / "run" / "checkpoints" / f"step-{STEPS}"
+    last = state_after(STEPS)
+    trained = {m: {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith(m + "/")} for m in MODULES}
     _export_reassembles(ckpt, tmp_path / "export", trained, omni)
 
 

@@ -102,10 +102,12 @@ def tp_bf16_rank(rank: int, path: str, degree: int, samples, embeds) -> bytes:
             loss = strat.loss_and_backward(0, samples, leaves, 1.0 / total)
         strat.reduce_gradients()
         norm_sq = strat.grad_norm_sq()
+        grads = {n: g.clone() for n, g in strat.full_grads().items()}  # collective: every rank
         strat.step(1.0)
         out[name] = {
             "loss": loss,
             "norm_sq": norm_sq,
+            "grads": grads,
             "embed_grads": [{k: v.grad for k, v in e.items()} for e in leaves],
             "param_dtypes": {p.dtype for p in strat.module.parameters()},
             "grad_dtypes": {p.grad.dtype for p in strat.module.parameters() if p.grad is not None},

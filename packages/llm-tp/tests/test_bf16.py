@@ -1,46 +1,78 @@
 """megatron_tp under core's bf16 rule (``compute_dtype``: fp32 parameters,
-gradients and optimizer state; the forward autocast to bf16 on the CPU): a step
-runs, its loss and gradients are close to fp32's, parameters stay fp32. As an
-encoder, core runs the backward outside autocast, where megatron's linear
-functions need the forward's autocast state replayed (CUDA-only custom_bwd)."""
+gradients and optimizer state; the forward autocast to bf16 on the CPU) equals
+the single-process Hugging Face model run under the same rule
+(``bf16_reference``): loss, every parameter gradient and input-embedding
+gradient per element within the policy's bf16 bound, and parameters after the
+AdamW step in units of the learning rate, a bound tight enough that a skipped
+update or one applied twice fails (shown). As an encoder, core runs the backward
+outside autocast, where megatron's linear functions need the forward's autocast
+state replayed (CUDA-only custom_bwd)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from bf16_reference import BF16_COMPUTE, OPTIM, hf_bf16_step
 from dropout_cases import tp_bf16_rank
 from toy_encoder import ToyEncoderFamily, encoder_rank
 from tp_cases import _loads, make_batch, rel
 
 from disagg.testing.dist import run_ranks
+from disagg.testing.tolerance import (
+    BF16,
+    assert_params_close,
+    assert_scalar_close,
+    assert_tensors_close,
+)
 from disagg_llm_tp.families.qwen2 import Qwen2Family
 
 
-def test_bf16_step_close_to_fp32(tiny_dirs):
+@pytest.fixture(scope="module")
+def bf16_case(tiny_dirs):
     path = tiny_dirs["qwen2"]
-    samples, embeds = make_batch(Qwen2Family(path), n_samples=4)
+    family = Qwen2Family(path)
+    samples, embeds = make_batch(family, n_samples=4)
     outs = [_loads(b) for b in run_ranks(tp_bf16_rank, 2, path, 2, samples, embeds)]
+    ref = hf_bf16_step(path, samples, embeds, family.placeholder_token_id("vision"))
+    return outs, ref
+
+
+def _assert_step_matches(res: dict, ref: dict) -> None:
+    assert_scalar_close(res["loss"], ref["loss"], "bf16 loss sum", BF16)
+    assert_tensors_close(res["grads"], ref["grads"], "bf16 grad ", BF16)
+    for i, (a, b) in enumerate(zip(res["embed_grads"], ref["embed_grads"])):
+        assert_tensors_close(a, b, f"bf16 embedding grad of sample {i} ", BF16)
+    assert_params_close(
+        res["params"],
+        ref["params"],
+        lr=OPTIM.lr,
+        steps=1,
+        grads=ref["grads"],
+        what="bf16 ",
+        precision=BF16_COMPUTE,
+    )
+
+
+def test_bf16_step_equals_hf_in_bf16(bf16_case):
+    outs, ref = bf16_case
     for res in outs:
         fp32, bf16 = res["fp32"], res["bf16"]
-        assert math.isfinite(bf16["loss"]) and math.isfinite(bf16["norm_sq"])
-        assert bf16["loss"] == pytest.approx(fp32["loss"], rel=2e-2)
-        assert bf16["norm_sq"] == pytest.approx(fp32["norm_sq"], rel=1e-1)
+        assert bf16["loss"] != fp32["loss"], "the forward must really run in bf16"
         for key in ("param_dtypes", "grad_dtypes", "state_dtypes"):
             assert bf16[key] == {torch.float32}, key
-        for a, b in zip(bf16["embed_grads"], fp32["embed_grads"]):
-            for k in b:
-                assert a[k].dtype == torch.float32 and rel(a[k], b[k]) <= 5e-2
-        assert bf16["loss"] != fp32["loss"], "the forward must really run in bf16"
-        # One AdamW step (lr 1e-3) moves an element by about lr whatever its gradient's
-        # size, so near-zero gradients (a key bias) may flip sign: bound the difference
-        # by the step, and the whole model's relative difference.
-        assert all(p.dtype == torch.float32 for p in bf16["params"].values())
-        for n, p in fp32["params"].items():
-            assert float((bf16["params"][n] - p).abs().max()) <= 2.5e-3, n
-        flat = [torch.cat([d[n].flatten() for n in fp32["params"]]) for d in (bf16["params"], fp32["params"])]
-        assert rel(*flat) <= 1e-2
+        _assert_step_matches(bf16, ref)
+
+
+@pytest.mark.parametrize("wrong", ["skipped", "applied twice"])
+def test_a_wrong_bf16_update_is_caught(bf16_case, wrong):
+    """The same comparison fails for an update that was skipped or applied twice."""
+    outs, ref = bf16_case
+    got = outs[0]["bf16"]
+    p0 = ref["initial"]
+    factor = 0.0 if wrong == "skipped" else 2.0
+    bad = {n: p0[n] + factor * (p - p0[n]) for n, p in got["params"].items()}
+    with pytest.raises(AssertionError, match="lr-units"):
+        _assert_step_matches({**got, "params": bad}, ref)
 
 
 def test_bf16_encoder_backward_outside_autocast():

@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from disagg.cost.memory import DEEPSPEED_PERSISTENCE
@@ -177,6 +176,7 @@ def _finish_step(strat: Any, rec: dict[str, Any]) -> None:
     rec["grads"].append(strat.full_grads())
     strat.step(clip_coefficient(math.sqrt(nsq), CLIP))
     # the accounting the bench reports, read where the worker reads it (after the step)
+    rec.setdefault("calls", []).append(strat.ctx.comm.calls())
     rec.setdefault("comm", []).append(strat.ctx.comm.reset())
     rec.setdefault("state_bytes", []).append(strat.state_bytes())
     strat.zero_grad()
@@ -232,21 +232,32 @@ def assert_accounting(
 ) -> None:
     """What ``zero`` reported after each step (``_finish_step``) equals core's
     cost formulas: the bytes DeepSpeed's storages hold (up to per-tensor
-    scalars: step counters, norms) and the analytic comm count.
+    scalars: step counters, norms), and DeepSpeed's collectives as they ran
+    (counted by wrapping ``torch.distributed``, ``disagg_zero.comm``): the
+    calls and sent bytes of every kind equal ``disagg.cost.calls.zero_calls``
+    and ``disagg.cost.comm.zero_comm``.
     ``microbatches``: per step, how many the rank ran (0: a step without
     samples gathers and updates nothing, so only the state is checked)."""
+    from disagg.cost.calls import zero_calls
     from disagg.cost.comm import Workload, zero_comm
     from disagg.cost.memory import zero_state_bytes
+    from disagg.cost.shapes import ParamTensor
 
     state = zero_state_bytes(numels, stage, world, persistence_threshold)
-    kind = f"zero{stage}_analytic"
+    tensors = [ParamTensor(f"t{i}", (k,)) for i, k in enumerate(numels)]
     for step, m in enumerate(microbatches):
         got = rec["state_bytes"][step]
         assert 0 <= got - state <= 16 + 8 * len(numels), f"step {step}: {got} vs {state}"
         if m:
             work = Workload(degree=1, replicas=world, seq_len=1, samples=world, microbatches=m)
-            want = zero_comm(numels, stage, work, calls_per_mb, persistence_threshold)[kind]
-            assert rec["comm"][step][kind] == pytest.approx(want, abs=2), f"step {step}"
+            want = zero_comm(numels, stage, work, calls_per_mb, persistence_threshold)
+            assert rec["comm"][step] == want, f"step {step}: measured bytes {rec['comm'][step]}, model {want}"
+            calls = zero_calls(
+                tensors, stage, work, calls_per_mb=calls_per_mb, persistence_threshold=persistence_threshold
+            )
+            assert rec["calls"][step] == calls, (
+                f"step {step}: measured calls {rec['calls'][step]}, model {calls}"
+            )
 
 
 # -- one spawn per world size: every configuration in the same ranks ----------------------------
