@@ -110,9 +110,12 @@ def bf16_rank(rank: int, degree: int, path: str, inputs, grads) -> bytes:
         strat.backward(0, [s.value for s in shards], [g[s.positions] for s, g in zip(shards, grads)])
         strat.reduce_gradients()
         norm_sq = strat.grad_norm_sq()
+        full = {n: g.clone() for n, g in strat.full_grads().items()}  # collective: every rank
         strat.step(1.0)
         out[name] = {
             "dot": _dot(shards, grads),
+            "shards": [(s.positions, s.value.detach(), s.total) for s in shards],
+            "grads": full,
             "out_dtypes": {s.value.dtype for s in shards},
             "norm_sq": norm_sq,
             "param_dtypes": {p.dtype for p in strat.module.parameters()},
