@@ -22,9 +22,27 @@ BF16_COMPUTE = Precision("bf16 compute, fp32 master weights", rtol=BF16.rtol, pa
 OPTIM = OptimSpec(lr=1e-3)  # what ulysses_cases._strategy sets the ranks up with
 
 
+def reference_precisions(g16: dict[str, torch.Tensor], g32: dict[str, torch.Tensor]) -> dict[str, Precision]:
+    """Per gradient tensor: the policy's bf16 bound, unless the reference's own bf16
+    gradient is further than that from the same reference's fp32 gradient (a tensor that
+    is zero in exact arithmetic, where only rounding is left: SigLIP's key bias, which
+    softmax ignores), in which case twice that error, relative to the tensor's own
+    largest element: no honest bf16 run can be asked to be closer to the reference than
+    the reference is to itself. Decided from the reference alone, per tensor, never by name."""
+    out = {}
+    for n, g in g16.items():
+        scale = float(g.abs().max())
+        err = float((g.double() - g32[n].double()).abs().max())
+        rtol = max(BF16.rtol, 2 * err / scale) if scale > 0 else BF16.rtol
+        name = BF16_COMPUTE.name if rtol == BF16.rtol else f"bf16 at the reference's own error ({err:.1e})"
+        out[n] = Precision(name, rtol=rtol, param_unit=FP32.param_unit)
+    return out
+
+
 def hf_bf16_step(path: str, inputs: list[dict], grads: list[torch.Tensor]) -> dict:
     """``LlavaModel.get_image_features`` (HF's own: vision tower, feature layer,
-    projector) of every sample, eager attention and eval mode as the ranks run."""
+    projector) of every sample, eager attention and eval mode as the ranks run; its
+    gradients also in fp32, for :func:`reference_precisions`."""
     from transformers import LlavaForConditionalGeneration
 
     hf = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
@@ -39,22 +57,31 @@ def hf_bf16_step(path: str, inputs: list[dict], grads: list[torch.Tensor]) -> di
     opt = torch.optim.AdamW(
         params.values(), lr=OPTIM.lr, weight_decay=OPTIM.weight_decay, betas=OPTIM.betas, eps=OPTIM.eps
     )
-    outs = []
-    with compute_dtype(torch.device("cpu"), torch.bfloat16):
-        for x in inputs:
-            feats = model.get_image_features(
-                x["pixel_values"],
-                vision_feature_layer=cfg.vision_feature_layer,
-                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                output_hidden_states=True,
-            ).pooler_output
-            outs.append(torch.cat(list(feats)).reshape(-1, cfg.text_config.hidden_size))
-    torch.autograd.backward(outs, [g.to(o.dtype) for o, g in zip(outs, grads)])
+
+    def forward_backward(dtype: torch.dtype) -> list[torch.Tensor]:
+        opt.zero_grad(set_to_none=True)
+        outs = []
+        with compute_dtype(torch.device("cpu"), dtype):
+            for x in inputs:
+                feats = model.get_image_features(
+                    x["pixel_values"],
+                    vision_feature_layer=cfg.vision_feature_layer,
+                    vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                    output_hidden_states=True,
+                ).pooler_output
+                outs.append(torch.cat(list(feats)).reshape(-1, cfg.text_config.hidden_size))
+        torch.autograd.backward(outs, [g.to(o.dtype) for o, g in zip(outs, grads)])  # outside autocast
+        return [o.detach() for o in outs]
+
+    forward_backward(torch.float32)
+    g32 = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+    outs = forward_backward(torch.bfloat16)
     got = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
     opt.step()
     return {
-        "outs": [o.detach() for o in outs],
+        "outs": outs,
         "grads": got,
+        "precisions": reference_precisions(got, g32),
         "initial": initial,
         "params": {n: p.detach().clone() for n, p in params.items()},
     }
