@@ -1,7 +1,7 @@
 """megatron_tp under core's bf16 rule (``compute_dtype``: fp32 parameters,
 gradients and optimizer state; the forward autocast to bf16 on the CPU) equals
 the single-process Hugging Face model run under the same rule
-(``bf16_reference``): loss, every parameter gradient and input-embedding
+(``tp_bf16_reference``): loss, every parameter gradient and input-embedding
 gradient per element within the policy's bf16 bound, and parameters after the
 AdamW step in units of the learning rate, a bound tight enough that a skipped
 update or one applied twice fails (shown). As an encoder, core runs the backward
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bf16_reference import BF16_COMPUTE, OPTIM, hf_bf16_step
 from dropout_cases import tp_bf16_rank
 from toy_encoder import ToyEncoderFamily, encoder_rank
+from tp_bf16_reference import BF16_COMPUTE, OPTIM, hf_bf16_step
 from tp_cases import _loads, make_batch, rel
 
 from disagg.testing.dist import run_ranks

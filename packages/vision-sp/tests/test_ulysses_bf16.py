@@ -1,7 +1,7 @@
 """ulysses under core's bf16 rule (``compute_dtype``: fp32 parameters, gradients
 and optimizer state; the forward autocast to bf16 on the CPU) equals the
 single-process Hugging Face LLaVA vision path run under the same rule
-(``bf16_reference``): every output row and parameter gradient per element within
+(``ulysses_bf16_reference``): every output row and parameter gradient per element within
 the policy's bf16 bound, and parameters after the AdamW step in units of the
 learning rate, a bound tight enough that a skipped update or one applied twice
 fails (shown). Parameters, gradients and optimizer state stay fp32."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bf16_reference import BF16_COMPUTE, OPTIM, hf_bf16_step
+from ulysses_bf16_reference import BF16_COMPUTE, OPTIM, hf_bf16_step
 from ulysses_cases import bf16_rank, loads
 
 from disagg.testing.dist import run_ranks
