@@ -251,12 +251,27 @@ def assert_accounting(
         if m:
             work = Workload(degree=1, replicas=world, seq_len=1, samples=world, microbatches=m)
             want = zero_comm(numels, stage, work, calls_per_mb, persistence_threshold)
-            assert rec["comm"][step] == want, f"step {step}: measured bytes {rec['comm'][step]}, model {want}"
             calls = zero_calls(
                 tensors, stage, work, calls_per_mb=calls_per_mb, persistence_threshold=persistence_threshold
             )
-            assert rec["calls"][step] == calls, (
-                f"step {step}: measured calls {rec['calls'][step]}, model {calls}"
+            got_bytes, got_calls = rec["comm"][step], rec["calls"][step]
+            where = f"step {step}: measured {got_bytes} in {got_calls}, model {want} in {calls}"
+            persistent = [k for k in numels if k <= persistence_threshold] if stage == 3 else []
+            if not persistent:
+                assert got_bytes == want and got_calls == calls, where
+                continue
+            # Persistent tensors mixed with partitioned ones: DeepSpeed also re-gathers them at
+            # up to every whole-module gather, which the model does not count (zero_comm's doc)
+            assert set(got_bytes) == set(want) and set(got_calls) == set(calls), where
+            for kind in ("reduce_scatter", "all_reduce"):
+                assert got_bytes[kind] == want[kind] and got_calls[kind] == calls[kind], where
+            extra = calls_per_mb * m
+            regather = extra * sum((world - 1) * -(-k // world) * 4 for k in persistent)
+            assert want["all_gather"] <= got_bytes["all_gather"] <= want["all_gather"] + regather, where
+            assert (
+                calls["all_gather"]
+                <= got_calls["all_gather"]
+                <= calls["all_gather"] + extra * len(persistent)
             )
 
 

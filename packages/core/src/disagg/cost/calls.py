@@ -112,7 +112,9 @@ def zero_calls(
     (``B``); stage 3 gathers one tensor per call, ``calls_per_mb·M·T`` for the
     ``T`` tensors over the persistence threshold plus the persistent ones once
     after the step, and reduce-scatters in every backward (``M·B``). Every stage:
-    ``zero``'s agreement all-reduce and DeepSpeed's two scalar all-reduces (3)."""
+    ``zero``'s agreement all-reduce and DeepSpeed's two scalar all-reduces (3).
+    With persistent tensors mixed among partitioned ones, a lower bound (see
+    :func:`disagg.cost.comm.zero_comm`)."""
     if w.world == 1:
         return {}
     numel = sum(t.numel for t in tensors)

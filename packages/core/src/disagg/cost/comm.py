@@ -198,7 +198,10 @@ def zero_comm(
 
     Equal to the measured count, byte for byte and call for call, for the toy
     models at 2 and 3 ranks, every stage (one bucket: several buckets would each
-    be padded)."""
+    be padded), with every tensor partitioned or every tensor persistent. With
+    persistent tensors mixed among partitioned ones, DeepSpeed 0.19 also
+    re-gathers the persistent ones at up to every whole-module gather (measured
+    on the uneven ZeRO test's larger encoder, not modelled): a lower bound there."""
     n = w.world
     if n == 1:
         return {}
