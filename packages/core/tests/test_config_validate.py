@@ -91,7 +91,8 @@ def test_many_problems_are_collected(reg, workdir):
         "train.scheduler",
     }
     assert "did you mean 'chunks'" in found["parallel.vision.chunkz"]
-    assert "allowed: strategy, degree, replicas, ranks, resources, recompute, chunks" in found["parallel.vision.chunkz"]
+    allowed = "allowed: strategy, degree, replicas, ranks, resources, recompute, chunks"
+    assert allowed in found["parallel.vision.chunkz"]
     assert "did you mean 'object_store'" in found["parallel.transport"]
     assert "c.yaml:" in found["data.train"]
 
