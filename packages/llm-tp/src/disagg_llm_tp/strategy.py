@@ -41,6 +41,7 @@ from disagg.interfaces import (
     StrategyOptions,
     agree_on_grads,
     dropout_seed,
+    sum_of_squares,
 )
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.rng import ShardRNG
@@ -288,9 +289,9 @@ class MegatronTPStrategy(Strategy):
     def grad_norm_sq(self) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         if self.ctx.replica == 0:  # replicas hold identical reduced gradients
-            for p in self.trainable_parameters():
-                if p.grad is not None and self._owns(p.tp_spec):
-                    total += p.grad.detach().double().pow(2).sum()
+            params = self.trainable_parameters()
+            owned = [p.grad for p in params if p.grad is not None and self._owns(p.tp_spec)]
+            total = sum_of_squares(owned).to(self.ctx.device) if owned else total
         self.ctx.comm.all_reduce(total)
         return float(total)
 

@@ -23,7 +23,8 @@ tensors, ``L`` decoder layers / vision blocks, ``F`` full-attention blocks.
 
 from __future__ import annotations
 
-from disagg.cost.comm import Workload
+from disagg.cost.buckets import bucket_sizes
+from disagg.cost.comm import GRAD_BYTES, Workload
 from disagg.cost.memory import DEEPSPEED_PERSISTENCE
 from disagg.cost.shapes import DecoderShape, ParamTensor, Shape, VisionShape
 
@@ -32,10 +33,11 @@ from disagg.cost.shapes import DecoderShape, ParamTensor, Shape, VisionShape
 DEEPSPEED_BUCKET = 500_000_000
 
 
-def grad_reduce_calls(tensors: int, n: int) -> dict[str, int]:
+def grad_reduce_calls(tensors: list[int], n: int) -> dict[str, int]:
     """``Strategy.reduce_gradients`` of the base class (``ddp``, ``ulysses``):
-    ``agree_on_grads`` then one all-reduce per gradient tensor: ``1 + T``."""
-    return {"all_reduce": 1 + tensors} if n > 1 else {}
+    ``agree_on_grads`` then one all-reduce per 25 MiB bucket of the gradient
+    tensors (element counts ``tensors``): ``1 + buckets``."""
+    return {"all_reduce": 1 + len(bucket_sizes(tensors, GRAD_BYTES))} if n > 1 else {}
 
 
 def tp_grad_calls(w: Workload) -> dict[str, int]:
@@ -50,7 +52,7 @@ def ulysses_calls(shape: VisionShape, w: Workload) -> dict[str, int]:
     """Per full-attention block and microbatch: the q/k/v all-to-all and the output
     all-to-all forward, both again backward (``4·F·M``); window blocks move nothing;
     gradients summed over the group as ``ddp`` does."""
-    out = grad_reduce_calls(len(shape.tensors()), w.world)
+    out = grad_reduce_calls([t.numel for t in shape.tensors()], w.world)
     if w.degree > 1:
         out["all_to_all"] = 4 * len(shape.full_blocks) * w.microbatches
     return out
@@ -156,5 +158,5 @@ def collective_calls(
             persistence_threshold=persistence_threshold,
         )
     else:
-        out = grad_reduce_calls(len(shape.tensors()), w.world)
+        out = grad_reduce_calls([t.numel for t in shape.tensors()], w.world)
     return {k: v for k, v in out.items() if v}

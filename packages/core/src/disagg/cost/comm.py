@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.cost.buckets import bucket_sizes
 from disagg.cost.memory import DEEPSPEED_PERSISTENCE
 from disagg.cost.shapes import DecoderShape, VisionShape
 
@@ -64,10 +65,14 @@ def all_reduce(nbytes: int, n: int) -> int:
 
 def grad_all_reduce(tensors: list[int], n: int) -> int:
     """``Strategy.reduce_gradients`` of the base class: ``agree_on_grads`` (one int32
-    per tensor) then one all-reduce per gradient tensor."""
+    per tensor) then one all-reduce per 25 MiB bucket of gradients (torch DDP's
+    bucketing, :func:`disagg.interfaces.bucket_sizes`)."""
     if n == 1:
         return 0
-    return all_reduce(4 * len(tensors), n) + sum(all_reduce(GRAD_BYTES * t, n) for t in tensors)
+    buckets = bucket_sizes(tensors, GRAD_BYTES)
+    return all_reduce(4 * len(tensors), n) + sum(
+        all_reduce(GRAD_BYTES * sum(tensors[i] for i in b), n) for b in buckets
+    )
 
 
 def replicated_comm(numels: list[int], w: Workload) -> dict[str, int]:

@@ -4,7 +4,7 @@ from disagg.interfaces.comm import CommCounter
 from disagg.interfaces.context import GroupContext, OptimSpec, dropout_seed
 from disagg.interfaces.cost import Cost, CostQuery, DecoderShape, VisionShape, analytic_cost
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily, LayerMap
-from disagg.interfaces.grads import agree_on_grads
+from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, bucket_sizes, sum_of_squares
 from disagg.interfaces.parts import PartGroup
 from disagg.interfaces.precision import compute_dtype
 from disagg.interfaces.recompute import Recompute
@@ -23,6 +23,9 @@ __all__ = [
     "VisionShape",
     "analytic_cost",
     "agree_on_grads",
+    "all_reduce_bucketed",
+    "bucket_sizes",
+    "sum_of_squares",
     "compute_dtype",
     "dropout_seed",
     "EmbeddingShard",
