@@ -88,3 +88,4 @@ def test_mismatched_collective_fails_within_the_timeout_naming_module_and_ranks(
     # what ended the wait: the peer's own collective timeout at the configured 5 s
     # (gloo names it), not the driver's stall watchdog (65 s) nor the 10-minute default
     assert "Timed out waiting 5000ms" in msg and "no rank finished a call" not in msg, msg
+    assert (err.value.module, err.value.rank, err.value.collective) == ("llm", 0, "all_reduce")

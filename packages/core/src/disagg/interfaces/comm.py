@@ -20,6 +20,9 @@ class CommCounter:
     bytes_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: collective calls by kind: each pays a fixed latency whatever its size
     calls_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: kind of the last collective counted: named when a collective fails and
+    #: the backend's error does not say which (gloo)
+    last_op: str | None = None
 
     def add(self, op: str, nbytes: int, calls: int = 1) -> None:
         """Count ``calls`` collectives of kind ``op`` sending ``nbytes`` in all
@@ -27,6 +30,7 @@ class CommCounter:
         self.bytes_by_op[op] += int(nbytes)
         if calls:
             self.calls_by_op[op] += calls
+            self.last_op = op
 
     def total(self) -> int:
         return sum(self.bytes_by_op.values())

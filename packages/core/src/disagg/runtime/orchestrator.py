@@ -8,6 +8,7 @@ driver holds ObjectRefs and small numbers only.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -343,7 +344,15 @@ class Orchestrator:
 
 
 class GroupFailure(RuntimeError):
-    """A rank of a module group failed; the message names module and rank."""
+    """A rank of a module group failed; the message names module and rank, and
+    ``collective`` the collective when one failed (timeout, NCCL abort,
+    mismatch): a bug or a broken link, not a dead node, so no restart."""
+
+    def __init__(
+        self, message: str, module: str | None = None, rank: int | None = None, collective: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.module, self.rank, self.collective = module, rank, collective
 
 
 class ActorDied(GroupFailure):
@@ -372,12 +381,38 @@ def wait_all(refs: list[Any], stall_s: float | None = None) -> list[Any]:
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             context = f" (finished this phase: {_callers(finished)})" if finished else ""
-            raise GroupFailure(_last_line(cause) + context) from None
+            raise GroupFailure(
+                _last_line(cause) + context,
+                getattr(cause, "module", None),
+                getattr(cause, "rank", None),
+                getattr(cause, "collective", None),
+            ) from None
         except ray.exceptions.RayActorError as exc:
-            who = _ACTOR_NAMES.get(getattr(exc, "actor_id", None) or "", "an actor of unknown module")
-            raise ActorDied(f"{who} died: {_last_line(exc)}", who) from None
+            raise actor_failure(exc, _ACTOR_NAMES.get(getattr(exc, "actor_id", None) or "")) from None
         finished += ready
     return ray.get(list(refs))
+
+
+def actor_failure(exc: BaseException, who: str | None) -> GroupFailure:
+    """A rank's process is gone: :class:`ActorDied` (recoverable from a
+    checkpoint), unless what killed it was a collective (the NCCL watchdog
+    tearing a process down on a timeout): then the same step would fail
+    again, and it is a plain :class:`GroupFailure` naming the collective."""
+    from disagg.runtime.collectives import collective_name, is_collective_error
+
+    who = who or "an actor of unknown module"
+    text = str(exc)
+    if is_collective_error(text):
+        op = collective_name(text) or "unknown"
+        m = re.match(r"module '([^']+)' rank (\d+)", who)
+        return GroupFailure(
+            f"{who}: its process was aborted by a failed collective {op!r} (NCCL watchdog; a peer "
+            f"skipped it, timed out or NCCL failed), not restarted: {_last_line(exc)}",
+            m.group(1) if m else None,
+            int(m.group(2)) if m else None,
+            op,
+        )
+    return ActorDied(f"{who} died: {_last_line(exc)}", who)
 
 
 def _callers(refs: list[Any]) -> str:

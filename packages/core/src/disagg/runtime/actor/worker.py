@@ -37,10 +37,21 @@ from disagg.interfaces import (
 )
 from disagg.interfaces.activations import saved_bytes_hooks
 from disagg.metrics.record import RankRecord
+from disagg.runtime.collectives import collective_name, is_collective_error
 
 
 class WorkerError(RuntimeError):
-    """An exception inside an actor, with the module and rank that raised it."""
+    """An exception inside an actor, with the module and rank that raised it,
+    and the collective when one failed (timed out, aborted, mismatched)."""
+
+    def __init__(
+        self, message: str, module: str | None = None, rank: int | None = None, collective: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.module, self.rank, self.collective = module, rank, collective
+
+    def __reduce__(self) -> tuple:  # the attributes survive Ray's pickling to the driver
+        return (type(self), (str(self), self.module, self.rank, self.collective))
 
 
 def _named(fn: Callable) -> Callable:
@@ -59,8 +70,17 @@ def _named(fn: Callable) -> Callable:
         except WorkerError:
             raise
         except Exception as exc:
+            where = f"module {self.module!r} rank {self.rank}"
+            if not is_collective_error(exc):
+                raise WorkerError(f"{where}: {type(exc).__name__}: {exc}", self.module, self.rank) from exc
+            ctx = getattr(self.strategy, "ctx", None)
+            op = collective_name(str(exc), ctx.comm.last_op if ctx is not None else None)
             raise WorkerError(
-                f"module {self.module!r} rank {self.rank}: {type(exc).__name__}: {exc}"
+                f"{where}: collective {op or 'unknown'!r} failed (a peer skipped it, timed out or NCCL "
+                f"failed): {type(exc).__name__}: {exc}",
+                self.module,
+                self.rank,
+                op or "unknown",
             ) from exc
         finally:
             # busy: inside this call, minus what it spent blocked on another group
@@ -144,6 +164,11 @@ class ModuleWorker:
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
             backend = "nccl"
+            # A collective that times out or fails raises in this rank (named as
+            # on gloo) after NCCL's communicators are aborted, instead of the
+            # watchdog killing the process, which the driver could not tell from
+            # a dead node (and recovery would restart into the same failure).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         else:
             device, backend = torch.device("cpu"), "gloo"
         os.environ.update(
@@ -159,6 +184,9 @@ class ModuleWorker:
             rank=self.rank,
             world_size=self.world_size,
             timeout=self.collective_timeout,
+            # NCCL: communicators created now (eagerly, bound to this GPU), so a bad
+            # NCCL setup fails set-up naming the rank, not the first step's collective
+            **({"device_id": device} if backend == "nccl" else {}),
         )
         torch.manual_seed(self.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype_name]
