@@ -29,8 +29,17 @@ class RankRecord:
     activation_bytes: int = 0
     #: parameters + gradients + optimizer state held by this rank
     state_bytes: int = 0
-    #: the device's (CUDA) or process's (CPU, max RSS) peak memory
+    #: the process's peak memory: CUDA the caching allocator's allocated peak, CPU max RSS
     peak_mem_bytes: int = 0
+    #: CUDA: the allocator's reserved peak (cached blocks included); CPU: as peak_mem_bytes
+    peak_reserved_bytes: int = 0
+    #: CUDA: the whole GPU's used memory at the step's end (every process on it, CUDA
+    #: contexts and NCCL buffers included); 0 on CPU
+    device_used_bytes: int = 0
+    #: CUDA: "node:gpu" of the GPU this rank ran on (ranks of collocated groups share one)
+    device: str = ""
+    #: CUDA: seconds the GPU spent on this rank's calls (CUDA events; host time is busy_s)
+    device_s: float = 0.0
     lr: float = 0.0
 
 
@@ -40,6 +49,8 @@ def reduce_group(records: list[RankRecord]) -> dict[str, Any]:
     per_rank_comm = [sum(r.collective_bytes.values()) + r.sent_bytes for r in records]
     return {
         "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
+        "peak_reserved_bytes": max(r.peak_reserved_bytes for r in records),
+        "device_s": max(r.device_s for r in records),
         "comm_bytes": sum(per_rank_comm),
         "comm_bytes_per_rank": max(per_rank_comm),
         "collective_bytes_per_rank": _max_by_kind([r.collective_bytes for r in records]),
@@ -51,6 +62,21 @@ def reduce_group(records: list[RankRecord]) -> dict[str, Any]:
         "state_bytes_per_rank": max(r.state_bytes for r in records),
         "lr": records[0].lr,
     }
+
+
+def per_gpu(records: dict[str, list[RankRecord]]) -> dict[str, dict[str, int]]:
+    """Per GPU ("node:gpu"), over the ranks of every group on it: the sum of their
+    reserved peaks (what the processes held at most, at once at worst) and the
+    GPU's used memory (contexts and NCCL buffers included). Empty on CPU."""
+    out: dict[str, dict[str, int]] = {}
+    for rs in records.values():
+        for r in rs:
+            if not r.device:
+                continue
+            g = out.setdefault(r.device, {"peak_reserved_bytes": 0, "used_bytes": 0})
+            g["peak_reserved_bytes"] += r.peak_reserved_bytes
+            g["used_bytes"] = max(g["used_bytes"], r.device_used_bytes)
+    return out
 
 
 def _max_by_kind(per_rank: list[dict[str, int]]) -> dict[str, int]:

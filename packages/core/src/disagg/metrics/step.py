@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg.metrics.record import StepResult
+from disagg.metrics.record import StepResult, per_gpu
 
 
 def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[str, Any]:
@@ -19,6 +19,11 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
         "label_tokens": res.label_tokens,
         "module_tokens": dict(res.module_tokens),
         "peak_mem_bytes": {m: g["peak_mem_bytes"] for m, g in res.groups.items()},
+        "peak_reserved_bytes": {m: g["peak_reserved_bytes"] for m, g in res.groups.items()},
+        # CUDA: per GPU, the reserved peaks of the processes on it summed, and its used memory
+        "gpu_mem_bytes": per_gpu(res.records),
+        # CUDA: GPU time of the slowest rank (CUDA events); group_time_s is host time
+        "device_s": {m: g["device_s"] for m, g in res.groups.items()},
         "comm_bytes": {m: g["comm_bytes"] for m, g in res.groups.items()},
         "comm_bytes_per_rank": {m: g["comm_bytes_per_rank"] for m, g in res.groups.items()},
         # the most any rank of the group sent, by collective kind / to other groups

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import os
-import resource
 import socket
 import time
 from datetime import timedelta
@@ -37,6 +36,7 @@ from disagg.interfaces import (
 )
 from disagg.interfaces.activations import saved_bytes_hooks
 from disagg.metrics.record import RankRecord
+from disagg.runtime.actor.device_stats import DeviceTimer, record_memory
 from disagg.runtime.collectives import collective_name, is_collective_error
 
 
@@ -60,6 +60,7 @@ def _named(fn: Callable) -> Callable:
     def wrapper(self: ModuleWorker, *args: Any, **kwargs: Any) -> Any:
         rec = self.record  # step() starts a new record; this call's time belongs to the old one
         t0, waited = time.perf_counter(), rec.wait_s
+        start = self.timer.start() if fn.__name__ in _DEVICE_TIMED else None  # CUDA: no sync
         if fn.__name__ in _CONSUMERS and self.idle_from is not None:
             # Ray started this call once its shard/gradient arguments had arrived:
             # the rank idled since its last call waiting on another group
@@ -86,10 +87,15 @@ def _named(fn: Callable) -> Callable:
             # busy: inside this call, minus what it spent blocked on another group
             rec.busy_s += time.perf_counter() - t0 - (rec.wait_s - waited)
             self.idle_from = time.perf_counter()
+            self.timer.stop(start)
 
     return wrapper
 
 
+#: calls whose GPU time counts as ``device_s`` (``step`` times its own optimizer work)
+_DEVICE_TIMED = frozenset(
+    {"encode", "shards_for", "backward", "loss_and_backward", "grads_for", "reduce_and_norm"}
+)
 #: methods whose arguments are another group's outputs (their wait counts as ``wait_s``)
 _CONSUMERS = frozenset({"loss_and_backward", "backward"})
 
@@ -139,6 +145,8 @@ class ModuleWorker:
         self.live_bytes: dict[int, int] = {}
         # end of the last call (None: none in this step yet), for wait_s
         self.idle_from: float | None = None
+        # GPU time of this step's calls (CUDA events), for device_s
+        self.timer = DeviceTimer(device == "cuda")
 
     # -- set-up -------------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -399,17 +407,15 @@ class ModuleWorker:
     def step(self, clip_coef: float) -> RankRecord:
         """Optimizer step; return this rank's record of the step and start a new one."""
         lr = self.strategy.current_lr()  # type: ignore[union-attr]  # the rate this step uses
-        self.strategy.step(clip_coef)  # type: ignore[union-attr]
         ctx = self.strategy.ctx  # type: ignore[union-attr]
-        if ctx.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(ctx.device)
-            torch.cuda.reset_peak_memory_stats(ctx.device)
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         rec = self.record
+        start = self.timer.start()
+        self.strategy.step(clip_coef)  # type: ignore[union-attr]
+        self.timer.stop(start)
+        rec.device_s = self.timer.read()  # the step's one sync, on CUDA
+        record_memory(rec, ctx.device)
         rec.collective_calls = ctx.comm.calls()
         rec.collective_bytes = ctx.comm.reset()
-        rec.peak_mem_bytes = int(peak)
         rec.state_bytes = self.strategy.state_bytes()  # type: ignore[union-attr]
         rec.lr = lr
         self.record = RankRecord(self.module, self.rank)
