@@ -4,6 +4,7 @@ beside the analytic model, with the published setting predicted."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 HELP = "sweep parallel layouts over vision lengths; measured vs analytic bytes, memory, throughput, plots"
 
@@ -112,10 +113,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError([Problem("--max-vision-tokens", f"one length, e.g. 8k: {exc}")]) from None
     dtype = cfg.train.dtype
-    if dtype == "auto":  # one dtype for every layout, decided once
-        import torch
-
-        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    if dtype == "auto":  # one dtype for every layout, decided once, by the cluster's devices
+        dtype = _cluster_dtype(cfg, layouts)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "bench"
     out.mkdir(parents=True, exist_ok=True)
     extra = 0
@@ -147,3 +146,25 @@ def run(args: argparse.Namespace) -> int:
     for key in ("json", "markdown", "throughput_png", "memory_png"):
         print(f"{key}: {files[key]}")
     return 0
+
+
+def _cluster_dtype(cfg: Any, layouts: dict[str, dict[str, Any]]) -> str:
+    """``train.dtype: auto`` for every layout: what the *actors* will run on (the
+    Ray cluster's GPUs, as ``disagg train`` decides), not the driver's device.
+    Starts the run's Ray sized for the largest layout."""
+    import ray
+
+    from disagg.runtime.plan import resolve_device_dtype
+    from disagg.runtime.run import ensure_ray
+
+    def reserved(layout: dict[str, Any]) -> float:
+        total = 0.0
+        for m in cfg.modules():
+            g = layout.get(m, {})
+            cpus = (g.get("resources") or {}).get("num_cpus", getattr(cfg.parallel, m).resources.num_cpus)
+            total += int(g.get("degree", 1)) * int(g.get("replicas", 1)) * float(cpus)
+        return total
+
+    ensure_ray(cfg.ray.address, cfg.ray.num_cpus, reserved=max(reserved(lay) for lay in layouts.values()))
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    return resolve_device_dtype(cfg.train.device, "auto", gpus)[1]
