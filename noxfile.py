@@ -1,6 +1,6 @@
 """Sessions: ``tests`` (everything installed), ``isolation`` (core + one plugin),
-``lint``, ``demo`` (the main job: a tiny multimodal run on local Ray, CPU) and
-``bench``.
+``lint``, ``demo`` (the main job: a tiny multimodal run on local Ray, CPU),
+``bench`` and ``gpu`` (the CUDA check suite, on a machine with an NVIDIA GPU).
 
 torch is pinned here, never in the packages (users bring the build that
 matches their hardware); it is installed first so that no package pulls
@@ -41,17 +41,18 @@ def install(session: nox.Session, *paths: str) -> None:
     session.install(*args, "pytest")
 
 
-def pytest(session: nox.Session, *tests_dirs: str) -> None:
+def pytest(session: nox.Session, *tests_dirs: str, marker: str = "not gpu") -> None:
     """One pytest process per tests dir: packages' test helpers have plain
     module names (conftest, fakes) that must not collide across packages.
-    Every dir runs even when an earlier one fails, so one run shows every failure."""
+    Every dir runs even when an earlier one fails, so one run shows every failure.
+    ``marker``: the CUDA suite (pytest marker ``gpu``) runs only in ``nox -s gpu``."""
     failed = []
     for tests_dir in tests_dirs:
         if not any((ROOT / tests_dir).glob("**/test_*.py")):
             session.log(f"{tests_dir}: no tests yet")
             continue
         try:
-            session.run("pytest", "-q", tests_dir, *session.posargs, env=ENV)
+            session.run("pytest", "-q", "-m", marker, tests_dir, *session.posargs, env=ENV)
         except nox.command.CommandFailed:
             failed.append(tests_dir)
     if failed:
@@ -106,3 +107,34 @@ def bench(session: nox.Session) -> None:
 
 #: the default sweep: d = 2, three vision lengths, a budget whose limits lie inside the sweep
 BENCH_ARGS = ["--degree", "2", "--vision-tokens", "256,1k,4k", "--steps", "3", "--mem-budget", "24MiB"]
+
+
+def nvidia_gpus() -> int:
+    """GPUs ``nvidia-smi -L`` lists (0 without the driver): asked before anything is installed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+@nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """The CUDA check suite (``tests/gpu``, pytest marker ``gpu``), sized for one
+    H200 in under 8 minutes: every strategy at degree 1 in bf16 against the CPU
+    fp32 run, two groups collocated on one GPU, the object-store and CUDA IPC
+    transports, a checkpoint round trip, bf16 throughput and MFU figures
+    (``runs/gpu/report.json``). Where no NVIDIA GPU is visible it prints
+    "no GPU: skipped" and succeeds, before installing anything. torch comes from
+    PyPI (its Linux wheels are CUDA builds) or ``TORCH_INDEX_URL``."""
+    if nvidia_gpus() == 0:
+        session.log("no GPU: skipped")
+        return
+    packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
+    install(session, *packages)
+    # no DS_ACCELERATOR=cpu here: DeepSpeed runs on the GPU
+    session.run(
+        "pytest", "-q", "-rs", "-m", "gpu", "tests/gpu", *session.posargs, env={"DS_ACCELERATOR": "cuda"}
+    )

@@ -67,3 +67,36 @@ def ray_local() -> Iterator[Any]:
     finally:
         if started and ray.is_initialized():
             ray.shutdown()
+
+
+# -- the GPU check suite (``nox -s gpu``) ----------------------------------------------------------
+GPU_SKIP = "no GPU: skipped"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"gpu: needs a CUDA GPU (nox -s gpu); reported as '{GPU_SKIP}' where none is visible"
+    )
+
+
+def _gpu_visible() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available() and torch.cuda.device_count() > 0)
+    except Exception:  # a torch without CUDA support, a broken driver: no GPU to test on
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu and not _gpu_visible():
+        config._disagg_gpu_skipped = len(gpu)  # noqa: SLF001 - read by the summary below
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason=GPU_SKIP))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    n = getattr(config, "_disagg_gpu_skipped", 0)
+    if n:
+        terminalreporter.write_line(f"{GPU_SKIP} ({n} gpu-marked tests)")
