@@ -50,7 +50,7 @@ def steps_rank(
     strat.setup(family.build(torch.float32), OPTIM)
     strat.module.train()  # as core's worker does
     torch.manual_seed(dropout_seed(ctx.seed, ctx.replica))
-    out: dict = {"present": [], "norm_sq": []}
+    out: dict = {"present": [], "norm_sq": [], "grads": {}}
     for step, per_replica in enumerate(schedule):
         mine = per_replica[ctx.replica]
         shards = strat.encode(step, [inputs[i] for i in mine])
@@ -84,13 +84,15 @@ def reference_steps(family, inputs, grads, schedule) -> dict:  # noqa: ANN001
     opt = torch.optim.AdamW(
         params.values(), lr=OPTIM.lr, weight_decay=OPTIM.weight_decay, eps=OPTIM.eps, foreach=False
     )
-    out: dict = {"present": [], "norm_sq": []}
+    out: dict = {"present": [], "norm_sq": [], "grads": {}}
     for per_replica in schedule:
         ids = [i for r in per_replica for i in r]
         outs = [family.encode(module, inputs[i]) for i in ids]
         torch.autograd.backward(outs, [grads[i] for i in ids])
         present = {n: p.grad for n, p in params.items() if p.grad is not None}
         out["present"].append(sorted(present))
+        for n, g in present.items():  # each parameter's first gradient: the lr-unit bound's input
+            out["grads"].setdefault(n, g.detach().clone())
         out["norm_sq"].append(sum(float(g.double().pow(2).sum()) for g in present.values()))
         torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM)
         opt.step()

@@ -26,6 +26,8 @@ pytest.importorskip("disagg_zero")
 from e2e_run import e2e_config  # noqa: E402
 from hf_reference import batches_of, train_reference  # noqa: E402
 
+from disagg.testing.tolerance import assert_params_close, assert_scalar_close  # noqa: E402
+
 FAMILY = "qwen2_5_vl"
 STEPS = 6
 ULYSSES2 = {"strategy": "ulysses", "degree": 2}
@@ -134,8 +136,8 @@ def test_resharded_resume_continues_the_losses(name, dhp, resharded):
     _, losses = dhp
     _, resumed = resharded(name)
     assert sorted(resumed) == [4, 5, 6]
-    got, want = [resumed[s] for s in (4, 5, 6)], [losses[s] for s in (4, 5, 6)]
-    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    for s in (4, 5, 6):
+        assert_scalar_close(resumed[s], losses[s], f"{name} step {s} loss")
 
 
 def test_tp4_export_equals_ddp_export(resharded, tmp_path):
@@ -146,7 +148,6 @@ def test_tp4_export_equals_ddp_export(resharded, tmp_path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from disagg.cli.main import main
-    from disagg.testing.reference import assert_close_dicts
 
     exported = {}
     for name in RESHARDS:
@@ -159,9 +160,21 @@ def test_tp4_export_equals_ddp_export(resharded, tmp_path):
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         exported[name] = load_file(str(dest / "model.safetensors"))
     tp4, ddp = (exported[name] for name in RESHARDS)
-    # three steps after the reshard under different reduction orders: equal to
-    # fp32 rounding (Adam's eps=1e-3 keeps that noise from being amplified)
-    assert_close_dicts(tp4, ddp, what="megatron_tp 4 export vs ddp export: ")
+    # three steps after the reshard under different reduction orders: two runs of the code, no
+    # reference gradients, so the bound is the policy's eps-Lipschitz one (Adam's eps=1e-3, every
+    # gradient element Adam sees at most clip_grad_norm): disagg.testing.tolerance
+    train = cfg.train
+    assert_params_close(
+        tp4,
+        ddp,
+        lr=train.lr,
+        steps=STEPS - 3,
+        grads=None,
+        what="megatron_tp 4 export vs ddp export: ",
+        eps=train.eps,
+        betas=tuple(train.betas),
+        grad_bound=train.clip_grad_norm,
+    )
 
 
 def test_zero3_export_reproduces_the_trained_loss(zero3, tmp_path):
@@ -189,4 +202,4 @@ def test_zero3_export_reproduces_the_trained_loss(zero3, tmp_path):
         return kw
 
     ref = train_reference(model, [batch], kwargs, cfg.train)
-    assert ref.losses[0] == pytest.approx(losses[4], rel=1e-5), (ref.losses[0], losses[4])
+    assert_scalar_close(losses[4], ref.losses[0], "step 4 loss of the exported step-3 weights")

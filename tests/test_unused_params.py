@@ -16,9 +16,13 @@ import torch
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
-from encoder_steps import reference_steps, run_steps  # noqa: E402
+from encoder_steps import (  # noqa: E402
+    OPTIM,  # noqa: E402
+    reference_steps,
+    run_steps,
+)
 
-from disagg.testing.reference import assert_close_dicts  # noqa: E402
+from disagg.testing.tolerance import assert_params_close, assert_scalar_close  # noqa: E402
 from disagg_vision_sp.families.llava import LlavaVision  # noqa: E402
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision  # noqa: E402
 from disagg_vision_sp.testing import random_images, upstream_grads  # noqa: E402
@@ -62,21 +66,25 @@ def test_weight_decay_skips_parameters_without_gradient(case, strategy):
     unused = _unused(initial)
     for res in results:
         assert res["present"] == ref["present"], "parameters with a gradient differ from the reference"
-        for got, want in zip(res["norm_sq"], ref["norm_sq"]):
-            assert got == pytest.approx(want, rel=1e-5)
+        for step, (got, want) in enumerate(zip(res["norm_sq"], ref["norm_sq"])):
+            assert_scalar_close(got, want, f"step {step} grad_norm_sq")
         assert set(res["with_state"]) == set(ref["with_state"]), (
             "optimizer state for a parameter never updated"
         )
     params = results[0]["params"]
     for n in unused:
         assert torch.equal(params[n], initial[n]), f"{n} moved without a gradient"
-    # A key bias cannot change attention (softmax is shift invariant): its gradient is
-    # rounding noise and its value stays ~1e-11 from 0, compared absolutely.
-    key_bias = {n for n in params if n.endswith("self_attn.k_proj.bias")}
-    rest = {n: t for n, t in params.items() if n not in key_bias}
-    assert_close_dicts(rest, {n: ref["params"][n] for n in rest}, what=f"{strategy} after 3 steps: ")
-    for n in key_bias:
-        assert float((params[n] - ref["params"][n]).abs().max()) <= 1e-9, n
+    # Every parameter by the policy, none by name: a key bias (softmax ignores it, so its
+    # gradient is rounding noise) is bounded per element from its own reference gradient.
+    assert_params_close(
+        params,
+        ref["params"],
+        lr=OPTIM.lr,
+        steps=len(SCHEDULE),
+        grads=ref["grads"],
+        what=f"{strategy} after {len(SCHEDULE)} steps: ",
+        eps=OPTIM.eps,
+    )
 
 
 @pytest.mark.parametrize("family_cls,fixture", [(LlavaVision, "llava"), (Qwen2_5_VLVision, "qwen2_5_vl")])

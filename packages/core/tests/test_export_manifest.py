@@ -21,6 +21,7 @@ from disagg.runtime.checkpoint import FORMAT as CKPT_FORMAT
 from disagg.runtime.checkpoint import layout_of
 from disagg.runtime.export import MANIFEST, export_checkpoint, load_exported, model_section, read_manifest
 from disagg.testing import toy
+from disagg.testing.tolerance import assert_exact
 from disagg.testing.toy import make_toy_dirs
 
 
@@ -82,10 +83,7 @@ def test_export_manifest_rebuilds_each_module(toy_registry, tmp_path):
     families = load_exported(out, toy_registry)
     assert families["vision"].options == {"note": "kept"}
     for m, fam in families.items():
-        got = fam.build().state_dict()
-        assert got.keys() == trained[m].keys()
-        for k, v in got.items():
-            torch.testing.assert_close(v, trained[m][k], rtol=0, atol=0)
+        assert_exact(fam.build().state_dict(), trained[m], f"exported {m} ")
 
 
 def test_single_source_export_is_one_dir_with_its_manifest(toy_registry, tmp_path):

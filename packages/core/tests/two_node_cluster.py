@@ -14,7 +14,8 @@ from disagg.builtin.ddp import DDPStrategy
 from disagg.interfaces import OptimSpec, StrategyOptions
 from disagg.runtime.groups import GroupSpec
 from disagg.runtime.orchestrator import Orchestrator
-from disagg.testing.reference import ReferenceModel, assert_close_dicts
+from disagg.testing.reference import ReferenceModel
+from disagg.testing.tolerance import assert_scalar_close
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, make_toy_dirs, put_samples, toy_samples
 
 
@@ -42,9 +43,9 @@ def main() -> None:
             samples = toy_samples(4, seed=step)
             want = ref.step(samples, 0.5)
             got = orch.step(put_samples(samples, start=4 * step))
-            assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (got.loss, want.loss)
+            assert_scalar_close(got.loss, want.loss, f"step {step} loss")
             for m in ("vision", "llm"):
-                assert_close_dicts(orch.full_state_dict(m), want.params[m], what=f"{m} ")
+                ref.assert_params_match(m, orch.full_state_dict(m), what=f"{m} ")
         print("OK", nodes)
     finally:
         orch.shutdown()

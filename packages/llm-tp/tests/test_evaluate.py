@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from tp_cases import Case, family_cls, make_batch, reference, run_tp
 
+from disagg.testing.tolerance import assert_scalar_close
+
 
 @pytest.mark.parametrize("degree,sp", [(2, False), (4, True)])
 def test_evaluate_matches_single_process(tiny_dirs, degree, sp):
@@ -28,7 +30,7 @@ def test_evaluate_matches_single_process(tiny_dirs, degree, sp):
     loss, correct, count = runs_eval(case)
     assert count == sum(int((s["labels"][1:] != -100).sum()) for s in samples)
     assert correct == count
-    assert loss == pytest.approx(ref_eval["loss"], rel=1e-5)
+    assert_scalar_close(loss, ref_eval["loss"], "evaluate loss sum")
 
 
 def runs_eval(case: Case) -> tuple[float, int, int]:

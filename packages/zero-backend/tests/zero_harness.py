@@ -15,6 +15,7 @@ import torch
 from disagg.cost.memory import DEEPSPEED_PERSISTENCE
 from disagg.interfaces import GroupContext, OptimSpec
 from disagg.interfaces.strategy import clip_coefficient, make_scheduler
+from disagg.testing.tolerance import assert_params_close, first_grads
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, toy_samples
 
 OPTIM = OptimSpec(
@@ -133,6 +134,14 @@ def reference_encoder(enc_dir: Path, world: int) -> dict[str, Any]:
     out["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
     out["lr"] = opt.param_groups[0]["lr"]
     return out
+
+
+def assert_params_match(got: dict[str, torch.Tensor], ref: dict[str, Any], what: str) -> None:
+    """Parameters after the reference's steps, by the tolerance policy: lr units per element, each
+    element's bound from its first-step reference gradient (``disagg.testing.tolerance``)."""
+    grads, steps = first_grads(ref["grads"]), len(ref["grads"])
+    betas = OPTIM.betas
+    assert_params_close(got, ref["params"], lr=OPTIM.lr, steps=steps, grads=grads, what=what, betas=betas)
 
 
 def portable(x: Any) -> Any:

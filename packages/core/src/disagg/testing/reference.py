@@ -7,6 +7,8 @@ loss = sum of label-token losses / label-token count, one backward, global
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +16,7 @@ from torch import nn
 
 from disagg.interfaces import EncoderFamily, Family, LanguageFamily, OptimSpec
 from disagg.interfaces.strategy import make_scheduler
-from disagg.testing.tolerance import FP32, Precision, assert_exact, assert_tensors_close
+from disagg.testing.tolerance import FP32, Precision, assert_exact, assert_params_close, assert_tensors_close
 
 
 @dataclass
@@ -31,7 +33,12 @@ class ReferenceModel:
     def __init__(self, families: dict[str, Family], optims: dict[str, OptimSpec | None]):
         self.families = families
         self.modules: dict[str, nn.Module] = {m: f.build(torch.float32) for m, f in families.items()}
+        self.optims = optims
         self.optimizers, self.schedulers = {}, {}
+        self.steps_taken = 0
+        # each parameter's gradient at the first step it got one: what the lr-unit bound of
+        # tolerance.assert_params_close is derived from
+        self.first_grads: dict[str, dict[str, torch.Tensor]] = {m: {} for m in self.modules}
         for m, mod in self.modules.items():
             spec = optims.get(m)
             if spec is None:
@@ -90,13 +97,60 @@ class ReferenceModel:
             }
             for m in self.optimizers
         }
+        for m, g in grads.items():
+            for n, t in g.items():
+                self.first_grads[m].setdefault(n, t)
         for m, opt in self.optimizers.items():
             opt.step()
             self.schedulers[m].step()
+        self.steps_taken += 1
         state = {
             m: {k: v.detach().clone() for k, v in mod.state_dict().items()} for m, mod in self.modules.items()
         }
         return ReferenceStep(float(loss.detach()), norm, grads, state)
+
+    def assert_params_match(self, module: str, got: dict[str, torch.Tensor], what: str = "") -> float:
+        """``got`` (a module's full state dict) equals this reference's current state by the
+        tolerance policy: per element in units of the module's learning rate, each element's bound
+        from its first reference gradient; a frozen module, or a parameter that never got a
+        gradient, must not have moved (``tolerance.assert_params_close``)."""
+        spec = self.optims.get(module)
+        want = {k: v.detach() for k, v in self.modules[module].state_dict().items()}
+        return assert_params_close(
+            got,
+            want,
+            lr=spec.lr if spec is not None else 0.0,  # a schedule only lowers it
+            steps=self.steps_taken,
+            grads=self.first_grads[module],
+            what=what,
+            betas=spec.betas if spec is not None else (0.9, 0.999),
+            eps=spec.eps if spec is not None else 0.0,
+        )
+
+
+@contextmanager
+def capture_first_grads(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """Within the block, record each parameter's gradient as the optimizer sees it (after
+    clipping) at the first optimizer step it has one, keyed by every name it has (tied weights
+    under each). Read-only: a global ``Optimizer`` step pre-hook, so a reference that builds its own
+    optimizer is observed, not changed. The ``grads`` of ``tolerance.assert_params_close``."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    out: dict[str, torch.Tensor] = {}
+
+    def hook(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) in names:
+                    for n in names[id(p)]:
+                        out.setdefault(n, p.grad.detach().clone())
+
+    handle = torch.optim.optimizer.register_optimizer_step_pre_hook(hook)
+    try:
+        yield out
+    finally:
+        handle.remove()
 
 
 def assert_close_dicts(

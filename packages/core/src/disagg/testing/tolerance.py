@@ -65,9 +65,11 @@ get Adam's hard limit: decided per element from the reference's own gradient, ne
 margin is recorded apart (kind ``... adam-limit``): rounding can flip their step, so it can come
 near 1, but no honest run exceeds it. Adam's ``eps``, weight decay and clipping only shrink the
 sensitivity (clipping scales every element alike, which Adam ignores), so omitting them keeps the
-bound safe. A parameter absent from ``grads`` got no gradient in the reference: AdamW skips it, so
-it is held to the storage term alone (it must not have moved). ``lr`` is the largest learning rate
-of the steps (a schedule only lowers it).
+bound safe; passing ``eps`` uses ``sqrt(v_t) + eps >= s_t |g_1| + eps`` in the denominator (with
+``eps = 1e-3``, as the end-to-end configs use, the update is Lipschitz in the gradient). A
+parameter absent from ``grads`` got no gradient in the reference: AdamW skips it, so it is held
+to the storage term alone (it must not have moved). ``lr`` is the largest learning rate of the
+steps (a schedule only lowers it).
 
 bf16
 ----
@@ -231,6 +233,7 @@ def param_bound(
     steps: int,
     precision: Precision = FP32,
     betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-element bound on a parameter after ``steps`` AdamW steps (module doc: lr units), and the
     mask of elements whose gradient sign the gradient check cannot resolve (bound = Adam's limit)."""
@@ -245,7 +248,9 @@ def param_bound(
     for t in range(1, steps + 1):
         limit = adam_ratio_limit(t, betas)
         floor = math.sqrt(b2 ** (t - 1) * (1 - b2) / (1 - b2**t))  # sqrt(v_t) >= floor * |g_1|
-        bound = bound + lr * torch.clamp((1 + limit) * r / floor, max=2 * limit)
+        # Adam's eps only enlarges the denominator: sqrt(v_t) + eps >= floor * |g_1| + eps
+        sens = (1 + limit) * resolution / (floor * g + eps) if eps > 0 else (1 + limit) * r / floor
+        bound = bound + lr * torch.clamp(sens, max=2 * limit)
     return bound, r >= 1
 
 
@@ -259,25 +264,38 @@ def assert_params_close(
     what: str = "",
     precision: Precision = FP32,
     betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 0.0,
+    grad_bound: float | None = None,
 ) -> float:
     """Parameters (a state dict) after ``steps`` AdamW steps at learning rate <= ``lr``.
 
     ``grads``: the reference's first-step gradients (:func:`first_grads`); a name absent from it
     got no gradient and is held to the storage rounding (it must not have moved). ``grads=None``
     means unknown: every element gets Adam's limit (~2 lr per step), which only catches gross
-    errors; pass the gradients wherever the harness has them. Buffers (non-parameters in a state
-    dict, e.g. rotary tables) are held to the storage rounding. Returns the largest margin of the
-    elements with a resolved gradient."""
+    errors; pass the gradients wherever the harness has them. Without them, ``grad_bound`` (a bound
+    on every gradient element Adam saw, e.g. ``clip_grad_norm``: a clipped gradient's elements are
+    at most its norm) and ``eps`` give ``(1 + R_t) * 2 * rtol * grad_bound / eps`` lr per step.
+    Buffers (non-parameters in a state
+    dict, e.g. rotary tables) are held to the storage rounding. ``betas``/``eps``: the AdamW
+    settings (``eps=0`` ignores eps, which is always safe; a large eps, e.g. 1e-3, makes the update
+    Lipschitz in the gradient and the bound tighter). ``grads`` may be taken before clipping: a
+    clip coefficient c <= 1 turns ``res / (s|g| + eps)`` into ``res / (s|g| + eps / c)``, smaller.
+    Returns the largest margin of the elements with a resolved gradient."""
     _same_keys(got, want, what)
     worst = 0.0
     kind = f"param {precision.name} lr-units"
     for k in want:
-        if grads is None:  # unknown gradients: Adam's limit everywhere
+        if grads is None:  # unknown gradients: Adam's limit, or the eps-Lipschitz bound if tighter
             bound, _ = param_bound(want[k], None, lr, steps, precision, betas)
-            bound = bound + 2 * lr * sum(adam_ratio_limit(t, betas) for t in range(1, steps + 1))
-            _check(got[k], want[k], bound, f"{what}{k}", kind + " adam-limit")
+            for t in range(1, steps + 1):
+                limit = adam_ratio_limit(t, betas)
+                per_step = 2 * limit
+                if grad_bound is not None and eps > 0:
+                    per_step = min(per_step, (1 + limit) * 2 * precision.rtol * grad_bound / eps)
+                bound = bound + lr * per_step
+            _check(got[k], want[k], bound, f"{what}{k}", kind + " no-grads")
             continue
-        bound, unresolved = param_bound(want[k], grads.get(k), lr, steps, precision, betas)
+        bound, unresolved = param_bound(want[k], grads.get(k), lr, steps, precision, betas, eps)
         # Two checks, two margins: elements with a resolved gradient against the propagated bound, the
         # rest against Adam's hard limit (which rounding can reach, but no honest run exceed).
         worst = max(worst, _check(got[k], want[k], bound, f"{what}{k}", kind, ~unresolved))
