@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from disagg.testing.reference import assert_close_dicts
+from disagg.testing.reference import assert_close_dicts, capture_first_grads
 from disagg.testing.tolerance import (
     BF16,
     assert_exact,
@@ -17,6 +17,7 @@ from disagg.testing.tolerance import (
     assert_scalar_close,
     assert_tensor_close,
     assert_tensors_close,
+    param_bound,
 )
 
 LR = 1e-3
@@ -149,3 +150,39 @@ def test_exact_is_bit_exact():
     assert_close_dicts({"a": t}, {"a": t.clone()}, rtol=0, atol=0)
     with pytest.raises(AssertionError, match="exact"):
         assert_exact(t.nextafter(t + 1), t, "resumed")
+
+
+def test_capture_first_grads_sees_what_the_optimizer_sees():
+    """Read-only capture of each parameter's first gradient at the optimizer step, after clipping,
+    under every name of a tied weight; a parameter that first trains at step 2 is captured there."""
+    lin = torch.nn.Linear(3, 3)
+    model = torch.nn.ModuleDict({"a": lin, "b": torch.nn.Linear(3, 1), "tied": lin})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    with capture_first_grads(model) as grads:
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            h = model["a"](x)
+            out = model["b"](h).sum() if step == 1 else h.sum()
+            out.backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.1)
+            if step == 0:
+                seen = {k: v.grad.clone() for k, v in lin.named_parameters()}
+            opt.step()
+    assert set(grads) == {"a.weight", "a.bias", "tied.weight", "tied.bias", "b.weight", "b.bias"}
+    assert torch.equal(grads["a.weight"], seen["weight"]) and torch.equal(grads["tied.bias"], seen["bias"])
+    assert float(torch.cat([g.view(-1) for k, g in grads.items() if k.startswith("a.")]).norm()) <= 0.1 + 1e-7
+
+
+def test_eps_and_grad_bound_tighten_the_bound_they_justify():
+    _, g_d, p_d = _mlp_step(torch.float64, sharded=False)
+    _, _, p_a = _mlp_step(torch.float32, sharded=True)
+    loose = param_bound(p_d["0.weight"], g_d["0.weight"], LR, 3)[0]
+    tight = param_bound(p_d["0.weight"], g_d["0.weight"], LR, 3, eps=1e-3)[0]
+    assert bool((tight <= loose).all()) and bool((tight < loose).any())
+    assert_params_close(p_a, p_d, lr=LR, steps=3, grads=g_d, eps=1e-8)
+    # no gradients: Adam's limit (~2 lr a step) misses one lr; eps and a gradient bound catch it
+    p_a["0.weight"].view(-1)[0] += LR
+    assert_params_close(p_a, p_d, lr=LR, steps=3, grads=None)
+    with pytest.raises(AssertionError, match="no-grads"):
+        assert_params_close(p_a, p_d, lr=LR, steps=3, grads=None, eps=1e-3, grad_bound=1.0)

@@ -146,7 +146,9 @@ def capture_first_grads(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
                     for n in names[id(p)]:
                         out.setdefault(n, p.grad.detach().clone())
 
-    handle = torch.optim.optimizer.register_optimizer_step_pre_hook(hook)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(hook)
     try:
         yield out
     finally:
