@@ -1,6 +1,13 @@
 """Sessions: ``tests`` (everything installed), ``isolation`` (core + one plugin),
 ``lint``, ``demo`` (the main job: a tiny multimodal run on local Ray, CPU),
-``bench`` and ``gpu`` (the CUDA check suite, on a machine with an NVIDIA GPU).
+``bench``, ``gpu`` (the CUDA check suite, on a machine with an NVIDIA GPU) and ``kernels``.
+
+``kernels`` (not run by CI, nor by default) reruns the equivalence subset (every test file that
+uses ``disagg.testing.tolerance`` or a harness built on it) under the other CPU kernel set:
+``ATEN_CPU_CAPABILITY=avx2`` and ``OMP_NUM_THREADS=1`` (override with ``KERNELS_CPU`` and
+``KERNELS_THREADS``), logs every check's margin (largest error / bound) to
+``runs/margins/kernels.jsonl`` and fails if one exceeds 0.5 (``python -m
+disagg.testing.margins``). The verdict of an equivalence test must not depend on the CPU.
 
 torch is pinned here, never in the packages (users bring the build that
 matches their hardware); it is installed first so that no package pulls
@@ -69,6 +76,55 @@ def tests(session: nox.Session) -> None:
     # matplotlib: the bench and plot tests check their plots; the trackers' test reads their files back
     session.install("-e", "packages/core[bench,trackers]")
     pytest(session, *(f"{p}/tests" for p in packages), f"{EXAMPLE}/tests", "tests")
+
+
+#: a test file in the equivalence subset mentions one of these (the policy or a harness built on it)
+EQUIVALENCE_MARKERS = (
+    "disagg.testing.tolerance",
+    "disagg.testing.reference",
+    "disagg_vision_sp.testing import",
+    "import tp_cases",
+    "from tp_cases",
+    "zero_harness",
+    "hf_reference",
+)
+
+
+def equivalence_tests(tests_dir: str) -> list[str]:
+    return sorted(
+        str(f.relative_to(ROOT))
+        for f in (ROOT / tests_dir).glob("**/test_*.py")
+        if any(m in f.read_text() for m in EQUIVALENCE_MARKERS)
+    )
+
+
+@nox.session(python=PYTHON)
+def kernels(session: nox.Session) -> None:
+    """The equivalence subset under the other kernel set (module docstring); margins logged."""
+    packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
+    install(session, *packages, EXAMPLE)
+    session.install("scikit-learn")
+    log = ROOT / "runs" / "margins" / "kernels.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.unlink(missing_ok=True)
+    env = {
+        **ENV,
+        "ATEN_CPU_CAPABILITY": os.environ.get("KERNELS_CPU", "avx2"),
+        "OMP_NUM_THREADS": os.environ.get("KERNELS_THREADS", "1"),
+        "DISAGG_MARGIN_LOG": str(log),
+    }
+    failed = []
+    for tests_dir in (*(f"{p}/tests" for p in packages), "tests"):
+        files = equivalence_tests(tests_dir)
+        if not files:
+            continue
+        try:  # one pytest per dir, as in ``tests``; every dir runs
+            session.run("pytest", "-q", "-p", "no:cacheprovider", *files, *session.posargs, env=env)
+        except nox.command.CommandFailed:
+            failed.append(tests_dir)
+    session.run("python", "-m", "disagg.testing.margins", str(log), "--top", "10", "--max", "0.5", env=env)
+    if failed:
+        session.error(f"equivalence tests failed under {env['ATEN_CPU_CAPABILITY']}: {', '.join(failed)}")
 
 
 @nox.session(python=PYTHON)
