@@ -89,6 +89,7 @@ def reference(case: Case) -> dict:
     torch.manual_seed(0)
     model = _hf_model(case)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    all_params = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=0.0, foreach=False)
     total = label_count(case.samples)
     out: dict = {}
@@ -107,11 +108,13 @@ def reference(case: Case) -> dict:
             out["loss"] = float(loss_sum.detach())
             out["logits"] = torch.cat(logits_all).detach()
             out["grads"] = {n: p.grad.detach().clone() for n, p in params.items()}
+            # under every name of a tied weight: the parameter check's lr-unit bound reads it
+            out["param_grads"] = {n: p.grad.detach().clone() for n, p in all_params.items()}
             out["embed_grads"] = [{k: v.grad.clone() for k, v in e.items()} for e in leaves]
         torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    out["params"] = {n: p.detach().clone() for n, p in params.items()}
+    out["params"] = {n: p.detach().clone() for n, p in all_params.items()}  # tied weights under each name
     return out
 
 

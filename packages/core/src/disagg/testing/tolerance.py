@@ -21,7 +21,15 @@ noise as a large one. Hence every tensor check is
     |got_i - want_i| <= rtol * (|want_i| + max_j |want_j|)        (own scale, per tensor)
 
 The floor is the tensor's *own* largest element, never a global maximum (a global floor would let a
-small tensor, e.g. a norm weight's gradient, be wrong by far more than its own size). The result is
+small tensor, e.g. a norm weight's gradient, be wrong by far more than its own size). For a dict of
+parameter gradients the "tensor" is the parameter's *module* (its name up to the last dot: a
+Linear's weight and bias, a norm's weight and bias): every parameter of a module gets its gradient
+from the same backward signal ``delta`` (``dW = sum_t delta_t x_t^T``, ``db = sum_t delta_t``), so
+their rounding noise has one scale. This matters for a gradient that cancels to zero in exact
+arithmetic: a key bias without RoPE (softmax ignores a shift shared by all keys) has a gradient of
+pure noise, ~1e-8 against the key weight's ~0.3 (measured against float64 on the tiny SigLIP); its
+own max is noise, so only its module's scale bounds it honestly. Where a module's gradients are
+all of one size this is the tensor's own scale. The result is
 at least as strict as a whole-tensor relative norm for a single wrong element (a norm hides a few
 wrong elements among many right ones; this does not): an error of ``rtol`` relative in any element
 within a factor 2 of the tensor's largest is caught.
@@ -194,17 +202,31 @@ def assert_scalar_close(got: float, want: float, what: str, precision: Precision
     return _check(torch.tensor(float(got), dtype=torch.float64), w, precision.rtol * w.abs(), what, "scalar")
 
 
-def tensor_bound(want: torch.Tensor, rtol: float) -> torch.Tensor:
-    """``rtol * (|want_i| + max|want|)``: relative per element with the tensor's own scale as floor."""
+def tensor_bound(want: torch.Tensor, rtol: float, scale: float | None = None) -> torch.Tensor:
+    """``rtol * (|want_i| + scale)``, ``scale`` by default the tensor's own largest element."""
     w = want.detach().double().abs()
-    return rtol * (w + (w.max() if w.numel() else 0.0))
+    if scale is None:
+        scale = float(w.max()) if w.numel() else 0.0
+    return rtol * (w + scale)
+
+
+def module_scales(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Each named parameter's gradient scale: the largest element among the gradients of the
+    parameters of its own module (the name up to its last dot; a name without a dot is its own
+    module). Module doc: a module's parameters share the backward signal that sets their noise."""
+    peak: dict[str, float] = {}
+    for name, t in tensors.items():
+        group = name.rsplit(".", 1)[0] if "." in name else name
+        peak[group] = max(peak.get(group, 0.0), float(t.detach().abs().max()) if t.numel() else 0.0)
+    return {name: peak[name.rsplit(".", 1)[0] if "." in name else name] for name in tensors}
 
 
 def assert_tensor_close(
-    got: torch.Tensor, want: torch.Tensor, what: str, precision: Precision = FP32
+    got: torch.Tensor, want: torch.Tensor, what: str, precision: Precision = FP32, scale: float | None = None
 ) -> float:
-    """Logits, activations, gradients: per element, against the tensor's own scale (see module doc)."""
-    return _check(got, want, tensor_bound(want, precision.rtol), what, f"tensor {precision.name}")
+    """Logits, activations, gradients: per element, against the tensor's own scale (see module doc);
+    ``scale`` only for a gradient whose module scale :func:`module_scales` gives."""
+    return _check(got, want, tensor_bound(want, precision.rtol, scale), what, f"tensor {precision.name}")
 
 
 def _same_keys(got: Mapping, want: Mapping, what: str) -> None:
@@ -222,9 +244,14 @@ def assert_tensors_close(
     precision: Precision = FP32,
 ) -> float:
     """The same names (a reference ``None`` gradient is absent and must stay absent, never zeros),
-    each tensor per element against its own scale. Returns the largest margin."""
+    each tensor per element, its floor from its module's scale (:func:`module_scales`: a dict of
+    parameter gradients; a name without a dot, e.g. a modality, is its own). Returns the largest
+    margin."""
     _same_keys(got, want, what)
-    return max((assert_tensor_close(got[k], want[k], f"{what}{k}", precision) for k in want), default=0.0)
+    scales = module_scales(want)
+    return max(
+        (assert_tensor_close(got[k], want[k], f"{what}{k}", precision, scales[k]) for k in want), default=0.0
+    )
 
 
 def adam_ratio_limit(t: int, betas: tuple[float, float]) -> float:
@@ -243,15 +270,19 @@ def param_bound(
     precision: Precision = FP32,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 0.0,
+    grad_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-element bound on a parameter after ``steps`` AdamW steps (module doc: lr units), and the
-    mask of elements whose gradient sign the gradient check cannot resolve (bound = Adam's limit)."""
+    mask of elements whose gradient sign the gradient check cannot resolve (bound = Adam's limit).
+    ``grad_scale``: the gradient check's floor scale (its module's; default the tensor's own)."""
     w = want.detach().double().abs()
     bound = (steps + 1) * precision.param_unit * w  # the initial cast and each step round the stored value
     if grad is None or steps == 0:
         return bound, torch.zeros(w.shape, dtype=torch.bool)  # no gradient: AdamW left it alone
     g = grad.detach().double().abs().reshape(w.shape)
-    resolution = 2 * precision.rtol * (g.max() if g.numel() else 0.0)  # the gradient check's absolute bound
+    if grad_scale is None:
+        grad_scale = float(g.max()) if g.numel() else 0.0
+    resolution = 2 * precision.rtol * grad_scale  # the gradient check's absolute bound
     r = torch.where(g > 0, resolution / g.clamp_min(1e-300), math.inf)
     b2 = betas[1]
     for t in range(1, steps + 1):
@@ -293,6 +324,7 @@ def assert_params_close(
     _same_keys(got, want, what)
     worst = 0.0
     kind = f"param {precision.name} lr-units"
+    scales = module_scales(grads) if grads is not None else {}
     for k in want:
         if grads is None:  # unknown gradients: Adam's limit, or the eps-Lipschitz bound if tighter
             bound, _ = param_bound(want[k], None, lr, steps, precision, betas)
@@ -304,7 +336,9 @@ def assert_params_close(
                 bound = bound + lr * per_step
             _check(got[k], want[k], bound, f"{what}{k}", kind + " no-grads")
             continue
-        bound, unresolved = param_bound(want[k], grads.get(k), lr, steps, precision, betas, eps)
+        bound, unresolved = param_bound(
+            want[k], grads.get(k), lr, steps, precision, betas, eps, scales.get(k)
+        )
         # Two checks, two margins: elements with a resolved gradient against the propagated bound, the
         # rest against Adam's hard limit (which rounding can reach, but no honest run exceed).
         worst = max(worst, _check(got[k], want[k], bound, f"{what}{k}", kind, ~unresolved))
