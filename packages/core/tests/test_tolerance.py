@@ -186,3 +186,33 @@ def test_eps_and_grad_bound_tighten_the_bound_they_justify():
     assert_params_close(p_a, p_d, lr=LR, steps=3, grads=None)
     with pytest.raises(AssertionError, match="no-grads"):
         assert_params_close(p_a, p_d, lr=LR, steps=3, grads=None, eps=1e-3, grad_bound=1.0)
+
+
+def _attention_grads(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Gradients of a one-head attention without RoPE: the key bias's gradient is zero in exact
+    arithmetic (softmax ignores a shift shared by all keys), so in floating point it is noise."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 16, generator=g, dtype=torch.float64).to(dtype)
+    up = torch.randn(24, 16, generator=g, dtype=torch.float64).to(dtype)
+    mods = {k: torch.nn.Linear(16, 16).to(dtype) for k in ("q", "k", "v")}
+    for lin in mods.values():
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(16, 16, generator=g, dtype=torch.float64) * 0.25)
+            lin.bias.copy_(torch.randn(16, generator=g, dtype=torch.float64) * 0.1)
+    q, k, v = (mods[n](x) for n in ("q", "k", "v"))
+    out = torch.softmax(q @ k.T / 4, dim=-1) @ v
+    (out * up).sum().backward()
+    return {f"{n}_proj.{p}": getattr(mods[n], p).grad.double() for n in mods for p in ("weight", "bias")}
+
+
+def test_a_gradient_of_pure_noise_is_bounded_by_its_modules_scale():
+    g32, g64 = _attention_grads(torch.float32), _attention_grads(torch.float64)
+    bias = g32["k_proj.bias"]
+    assert float(g64["k_proj.bias"].abs().max()) < 1e-12 < float(bias.abs().max())  # exact zero vs noise
+    assert_tensors_close(g32, g64, "attention grad ")  # its module's (the key weight's) scale bounds it
+    with pytest.raises(AssertionError):  # its own scale, the noise itself, cannot
+        assert_tensor_close(g32["k_proj.bias"], g64["k_proj.bias"], "k bias alone")
+    bad = dict(g32)
+    bad["k_proj.bias"] = bias + 1e-4 * float(g64["k_proj.weight"].abs().max())  # a real error is caught
+    with pytest.raises(AssertionError, match="k_proj.bias"):
+        assert_tensors_close(bad, g64, "attention grad ")
