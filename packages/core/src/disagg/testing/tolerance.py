@@ -52,12 +52,12 @@ known only to the gradient check's absolute resolution ``2 * rtol * max|g|``) ta
 to ~lr in a direction rounding decides. No relative bound on the parameter holds for it; the bound
 that does is the gradient bound carried through Adam, per element:
 
-    |got_i - want_i| <= (steps + 1) * param_unit * |want_i|
+    |got_i - want_i| <= (2 * steps + 1) * param_unit * |want_i|
                         + lr * sum_t min(2 * R_t, (1 + R_t) * r_i / s_t)
     r_i = 2 * rtol * max|g| / |g_i|      (g: the reference gradient of the element's first step)
 
-* ``(steps + 1) * param_unit * |want_i|``: the rounding of the stored value (the initial cast and
-  each step, on both sides; ``FP32.param_unit = 2 * 2^-24``).
+* ``(2 * steps + 1) * param_unit * |want_i|``: the rounding of the stored value (the initial cast,
+  and each step's decoupled weight decay and update, on both sides; ``FP32.param_unit = 2 * 2^-24``).
 * ``r_i``: the relative resolution of element i's gradient *as the gradient check itself allows*:
   the parameter check permits exactly what a passing gradient check implies, no more.
 * ``R_t = adam_ratio_limit(t)``: the largest ``|m/sqrt(v)|`` Adam can reach at step t for any
@@ -276,7 +276,8 @@ def param_bound(
     mask of elements whose gradient sign the gradient check cannot resolve (bound = Adam's limit).
     ``grad_scale``: the gradient check's floor scale (its module's; default the tensor's own)."""
     w = want.detach().double().abs()
-    bound = (steps + 1) * precision.param_unit * w  # the initial cast and each step round the stored value
+    # the initial cast, and each step's decay and update, round the stored value
+    bound = (2 * steps + 1) * precision.param_unit * w
     if grad is None or steps == 0:
         return bound, torch.zeros(w.shape, dtype=torch.bool)  # no gradient: AdamW left it alone
     g = grad.detach().double().abs().reshape(w.shape)
