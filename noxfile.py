@@ -119,7 +119,8 @@ def kernels(session: nox.Session) -> None:
         if not files:
             continue
         try:  # one pytest per dir, as in ``tests``; every dir runs
-            session.run("pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider", *files, *session.posargs, env=env)
+            args = ["-q", "-m", "not gpu", "-p", "no:cacheprovider", *files, *session.posargs]
+            session.run("pytest", *args, env=env)
         except nox.command.CommandFailed:
             failed.append(tests_dir)
     session.run("python", "-m", "disagg.testing.margins", str(log), "--top", "10", "--max", "0.5", env=env)
