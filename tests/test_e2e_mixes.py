@@ -108,7 +108,9 @@ LAYOUTS = {
 }
 
 
-def _assert_matches_reference(run_dir: Path, reference, tmp_path: Path) -> None:
+def _assert_matches_reference(run_dir: Path, reference, tmp_path: Path, lr: float | None = None) -> None:
+    """``reference``: (ReferenceRun, its first gradients, train config); ``lr``: the largest
+    learning rate of any parameter group (default ``train.lr``), the unit of the parameter bound."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     run, grads, train = reference
@@ -126,7 +128,7 @@ def _assert_matches_reference(run_dir: Path, reference, tmp_path: Path) -> None:
     assert_params_close(
         got,
         run.state,
-        lr=train.lr,
+        lr=lr if lr is not None else train.lr,
         steps=STEPS,
         grads=grads,
         what=f"after {STEPS} steps: ",
@@ -213,11 +215,12 @@ def test_frozen_tower_trains_merger_like_hf_model(ray_local, tiny, tmp_path, lay
         return [{"params": rest}, {"params": list(m.model.visual.merger.parameters()), "lr": 3e-3}]
 
     kwargs = _hf_kwargs(model.config.image_token_id)
-    want = train_reference(
-        model, batches_of(cfg, STEPS), kwargs, cfg.train, groups, eval_set=eval_set_of(cfg)
-    )
+    with capture_first_grads(model) as grads:  # read-only: what the lr-unit bound is derived from
+        want = train_reference(
+            model, batches_of(cfg, STEPS), kwargs, cfg.train, groups, eval_set=eval_set_of(cfg)
+        )
     run_training(cfg, progress=False)
-    _assert_matches_reference(run, want, tmp_path)
+    _assert_matches_reference(run, (want, grads, cfg.train), tmp_path, lr=3e-3)  # the merger's group lr
 
     got = exported_state(run, STEPS, tmp_path / "export2", Qwen2_5_VLForConditionalGeneration)
     tower = [k for k in initial if ".visual.patch_embed." in k or ".visual.blocks." in k]
