@@ -1,4 +1,4 @@
-"""README's config reference is generated from the schema's field docstrings and in sync."""
+"""docs/configuration.md's config reference is generated from the schema's field docstrings and in sync."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from disagg.config import schema
-from disagg.config.reference import END, START, render, sync
+from disagg.config.reference import END, PAGE, START, render, sync
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[3] / PAGE
 
 
-def test_readme_reference_is_in_sync():
-    assert sync(README, write=False), "README.md is stale: run python -m disagg.config.reference README.md"
+def test_reference_page_is_in_sync():
+    assert sync(REFERENCE, write=False), f"{PAGE} is stale: run python -m disagg.config.reference {PAGE}"
 
 
 def test_every_field_is_documented():
@@ -38,4 +38,4 @@ def test_reference_covers_nested_keys():
         "output_dir",
     ):
         assert f"`{key}`" in text, key
-    assert START in README.read_text() and END in README.read_text()
+    assert START in REFERENCE.read_text() and END in REFERENCE.read_text()

@@ -1,6 +1,6 @@
 """The run configuration: one YAML file, validated before any actor starts.
 
-Each field's docstring is the config reference (README renders the same text).
+Each field's docstring is the config reference (docs/configuration.md renders the same text).
 Unknown keys are rejected everywhere except ``parallel.<module>``, whose extra
 keys belong to the chosen strategy and are validated by its options model.
 """
@@ -164,7 +164,7 @@ class DataConfig(Strict):
     on_too_long: Literal["error", "drop", "truncate"] = "error"
     """A sample longer than ``max_tokens``: ``error`` stops with its file/line, ``drop`` skips
     it (counted as ``dropped_too_long``), ``truncate`` cuts its tokens to ``max_tokens``
-    (counted as ``truncated``; refused, as an error, when the cut would fall inside or
+    (counted as ``truncated_too_long``; refused, as an error, when the cut would fall inside or
     before an image's or audio's placeholder tokens)."""
     on_error: Literal["error", "skip"] = "error"
     """Bad sample (missing media, bad placeholders...): stop with its file/line, or skip and count it."""
@@ -192,7 +192,7 @@ class ModuleTrainConfig(Strict):
     freeze: bool | list[str] = False
     """``true``: the whole module is frozen: no optimizer, no parameter gradients, and a frozen
     encoder runs forward only (ahead of the LLM under ``encoders_ahead``); gradients still flow
-    through a frozen LLM to upstream encoders. A list of the family's part names (the README
+    through a frozen LLM to upstream encoders. A list of the family's part names (docs/models.md
     lists them; an unknown one is answered with them), e.g. ``[tower]`` on ``qwen2_5_vl``
     vision keeps the merger trainable: those parameters get no gradient and no optimizer
     state; the rest train."""
