@@ -331,21 +331,21 @@ def test_pixel_limits_are_validated_against_the_family(root, disagg_registry):
     validate(config(root, str(path)), get_registry())  # without them: fine
 
 
-def test_readme_examples_read_as_their_format(root):
-    """Each JSON example in the README's data formats section is detected as the format it
+def test_docs_examples_read_as_their_format(root):
+    """Each JSON example in docs/data.md's formats section is detected as the format it
     illustrates and parses (its image file stood in for by a test image)."""
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    found = re.findall(r"<!-- data-format: (\w+) -->\n```(\w+)\n(.*?)\n```", readme, re.S)
+    page = (Path(__file__).resolve().parents[3] / "docs" / "data.md").read_text()
+    found = re.findall(r"<!-- data-format: (\w+) -->\n```(\w+)\n(.*?)\n```", page, re.S)
     assert [f for f, _, _ in found] == ["llava", "sharegpt", "hf"]
     for fmt, lang, text in found:
         if lang != "json":
             assert "save_to_disk" in text
             continue
         item = json.loads(text)
-        assert detect_format([("README", item)])[0] == fmt
+        assert detect_format([("docs/data.md", item)])[0] == fmt
         (root / "shapes").mkdir(exist_ok=True)
         write_image(root / "shapes" / "red_square.png", 8, 8)
-        messages, media = parse_sample(item, "README", root, {"image"}, fmt)
+        messages, media = parse_sample(item, "docs/data.md", root, {"image"}, fmt)
         assert len(media["image"]) == 1 and messages[-1] == ("assistant", "A red square.")
 
 
