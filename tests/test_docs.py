@@ -12,6 +12,7 @@ everything but the weights' size is checked.
 
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -179,6 +180,44 @@ def test_relative_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in slugs(dest):
                 bad.append(f"{where}: no heading #{anchor} in {dest.relative_to(ROOT)}")
     assert bad == [], "\n".join(bad)
+
+
+#: backticked paths that name what a run or the user writes, not files of this repository
+RUN_PATHS = ("runs/", "tiny/", "data/", "my_data", "models/", "/shared", "checkpoints/", "<", "OUT", "RUN")
+
+
+def python_name_exists(name: str) -> bool:
+    """``disagg.x.y`` (or a plugin's ``disagg_x.y``): a module, or an attribute of the longest
+    importable prefix."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_named_files_and_python_names_exist():
+    """Every repository file path and every ``disagg.*`` name the pages put in backticks exists
+    (file paths may be given from the repository root or from a package's ``src/``)."""
+    roots = [ROOT, *(p / "src" for p in (ROOT / "packages").iterdir())]
+    bad = []
+    for page in PAGES:
+        for token in set(re.findall(r"`([^`\s]+)`", page.read_text())):
+            token = re.sub(r"\(.*\)$", "", token.rstrip(",."))
+            if re.search(r"/[\w.-]+\.(py|md|yaml|json|toml)$", token) and not token.startswith(RUN_PATHS):
+                if not any((r / token).exists() for r in roots):
+                    bad.append(f"{page.relative_to(ROOT)}: {token}")
+            elif re.fullmatch(r"disagg(_\w+)?(\.\w+)+", token) and not python_name_exists(token):
+                bad.append(f"{page.relative_to(ROOT)}: {token}")
+    assert bad == [], bad
 
 
 def test_readme_is_short_and_links_every_page():
