@@ -225,3 +225,21 @@ def test_readme_is_short_and_links_every_page():
     assert len(readme.splitlines()) <= README_MAX_LINES, "README.md: move detail into docs/"
     unlinked = [p.name for p in PAGES[1:] if f"(docs/{p.name})" not in readme]
     assert unlinked == [], f"docs pages the README does not link: {unlinked}"
+
+
+def test_plugin_page_strategy_example_registers(disagg_registry):
+    """docs/plugins.md's strategy snippet, as written, is a plugin that registers its strategy
+    and rejects an unknown option (the tracker snippet is run by test_eval_config)."""
+    import types
+
+    from disagg.plugins import register_plugin
+
+    page = (ROOT / "docs" / "plugins.md").read_text()
+    (code,) = [t for lang, t in FENCE.findall(page) if lang == "python" and "class ExampleDDP" in t]
+    plugin = types.ModuleType("docs_strategy")
+    exec(code, plugin.__dict__)
+    reg = register_plugin(plugin, name="docs-strategy")
+    cls = reg.strategies["example_ddp"]
+    assert cls.options_model(log_every=3).log_every == 3
+    with pytest.raises(ValueError, match="nope"):
+        cls.options_model(nope=1)
