@@ -2,8 +2,8 @@
 H100 (80 GB), the paper's vision lengths. The plan must prefer Ulysses SP for
 the vision encoder with TP for the LLM over uniform TP and over ZeRO-3,
 predict ZeRO-3 out of memory at 16k vision tokens (where the paper saw it), and
-predict DHP faster than uniform TP by the step times the README records (1.08x
-at 16k and 32k), which is below the paper's measured 1.26-1.37x (the README
+predict DHP faster than uniform TP by the step times docs/benchmarks.md records (1.08x
+at 16k and 32k), which is below the paper's measured 1.26-1.37x (the page
 says why). Pure computation from each strategy's cost hook."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def results():
     return {n: plan_published(n, get_registry()) for n in (16 * 1024, 32 * 1024)}
 
 
-#: uniform TP and DHP predicted step seconds, as README.md records them
+#: uniform TP and DHP predicted step seconds, as docs/benchmarks.md records them
 RECORDED_STEP_S = {16 * 1024: (4.549, 4.225), 32 * 1024: (8.895, 8.256)}
 
 
