@@ -107,7 +107,7 @@ CASES: dict[str, tuple] = {
     "unknown_family": (
         _set("model.llm.family", "gpt9"),
         [],
-        ["model.llm.family", "'gpt9'", "allowed: cfgtest"],
+        ["model.llm.family", "'gpt9'", "installed llm families: cfgtest"],
     ),
     "ranks_mismatch": (_set("parallel.vision.ranks", 3), [], ["parallel.vision.ranks", "3", "2 × 1 = 2"]),
     "negative_lr": (_set("train.lr", -0.001), [], ["train.lr", "-0.001", "greater than 0"]),

@@ -51,7 +51,7 @@ def test_typo_names_file_line_key_and_suggestion(tmp_path):
     assert problem.key == "train.stpes"
     assert problem.where == f"{p}:10"
     assert "unknown key 'stpes'" in problem.message and "did you mean 'steps'?" in problem.message
-    assert "allowed: steps, lr," in problem.message
+    assert "allowed: steps, epochs, eval_every, lr," in problem.message
 
 
 def test_literal_names_value_and_choices(tmp_path):
