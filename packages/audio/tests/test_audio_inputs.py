@@ -125,6 +125,7 @@ def test_pipeline_errors_name_file_and_line(tmp_path, clips, tiny_qwen2_audio):
     # the stream's per-sample step (what every data worker runs): with on_error: skip
     # the same files come back as "skipped" with their location (the source counts
     # them), with on_error: error as "error"; the good clip is "ok" either way
+    from disagg.data.index import index_dataset
     from disagg.data.stream import StreamConfig, preprocess_one
 
     for policy, bad_status in (("skip", "skipped"), ("error", "error")):
@@ -132,7 +133,7 @@ def test_pipeline_errors_name_file_and_line(tmp_path, clips, tiny_qwen2_audio):
             families=families,
             modules=["audio", "llm"],
             modalities={"audio"},
-            datasets=[(str(data), str(tmp_path))],
+            datasets=[index_dataset(data, tmp_path).spec()],
             max_tokens=None,
             on_too_long="error",
             on_error=policy,
