@@ -123,8 +123,9 @@ def test_profile_reranks_when_measurement_disagrees(tiny: Path, capsys, monkeypa
     argv = ["plan", str(tiny / "prof.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-tokens", "256"]
     # ZeRO's stages tie on the tiny model (every tensor is under DeepSpeed's
     # persistence threshold, so stage 3 moves what stage 2 does): a predicted
-    # order with ties has no Spearman of -1 to show
-    argv += ["--strategies", "ddp,ulysses,megatron_tp"]
+    # order with ties has no Spearman of -1 to show; nor do ddp and ulysses vision at 256
+    # patches, whose costs tie since gradients are all-reduced in buckets
+    argv += ["--strategies", "ddp,megatron_tp"]
     out, js = tiny / "prof-plan.yaml", tiny / "prof.json"
     assert (
         main(
