@@ -14,29 +14,9 @@ from __future__ import annotations
 import torch
 
 from disagg.interfaces import OptimSpec, compute_dtype
-from disagg.testing.tolerance import BF16, FP32, Precision
+from disagg.testing.tolerance import BF16_COMPUTE, reference_precisions  # noqa: F401 (re-exported)
 
-#: bf16 arithmetic, fp32 master weights: gradients resolved to bf16's bound, parameters
-#: stored (and so rounded) in fp32
-BF16_COMPUTE = Precision("bf16 compute, fp32 master weights", rtol=BF16.rtol, param_unit=FP32.param_unit)
 OPTIM = OptimSpec(lr=1e-3)  # what the ranks' strategies are set up with (dropout_cases._strategy)
-
-
-def reference_precisions(g16: dict[str, torch.Tensor], g32: dict[str, torch.Tensor]) -> dict[str, Precision]:
-    """Per gradient tensor: the policy's bf16 bound, unless the reference's own bf16
-    gradient is further than that from the same reference's fp32 gradient (a tensor that
-    is zero in exact arithmetic, where only rounding is left: a key bias, which softmax
-    ignores), in which case twice that error, relative to the tensor's own largest element:
-    no honest bf16 run can be asked to be closer to the reference than the reference is
-    to itself. Decided from the reference alone, per tensor, never by name."""
-    out = {}
-    for n, g in g16.items():
-        scale = float(g.abs().max())
-        err = float((g.double() - g32[n].double()).abs().max())
-        rtol = max(BF16.rtol, 2 * err / scale) if scale > 0 else BF16.rtol
-        name = BF16_COMPUTE.name if rtol == BF16.rtol else f"bf16 at the reference's own error ({err:.1e})"
-        out[n] = Precision(name, rtol=rtol, param_unit=FP32.param_unit)
-    return out
 
 
 def hf_bf16_step(path: str, samples: list[dict], embeds: list[dict], placeholder: int) -> dict:

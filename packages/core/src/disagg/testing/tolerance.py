@@ -141,6 +141,9 @@ FP32 = Precision("fp32", rtol=1e-5, param_unit=2 * FP32_UNIT)
 # 8 bf16 epsilons for computed values; a stored bf16 value is rounded by at most half an ulp, <= 2^-8
 # relative, on each side (an fp32 reference rounds 2^16 times finer, within the factor 2).
 BF16 = Precision("bf16", rtol=8 * BF16_EPS, param_unit=2 * BF16_EPS)
+# bf16 compute with fp32 master weights (core's bf16 rule): bf16 resolution for computed values,
+# fp32 rounding for the stored parameters.
+BF16_COMPUTE = Precision("bf16 compute, fp32 master weights", rtol=BF16.rtol, param_unit=FP32.param_unit)
 
 
 def _log(what: str, kind: str, margin: float, n: int) -> None:
@@ -366,3 +369,20 @@ def assert_exact(got: Mapping[str, torch.Tensor] | torch.Tensor, want, what: str
         return 0.0
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
     return _check(got, want, torch.zeros(()), what, "exact")
+
+
+def reference_precisions(g16: dict[str, torch.Tensor], g32: dict[str, torch.Tensor]) -> dict[str, Precision]:
+    """Per gradient tensor: the policy's bf16 bound, unless the reference's own bf16
+    gradient is further than that from the same reference's fp32 gradient (a tensor that
+    is zero in exact arithmetic, where only rounding is left: a key bias, which softmax
+    ignores, e.g. SigLIP's), in which case twice that error, relative to the tensor's own largest element:
+    no honest bf16 run can be asked to be closer to the reference than the reference is
+    to itself. Decided from the reference alone, per tensor, never by name."""
+    out = {}
+    for n, g in g16.items():
+        scale = float(g.abs().max())
+        err = float((g.double() - g32[n].double()).abs().max())
+        rtol = max(BF16.rtol, 2 * err / scale) if scale > 0 else BF16.rtol
+        name = BF16_COMPUTE.name if rtol == BF16.rtol else f"bf16 at the reference's own error ({err:.1e})"
+        out[n] = Precision(name, rtol=rtol, param_unit=FP32.param_unit)
+    return out
