@@ -7,12 +7,15 @@ gradient of every element, whether or not its parameter got a gradient. The
 single-process reference instead skips a parameter whose gradient is ``None``
 (no weight decay, no moment update, no step count) and counts steps per
 parameter. :class:`MaskedAdamW` therefore runs torch's own single-tensor AdamW
-kernel (``torch.optim.adam.adam``, what ``AdamW(foreach=False)`` runs) on each
-parameter's fragment as a separate tensor, with that fragment's own step
-count, and only for parameters that got a gradient somewhere in the group this
-step (:attr:`present`, agreed across ranks by the strategy). AdamW is
-elementwise, so a fragment updated this way is bit-identical to the same
-elements of the reference's per-parameter update.
+kernel (``torch.optim.adam.adam``) on each parameter's fragment as a separate
+tensor, with that fragment's own step count, and only for parameters that got
+a gradient somewhere in the group this step (:attr:`present`, agreed across
+ranks by the strategy). AdamW is elementwise, so a fragment updated this way
+equals the same elements of the reference's per-parameter update: on CPU with
+the single-tensor kernel (``foreach=False``, bit-identical to the reference's
+``AdamW(foreach=False)``), on CUDA with the multi-tensor kernel (one launch per
+group of fragments instead of one per fragment; the same arithmetic, rounded
+alike within an ulp).
 
 DeepSpeed's own clipping is off (it would clip with this group's norm only):
 the driver's global clip coefficient scales the gradients here, right before
@@ -98,6 +101,9 @@ class MaskedAdamW(_FragmentMask, torch.optim.AdamW):
                 if not views[0]:
                     continue
                 state["step"] += 1
+                # unset (the default): multi-tensor on CUDA, where one launch per
+                # fragment is the cost; single-tensor on CPU, bit-identical to the reference
+                foreach = group.get("foreach")
                 adam(
                     views[0],
                     views[1],
@@ -105,7 +111,7 @@ class MaskedAdamW(_FragmentMask, torch.optim.AdamW):
                     views[3],
                     [],
                     views[4],
-                    foreach=False,
+                    foreach=flat.is_cuda if foreach is None else bool(foreach),
                     capturable=False,
                     differentiable=False,
                     fused=None,
@@ -169,4 +175,4 @@ def make_masked_adamw(
 
         cls = type("MaskedCPUAdam", (_RestoreAbsent, DeepSpeedCPUAdam), {})
         return cls(params, adamw_mode=True, **kw)
-    return MaskedAdamW(params, foreach=False, **kw)
+    return MaskedAdamW(params, foreach=None, **kw)
