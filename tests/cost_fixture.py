@@ -1,0 +1,155 @@
+"""What the cost model predicts for the first-party strategies, as one JSON-able dict.
+
+``python packages/core/tests/cost_fixture.py`` wrote ``data/cost_predictions.json.gz``
+before the cost formulas moved from core into the plugins (issue 24);
+``test_cost_fixture.py`` recomputes the same dict with the code at hand and asserts
+it equals the file exactly: every strategy's ``estimate`` on a grid of queries
+(published Qwen2.5-VL-32B and the tiny Qwen2.5-VL), ``disagg bench --predict``'s rows
+and ``disagg plan``'s full ranking on both.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+FIXTURE = Path(__file__).parent / "data" / "cost_predictions.json.gz"
+FIRST_PARTY = ("ddp", "megatron_tp", "ulysses", "zero")
+#: option variants asked per strategy (besides recompute), as the planner searched them before
+VARIANTS: dict[str, list[dict[str, Any]]] = {
+    "ddp": [{}],
+    "ulysses": [{}],
+    "megatron_tp": [{}, {"sequence_parallel": True}],
+    "zero": [{"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": 3, "offload_optimizer": True}],
+}
+
+
+def tiny_config() -> dict[str, Any]:
+    """The tiny Qwen2.5-VL's ``config.json`` (``disagg make-tiny``'s qwen2_5_vl), built once."""
+    import tempfile
+
+    from disagg_vision_sp.families.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return json.loads((make_tiny_qwen2_5_vl(Path(tmp) / "m") / "config.json").read_text())
+
+
+def _strategies() -> dict[str, Any]:
+    from disagg.plugins import get_registry
+
+    reg = get_registry().strategies
+    return {n: reg[n] for n in FIRST_PARTY if n in reg}
+
+
+def _shapes(cfg: dict[str, Any]) -> dict[str, Any]:
+    try:
+        from disagg.plan.published import published_shapes
+    except ImportError:  # before issue 24: core read Qwen2.5-VL shapes itself
+        from disagg.cost import shapes_from_hf_config as published_shapes
+    return published_shapes(cfg)
+
+
+def estimates(
+    name: str, cfg: dict[str, Any], vision_tokens: int, text_tokens: int, dtype: str
+) -> list[dict[str, Any]]:
+    from disagg.interfaces import CostQuery
+
+    shapes = _shapes(cfg)
+    vision, llm = shapes["vision"], shapes["llm"]
+    rows = vision_tokens // vision.unit
+    out = []
+    for sname, cls in _strategies().items():
+        for module, shape in (("vision", vision), ("llm", llm)):
+            seq = vision_tokens if module == "vision" else rows + text_tokens
+            grid = itertools.product(
+                (1, 2, 8), (1, 2), ((1, 1), (2, 1), (2, 2)), ("none", "full", "selective")
+            )
+            for degree, replicas, (micro, inflight), rc in grid:
+                for variant in VARIANTS[sname]:
+                    opts = dict(variant)
+                    if rc != "none":
+                        opts["recompute"] = rc
+                    try:
+                        options = cls.options_model(**opts)
+                    except Exception as exc:  # the strategy does not offer this recompute mode
+                        out.append(
+                            {
+                                "key": [name, sname, module, degree, replicas, micro, inflight, rc, variant],
+                                "error": type(exc).__name__,
+                            }
+                        )
+                        continue
+                    q = CostQuery(
+                        shape=shape,
+                        degree=degree,
+                        replicas=replicas,
+                        seq_len=seq,
+                        dtype=dtype,
+                        samples=2 * replicas * micro,
+                        microbatches=micro,
+                        inflight=inflight,
+                        exchanged_rows=None if module == "vision" else rows,
+                        exchanged_width=None if module == "vision" else vision.out_hidden,
+                        recompute=rc,
+                    )
+                    cost = cls.estimate(q, options)
+                    out.append(
+                        {
+                            "key": [name, sname, module, degree, replicas, micro, inflight, rc, variant],
+                            "cost": None if cost is None else cost.to_dict(),
+                        }
+                    )
+    return out
+
+
+def ranking(result: Any) -> list[list[Any]]:
+    return [[x.name(), x.step_time_s, x.memory_bytes, x.fits] for x in result.ranked + result.oom]
+
+
+def plans(tiny: dict[str, Any]) -> dict[str, Any]:
+    from disagg.plan.cluster import cluster_from
+    from disagg.plan.model import Workload
+    from disagg.plan.published import plan_published, summary
+    from disagg.plan.search import plan
+    from disagg.plugins import get_registry
+
+    class Only:
+        """The registry with the first-party strategies only (a third party's would join the ranking)."""
+
+        strategies = _strategies()
+        families = get_registry().families
+
+    out: dict[str, Any] = {}
+    for n in (16384, 65536):
+        r = plan_published(n, Only)  # type: ignore[arg-type]
+        out[f"published-{n}"] = {"summary": summary(r), "ranking": ranking(r)}
+    work = Workload(shapes=_shapes(tiny), vision_tokens=256, text_tokens=32, samples=2)
+    r = plan(work, cluster_from("cpu", {"gpus": 2}), _strategies())
+    out["tiny-cpu2"] = {"ranking": ranking(r)}
+    return out
+
+
+def dump(tiny: dict[str, Any]) -> dict[str, Any]:
+    """Everything predicted, for the published setting and the ``tiny`` config."""
+    from disagg.bench.published import QWEN2_5_VL_32B, predict_published, ratios
+
+    rows = predict_published([4096, 16384, 65536])
+    return {
+        "tiny_config": tiny,
+        "estimates": (
+            estimates("published", QWEN2_5_VL_32B, 16384, 512, "bfloat16")
+            + estimates("tiny", tiny, 256, 32, "float32")
+        ),
+        "bench_predict": {"rows": rows, "ratios": ratios(rows), "ratios_none": ratios(rows, "none")},
+        "plans": plans(tiny),
+    }
+
+
+if __name__ == "__main__":
+    # mtime=0: the same predictions give the same bytes
+    FIXTURE.write_bytes(gzip.compress(json.dumps(dump(tiny_config()), sort_keys=True).encode(), mtime=0))
+    print(f"wrote {FIXTURE} ({FIXTURE.stat().st_size} bytes)", file=sys.stderr)
