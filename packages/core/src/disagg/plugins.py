@@ -65,9 +65,6 @@ class Registry:
     def family(self, role: str, name: str) -> type:
         return self.families[(role, name)]
 
-    def family_names(self, role: str) -> list[str]:
-        return sorted(n for r, n in self.families if r == role)
-
     def strategy_names(self) -> list[str]:
         return sorted(self.strategies)
 

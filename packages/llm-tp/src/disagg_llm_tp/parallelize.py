@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
-import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
@@ -284,7 +283,3 @@ def _wire_sequence_parallel(module: nn.Module, lmap: LayerMap, sp: SequenceParal
             mark(p, ShardSpec("replicated", sp_partial=True))  # a norm on this rank's tokens only
     # Rows outside every region (e.g. a vision merger's) keep their all-reduce.
     return set(found["reduce_scatter"])
-
-
-def dtype_of(module: nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype

@@ -1,6 +1,7 @@
 """The ``zero`` strategy's state in and out: the layout-free full form
 (weights, AdamW moments and step counts, gradients) that checkpoints and
-resharding go through, and DeepSpeed's own checkpoint (``save``/``load``).
+resharding go through, and DeepSpeed's own per-rank checkpoint (``save``/``load``:
+zero's own, outside core's contract; run checkpoints hold the full form).
 
 A mixin of :class:`disagg_zero.strategy.ZeroStrategy`, kept apart because it
 talks to DeepSpeed's partitions (``safe_get_full_*``/``safe_set_full_*`` and
@@ -205,16 +206,14 @@ class ZeroFullState:
     def save(self, path: Path) -> None:
         """DeepSpeed checkpoint (collective): model states plus every rank's
         optimizer partition and the scheduler, under ``path/zero/``."""
-        Path(path).mkdir(parents=True, exist_ok=True)
         if self.engine is None:
-            super().save(path)
-            return
+            raise RuntimeError(f"module {self.ctx.module!r} has no DeepSpeed engine (frozen) to checkpoint")
+        Path(path).mkdir(parents=True, exist_ok=True)
         self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, save_latest=False)
 
     def load(self, path: Path) -> None:
         if self.engine is None:
-            super().load(path)
-            return
+            raise RuntimeError(f"module {self.ctx.module!r} has no DeepSpeed engine (frozen) to load into")
         load_path, _ = self.engine.load_checkpoint(
             str(path),
             tag=CHECKPOINT_TAG,

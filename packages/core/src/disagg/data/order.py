@@ -7,7 +7,6 @@ resumed run regenerates exactly where it stopped.
 
 from __future__ import annotations
 
-from itertools import islice
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -50,23 +49,6 @@ def _walk(n: int, seed: int, dataset: int, shuffle: bool) -> Iterator[int]:
             order = np.arange(n)
         yield from (int(i) for i in order)
         epoch += 1
-
-
-def batch_positions(
-    sizes: Sequence[int],
-    weights: Sequence[float],
-    seed: int,
-    shuffle: bool,
-    batch_size: int,
-    start_step: int = 0,
-) -> Iterator[list[tuple[int, int]]]:
-    """Global batches of ``batch_size`` stream entries, from step ``start_step`` on."""
-    stream = sample_stream(sizes, weights, seed, shuffle)
-    # regenerating the skipped prefix is cheap (integers only) and keeps resume exact
-    for _ in islice(stream, start_step * batch_size):
-        pass
-    while True:
-        yield list(islice(stream, batch_size))
 
 
 def file_order(sizes: Sequence[int]):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
@@ -316,28 +314,6 @@ class Strategy(ABC):
         """Restore what :meth:`rng_state` returned (same layout only)."""
         return None
 
-    def save(self, path: Path) -> None:
-        """Write this rank's state in the strategy's own per-rank format (not
-        used by run checkpoints, which hold the full form)."""
-        assert self.module is not None
-        torch.save(
-            {
-                "module": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            },
-            Path(path) / f"rank-{self.ctx.rank}.pt",
-        )
-
-    def load(self, path: Path) -> None:
-        assert self.module is not None
-        state = torch.load(Path(path) / f"rank-{self.ctx.rank}.pt", weights_only=True)
-        self.module.load_state_dict(state["module"])
-        if self.optimizer and state["optimizer"]:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler and state["scheduler"]:
-            self.scheduler.load_state_dict(state["scheduler"])
-
     # -- planning (``disagg plan``), before any actor starts ------------------------------------
     @classmethod
     def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:
@@ -367,7 +343,3 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     if not max_norm or not math.isfinite(total_norm):
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()

@@ -165,10 +165,6 @@ def load_checkpoint(orch: Any, cfg: Config, path: str | Path) -> tuple[int, dict
     return int(manifest["step"]), json.loads(data.read_text()) if data.is_file() else None
 
 
-def checkpoint_step(path: str | Path) -> int:
-    return int(json.loads((Path(path) / "meta.json").read_text())["step"])
-
-
 def _versions() -> dict[str, str]:
     out = {}
     for dist in _DISTRIBUTIONS:
