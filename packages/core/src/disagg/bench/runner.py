@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from disagg.config.schema import Config
+from disagg.metrics.step import upgrade
 from disagg.plugins import Registry
 
 #: keys of ``parallel`` that are not module groups (kept from the base config)
@@ -116,7 +117,9 @@ def run_layout(
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a bench keeps figures, not weights
     metrics = run_dir / "metrics.jsonl"
     records = (
-        [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+        [upgrade(json.loads(x)) for x in metrics.read_text().splitlines() if x.strip()]
+        if metrics.exists()
+        else []
     )
     return [records[k * steps : (k + 1) * steps] for k in range(len(jsonls))], error
 
@@ -134,7 +137,7 @@ def summarize(records: list[dict[str, Any]], warmup: int = 1) -> dict[str, Any]:
     groups = {}
     for m in modules:
         groups[m] = {
-            "busy_s": median("group_time_s", m),
+            "busy_s": median("busy_s", m),
             "wait_s": median("wait_s", m) if "wait_s" in last else None,
             "comm_bytes_per_rank": last["comm_bytes_per_rank"][m],
             "collective_bytes_per_rank": (last.get("collective_bytes_per_rank") or {}).get(m),

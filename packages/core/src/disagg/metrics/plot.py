@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from disagg.metrics.step import upgrade
+
 INSTALL_HINT = "disagg plot draws with matplotlib: pip install 'disagg-core[bench]'"
 
 
@@ -17,7 +19,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         if line.strip():
             row = json.loads(line)
             if "step" in row and "event" not in row:
-                by_step[int(row["step"])] = row
+                by_step[int(row["step"])] = upgrade(row)
     return [by_step[s] for s in sorted(by_step)]
 
 

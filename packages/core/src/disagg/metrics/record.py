@@ -56,7 +56,7 @@ def reduce_group(records: list[RankRecord]) -> dict[str, Any]:
         "collective_bytes_per_rank": _max_by_kind([r.collective_bytes for r in records]),
         "collective_calls_per_rank": _max_by_kind([r.collective_calls for r in records]),
         "sent_bytes_per_rank": max(r.sent_bytes for r in records),
-        "time_s": max(r.busy_s for r in records),
+        "busy_s": max(r.busy_s for r in records),
         "wait_s": max(r.wait_s for r in records),
         "activation_bytes_per_rank": max(r.activation_bytes for r in records),
         "state_bytes_per_rank": max(r.state_bytes for r in records),

@@ -22,7 +22,7 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
         "peak_reserved_bytes": {m: g["peak_reserved_bytes"] for m, g in res.groups.items()},
         # CUDA: per GPU, the reserved peaks of the processes on it summed, and its used memory
         "gpu_mem_bytes": per_gpu(res.records),
-        # CUDA: GPU time of the slowest rank (CUDA events); group_time_s is host time
+        # CUDA: GPU time of the slowest rank (CUDA events); busy_s is host time
         "device_s": {m: g["device_s"] for m, g in res.groups.items()},
         "comm_bytes": {m: g["comm_bytes"] for m, g in res.groups.items()},
         "comm_bytes_per_rank": {m: g["comm_bytes_per_rank"] for m, g in res.groups.items()},
@@ -30,7 +30,7 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
         "collective_bytes_per_rank": {m: g["collective_bytes_per_rank"] for m, g in res.groups.items()},
         "collective_calls_per_rank": {m: g["collective_calls_per_rank"] for m, g in res.groups.items()},
         "sent_bytes_per_rank": {m: g["sent_bytes_per_rank"] for m, g in res.groups.items()},
-        "group_time_s": {m: g["time_s"] for m, g in res.groups.items()},
+        "busy_s": {m: g["busy_s"] for m, g in res.groups.items()},
         # time each group spent blocked on another (shards or gradients not yet there)
         "wait_s": {m: g["wait_s"] for m, g in res.groups.items()},
         "activation_bytes_per_rank": {m: g["activation_bytes_per_rank"] for m, g in res.groups.items()},
@@ -40,6 +40,16 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
         "dropped_too_long": int(data_stats.get("dropped_too_long", 0)),
         "truncated_too_long": int(data_stats.get("truncated", 0)),
     }
+
+
+#: names a field had in older ``metrics.jsonl`` files -> its name now
+RENAMED = {"group_time_s": "busy_s"}
+
+
+def upgrade(record: dict[str, Any]) -> dict[str, Any]:
+    """A record read from a ``metrics.jsonl`` under today's field names (a
+    resumed or benchmarked run dir may hold lines an older version wrote)."""
+    return {RENAMED.get(k, k): v for k, v in record.items()}
 
 
 def eval_fields(ev: dict[str, Any]) -> dict[str, Any]:
