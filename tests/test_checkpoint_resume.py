@@ -26,7 +26,7 @@ pytest.importorskip("disagg_zero")
 from e2e_run import e2e_config  # noqa: E402
 from hf_reference import batches_of, train_reference  # noqa: E402
 
-from disagg.testing.tolerance import assert_params_close, assert_scalar_close  # noqa: E402
+from disagg.testing.tolerance import assert_exact, assert_params_close, assert_scalar_close  # noqa: E402
 
 FAMILY = "qwen2_5_vl"
 STEPS = 6
@@ -177,18 +177,8 @@ def test_tp4_export_equals_ddp_export(resharded, tmp_path):
     )
 
 
-def test_zero3_export_reproduces_the_trained_loss(zero3, tmp_path):
-    """Step 4's logged loss is that of the step-3 weights on the 4th batch."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from disagg.plugins import get_registry
-    from disagg.runtime.export import export_checkpoint
-
-    cfg, losses = zero3
-    (dest,) = export_checkpoint(_step3(cfg), tmp_path / "export", get_registry())
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(dest), dtype=torch.float32)
-    batch = batches_of(cfg, 4)[3]
-    image_token = model.config.image_token_id
+def _hf_kwargs(image_token: int):
+    """A run's sample as the HF Qwen2.5-VL model's forward keywords."""
 
     def kwargs(s: dict) -> dict:
         llm = s["llm"]
@@ -201,5 +191,57 @@ def test_zero3_export_reproduces_the_trained_loss(zero3, tmp_path):
             )
         return kw
 
-    ref = train_reference(model, [batch], kwargs, cfg.train)
+    return kwargs
+
+
+def test_zero3_export_reproduces_the_trained_loss(zero3, tmp_path):
+    """Step 4's logged loss is that of the step-3 weights on the 4th batch."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from disagg.plugins import get_registry
+    from disagg.runtime.export import export_checkpoint
+
+    cfg, losses = zero3
+    (dest,) = export_checkpoint(_step3(cfg), tmp_path / "export", get_registry())
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(dest), dtype=torch.float32)
+    batch = batches_of(cfg, 4)[3]
+    ref = train_reference(model, [batch], _hf_kwargs(model.config.image_token_id), cfg.train)
     assert_scalar_close(losses[4], ref.losses[0], "step 4 loss of the exported step-3 weights")
+
+
+def test_tp2_sharded_export_loads_and_reproduces_the_trained_loss(dhp, tmp_path):
+    """``disagg export --max-shard-size 200KB`` of the LLM ``megatron_tp`` 2 run's
+    step-3 checkpoint: several HF shards and their index, which ``from_pretrained``
+    loads with no missing, unexpected or mismatched key, and whose model gives
+    the loss the run logged at step 4 (the step-3 weights' forward on the 4th
+    batch); the bf16 export holds the same tensors cast to bf16."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from disagg.cli.main import main
+
+    cfg, losses = dhp
+    out = tmp_path / "sharded"
+    assert main(["export", str(_step3(cfg)), str(out), "--max-shard-size", "200KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    n = len(shards)
+    assert n >= 3 and shards == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)], shards
+    assert sorted(p.name for p in out.glob("*.safetensors")) == shards
+    model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(out), dtype=torch.float32, output_loading_info=True
+    )
+    assert {k: list(v) for k, v in info.items() if v} == {}, info  # missing/unexpected/mismatched/errors
+    batch = batches_of(cfg, 4)[3]
+    ref = train_reference(model, [batch], _hf_kwargs(model.config.image_token_id), cfg.train)
+    assert_scalar_close(losses[4], ref.losses[0], "step 4 loss of the sharded export of the step-3 weights")
+
+    bf16 = tmp_path / "bf16"
+    assert main(["export", str(_step3(cfg)), str(bf16), "--dtype", "bf16"]) == 0
+    fp32 = {}
+    for s in shards:
+        fp32.update(load_file(str(out / s)))
+    assert_exact(
+        load_file(str(bf16 / "model.safetensors")), {k: v.to(torch.bfloat16) for k, v in fp32.items()}
+    )
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"

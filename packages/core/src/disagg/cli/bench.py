@@ -87,9 +87,10 @@ def run(args: argparse.Namespace) -> int:
     from disagg.bench.sweep import Bench
     from disagg.config.errors import ConfigError, Problem
     from disagg.config.load import load_config
+    from disagg.config.model_path import with_local_model_paths
     from disagg.plugins import get_registry
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = with_local_model_paths(load_config(args.config, args.overrides))  # hub ids -> snapshot dirs
     modules = cfg.modules()
     if args.layouts:
         layouts = load_layouts(args.layouts, modules)

@@ -1,4 +1,5 @@
-"""``disagg export CHECKPOINT OUT_DIR``: Hugging Face dirs from a checkpoint, and
+"""``disagg export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype fp32|bf16]``: Hugging Face
+(sharded safetensors) dirs from a checkpoint, and
 ``OUT_DIR/disagg_model.json``, the manifest that reassembles a model composed of several dirs."""
 
 from __future__ import annotations
@@ -14,6 +15,19 @@ HELP = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a run's checkpoints/step-N dir")
     parser.add_argument("out_dir", help="where to write the HF dir(s)")
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors shard, as save_pretrained takes it: 5GB (default), 500MB, 100KB or "
+        "bytes; several shards get model-0000k-of-0000n.safetensors and model.safetensors.index.json",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="dtype of the written floating-point weights (default fp32, the checkpoint's master weights)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from disagg.config.errors import ConfigError, Problem
     from disagg.plugins import get_registry
     from disagg.runtime.export import MANIFEST, export_checkpoint
+    from disagg.runtime.hf_shards import parse_max_shard_size
 
     ckpt = Path(args.checkpoint)
     if not (ckpt / "meta.json").is_file():
@@ -33,7 +48,22 @@ def run(args: argparse.Namespace) -> int:
                 )
             ]
         )
-    for path in export_checkpoint(ckpt, args.out_dir, get_registry()):
+    try:
+        parse_max_shard_size(args.max_shard_size)
+    except ValueError as exc:
+        raise ConfigError(
+            [
+                Problem(
+                    key="--max-shard-size",
+                    message=f"{args.max_shard_size!r} is not a size ({exc}); "
+                    "use a number with KB, MB, GB or TB (powers of ten, as save_pretrained), or bytes",
+                )
+            ]
+        ) from None
+    written = export_checkpoint(
+        ckpt, args.out_dir, get_registry(), max_shard_size=args.max_shard_size, dtype=args.dtype
+    )
+    for path in written:
         print(path)
     print(Path(args.out_dir) / MANIFEST)
     return 0

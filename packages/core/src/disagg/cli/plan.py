@@ -75,10 +75,11 @@ def run(args: argparse.Namespace) -> int:
 
     from disagg.config.errors import ConfigError, Problem
     from disagg.config.load import load_config
+    from disagg.config.model_path import with_local_model_paths
     from disagg.plan.explain import table, why, write_plan
     from disagg.plugins import get_registry
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = with_local_model_paths(load_config(args.config, args.overrides))  # hub ids -> snapshot dirs
     registry = get_registry()
     try:
         result, cluster = plan_for_config(cfg, registry, args)

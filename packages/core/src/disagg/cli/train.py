@@ -46,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
                 args.config, [*args.overrides, f"checkpoint.resume_from={json.dumps(path)}"]
             )
     record = None
-    if cfg.parallel.auto is not None:  # plan first; train the best layout
+    if cfg.parallel.auto is not None:  # plan first (it reads the model dirs); train the best layout
+        from disagg.config.model_path import with_local_model_paths
+
+        cfg = with_local_model_paths(cfg, source)
         from disagg.plan.auto import record_plan, resolve_auto
 
         cfg, record = resolve_auto(cfg, get_registry())

@@ -82,6 +82,7 @@ class _Checker:
         self.problems.append(Problem(dotted(path), message, where))
 
     def run(self) -> ResolvedConfig:
+        self.model_paths()
         resolved = ResolvedConfig(config=self.cfg, transport=self.cfg.parallel.transport)
         self.llm_family = self._quiet_llm_family()
         for m in self.cfg.modules():
@@ -104,6 +105,15 @@ class _Checker:
             except Exception as exc:  # e.g. a row of unknown format: named with its file and line
                 self.add(("train", "epochs"), f"cannot count the samples of data.train: {exc}")
         return resolved
+
+    def model_paths(self) -> None:
+        """Hub model ids become local snapshot dirs, once, before any family reads them
+        (:mod:`disagg.config.model_path`); the resolved config carries the dirs."""
+        from disagg.config.model_path import resolve_model_paths
+
+        self.cfg, problems = resolve_model_paths(self.cfg)
+        for m, message in problems.items():
+            self.add(("model", m, "path"), message)
 
     def placeholders(self, resolved: ResolvedConfig) -> None:
         """Every encoder needs a placeholder token in the LLM's prompts; without
@@ -176,10 +186,7 @@ class _Checker:
             provider_of("family", spec.family, role),
             others={n for (r, n) in self.reg.families if r != role},
         )
-        if not Path(spec.path).exists():
-            self.add(
-                ("model", m, "path"), f"{spec.path!r} does not exist (relative paths are from {Path.cwd()})"
-            )
+        if not Path(spec.path).exists():  # reported by model_paths (not a dir, not a resolvable id)
             family_cls = None  # families read their config from the path
         if group.ranks is not None and group.ranks != group.degree * group.replicas:
             self.add(

@@ -12,7 +12,8 @@ family, role and options (a Whisper projector's width, say): everything
 ``model:`` section, so the export also trains further as it is.
 
 Core stays free of model code: what goes into each dir is the families'
-``export_state``; this module only copies files and writes JSON.
+``export_state`` (a name mapping); this module copies files, writes JSON and
+streams the tensors into HF sharded safetensors (:mod:`disagg.runtime.hf_shards`).
 """
 
 from __future__ import annotations
@@ -22,26 +23,47 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from disagg.config.schema import Config
 from disagg.config.validate import role_of
 from disagg.interfaces import EncoderFamily, Family
 from disagg.plugins import Registry
+from disagg.runtime.hf_shards import (
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPES,
+    Entry,
+    parse_max_shard_size,
+    set_config_dtype,
+    tensor_refs,
+    write_sharded,
+)
 from disagg.runtime.plan import families_for
 
 MANIFEST = "disagg_model.json"
 FORMAT = "disagg-export/1"
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, registry: Registry) -> list[Path]:
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    registry: Registry,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: str = "fp32",
+) -> list[Path]:
     """Write the HF dirs and ``OUT_DIR/disagg_model.json`` for a checkpoint of
     any layout (read from its full form, no actors); return the HF dirs.
     With one source the HF dir is ``OUT_DIR`` itself, otherwise
-    ``OUT_DIR/<modules joined by ->``."""
+    ``OUT_DIR/<modules joined by ->``. Weights are streamed tensor by tensor
+    into HF sharded safetensors of at most ``max_shard_size`` (``5GB``,
+    ``500MB``; one ``model.safetensors`` when it all fits), floating-point
+    tensors in ``dtype`` (``fp32`` or ``bf16``): no process holds the model."""
     from disagg.runtime.checkpoint import verify_checkpoint
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    parse_max_shard_size(max_shard_size)  # a bad size fails before anything is written
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     verify_checkpoint(checkpoint)
     meta = json.loads((checkpoint / "meta.json").read_text())
@@ -54,22 +76,43 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, registry: Reg
     for source, modules in by_source.items():
         dest = out_dir if len(by_source) == 1 else out_dir / "-".join(modules)
         _copy_non_weights(source, dest)
-        tensors = _load_weights(source)
+        # the source dir's own tensors first (a whole-VLM dir's parts no module trained stay as they were)
+        entries: dict[str, Entry] = dict(tensor_refs(sorted(source.glob("*.safetensors"))))
         for m in modules:
-            full = load_file(str(checkpoint / m / "full.safetensors"))
-            tensors.update(families[m].export_state(full))
+            entries.update(_module_entries(families[m], checkpoint / m / "full.safetensors"))
             where[m] = dest
-        tensors = {k: v.contiguous().clone() for k, v in tensors.items()}  # no shared storage (tied)
-        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+        write_sharded(entries, dest, DTYPES[dtype], max_shard_size)
+        set_config_dtype(dest, DTYPES[dtype])
         written.append(dest)
     manifest = {
         "format": FORMAT,
         "step": int(meta["step"]),
         "checkpoint": str(checkpoint.resolve()),
+        "dtype": dtype,
         "modules": {m: _entry(m, fam, where[m], out_dir) for m, fam in families.items()},
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return written
+
+
+def _module_entries(family: Family, full: Path) -> dict[str, Entry]:
+    """A module's checkpoint tensors under the names of its source dir's files.
+
+    ``export_state`` is the family's mapping; it is called on storage-less
+    stand-ins, so for a family that only renames (every family today) each
+    output is one of the stand-ins and names a tensor still on disk. A family
+    whose export computes new tensors gets its module's state read for real
+    (that module is then held once, the rest still streams)."""
+    refs = tensor_refs([full])
+    stand_ins = {k: r.meta() for k, r in refs.items()}
+    back = {id(t): k for k, t in stand_ins.items()}
+    try:
+        mapped = family.export_state(stand_ins)
+    except Exception:  # e.g. a family that reads values: fall back to the real state below
+        mapped = None
+    if mapped is not None and all(id(t) in back for t in mapped.values()):
+        return {name: refs[back[id(t)]] for name, t in mapped.items()}
+    return dict(family.export_state(load_file(str(full))))
 
 
 def _entry(module: str, fam: Family, dest: Path, out_dir: Path) -> dict[str, Any]:
@@ -131,10 +174,3 @@ def _copy_non_weights(source: Path, dest: Path) -> None:
             and f.name not in ("model.safetensors.index.json", MANIFEST)
         ):
             shutil.copy2(f, dest / f.name)
-
-
-def _load_weights(source: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(source.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
