@@ -22,7 +22,9 @@ class ModuleModel(Strict):
     family: str
     """Family adapter name (see ``disagg plugins``), e.g. ``qwen2_5_vl``, ``qwen2``, ``llama``."""
     path: str
-    """Hugging Face dir to load with ``from_pretrained``; whole-VLM dirs are split by family."""
+    """Hugging Face dir to load with ``from_pretrained``, or a Hub model id (``Qwen/Qwen2.5-VL-7B-Instruct``,
+    ``org/name@revision``) resolved once on the driver through the hub cache (``HF_HOME``,
+    ``HF_HUB_OFFLINE``, ``HF_TOKEN``) to its snapshot dir; whole-VLM dirs are split by family."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Family options, e.g. ``{attn_implementation: sdpa}``."""
 
