@@ -164,3 +164,21 @@ def test_cli_names_a_bad_shard_size(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--max-shard-size" in err and "'lots'" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_family_that_computes_its_export_is_read_for_real(tmp_path):
+    """Streaming relies on ``export_state`` being a name mapping; a family that
+    computes tensors (fuses, splits, scales) still exports right, from its real state."""
+    from disagg.runtime.export import _module_entries
+    from disagg.runtime.hf_shards import TensorRef
+
+    class Fusing(toy.ToyLMFamily):
+        def export_state(self, state):
+            return {"fused": torch.cat([state["a"], state["b"]]), "b": state["b"]}
+
+    full = tmp_path / "full.safetensors"
+    save_file({"a": torch.arange(3.0), "b": torch.ones(2)}, str(full))
+    got = _module_entries(Fusing(tmp_path), full)
+    assert not any(isinstance(v, TensorRef) for v in got.values())
+    want = {"fused": torch.tensor([0.0, 1.0, 2.0, 1.0, 1.0]), "b": torch.ones(2)}
+    assert_exact(got, want, "computed export ")

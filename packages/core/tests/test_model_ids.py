@@ -10,6 +10,7 @@ one subprocess checks that the environment alone is honoured.
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,31 @@ def test_the_environment_alone_is_honoured(hub):
 )
 def test_what_counts_as_a_model_id(path, want):
     assert parse_model_id(path) == want
+
+
+@pytest.mark.parametrize(
+    "error,needle",
+    [
+        ("GatedRepoError", "is gated: accept its terms on huggingface.co/some-org/gated and set HF_TOKEN"),
+        ("RepositoryNotFoundError", "is not on the Hub (or it is private: set HF_TOKEN"),
+        ("RevisionNotFoundError", "has no revision 'v9'"),
+    ],
+)
+def test_hub_refusals_name_the_id_and_the_reason(monkeypatch, error, needle):
+    """What the Hub answers (simulated: no network here) becomes one sentence."""
+    import huggingface_hub
+    import huggingface_hub.errors as errors
+
+    from disagg.config.model_path import ModelPathError, resolve_model_path
+
+    # the HTTP client huggingface_hub is built on (httpx or its successor): its errors carry a response
+    http = importlib.import_module(errors.Response.__module__.split(".")[0])
+    response = http.Response(401, request=http.Request("GET", "https://huggingface.co/api/models"))
+
+    def refuse(repo_id, revision=None):
+        raise getattr(errors, error)(f"{repo_id}: refused", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    with pytest.raises(ModelPathError) as err:
+        resolve_model_path("some-org/gated@v9")
+    assert "'some-org/gated@v9'" in str(err.value) and needle in str(err.value), err.value
