@@ -150,10 +150,13 @@ def test_recompute_equals_none(runs, name):
 def _predicted_calls(case: Case, mode: str, microbatches: int, samples: int) -> dict[str, int]:
     from recompute_cases import load
 
-    from disagg.cost import predict, shapes_from_hf_config
+    from disagg.cost import predict
+    from disagg.interfaces.shapes import DecoderShape
 
     cfg = json.loads((Path(case.path) / "config.json").read_text())
-    shape = shapes_from_hf_config(cfg)[case.module]
+    llm_width = cfg.get("text_config", {}).get("hidden_size")
+    shape = load(case.family).planning_shape(cfg, case.family_options, llm_width)
+    assert shape is not None and isinstance(shape, DecoderShape) == (case.module == "llm")
     name = load(case.strategy).name
     return predict(
         shape,

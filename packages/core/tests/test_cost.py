@@ -1,7 +1,8 @@
 """The analytic cost model against real modules: parameter tensors, state bytes
 and saved-activation bytes of a tiny Qwen2.5-VL vision tower built from the same
 config values (single process; the group-level byte counts are checked against
-real runs in tests/test_bench.py)."""
+real runs in tests/test_bench.py). The tower is described by its family
+(``qwen2_5_vl``, disagg-vision-sp) and costed by each strategy's own hook."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ import pytest
 import torch
 
 from disagg.bench.published import LAYOUTS_32B, QWEN2_5_VL_32B, predict_published, ratios
-from disagg.cost import VisionShape, predict, shapes_from_hf_config
+from disagg.cost import EncoderShape, predict, shapes_for
 from disagg.interfaces.activations import saved_bytes_hooks
+
+for _plugin in ("disagg_vision_sp", "disagg_llm_tp", "disagg_zero"):
+    pytest.importorskip(_plugin)
+
+
+def shapes_from_hf_config(cfg: dict) -> dict:
+    """Both modules of a whole Qwen2.5-VL config, as the family describes them."""
+    return shapes_for({"vision": cfg, "llm": cfg}, {"vision": "qwen2_5_vl", "llm": "qwen2_5_vl"})
+
 
 VISION = dict(
     depth=4,
@@ -46,9 +56,9 @@ def tower():
     return Qwen2_5_VisionTransformerPretrainedModel(cfg).train()
 
 
-def shape() -> VisionShape:
+def shape() -> EncoderShape:
     s = shapes_from_hf_config({"vision_config": VISION, "text_config": TEXT})["vision"]
-    assert isinstance(s, VisionShape)
+    assert isinstance(s, EncoderShape)
     return s
 
 
@@ -118,7 +128,15 @@ def test_ulysses_and_tp_split_what_they_should():
     one = predict(s, "ddp", 1, 1, 1024)
     sp = predict(s, "ulysses", 4, 1, 1024)
     tp = predict(s, "megatron_tp", 4, 1, 1024)
-    z3 = predict(s, "zero", 1, 4, 1024, samples=4, options={"stage": 3, "persistence_threshold": 0})
+    z3 = predict(
+        s,
+        "zero",
+        1,
+        4,
+        1024,
+        samples=4,
+        options={"stage": 3, "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}},
+    )
     assert sp.activation_bytes < one.activation_bytes / 4 * 1.01
     assert sp.activation_bytes < tp.activation_bytes < one.activation_bytes
     assert sp.state_bytes == one.state_bytes and tp.state_bytes < one.state_bytes
@@ -134,7 +152,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="unknown strategy 'fsdp'"):
         predict(shape(), "fsdp", 1, 1, 16)
     with pytest.raises(ValueError, match="'depth' is missing"):
-        shapes_from_hf_config({"vision_config": {k: v for k, v in VISION.items() if k != "depth"}})
+        shapes_for({"vision": {k: v for k, v in VISION.items() if k != "depth"}}, {"vision": "qwen2_5_vl"})
 
 
 def test_published_prediction_is_complete():

@@ -10,8 +10,8 @@ from typing import ClassVar
 import pytest
 
 from disagg.builtin.ddp import DDPStrategy
-from disagg.interfaces import Cost, CostQuery, Strategy, StrategyOptions, analytic_cost
-from disagg.interfaces.cost import shapes_from_hf_config
+from disagg.cost import predict, shapes_for
+from disagg.interfaces import Cost, CostQuery, Strategy, StrategyOptions
 from disagg.plan import Workload, cluster_from, plan
 from disagg.plan.cluster import PRESETS, parse_quantity
 from disagg.plan.explain import plan_yaml, table, why
@@ -30,6 +30,29 @@ SMALL = {  # a small Qwen2.5-VL-like model, config values only
 }  # fmt: skip
 
 
+def shapes_from_hf_config(cfg: dict) -> dict:
+    """SMALL's modules as the ``qwen2_5_vl`` families (disagg-vision-sp, disagg-llm-tp) describe them."""
+    pytest.importorskip("disagg_vision_sp")
+    pytest.importorskip("disagg_llm_tp")
+    return shapes_for({"vision": cfg, "llm": cfg}, {"vision": "qwen2_5_vl", "llm": "qwen2_5_vl"})
+
+
+def collective_calls(shape, strategy, w, stage=3, persistence_threshold=None):  # type: ignore[no-untyped-def]
+    """Calls per kind the strategy's own hook states for workload ``w``."""
+    opts: dict = {}
+    if strategy == "zero":
+        pytest.importorskip("disagg_zero")
+        opts["stage"] = stage
+        if persistence_threshold is not None:
+            zero = {"stage3_param_persistence_threshold": persistence_threshold}
+            opts["ds_config"] = {"zero_optimization": zero}
+    cost = predict(
+        shape, strategy, w.degree, w.replicas, w.seq_len, samples=w.samples, microbatches=w.microbatches,
+        options=opts,
+    )  # fmt: skip
+    return cost.comm_calls_by_kind
+
+
 class FusedDDP(Strategy):
     """A third party's data parallelism with (say) a fused kernel: ddp's bytes, half the FLOPs' time."""
 
@@ -42,7 +65,8 @@ class FusedDDP(Strategy):
 
     @classmethod
     def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:
-        cost = analytic_cost("ddp", query)
+        cost = DDPStrategy.estimate(query, options)
+        assert cost is not None
         return replace(cost, flops=cost.flops / 2)
 
     def parallelize(self, module):  # type: ignore[no-untyped-def]
@@ -118,8 +142,10 @@ def test_memory_filter_and_placements():
 def test_recompute_keeps_less():
     shape = shapes_from_hf_config(SMALL)["llm"]
     q = CostQuery(shape, 2, 1, 4096)
-    saved = analytic_cost("megatron_tp", q, {"sequence_parallel": True})
-    again = analytic_cost("megatron_tp", replace(q, recompute=True), {"sequence_parallel": True})
+    from disagg_llm_tp.cost import estimate
+
+    saved = estimate(q, sequence_parallel=True)
+    again = estimate(replace(q, recompute=True), sequence_parallel=True)
     assert again.activation_bytes < saved.activation_bytes and again.state_bytes == saved.state_bytes
     assert PRESETS["h100x8"].devices == 8
 
@@ -163,8 +189,7 @@ def _layout(work_: Workload, cluster, strategies, **modules):  # type: ignore[no
 
 
 def test_collective_calls_follow_the_strategies_collectives():
-    from disagg.cost.calls import collective_calls
-    from disagg.cost.comm import Workload as CommWork
+    from disagg.interfaces.cost import Workload as CommWork
 
     shapes = shapes_from_hf_config(SMALL)
     vision, llm = shapes["vision"], shapes["llm"]
@@ -199,7 +224,7 @@ def test_collective_calls_follow_the_strategies_collectives():
     # DeepSpeed's default (1e5 elements) keeps this small tower whole: only the re-gather after the step
     assert collective_calls(vision, "zero", z3w, stage=3)["all_gather"] == tensors
     # the hook reports them beside the bytes
-    cost = analytic_cost("ulysses", CostQuery(vision, 2, 1, 1024, microbatches=2, samples=2))
+    cost = predict(vision, "ulysses", 2, 1, 1024, microbatches=2, samples=2)
     assert cost.comm_calls_by_kind["all_to_all"] == 8 and cost.to_dict()["comm_calls_by_kind"]
 
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from disagg.cost.memory import DEEPSPEED_PERSISTENCE
 from disagg.interfaces import GroupContext, OptimSpec
 from disagg.interfaces.strategy import clip_coefficient, make_scheduler
 from disagg.testing.tolerance import assert_params_close, first_grads
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, toy_samples
+from disagg_zero.cost import DEEPSPEED_PERSISTENCE
 
 OPTIM = OptimSpec(
     lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, scheduler="linear", warmup_steps=1, total_steps=4
@@ -239,18 +239,15 @@ def assert_accounting(
     calls_per_mb: int,
     persistence_threshold: int = DEEPSPEED_PERSISTENCE,
 ) -> None:
-    """What ``zero`` reported after each step (``_finish_step``) equals core's
-    cost formulas: the bytes DeepSpeed's storages hold (up to per-tensor
+    """What ``zero`` reported after each step (``_finish_step``) equals its own
+    cost formulas (:mod:`disagg_zero.cost`): the bytes DeepSpeed's storages hold (up to per-tensor
     scalars: step counters, norms), and DeepSpeed's collectives as they ran
     (counted by wrapping ``torch.distributed``, ``disagg_zero.comm``): the
-    calls and sent bytes of every kind equal ``disagg.cost.calls.zero_calls``
-    and ``disagg.cost.comm.zero_comm``.
+    calls and sent bytes of every kind equal ``zero_calls`` and ``zero_comm``.
     ``microbatches``: per step, how many the rank ran (0: a step without
     samples gathers and updates nothing, so only the state is checked)."""
-    from disagg.cost.calls import zero_calls
-    from disagg.cost.comm import Workload, zero_comm
-    from disagg.cost.memory import zero_state_bytes
-    from disagg.cost.shapes import ParamTensor
+    from disagg.interfaces.cost import ParamTensor, Workload
+    from disagg_zero.cost import zero_calls, zero_comm, zero_state_bytes
 
     state = zero_state_bytes(numels, stage, world, persistence_threshold)
     tensors = [ParamTensor(f"t{i}", (k,)) for i, k in enumerate(numels)]

@@ -337,11 +337,17 @@ class MegatronTPStrategy(Strategy):
 
     @classmethod
     def estimate(cls, query, options):  # type: ignore[no-untyped-def]
-        """Core's ``megatron_tp`` formulas, with or without sequence parallelism."""
-        from disagg.interfaces import analytic_cost
+        """With or without sequence parallelism (:mod:`disagg_llm_tp.cost`)."""
+        from disagg_llm_tp import cost
 
-        sp = bool(getattr(options, "sequence_parallel", False))
-        return analytic_cost("megatron_tp", query, {"sequence_parallel": sp})
+        return cost.estimate(query, bool(getattr(options, "sequence_parallel", False)))
+
+    @classmethod
+    def option_variants(cls) -> list[dict]:
+        """``disagg plan`` tries sequence parallelism on and off."""
+        from disagg_llm_tp import cost
+
+        return [dict(v) for v in cost.OPTION_VARIANTS]
 
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW moments merged through each parameter's shard spec, like the

@@ -263,21 +263,22 @@ class ZeroStrategy(ZeroFullState, Strategy):
 
     @classmethod
     def estimate(cls, query: Any, options: Any) -> Any:
-        """Core's ``zero`` formulas for the stage; ``recompute`` (or its deprecated
-        spelling ``activation_checkpointing``) recomputes activations;
-        ``offload_optimizer`` keeps the fp32 master partition and the two moments
-        (12 bytes per element, partitioned) off the GPU."""
-        from dataclasses import replace
+        """DeepSpeed's holdings and calls for the stage (:mod:`disagg_zero.cost`);
+        ``recompute`` (or its deprecated spelling ``activation_checkpointing``)
+        recomputes activations; ``offload_optimizer`` moves optimizer state off the GPU."""
+        from disagg_zero import cost
 
-        from disagg.interfaces import analytic_cost
-
-        if options.recompute != "none" and not query.recompute:
-            query = replace(query, recompute=options.recompute)
-        cost = analytic_cost(
-            "zero", query, {"stage": options.stage, "persistence_threshold": persistence_threshold(options)}
+        return cost.estimate(
+            query,
+            options.stage,
+            persistence_threshold(options),
+            recompute=options.recompute,
+            offload_optimizer=bool(options.offload_optimizer),
         )
-        if options.offload_optimizer:
-            numel = sum(t.numel for t in query.shape.tensors())
-            ranks = query.degree * query.replicas
-            cost = replace(cost, state_bytes=cost.state_bytes - 12 * -(-numel // ranks))
-        return cost
+
+    @classmethod
+    def option_variants(cls) -> list[dict[str, Any]]:
+        """``disagg plan`` tries each stage."""
+        from disagg_zero import cost
+
+        return [dict(v) for v in cost.OPTION_VARIANTS]

@@ -50,6 +50,12 @@ class Qwen2AudioFamily(WhisperStyleEncoder):
 
     name: ClassVar[str] = "qwen2_audio"
 
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_audio.families.shapes import qwen2_audio_shape
+
+        return qwen2_audio_shape(config)
+
     def config(self) -> Any:
         from transformers import AutoConfig
 

@@ -64,6 +64,12 @@ class WhisperAudio(nn.Module):
 class WhisperAudioFamily(WhisperStyleEncoder):
     name: ClassVar[str] = "whisper"
 
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_audio.families.shapes import whisper_shape
+
+        return whisper_shape(config, options or {}, llm_hidden)
+
     # -- options and config ---------------------------------------------------------------------
     def encoder_config(self) -> Any:
         from transformers import AutoConfig

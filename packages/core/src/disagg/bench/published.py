@@ -13,14 +13,14 @@ one after the other on the same GPUs. Every row says the
 is saved for backward is held) or ``full`` (the usual setting at these
 lengths: per layer only its input is kept, plus one layer's activations while
 it is recomputed; the replay costs one more forward of FLOPs and the blocks'
-forward collectives again, :mod:`disagg.cost.recompute`).
+forward collectives again, :mod:`disagg.interfaces.cost_rules`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from disagg.cost import DecoderShape, VisionShape, predict, shapes_from_hf_config
+from disagg.cost import DecoderShape, EncoderShape, predict
 
 QWEN2_5_VL_32B: dict[str, Any] = {
     "vision_config": {
@@ -46,6 +46,16 @@ QWEN2_5_VL_32B: dict[str, Any] = {
         "vocab_size": 152064,
     },
     "tie_word_embeddings": False,
+}
+
+#: the family that describes the published model's modules (Family.planning_shape)
+FAMILY = "qwen2_5_vl"
+#: the paper's layouts per module: (strategy, degree, replicas, options the layout needs),
+#: with ZeRO at stage 3 (``disagg.plan.published.named``)
+NAMED: dict[str, dict[str, tuple[str, int, int, dict[str, Any]]]] = {
+    "uniform_tp": {"vision": ("megatron_tp", 8, 1, {}), "llm": ("megatron_tp", 8, 1, {})},
+    "dhp_ulysses_tp": {"vision": ("ulysses", 8, 1, {}), "llm": ("megatron_tp", 8, 1, {})},
+    "uniform_zero3": {"vision": ("zero", 1, 8, {"stage": 3}), "llm": ("zero", 1, 8, {"stage": 3})},
 }
 
 PAPER = {
@@ -85,9 +95,11 @@ def predict_published(
 ) -> list[dict[str, Any]]:
     """One row per recompute mode, layout and vision length: predicted step time,
     tokens/s, memory per GPU (and whether it fits 80 GB), bytes per GPU."""
-    shapes = shapes_from_hf_config(QWEN2_5_VL_32B)
+    from disagg.plan.published import published_shapes
+
+    shapes = published_shapes(QWEN2_5_VL_32B)
     vision, llm = shapes["vision"], shapes["llm"]
-    assert isinstance(vision, VisionShape) and isinstance(llm, DecoderShape)
+    assert isinstance(vision, EncoderShape) and isinstance(llm, DecoderShape)
     rows = []
     for mode, n in ((m, n) for m in recompute for n in vision_tokens):
         llm_len = n // vision.unit + TEXT_TOKENS
@@ -110,7 +122,7 @@ def predict_published(
                     "bfloat16",
                     samples=SAMPLES,
                     microbatches=1 if g["strategy"] == "zero" else SAMPLES,
-                    options={k: v for k, v in g.items() if k in ("stage", "sequence_parallel")},
+                    options={k: v for k, v in g.items() if k not in ("strategy", "degree", "replicas")},
                     recompute=mode,
                     **kw,
                 )

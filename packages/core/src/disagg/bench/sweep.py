@@ -4,7 +4,6 @@ with real steps."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 from disagg.bench.data import grid_for, private_model_dir, snap_length, write_sweep_data
 from disagg.bench.runner import Progress, layout_config, memory_per_rank, run_layout, summarize
 from disagg.config.schema import Config
-from disagg.cost import VisionShape, predict, shapes_from_hf_config
+from disagg.cost import EncoderShape, predict
 from disagg.plugins import Registry
 
 
@@ -36,13 +35,17 @@ class Bench:
         if self.base.model.vision is None:
             raise ValueError("disagg bench sweeps the vision length: the config needs model.vision")
         src = Path(self.base.model.vision.path)
-        hf = json.loads((src / "config.json").read_text())
-        shapes = shapes_from_hf_config(hf)
+        from disagg.plan.workload import config_shapes
+
+        shapes = config_shapes(self.base)
         vision = shapes.get("vision")
-        if not isinstance(vision, VisionShape):
-            raise ValueError(f"model.vision.path {src}: no Qwen2.5-VL style vision_config in config.json")
+        if not isinstance(vision, EncoderShape) or not vision.window:
+            raise ValueError(
+                f"model.vision ({src}): the sweep makes images of whole attention windows; "
+                f"family {self.base.model.vision.family!r} describes no windowed tower"
+            )
         self.shapes = shapes
-        self.vision: VisionShape = vision
+        self.vision: EncoderShape = vision
         self.window_side = max(vision.window // vision.patch, vision.merge)
         for n in self.vision_tokens:  # refuse an unusable length before any run
             grid_for(n, self.window_side, vision.merge)
@@ -139,10 +142,10 @@ class Bench:
         out: dict[str, Any] = {"groups": {}}
         for module, shape in self.shapes.items():
             group = parallel.get(module, {})
-            opts = {k: v for k, v in group.items() if k in ("stage", "sequence_parallel")}
-            zero_section = group.get("ds_config", {}).get("zero_optimization", {})
-            if "stage3_param_persistence_threshold" in zero_section:
-                opts["persistence_threshold"] = zero_section["stage3_param_persistence_threshold"]
+            # the strategy's own keys (e.g. a ds_config): its estimate reads them as a run would
+            opts = {
+                k: v for k, v in group.items() if k not in ("strategy", "degree", "replicas", "recompute")
+            }
             kw: dict[str, Any] = {}
             if module != "vision":
                 kw = {"exchanged_rows": rows, "exchanged_width": self.vision.out_hidden}

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from disagg.interfaces import Cost, CostQuery, Family, Strategy, StrategyOptions, analytic_cost
+from disagg.interfaces import Cost, CostQuery, Family, Strategy, StrategyOptions
 
 
 class DDPStrategy(Strategy):
@@ -34,5 +34,7 @@ class DDPStrategy(Strategy):
 
     @classmethod
     def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:
-        # Every rank a full replica, gradients all-reduced: core's ``ddp`` formulas.
-        return analytic_cost("ddp", query)
+        """Every rank a full replica, gradients all-reduced (:mod:`disagg.builtin.ddp_cost`)."""
+        from disagg.builtin import ddp_cost
+
+        return ddp_cost.estimate(query)

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         parser.add_argument(flag, default=None, help=what)
     parser.add_argument("--vision-tokens", type=int, default=1024, help="patches per image (default 1024)")
+    parser.add_argument(
+        "--audio-tokens",
+        type=int,
+        default=None,
+        help="encoder positions per clip of an audio module (default: --vision-tokens)",
+    )
     parser.add_argument("--text-tokens", type=int, default=128, help="text tokens per sample (default 128)")
     parser.add_argument(
         "--samples", type=int, default=None, help="samples per step (default data.batch_size)"
@@ -175,6 +181,8 @@ def plan_for_config(cfg, registry, args):  # type: ignore[no-untyped-def]
         text_tokens=args.text_tokens,
         samples=args.samples,
         recompute=args.recompute,
+        registry=registry,
+        audio_tokens=getattr(args, "audio_tokens", None),
     )
     placements = PLACEMENTS if args.placement == "any" else (args.placement,)
     strategies = registry.strategies

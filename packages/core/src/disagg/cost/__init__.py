@@ -1,33 +1,35 @@
-"""Analytic cost of a parallel layout, from a model's config values alone.
+"""Analytic cost of a parallel layout, asked of the strategies themselves.
 
-Pure functions of a model shape (:func:`shapes_from_hf_config`), a strategy
-(``ddp``, ``ulysses``, ``megatron_tp`` with or without sequence parallelism,
-``zero`` stage 1/2/3), its degree and replicas, and the sequence length: bytes
-each rank sends per step by collective kind (:mod:`.comm`), parameter +
-gradient + optimizer bytes and saved-activation bytes per rank (:mod:`.memory`),
-FLOPs (:mod:`.flops`). ``disagg bench`` prints them beside its measurements and
-predicts what a machine cannot run; a planner can rank layouts with them.
-
-Which figures are exact is stated per :class:`Cost` (``Cost.exact``) and in
-each formula's docstring: vision-group communication under ``ulysses``,
-``megatron_tp`` (without sequence parallelism) and ``ddp`` equals what
-:class:`disagg.interfaces.CommCounter` counts, byte for byte (``zero``: the
-strategy's own analytic count, within 0.2% of what it reports); state bytes
-are exact except under ``zero``; fp32 saved activations of the Qwen2.5-VL
-tower are exact under ``ddp``/``ulysses``/``megatron_tp``; the rest are estimates.
+Each strategy states its own cost (:meth:`disagg.interfaces.Strategy.estimate`,
+in its package's ``cost.py``) from a module shape that the module's family
+describes (``Family.planning_shape``); the shared formulas are in
+:mod:`disagg.interfaces.cost_rules`. This package only asks: :func:`predict`
+evaluates one strategy's hook by name, :func:`shapes_for` reads module shapes
+through the families. ``disagg bench`` prints the figures beside its
+measurements; ``disagg plan`` ranks layouts with them. Which figures are exact
+is stated per :class:`Cost` (``Cost.exact``).
 """
 
-from disagg.cost.predict import DTYPE_BYTES, STRATEGIES, Cost, predict
-from disagg.cost.shapes import DecoderShape, ParamTensor, Shape, VisionShape, shapes_from_hf_config
+from disagg.cost.predict import predict
+from disagg.cost.shapes import shapes_for
+from disagg.interfaces.cost import (
+    DTYPE_BYTES,
+    Cost,
+    DecoderShape,
+    EncoderShape,
+    ParamTensor,
+    Shape,
+    VisionShape,
+)
 
 __all__ = [
     "DTYPE_BYTES",
-    "STRATEGIES",
     "Cost",
     "DecoderShape",
+    "EncoderShape",
     "ParamTensor",
     "Shape",
     "VisionShape",
     "predict",
-    "shapes_from_hf_config",
+    "shapes_for",
 ]

@@ -2,7 +2,7 @@
 
 from disagg.interfaces.comm import CommCounter
 from disagg.interfaces.context import GroupContext, OptimSpec, dropout_seed
-from disagg.interfaces.cost import Cost, CostQuery, DecoderShape, VisionShape, analytic_cost
+from disagg.interfaces.cost import Cost, CostQuery, DecoderShape, EncoderShape, VisionShape
 from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily, LayerMap
 from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, bucket_sizes, sum_of_squares
 from disagg.interfaces.parts import PartGroup
@@ -20,8 +20,8 @@ __all__ = [
     "Cost",
     "CostQuery",
     "DecoderShape",
+    "EncoderShape",
     "VisionShape",
-    "analytic_cost",
     "agree_on_grads",
     "all_reduce_bucketed",
     "bucket_sizes",

@@ -1,30 +1,81 @@
 """What a strategy's cost hook (:meth:`Strategy.estimate`) receives and returns.
 
-The planner (``disagg plan``) asks every registered strategy, for one module
-and one candidate mesh, what a rank would hold and move per optimizer step.
-Plugins reach the analytic model through this module only: the shapes and the
-:class:`Cost` they return are core's (``disagg.cost``), re-exported here, and
-:func:`analytic_cost` evaluates core's formulas for a strategy whose collectives
-match one of core's (``ddp``, ``ulysses``, ``megatron_tp``, ``zero``).
+The planner (``disagg plan``) and ``disagg bench --predict`` ask every
+registered strategy, for one module and one candidate mesh, what a rank would
+hold, send and compute per optimizer step; each strategy answers with its own
+formulas (its package's ``cost.py``). What they share lives here and in
+:mod:`disagg.interfaces.cost_rules` (ring / all-to-all byte formulas, the
+state-bytes rule per precision, activation and FLOP counts of a tower or
+decoder held whole, recomputation) and :mod:`disagg.interfaces.shapes` (the
+module shapes families describe).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.cost import Cost, DecoderShape, ParamTensor, Shape, VisionShape, predict, shapes_from_hf_config
+from disagg.interfaces.shapes import DecoderShape, EncoderShape, ParamTensor, Shape, VisionShape
+
+#: bytes per activation element of a compute dtype
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: parameters, gradients and optimizer state stay fp32 (disagg.interfaces.compute_dtype)
+GRAD_BYTES = 4
+
+
+@dataclass
+class Cost:
+    """Per rank (the busiest one) per optimizer step."""
+
+    #: parameters + gradients + optimizer state
+    state_bytes: int
+    #: bytes autograd holds saved for backward at the peak (``inflight`` microbatches)
+    activation_bytes: int
+    #: bytes sent in the group's collectives, by kind (CommCounter's kinds)
+    comm_bytes_by_kind: dict[str, int]
+    #: bytes shipped to the other group (encoder rows forward / embedding gradients back)
+    sent_bytes: int
+    #: training FLOPs this rank does (ideal split)
+    flops: float
+    #: which of the fields above are exact for this strategy (the rest are estimates)
+    exact: tuple[str, ...] = field(default_factory=tuple)
+    #: collective calls per step, by kind: each pays a fixed latency whatever its
+    #: size; empty = the strategy reports none
+    comm_calls_by_kind: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def comm_bytes(self) -> int:
+        """All bytes this rank sends: what ``comm_bytes_per_rank`` reports."""
+        return sum(self.comm_bytes_by_kind.values()) + self.sent_bytes
+
+    @property
+    def memory_bytes(self) -> int:
+        """State + saved activations: the machine-independent memory per rank."""
+        return self.state_bytes + self.activation_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state_bytes": self.state_bytes,
+            "activation_bytes": self.activation_bytes,
+            "memory_bytes": self.memory_bytes,
+            "comm_bytes": self.comm_bytes,
+            "comm_bytes_by_kind": dict(self.comm_bytes_by_kind),
+            "sent_bytes": self.sent_bytes,
+            "flops": self.flops,
+            "exact": list(self.exact),
+            "comm_calls_by_kind": dict(self.comm_calls_by_kind),
+        }
 
 
 @dataclass(frozen=True)
 class CostQuery:
     """One module on one candidate mesh, for one optimizer step."""
 
-    #: the module's shape from its config values (``VisionShape`` / ``DecoderShape``)
+    #: the module's shape, as its family describes it (``EncoderShape`` / ``DecoderShape``)
     shape: Shape
     degree: int
     replicas: int
-    #: tokens per sample entering the module (vision: patches per image)
+    #: tokens per sample entering the module (vision: patches per image; audio: frames)
     seq_len: int
     #: compute dtype: ``float32`` or ``bfloat16`` (state stays fp32 either way)
     dtype: str = "bfloat16"
@@ -41,34 +92,118 @@ class CostQuery:
     #: input) or ``selective`` (the attention core); ``True`` is the old spelling of ``full``
     recompute: str | bool = "none"
 
+    @property
+    def encoder(self) -> bool:
+        return isinstance(self.shape, EncoderShape)
 
-def analytic_cost(strategy: str, query: CostQuery, options: dict[str, Any] | None = None) -> Cost:
-    """Core's analytic model (:func:`disagg.cost.predict`) for ``query`` under
-    one of core's strategy formulas (``ddp``, ``ulysses``, ``megatron_tp``, ``zero``)."""
-    return predict(
-        query.shape,
-        strategy,
-        query.degree,
-        query.replicas,
-        query.seq_len,
-        query.dtype,
-        samples=query.samples,
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step of one group, as the cost formulas see it (:func:`workload`)."""
+
+    degree: int
+    replicas: int
+    #: tokens per sample entering the module (vision: patches; llm: sequence length)
+    seq_len: int
+    #: samples in the global batch
+    samples: int
+    #: microbatches per step (each replica gets ceil(samples / (microbatches x replicas)) per microbatch)
+    microbatches: int = 1
+    #: bytes per activation element (2 under bf16 autocast, 4 in fp32)
+    act_bytes: int = 4
+    #: rows per sample the module exchanges with the other group (vision: N / merge²; llm: vision rows)
+    exchanged_rows: int = 0
+    #: width of those rows
+    exchanged_width: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.degree * self.replicas
+
+    @property
+    def samples_per_replica(self) -> int:
+        return -(-self.samples // self.replicas)
+
+    @property
+    def tokens_per_replica(self) -> int:
+        return self.samples_per_replica * self.seq_len
+
+
+def workload(query: CostQuery) -> Workload:
+    """``query`` with its defaults filled: one sample per replica; an encoder ships
+    ``seq_len / unit`` rows of ``out_hidden``, a decoder receives none."""
+    if query.dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {query.dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    shape = query.shape
+    rows, width = query.exchanged_rows, query.exchanged_width
+    if rows is None:
+        rows = query.seq_len // shape.unit if isinstance(shape, EncoderShape) else 0
+    if width is None:
+        width = shape.out_hidden if isinstance(shape, EncoderShape) else shape.hidden
+    return Workload(
+        degree=query.degree,
+        replicas=query.replicas,
+        seq_len=query.seq_len,
+        samples=query.replicas if query.samples is None else query.samples,
         microbatches=query.microbatches,
-        inflight=query.inflight,
-        options=options,
-        exchanged_rows=query.exchanged_rows,
-        exchanged_width=query.exchanged_width,
-        recompute=query.recompute,
+        act_bytes=DTYPE_BYTES[query.dtype],
+        exchanged_rows=rows,
+        exchanged_width=width,
+    )
+
+
+def held_tokens(query: CostQuery, w: Workload) -> int:
+    """Tokens whose activations a rank of a replica holds at once (before any split
+    of the sequence): its samples of one microbatch, ``inflight`` microbatches."""
+    per_mb = -(-w.samples // (w.microbatches * w.replicas))
+    return per_mb * w.seq_len * query.inflight
+
+
+def assemble(
+    w: Workload,
+    *,
+    state_bytes: int,
+    activation_bytes: int,
+    comm: dict[str, int],
+    calls: dict[str, int],
+    flops_per_sample: float,
+    share: int,
+    sent_bytes: int,
+    exact: tuple[str, ...] = (),
+    replay: tuple[dict[str, int], dict[str, int]] = ({}, {}),
+) -> Cost:
+    """A :class:`Cost` from a strategy's parts: kinds that move nothing are dropped,
+    a recompute replay's bytes and calls (``replay``) added on top, FLOPs of one
+    sample times the replica's samples over the ``share`` ranks that split each."""
+    kinds = {k: v for k, v in comm.items() if v}
+    for k, v in replay[0].items():
+        kinds[k] = kinds.get(k, 0) + v
+    counts = {k: v for k, v in calls.items() if v}
+    for k, v in replay[1].items():
+        counts[k] = counts.get(k, 0) + v
+    return Cost(
+        state_bytes=state_bytes,
+        activation_bytes=activation_bytes,
+        comm_bytes_by_kind=kinds,
+        sent_bytes=sent_bytes,
+        flops=flops_per_sample * w.samples_per_replica / share,
+        exact=exact,
+        comm_calls_by_kind=counts,
     )
 
 
 __all__ = [
+    "DTYPE_BYTES",
+    "GRAD_BYTES",
     "Cost",
     "CostQuery",
     "DecoderShape",
+    "EncoderShape",
     "ParamTensor",
     "Shape",
     "VisionShape",
-    "analytic_cost",
-    "shapes_from_hf_config",
+    "Workload",
+    "assemble",
+    "held_tokens",
+    "workload",
 ]

@@ -93,6 +93,17 @@ class Family(ABC):
         every family that came from them)."""
 
     @classmethod
+    def planning_shape(
+        cls, config: dict[str, Any], options: dict[str, Any] | None = None, llm_hidden: int | None = None
+    ) -> Any:
+        """This family's module as the cost hooks see it (an ``EncoderShape`` or
+        ``DecoderShape``, :mod:`disagg.interfaces.shapes`) from its model dir's
+        ``config.json`` values and ``model.<module>.options``; ``llm_hidden``: the
+        LLM's width, for an encoder whose projector takes it from the LLM.
+        ``None`` (the default): the family cannot be planned."""
+        return None
+
+    @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
         """Write a tiny random-weight HF dir for this family; return its path."""
         raise NotImplementedError(f"family {cls.name!r} has no tiny-model builder")

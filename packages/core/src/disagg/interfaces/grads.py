@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from disagg.cost.buckets import BUCKET_BYTES, bucket_sizes
+from disagg.interfaces.buckets import BUCKET_BYTES, bucket_sizes
 from disagg.interfaces.comm import CommCounter
 
 

@@ -320,10 +320,18 @@ class Strategy(ABC):
         """What one rank (the busiest) would hold, send and compute per optimizer
         step for ``query`` (module shape, degree, replicas, sequence length) under
         ``options``. ``None`` (the default) reports nothing: the planner then
-        lists the strategy as skipped rather than guessing. Strategies whose
-        collectives match one of core's may return
-        ``analytic_cost(<that strategy's name>, query, options.model_dump())``."""
+        lists the strategy as skipped rather than guessing. A strategy states its
+        own formulas, built from :mod:`disagg.interfaces.cost_rules` (ring and
+        all-to-all bytes, the state rule, activations and FLOPs of a whole module)
+        and assembled with :func:`disagg.interfaces.cost.assemble`."""
         return None
+
+    @classmethod
+    def option_variants(cls) -> list[dict[str, Any]]:
+        """Option values ``disagg plan`` tries for this strategy, each a dict of
+        ``parallel.<module>`` keys (the rest keep their defaults; ``recompute`` is
+        searched on top of these from :attr:`recompute_modes`)."""
+        return [{}]
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSpec) -> Any:

@@ -1,7 +1,7 @@
 """The planner's step-time and memory model over strategies' own costs.
 
 Each module's group reports its cost per rank through :meth:`Strategy.estimate`
-(core's analytic model for the first-party strategies): FLOPs, bytes and calls
+(each strategy's own formulas, in its package): FLOPs, bytes and calls
 per collective kind, bytes shipped to the other group. The planner turns it
 into time on a :class:`~disagg.plan.cluster.Cluster`, per group:
 
@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.interfaces import Cost, CostQuery, Strategy, StrategyOptions, VisionShape
+from disagg.interfaces import Cost, CostQuery, EncoderShape, Strategy, StrategyOptions
 from disagg.interfaces.cost import Shape
 from disagg.plan.cluster import Cluster
 
@@ -68,15 +68,19 @@ class Workload:
     recompute: bool = False
     #: microbatches an encoder rank holds under ``encoders_ahead`` (``train.max_inflight``)
     max_inflight: int = 2
+    #: encoder positions per sample entering an ``audio`` module (default: ``vision_tokens``)
+    audio_tokens: int | None = None
 
     def seq_len(self, module: str) -> int:
         if module == "llm":
             return self.rows() + self.text_tokens
+        if module == "audio" and self.audio_tokens is not None:
+            return self.audio_tokens
         return self.vision_tokens
 
     def rows(self) -> int:
         """Rows per sample the encoders hand the LLM."""
-        return sum(self.vision_tokens // s.unit for m, s in self.shapes.items() if isinstance(s, VisionShape))
+        return sum(self.seq_len(m) // s.unit for m, s in self.shapes.items() if isinstance(s, EncoderShape))
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ def module_cost(
 ) -> Cost | None:
     """The group's cost per rank from its strategy's own hook."""
     shape = work.shapes[group.module]
-    vision = isinstance(shape, VisionShape)
+    vision = isinstance(shape, EncoderShape)
     inflight = 1
     if vision and layout.schedule == "encoders_ahead":
         inflight = min(work.max_inflight, layout.microbatches)
@@ -186,7 +190,7 @@ def module_cost(
 
 def _encoder_width(work: Workload) -> int | None:
     for s in work.shapes.values():
-        if isinstance(s, VisionShape):
+        if isinstance(s, EncoderShape):
             return s.out_hidden
     return None
 
@@ -219,7 +223,7 @@ def collective_seconds(cost: Cost, ranks: int, cluster: Cluster) -> float:
 def layers_of(shape: Shape) -> int:
     """Layers a microbatch passes through: blocks (or decoder layers) plus one for
     the embedding / merger / head."""
-    return (shape.depth if isinstance(shape, VisionShape) else shape.layers) + 1
+    return (shape.depth if isinstance(shape, EncoderShape) else shape.layers) + 1
 
 
 def overhead_seconds(shape: Shape, microbatches: int, cluster: Cluster, compute_s: float = 0.0) -> float:

@@ -11,20 +11,21 @@ from disagg.plan.model import Layout, Workload
 from disagg.plan.search import PlanResult, plan
 from disagg.plugins import Registry
 
-#: the paper's layouts, as (vision strategy, degree, replicas), (llm ...), with ZeRO at stage 3
-NAMED = {
-    "uniform_tp": (("megatron_tp", 8, 1), ("megatron_tp", 8, 1)),
-    "dhp_ulysses_tp": (("ulysses", 8, 1), ("megatron_tp", 8, 1)),
-    "uniform_zero3": (("zero", 1, 8), ("zero", 1, 8)),
-}
+
+def published_shapes(config: dict[str, Any], registry: Registry | None = None) -> dict[str, Any]:
+    """The published model's vision and LLM shapes from a whole-VLM ``config``'s values,
+    as the published family (:data:`disagg.bench.published.FAMILY`) describes them."""
+    from disagg.bench.published import FAMILY
+    from disagg.cost.shapes import shapes_for
+
+    return shapes_for({"vision": config, "llm": config}, {"vision": FAMILY, "llm": FAMILY}, registry)
 
 
 def plan_published(vision_tokens: int, registry: Registry) -> PlanResult:
     from disagg.bench.published import QWEN2_5_VL_32B, SAMPLES, TEXT_TOKENS
-    from disagg.interfaces.cost import shapes_from_hf_config
 
     work = Workload(
-        shapes=shapes_from_hf_config(QWEN2_5_VL_32B),
+        shapes=published_shapes(QWEN2_5_VL_32B, registry),
         vision_tokens=vision_tokens,
         text_tokens=TEXT_TOKENS,
         samples=SAMPLES,
@@ -35,16 +36,16 @@ def plan_published(vision_tokens: int, registry: Registry) -> PlanResult:
 
 def named(result: PlanResult, name: str) -> Layout:
     """The fastest variant (options such as sequence parallelism) of one of the
-    paper's layouts, preferring one that fits."""
-    (vs, vd, vr), (ls, ld, lr) = NAMED[name]
+    paper's layouts (:data:`disagg.bench.published.NAMED`), preferring one that fits."""
+    from disagg.bench.published import NAMED
+
+    want = NAMED[name]
 
     def match(x: Layout) -> bool:
-        v, llm = x.groups["vision"], x.groups["llm"]
-        stages = [dict(g.options).get("stage", 3) for g in (v, llm) if g.strategy == "zero"]
-        return (
-            (v.strategy, v.degree, v.replicas) == (vs, vd, vr)
-            and (llm.strategy, llm.degree, llm.replicas) == (ls, ld, lr)
-            and all(s == 3 for s in stages)
+        return all(
+            (g.strategy, g.degree, g.replicas) == want[m][:3]
+            and all(dict(g.options).get(k, v) == v for k, v in want[m][3].items())
+            for m, g in x.groups.items()
         )
 
     found = [x for x in result.ranked + result.oom if match(x)]
@@ -55,6 +56,8 @@ def named(result: PlanResult, name: str) -> Layout:
 
 def summary(result: PlanResult) -> dict[str, Any]:
     """Per length: the plan's choice, the paper's layouts' predicted time/memory/fit, DHP vs TP."""
+    from disagg.bench.published import NAMED
+
     rows = {name: named(result, name) for name in NAMED}
     return {
         "vision_tokens": result.workload.vision_tokens,

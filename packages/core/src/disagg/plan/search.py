@@ -10,12 +10,6 @@ from disagg.interfaces import Cost, Family, Strategy, StrategyOptions
 from disagg.plan.cluster import Cluster
 from disagg.plan.model import Group, Layout, Workload, evaluate, module_cost
 
-#: option values worth trying per strategy (the rest keep their defaults); a
-#: strategy not listed is tried with its default options only
-OPTION_VARIANTS: dict[str, list[dict[str, Any]]] = {
-    "megatron_tp": [{}, {"sequence_parallel": True}],
-    "zero": [{"stage": 1}, {"stage": 2}, {"stage": 3}],
-}
 PLACEMENTS = ("collocated", "disaggregated")
 
 
@@ -43,7 +37,8 @@ class PlanResult:
         return self.ranked[0]
 
     def find(self, **modules: str) -> list[Layout]:
-        """Layouts (fitting first, then OOM) whose modules use these strategies, e.g. ``vision="ulysses"``."""
+        """Layouts (fitting first, then OOM) whose modules use these strategies
+        (``find(vision=NAME)``)."""
         return [
             x for x in self.ranked + self.oom if all(x.groups[m].strategy == s for m, s in modules.items())
         ]
@@ -68,7 +63,7 @@ def plan(
     for name, cls in sorted(strategies.items()):
         for m in modules:
             found = False
-            for variant in _variants(cls, OPTION_VARIANTS.get(name, [{}]), work.recompute):
+            for variant in _variants(cls, cls.option_variants(), work.recompute):
                 try:
                     options = cls.options_model(**variant)
                 except Exception:  # a third party's options may not accept our variant
@@ -170,7 +165,7 @@ def _valid(
     cls: type[Strategy], group: Group, options: StrategyOptions, work: Workload, family: Family | None
 ) -> bool:
     """The strategy's (and family's) own checks when a family is at hand; else a degree must
-    divide the module's heads (how ``ulysses`` and ``megatron_tp`` split attention)."""
+    divide the module's heads (how sequence- and tensor-parallel strategies split attention)."""
     try:
         problems = cls.check(family, group.degree, group.replicas, options)  # type: ignore[arg-type]
         if family is not None:

@@ -7,30 +7,30 @@ from pathlib import Path
 from typing import Any
 
 from disagg.config.schema import Config
+from disagg.cost.shapes import shapes_for
 from disagg.interfaces import Family
-from disagg.interfaces.cost import Shape, shapes_from_hf_config
+from disagg.interfaces.cost import Shape
 from disagg.plan.model import Workload
 from disagg.plugins import Registry
 
 
-def config_shapes(cfg: Config) -> dict[str, Shape]:
-    """Each configured module's shape from its model dir's ``config.json``."""
-    out: dict[str, Shape] = {}
+def config_shapes(cfg: Config, registry: Registry | None = None) -> dict[str, Shape]:
+    """Each configured module's shape, as its family describes it from its model dir's ``config.json``."""
+    configs, families, options = {}, {}, {}
     for m in cfg.modules():
         spec = getattr(cfg.model, m)
         path = Path(spec.path) / "config.json"
         try:
-            shapes = shapes_from_hf_config(json.loads(path.read_text()))
+            configs[m] = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"model.{m}.path: cannot read the shape of {path}: {exc}") from None
-        key = "llm" if m == "llm" else "vision"
-        if m not in ("vision", "llm") or key not in shapes:
-            raise ValueError(
-                f"model.{m}: the cost model describes vision towers and decoders only; "
-                f"{path} gives {', '.join(shapes) or 'neither'}"
-            )
-        out[m] = shapes[key]
-    return out
+            raise ValueError(f"model.{m}.path: cannot read {path}: {exc}") from None
+        families[m], options[m] = spec.family, spec.options
+    try:
+        return shapes_for(configs, families, registry, options)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} (model dirs: {', '.join(getattr(cfg.model, m).path for m in families)})"
+        ) from None
 
 
 def config_families(cfg: Config, registry: Registry) -> dict[str, Family]:
@@ -56,10 +56,11 @@ def config_workload(
     text_tokens: int,
     samples: int | None = None,
     recompute: bool = False,
+    registry: Registry | None = None,
     **extra: Any,
 ) -> Workload:
     return Workload(
-        shapes=config_shapes(cfg),
+        shapes=config_shapes(cfg, registry),
         vision_tokens=vision_tokens,
         text_tokens=text_tokens,
         samples=samples or (cfg.data.batch_size if cfg.data else 1),

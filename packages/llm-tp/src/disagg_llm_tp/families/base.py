@@ -39,6 +39,12 @@ def allowed_degrees(heads: int, kv_heads: int) -> list[int]:
 class HFDecoderFamily(LanguageFamily):
     """Base of the decoder families; subclasses set the class attributes."""
 
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_llm_tp.families.shapes import hf_decoder_shape
+
+        return hf_decoder_shape(config)
+
     #: model_type values of whole multimodal dirs whose language model this family runs
     vlm_model_types: ClassVar[tuple[str, ...]] = ()
     #: model_type values of plain decoder dirs this family runs

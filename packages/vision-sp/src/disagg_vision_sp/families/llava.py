@@ -52,6 +52,13 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
     """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
 
     name: ClassVar[str] = "llava"
+
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_vision_sp.families.shapes import llava_shape
+
+        return llava_shape(config)
+
     modality: ClassVar[str] = "image"
 
     # -- config ---------------------------------------------------------------------------------

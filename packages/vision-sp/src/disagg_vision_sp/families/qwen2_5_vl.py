@@ -36,6 +36,13 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
     """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
 
     name: ClassVar[str] = "qwen2_5_vl"
+
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_vision_sp.families.shapes import qwen2_5_vl_shape
+
+        return qwen2_5_vl_shape(config)
+
     modality: ClassVar[str] = "image"
     pixel_limits: ClassVar[bool] = True
     #: ``model_type`` of the dirs this family reads (whole VLM)

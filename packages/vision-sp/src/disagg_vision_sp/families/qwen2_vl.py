@@ -24,6 +24,13 @@ class Qwen2VLVision(Qwen2_5_VLVision):
     """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
 
     name: ClassVar[str] = "qwen2_vl"
+
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_vision_sp.families.shapes import qwen2_vl_shape
+
+        return qwen2_vl_shape(config)
+
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
 
     def hidden_size(self) -> int:

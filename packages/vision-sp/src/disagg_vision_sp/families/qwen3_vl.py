@@ -30,6 +30,11 @@ class Qwen3VLVision(Qwen2VLVision):
     """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
 
     name: ClassVar[str] = "qwen3_vl"
+
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        return None  # not described for planning yet (DeepStack mergers)
+
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
 
     def deepstack_layers(self) -> int:

@@ -179,12 +179,10 @@ class UlyssesStrategy(Strategy):
 
     @classmethod
     def estimate(cls, query: Any, options: StrategyOptions) -> Any:
-        """Core's ``ulysses`` formulas (exact bytes for vision towers); nothing for other modules."""
-        from disagg.interfaces import VisionShape, analytic_cost
+        """Exact bytes for encoder towers (:mod:`disagg_vision_sp.ulysses.cost`); nothing for decoders."""
+        from disagg_vision_sp.ulysses import cost
 
-        if not isinstance(query.shape, VisionShape):
-            return None
-        return analytic_cost("ulysses", query)
+        return cost.estimate(query)
 
 
 def _capture_runtime() -> Any:

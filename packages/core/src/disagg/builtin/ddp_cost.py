@@ -1,0 +1,52 @@
+"""``ddp``'s cost: every rank a whole replica of the module on its own samples,
+gradients summed over the group in buckets (the base class's reduction).
+
+Exact (equal to what :class:`disagg.interfaces.CommCounter` and
+``Strategy.state_bytes`` count): state bytes, and an encoder's communication.
+"""
+
+from __future__ import annotations
+
+from disagg.interfaces.cost import Cost, CostQuery, assemble, held_tokens, workload
+from disagg.interfaces.cost_rules import (
+    activation_bytes,
+    extra_flops,
+    grad_reduce_calls,
+    recompute_mode,
+    replicated_comm,
+    state_bytes,
+    train_flops,
+    transfer_bytes,
+    with_recompute,
+)
+
+
+def estimate(query: CostQuery) -> Cost:
+    mode = recompute_mode(query.recompute)
+    w = workload(query)
+    shape = query.shape
+    numels = [t.numel for t in shape.tensors()]
+    tokens = held_tokens(query, w)
+    saved = activation_bytes(shape, tokens, w.act_bytes)
+    act = with_recompute(
+        shape,
+        mode,
+        saved,
+        w.act_bytes,
+        full_held=tokens,
+        selective_held=tokens,
+        layer_bytes=lambda one: activation_bytes(one, tokens, w.act_bytes),
+    )
+    work = train_flops(shape, query.seq_len)
+    work += extra_flops(shape, query.seq_len, work, mode)
+    return assemble(
+        w,
+        state_bytes=state_bytes(shape.tensors()),
+        activation_bytes=act,
+        comm=replicated_comm(numels, w),
+        calls=grad_reduce_calls(numels, w.world),
+        flops_per_sample=work,
+        share=1,
+        sent_bytes=transfer_bytes(w),
+        exact=("state_bytes", "comm_bytes") if query.encoder else ("state_bytes",),
+    )

@@ -1,0 +1,209 @@
+"""The formulas strategies share when they state their cost (:mod:`disagg.interfaces.cost`).
+
+**Bytes** are counted as :class:`disagg.interfaces.CommCounter` counts them
+(textbook ring algorithms, what one rank *sends*): all-reduce of ``b`` bytes
+over ``n`` ranks sends ``2(n-1)b/n`` (floored per call), all-gather /
+reduce-scatter of shards of ``b`` bytes send ``(n-1)b``, an all-to-all sends
+everything but its own chunk, a broadcast is counted on its source. Gradients
+reduced by the base class go in 25 MiB buckets (:mod:`disagg.interfaces.buckets`).
+
+**State** is parameters + gradients + AdamW's two moments, all fp32 under the
+dtype rule (16 bytes per element), plus AdamW's 4-byte ``step`` tensor per
+parameter tensor: what :meth:`Strategy.state_bytes` counts after a step.
+
+**Saved activations** are counted per saved tensor as
+:func:`disagg.interfaces.activations.saved_bytes_hooks` counts them. Per token of
+a block, from HF's code (sdpa): each of the two norms its input, the squared
+input and the normalised output (``3H`` + 2 scalars); attention the qkv input
+``H``, q/k/v and the output kept by sdpa ``4H``, the output projection's input
+``H``, rotary cos/sin of q and k ``4·hd``, the log-sum-exp ``heads``; the MLP
+``mlp_in`` inputs of width ``H`` and ``mlp_mid`` tensors of width ``I``
+(SwiGLU: gate, its activation, up, their product). For a Qwen2.5-VL tower in
+fp32 that is exact; elsewhere an estimate. A decoder adds the fp32 logits
+(``2V``·4 bytes) kept for the loss.
+
+**FLOPs**: training = 3 x forward; a matmul counts ``2·m·n·k`` (every weight of
+2+ dims times the rows it sees); encoder attention per window (``window_tokens``
+keys per query) in window blocks and over the whole sequence in full blocks;
+decoder attention causal. Element-wise work is ignored.
+
+**Recomputation** (``parallel.<module>.recompute``): ``full`` keeps each
+block's input and one block's saves while it is replayed and costs one more
+forward of FLOPs (``4/3``); ``selective`` drops what the attention core saves
+beyond its inputs (its output and log-sum-exp) and replays the core's FLOPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from disagg.interfaces.buckets import bucket_sizes
+from disagg.interfaces.cost import GRAD_BYTES, Workload
+from disagg.interfaces.shapes import DecoderShape, EncoderShape, ParamTensor, Shape
+
+STATE_BYTES_PER_ELEMENT = 16  # fp32 parameter, gradient, exp_avg, exp_avg_sq
+STEP_TENSOR_BYTES = 4  # AdamW's per-tensor step count (a 0-d fp32 tensor)
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+# -- collectives ---------------------------------------------------------------------------------
+def all_reduce(nbytes: int, n: int) -> int:
+    return 2 * (n - 1) * nbytes // n if n > 1 else 0
+
+
+def grad_all_reduce(tensors: list[int], n: int) -> int:
+    """``Strategy.reduce_gradients`` of the base class: ``agree_on_grads`` (one int32
+    per tensor) then one all-reduce per 25 MiB bucket of gradients (torch DDP's
+    bucketing, :func:`disagg.interfaces.bucket_sizes`)."""
+    if n == 1:
+        return 0
+    buckets = bucket_sizes(tensors, GRAD_BYTES)
+    return all_reduce(4 * len(tensors), n) + sum(
+        all_reduce(GRAD_BYTES * sum(tensors[i] for i in b), n) for b in buckets
+    )
+
+
+def grad_reduce_calls(tensors: list[int], n: int) -> dict[str, int]:
+    """Calls of the base class's reduction: ``agree_on_grads`` then one all-reduce
+    per bucket, ``1 + buckets``."""
+    return {"all_reduce": 1 + len(bucket_sizes(tensors, GRAD_BYTES))} if n > 1 else {}
+
+
+def replicated_comm(numels: list[int], w: Workload) -> dict[str, int]:
+    """Every rank holds every parameter; gradients are summed over the whole group."""
+    return {"all_reduce": grad_all_reduce(numels, w.world)}
+
+
+def transfer_bytes(w: Workload, split: int = 1) -> int:
+    """Rows a rank ships to the other group: its replica's rows, ``1/split`` of them
+    where ``split`` ranks share each sample's rows."""
+    rows = w.samples_per_replica * w.exchanged_rows
+    if split > 1:
+        rows //= split
+    return rows * w.exchanged_width * w.act_bytes
+
+
+# -- state ---------------------------------------------------------------------------------------
+def state_bytes(tensors: list[ParamTensor], tp_degree: int = 1) -> int:
+    """Parameter + gradient + AdamW bytes on one rank that holds each tensor whole
+    (``tp_degree`` 1) or its tensor-parallel slice."""
+    elems = sum(t.local_numel(tp_degree) for t in tensors)
+    return STATE_BYTES_PER_ELEMENT * elems + STEP_TENSOR_BYTES * len(tensors)
+
+
+# -- saved activations ---------------------------------------------------------------------------
+def block_elems(shape: Shape) -> int:
+    """Saved elements per token of one block (layer) held whole."""
+    h, i, hd, heads = shape.hidden, shape.intermediate, shape.head_dim, shape.heads
+    mlp_in, mlp_mid = (shape.mlp_in, shape.mlp_mid) if isinstance(shape, EncoderShape) else (2, 4)
+    return (12 + mlp_in) * h + 4 * hd + heads + 4 + mlp_mid * i
+
+
+def encoder_activation_bytes(shape: EncoderShape, tokens: int, act_bytes: int) -> int:
+    """Saved bytes of a whole tower on a rank holding ``tokens`` tokens of it."""
+    per_token = shape.input_elems + shape.depth * block_elems(shape) + shape.head_act
+    return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens)
+
+
+def decoder_activation_bytes(shape: DecoderShape, tokens: int, act_bytes: int) -> int:
+    """Saved bytes of a whole decoder for ``tokens`` tokens in one forward (an estimate)."""
+    logits = 2 * shape.vocab * 4 / act_bytes  # fp32, in units of act_bytes
+    head = 4 * shape.hidden + logits
+    return int(tokens * (shape.layers * block_elems(shape) + head) * act_bytes)
+
+
+def activation_bytes(shape: Shape, tokens: int, act_bytes: int) -> int:
+    if isinstance(shape, EncoderShape):
+        return encoder_activation_bytes(shape, tokens, act_bytes)
+    return decoder_activation_bytes(shape, tokens, act_bytes)
+
+
+# -- FLOPs ---------------------------------------------------------------------------------------
+def encoder_flops(shape: EncoderShape, n: int) -> float:
+    """One sample of ``n`` encoder tokens."""
+    dense = 2 * sum(t.matmul_rows(n) * t.numel for t in shape.tensors())
+    full = len(shape.full_blocks)
+    attn = 4 * n * shape.hidden * (full * n + (shape.depth - full) * min(shape.window_tokens, n))
+    return 3.0 * (dense + attn)
+
+
+def decoder_flops(shape: DecoderShape, n: int) -> float:
+    """One sequence of ``n`` tokens."""
+    h, i, hd = shape.hidden, shape.intermediate, shape.head_dim
+    q, kv = shape.heads * hd, shape.kv_heads * hd
+    per_layer = 2 * n * (h * (q + 2 * kv) + q * h + 3 * h * i) + 2 * n * n * q  # causal QK^T and AV
+    return 3.0 * (shape.layers * per_layer + 2 * n * h * shape.vocab)
+
+
+def train_flops(shape: Shape, n: int) -> float:
+    return encoder_flops(shape, n) if isinstance(shape, EncoderShape) else decoder_flops(shape, n)
+
+
+# -- recomputation -------------------------------------------------------------------------------
+def recompute_mode(value: str | bool | None) -> str:
+    """``recompute`` as a mode (``True`` is the old spelling of ``full``)."""
+    if value is True:
+        return "full"
+    if value in (False, None):
+        return "none"
+    if value not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {value!r} is not one of: {', '.join(RECOMPUTE_MODES)}")
+    return str(value)
+
+
+def blocks_of(shape: Shape) -> int:
+    return shape.depth if isinstance(shape, EncoderShape) else shape.layers
+
+
+def one_block(shape: Shape) -> Shape:
+    """``shape`` cut to one block (what is live while one block is replayed)."""
+    if isinstance(shape, EncoderShape):
+        return replace(shape, depth=1, full_blocks=(0,) if shape.full_blocks else ())
+    return replace(shape, layers=1)
+
+
+def recomputed_activation_bytes(
+    shape: Shape, held: int, act_bytes: int, layer_bytes: Callable[[Shape], int]
+) -> int:
+    """Saved bytes under ``full`` recomputation: each block's input for the ``held``
+    tokens the rank keeps, plus ``layer_bytes(one_block(shape))`` (the strategy's own
+    count of one block's saves, and a decoder's logits)."""
+    return blocks_of(shape) * held * shape.hidden * act_bytes + layer_bytes(one_block(shape))
+
+
+def extra_flops(shape: Shape, seq_len: int, flops: float, mode: str) -> float:
+    """FLOPs per sample a replay adds to ``flops`` (forward + backward)."""
+    if mode == "full":
+        return flops / 3.0
+    if mode == "selective":
+        if isinstance(shape, EncoderShape):
+            full = len(shape.full_blocks)
+            n = seq_len
+            return 4.0 * n * shape.hidden * (full * n + (shape.depth - full) * min(shape.window_tokens, n))
+        return 2.0 * seq_len * seq_len * shape.heads * shape.head_dim * shape.layers
+    return 0.0
+
+
+def selective_saving(shape: Shape, tokens_held: int, act_bytes: int) -> int:
+    """Bytes ``selective`` does not hold: per block and held token, the attention
+    output (``H``) and the log-sum-exp (``heads``) that the core saved."""
+    return int(blocks_of(shape) * tokens_held * (shape.hidden + shape.heads) * act_bytes)
+
+
+def with_recompute(
+    shape: Shape,
+    mode: str,
+    saved: int,
+    act_bytes: int,
+    *,
+    full_held: int,
+    selective_held: int,
+    layer_bytes: Callable[[Shape], int],
+) -> int:
+    """``saved`` (the bytes held without recomputation) under ``mode``."""
+    if mode == "full":
+        return recomputed_activation_bytes(shape, full_held, act_bytes, layer_bytes)
+    if mode == "selective":
+        return saved - selective_saving(shape, selective_held, act_bytes)
+    return saved

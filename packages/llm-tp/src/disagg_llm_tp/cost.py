@@ -1,0 +1,250 @@
+"""``megatron_tp``'s cost, with or without sequence parallelism: each rank of a
+degree-``d`` group holds ``1/d`` of the column / row / vocabulary-parallel
+weights and the rest whole, and every sample's whole sequence.
+
+Exact (equal to what :class:`disagg.interfaces.CommCounter` and
+``Strategy.state_bytes`` count): state bytes, and an encoder's communication
+without sequence parallelism; saved activations of a Qwen2.5-VL tower in fp32.
+With sequence parallelism and for a decoder, communication is an estimate.
+
+Notation: ``W = degree x replicas`` ranks; a replica gets ``s = ceil(samples /
+replicas)`` samples of ``N`` tokens; ``e`` bytes per activation element;
+gradients are fp32 (4 bytes); ``H`` hidden, ``I`` MLP width, ``O`` the
+merger's output width, ``U`` tokens per merged row, ``L`` blocks / layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg.interfaces.cost import (
+    GRAD_BYTES,
+    Cost,
+    CostQuery,
+    DecoderShape,
+    EncoderShape,
+    ParamTensor,
+    Shape,
+    Workload,
+    assemble,
+    held_tokens,
+    workload,
+)
+from disagg.interfaces.cost_rules import (
+    activation_bytes as whole_activation_bytes,
+)
+from disagg.interfaces.cost_rules import (
+    all_reduce,
+    blocks_of,
+    extra_flops,
+    recompute_mode,
+    state_bytes,
+    train_flops,
+    transfer_bytes,
+    with_recompute,
+)
+
+#: searched by ``disagg plan`` beside the defaults
+OPTION_VARIANTS: list[dict[str, Any]] = [{}, {"sequence_parallel": True}]
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+def encoder_comm(shape: EncoderShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
+    """Without sequence parallelism, per block and sample: the column layers
+    (qkv, gate, up) all-reduce their input gradient and the row layers (proj, down)
+    their output: ``5 · ar(N·H·e)``; the merger adds ``ar(N·H·e)`` (mlp.0's input
+    gradient) and ``ar(N/U·O·e)`` (mlp.2's output). Shard 0 broadcasts the output
+    gradient to its peers in backward (``N/U·O·e``). Replicas > 1 all-reduce every
+    local gradient in one flat buffer; the global norm is one float64 all-reduce.
+    Exact without sequence parallelism.
+
+    With it (an estimate, not asserted): per block the two norm gathers (all-gather
+    forward, reduce-scatter backward, one re-gather of the saved shard) and the two
+    row reduce-scatters (all-gather backward): 6 all-gathers and 4 reduce-scatters of
+    ``(d-1)·ceil(N/d)·H·e``; the merger's norm gather adds 2 + 1, the first block's
+    split 1 all-gather in backward."""
+    d, s, n = w.degree, w.samples_per_replica, w.seq_len
+    h, e = shape.hidden, w.act_bytes
+    rows = n // shape.unit
+    out: dict[str, int] = {}
+    if not sequence_parallel:
+        per_sample = (5 * shape.depth + 1) * all_reduce(n * h * e, d) + all_reduce(
+            rows * shape.out_hidden * e, d
+        )
+        out["all_reduce"] = s * per_sample
+    else:
+        c = -(-n // d)
+        shard = (d - 1) * c * h * e
+        out["all_gather"] = s * (6 * shape.depth + 3) * shard
+        out["reduce_scatter"] = s * (4 * shape.depth + 1) * shard
+        out["all_reduce"] = s * all_reduce(rows * shape.out_hidden * e, d)
+        partial = [t.numel for t in shape.tensors() if t.tp == "replicated" and "patch_embed" not in t.name]
+        out["all_reduce"] += all_reduce(GRAD_BYTES * sum(partial), w.world)
+    if d > 1:
+        out["broadcast"] = s * rows * shape.out_hidden * e
+    out["all_reduce"] = out.get("all_reduce", 0) + _grad_reduce(shape.tensors(), w)
+    return out
+
+
+def decoder_comm(shape: DecoderShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
+    """Per layer and sample of ``N`` tokens: q, k, v, gate, up all-reduce their input
+    gradient, o and down their output (``7 · ar(N·H·e)``); the vocabulary-parallel
+    embedding all-reduces its output and the output layer its input gradient; the
+    vocabulary-parallel cross entropy all-reduces three fp32 values per token. With
+    sequence parallelism the layer all-reduces become all-gathers/reduce-scatters of
+    ``ceil(N/d)`` tokens. An estimate (the exact figure depends on which tokens
+    require a gradient)."""
+    d, s, n = w.degree, w.samples_per_replica, w.seq_len
+    h, e = shape.hidden, w.act_bytes
+    out: dict[str, int] = {}
+    per = all_reduce(n * h * e, d) + 3 * 2 * (d - 1) * 4 * n // max(d, 1)
+    partial = 0
+    if not sequence_parallel:
+        per += (7 * shape.layers + 1) * all_reduce(n * h * e, d)
+    else:
+        c = -(-n // d)
+        shard = (d - 1) * c * h * e
+        out["all_gather"] = s * (6 * shape.layers + 3) * shard
+        out["reduce_scatter"] = s * (4 * shape.layers + 1) * shard
+        norms = [t.numel for t in shape.tensors() if t.tp == "replicated"]
+        partial = all_reduce(GRAD_BYTES * sum(norms), w.world)
+    out["all_reduce"] = s * per + partial + _grad_reduce(shape.tensors(), w)
+    return out
+
+
+def _grad_reduce(tensors: list[ParamTensor], w: Workload) -> int:
+    """``agree_on_grads`` over the group (one int32 per tensor), replicas sum
+    their local gradients (one flat buffer), the global grad norm is one float64
+    scalar all-reduced over the group."""
+    agree = all_reduce(4 * len(tensors), w.world)
+    dp = all_reduce(GRAD_BYTES * sum(t.local_numel(w.degree) for t in tensors), w.replicas)
+    return agree + dp + all_reduce(8, w.world)
+
+
+# -- calls ---------------------------------------------------------------------------------------
+def _grad_calls(w: Workload) -> dict[str, int]:
+    """The reduction: ``agree_on_grads`` and the global-norm scalar over the group,
+    one flat all-reduce over replicas when there are several."""
+    if w.world == 1:
+        return {}
+    return {"all_reduce": 2 + (1 if w.replicas > 1 else 0)}
+
+
+def encoder_calls(shape: EncoderShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
+    """Per image (an encoder's samples are encoded one by one), as :func:`encoder_comm`
+    sums bytes: without sequence parallelism ``5·L + 2`` all-reduces; with it
+    ``6·L + 3`` all-gathers, ``4·L + 1`` reduce-scatters and the merger's all-reduce;
+    shard 0's broadcast of the output gradient. Once per step: the gradient reduction
+    (and, with sequence parallelism, the partial norms' all-reduce)."""
+    d, m = w.degree, max(w.samples_per_replica, w.microbatches)
+    out = _grad_calls(w)
+    if d > 1:
+        if sequence_parallel:
+            out["all_gather"] = m * (6 * shape.depth + 3)
+            out["reduce_scatter"] = m * (4 * shape.depth + 1)
+            out["all_reduce"] = out.get("all_reduce", 0) + m + 1
+        else:
+            out["all_reduce"] = out.get("all_reduce", 0) + m * (5 * shape.depth + 2)
+        out["broadcast"] = m
+    return out
+
+
+def decoder_calls(shape: DecoderShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
+    """Per microbatch, as :func:`decoder_comm` sums bytes: the vocabulary-parallel
+    embedding's output all-reduce, the cross entropy's three (max, sum of
+    exponentials, target logit), and without sequence parallelism ``7·L + 1``
+    layer all-reduces (with it ``6·L + 3`` all-gathers and ``4·L + 1``
+    reduce-scatters, and one all-reduce of the norms' partial gradients per step)."""
+    d, m = w.degree, w.microbatches
+    out = _grad_calls(w)
+    if d > 1:
+        per = 1 + 3
+        if sequence_parallel:
+            out["all_gather"] = m * (6 * shape.layers + 3)
+            out["reduce_scatter"] = m * (4 * shape.layers + 1)
+            out["all_reduce"] = out.get("all_reduce", 0) + 1
+        else:
+            per += 7 * shape.layers + 1
+        out["all_reduce"] = out.get("all_reduce", 0) + m * per
+    return out
+
+
+# -- saved activations ---------------------------------------------------------------------------
+def activation_bytes(shape: Shape, tokens: int, degree: int, act_bytes: int, sequence_parallel: bool) -> int:
+    """Saved bytes on one rank for ``tokens`` tokens: the column outputs and what
+    follows them are split ``1/d``, the rest is a full replica; sequence parallelism
+    also splits the norms and saves the column inputs as shards."""
+    d = degree
+    if d == 1:
+        return whole_activation_bytes(shape, tokens, act_bytes)
+    h, i, hd, heads = shape.hidden, shape.intermediate, shape.head_dim, shape.heads
+    if isinstance(shape, EncoderShape):
+        mlp_in, mlp_mid = shape.mlp_in, shape.mlp_mid
+        if sequence_parallel:
+            block_tp = ((12 + mlp_in) * h + heads + 4 + mlp_mid * i) / d + 4 * hd
+            merger_tp = (4 * h + 2) / d + 2 * h / d
+        else:
+            block_tp = (7 + mlp_in) * h + 4 + 4 * hd + (5 * h + heads + mlp_mid * i) / d
+            merger_tp = 4 * h + 2 + 2 * h / d
+        per_token = shape.input_elems + shape.depth * block_tp + merger_tp
+        return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens)
+    logits = 2 * shape.vocab * 4 / act_bytes  # fp32, in units of act_bytes
+    if sequence_parallel:
+        layer = (14 * h + heads + 4 + 4 * i) / d + 4 * hd
+        head = (4 * h) / d + logits / d
+    else:
+        layer = 9 * h + 4 + 4 * hd + (5 * h + heads + 4 * i) / d
+        head = 4 * h + logits / d
+    return int(tokens * (shape.layers * layer + head) * act_bytes)
+
+
+def replay(
+    shape: Shape, w: Workload, sequence_parallel: bool, mode: str
+) -> tuple[dict[str, int], dict[str, int]]:
+    """A ``full`` replay runs the blocks' forward collectives again: the row outputs'
+    all-reduces (with sequence parallelism their reduce-scatters; the norm gathers
+    replace the backward re-gathers of the saved shards, so all-gathers stay as many)."""
+    if mode != "full" or w.degree == 1:
+        return {}, {}
+    s, m, e, h = w.samples_per_replica, w.microbatches, w.act_bytes, shape.hidden
+    blocks, n = blocks_of(shape), w.seq_len
+    if isinstance(shape, EncoderShape):
+        m = max(s, m)  # an encoder's samples are encoded one by one (encoder_calls)
+    if sequence_parallel:
+        shard = (w.degree - 1) * -(-n // w.degree) * h * e
+        return {"reduce_scatter": s * 2 * blocks * shard}, {"reduce_scatter": 2 * blocks * m}
+    return {"all_reduce": s * 2 * blocks * all_reduce(n * h * e, w.degree)}, {"all_reduce": 2 * blocks * m}
+
+
+def estimate(query: CostQuery, sequence_parallel: bool) -> Cost:
+    shape, sp = query.shape, sequence_parallel
+    mode = recompute_mode(query.recompute)
+    w = workload(query)
+    d = w.degree
+    enc = isinstance(shape, EncoderShape)
+    comm = encoder_comm(shape, w, sp) if enc else decoder_comm(shape, w, sp)  # type: ignore[arg-type]
+    calls = encoder_calls(shape, w, sp) if enc else decoder_calls(shape, w, sp)  # type: ignore[arg-type]
+    tokens = held_tokens(query, w)
+    act = with_recompute(
+        shape,
+        mode,
+        activation_bytes(shape, tokens, d, w.act_bytes, sp),
+        w.act_bytes,
+        full_held=-(-tokens // d) if sp else tokens,
+        selective_held=tokens,
+        layer_bytes=lambda one: activation_bytes(one, tokens, d, w.act_bytes, sp),
+    )
+    work = train_flops(shape, query.seq_len)
+    work += extra_flops(shape, query.seq_len, work, mode)
+    return assemble(
+        w,
+        state_bytes=state_bytes(shape.tensors(), d),
+        activation_bytes=act,
+        comm=comm,
+        calls=calls,
+        flops_per_sample=work,
+        share=d,
+        sent_bytes=transfer_bytes(w),
+        exact=("state_bytes", "comm_bytes") if enc and not sp else ("state_bytes",),
+        replay=replay(shape, w, sp, mode),
+    )

@@ -1,0 +1,100 @@
+"""``ulysses``'s cost: each rank of a degree-``d`` group holds ``1/d`` of every
+sample's tokens and all of the tower's parameters; full-attention blocks
+exchange heads for tokens with two all-to-alls forward and two backward; window
+blocks move nothing; gradients are summed over the group as ``ddp`` sums them.
+
+Exact (equal to what :class:`disagg.interfaces.CommCounter` and
+``Strategy.state_bytes`` count): state bytes and communication, byte for byte
+and call for call; saved activations of a Qwen2.5-VL tower in fp32.
+"""
+
+from __future__ import annotations
+
+from disagg.interfaces.cost import Cost, CostQuery, EncoderShape, Workload, assemble, held_tokens, workload
+from disagg.interfaces.cost_rules import (
+    block_elems,
+    extra_flops,
+    grad_reduce_calls,
+    recompute_mode,
+    replicated_comm,
+    state_bytes,
+    train_flops,
+    transfer_bytes,
+    with_recompute,
+)
+
+
+def all_to_all_bytes(shape: EncoderShape, w: Workload) -> int:
+    """Per full-attention block, forward: q/k/v of the rank's ``n = sN/d`` tokens
+    for the other shards' heads ``(d-1)·n·3·(H/d)·e`` and the attention output of
+    the other shards' tokens for its heads ``(sN - n)·(H/d)·e``; backward sends the
+    same two exchanges reversed. With an even split (``n = sN/d``, true when each
+    replica's tokens per microbatch divide into ``d`` whole attention windows) that
+    is ``8·(d-1)·n·(H/d)·e`` per block."""
+    d = w.degree
+    if d == 1:
+        return 0
+    n_local = w.tokens_per_replica // d
+    return len(shape.full_blocks) * 8 * (d - 1) * n_local * (shape.hidden // d) * w.act_bytes
+
+
+def activation_bytes(shape: EncoderShape, tokens: int, degree: int, act_bytes: int) -> int:
+    """Saved bytes on one rank while ``tokens`` tokens of the whole sequence are in
+    flight (it holds ``tokens / degree``; it permutes pixels, not an index)."""
+    per_token = (shape.input_elems + shape.depth * block_elems(shape) + shape.head_act) / degree
+    return int(tokens * per_token * act_bytes)
+
+
+def replay(shape: EncoderShape, w: Workload, mode: str) -> tuple[dict[str, int], dict[str, int]]:
+    """A ``full`` replay runs the forward's two all-to-alls per full-attention block again."""
+    if mode != "full" or w.degree == 1:
+        return {}, {}
+    full = len(shape.full_blocks)
+    n_local = w.tokens_per_replica // w.degree
+    return (
+        {"all_to_all": full * 4 * (w.degree - 1) * n_local * (shape.hidden // w.degree) * w.act_bytes},
+        {"all_to_all": 2 * full * w.microbatches},
+    )
+
+
+def estimate(query: CostQuery) -> Cost | None:
+    """Nothing for a decoder: ``ulysses`` shards encoder towers only."""
+    shape = query.shape
+    if not isinstance(shape, EncoderShape):
+        return None
+    mode = recompute_mode(query.recompute)
+    w = workload(query)
+    d = w.degree
+    numels = [t.numel for t in shape.tensors()]
+    comm = replicated_comm(numels, w)
+    calls = grad_reduce_calls(numels, w.world)
+    a2a = all_to_all_bytes(shape, w)
+    if a2a:
+        comm["all_to_all"] = a2a
+    if d > 1:
+        calls["all_to_all"] = 4 * len(shape.full_blocks) * w.microbatches
+    tokens = held_tokens(query, w)
+    held = -(-tokens // d)
+    act = with_recompute(
+        shape,
+        mode,
+        activation_bytes(shape, tokens, d, w.act_bytes),
+        w.act_bytes,
+        full_held=held,
+        selective_held=held,
+        layer_bytes=lambda one: activation_bytes(one, tokens, d, w.act_bytes),  # type: ignore[arg-type]
+    )
+    work = train_flops(shape, query.seq_len)
+    work += extra_flops(shape, query.seq_len, work, mode)
+    return assemble(
+        w,
+        state_bytes=state_bytes(shape.tensors()),
+        activation_bytes=act,
+        comm=comm,
+        calls=calls,
+        flops_per_sample=work,
+        share=d,
+        sent_bytes=transfer_bytes(w, split=d),
+        exact=("state_bytes", "comm_bytes"),
+        replay=replay(shape, w, mode),
+    )
