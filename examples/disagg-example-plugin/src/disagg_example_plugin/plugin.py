@@ -11,7 +11,8 @@ It implements two hooks of :mod:`disagg.hookspecs`:
   ``DISAGG_EXAMPLE_CSV`` (does nothing when it is unset);
 - ``disagg_register_strategies``: registers ``example_ddp``, plain data
   parallelism with one option, to show how a strategy declares and validates
-  its extra ``parallel.<module>`` keys.
+  its extra ``parallel.<module>`` keys, and states its own cost
+  (:mod:`disagg_example_plugin.cost`) so that ``disagg plan`` ranks it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pydantic import Field
 from torch import nn
 
 import disagg
-from disagg.interfaces import Family, Strategy, StrategyOptions
+from disagg.interfaces import Cost, CostQuery, Family, Strategy, StrategyOptions
 
 CSV_ENV = "DISAGG_EXAMPLE_CSV"
 
@@ -53,6 +54,12 @@ class ExampleDDP(Strategy):
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         return module
+
+    @classmethod
+    def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:
+        from disagg_example_plugin import cost
+
+        return cost.estimate(query)
 
 
 @disagg.hookimpl

@@ -90,12 +90,39 @@ LAYOUTS_32B: dict[str, dict[str, Any]] = {
 }
 
 
+def third_party_layouts(strategies: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``uniform_<name>`` for every installed strategy none of :data:`LAYOUTS_32B` names:
+    both modules under it, at degree 8 where its ``check`` accepts that, else 8 replicas."""
+    named = {g["strategy"] for layout in LAYOUTS_32B.values() for g in layout.values()}
+    out = {}
+    for name in sorted(set(strategies) - named):
+        cls = strategies[name]
+        try:
+            wide = not cls.check(None, 8, 1, cls.options_model())
+        except Exception:  # a check that needs the family: the data-parallel mesh
+            wide = False
+        group = {"strategy": name, "degree": 8} if wide else {"strategy": name, "replicas": 8}
+        out[f"uniform_{name}"] = {"vision": dict(group), "llm": dict(group)}
+    return out
+
+
 def predict_published(
-    vision_tokens: list[int], recompute: tuple[str, ...] = ("none", "full")
+    vision_tokens: list[int],
+    recompute: tuple[str, ...] = ("none", "full"),
+    strategies: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per recompute mode, layout and vision length: predicted step time,
-    tokens/s, memory per GPU (and whether it fits 80 GB), bytes per GPU."""
+    tokens/s, memory per GPU (and whether it fits 80 GB), bytes per GPU. Every strategy
+    is asked for its own cost (``strategies``: name -> class, default the installed
+    ones); a third party's appears as ``uniform_<name>`` (:func:`third_party_layouts`),
+    left out where its hook states no cost for a module."""
     from disagg.plan.published import published_shapes
+
+    if strategies is None:
+        from disagg.plugins import get_registry
+
+        strategies = get_registry().strategies
+    layouts = {**LAYOUTS_32B, **third_party_layouts(strategies)}
 
     shapes = published_shapes(QWEN2_5_VL_32B)
     vision, llm = shapes["vision"], shapes["llm"]
@@ -103,7 +130,7 @@ def predict_published(
     rows = []
     for mode, n in ((m, n) for m in recompute for n in vision_tokens):
         llm_len = n // vision.unit + TEXT_TOKENS
-        for name, layout in LAYOUTS_32B.items():
+        for name, layout in layouts.items():
             costs, seconds, memory = {}, 0.0, 0
             for module, shape, seq in (("vision", vision, n), ("llm", llm, llm_len)):
                 g = layout[module]
@@ -113,22 +140,30 @@ def predict_published(
                     if module == "vision"
                     else {"exchanged_rows": n // vision.unit, "exchanged_width": vision.out_hidden}
                 )
-                cost = predict(
-                    shape,
-                    g["strategy"],
-                    degree,
-                    replicas,
-                    seq,
-                    "bfloat16",
-                    samples=SAMPLES,
-                    microbatches=1 if g["strategy"] == "zero" else SAMPLES,
-                    options={k: v for k, v in g.items() if k not in ("strategy", "degree", "replicas")},
-                    recompute=mode,
-                    **kw,
-                )
+                try:
+                    cost = predict(
+                        shape,
+                        g["strategy"],
+                        degree,
+                        replicas,
+                        seq,
+                        "bfloat16",
+                        samples=SAMPLES,
+                        microbatches=SAMPLES // replicas,  # one sample per replica per microbatch
+                        options={k: v for k, v in g.items() if k not in ("strategy", "degree", "replicas")},
+                        recompute=mode,
+                        strategies=strategies,
+                        **kw,
+                    )
+                except ValueError:
+                    if name in LAYOUTS_32B:
+                        raise
+                    break  # a third party's strategy that states no cost for this module
                 costs[module] = cost.to_dict()
                 seconds += cost.flops / (PEAK_FLOPS * MFU) + cost.comm_bytes / LINK_BYTES_PER_S
                 memory += cost.memory_bytes
+            if len(costs) < 2:
+                continue
             tokens = SAMPLES * llm_len
             rows.append(
                 {
