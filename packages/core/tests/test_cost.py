@@ -157,8 +157,12 @@ def test_bad_input_is_named():
 
 def test_published_prediction_is_complete():
     rows = predict_published([4096, 65536])
+    from disagg.bench.published import third_party_layouts
+    from disagg.plugins import get_registry
+
+    every = {**LAYOUTS_32B, **third_party_layouts(get_registry().strategies)}
     assert {(r["layout"], r["vision_tokens"]) for r in rows} == {
-        (name, n) for name in LAYOUTS_32B for n in (4096, 65536)
+        (name, n) for name in every for n in (4096, 65536)
     }
     by = {(r["layout"], r["vision_tokens"]): r for r in rows}
     for n in (4096, 65536):

@@ -60,6 +60,8 @@ def plan(
     per_module: dict[str, list[tuple[Group, StrategyOptions]]] = {m: [] for m in modules}
     reports: dict[str, bool] = {}
     not_for: dict[str, list[str]] = {m: [] for m in modules}
+    # a family's check reads its model dir's config each time: once per (module, strategy, mesh)
+    checked: dict[tuple[Any, ...], list[str]] = {}
     for name, cls in sorted(strategies.items()):
         for m in modules:
             found = False
@@ -75,7 +77,7 @@ def plan(
                 found = True
                 for d, r in _meshes(cluster.devices, work.samples):
                     group = Group(m, name, d, r, opts)
-                    if _valid(cls, group, options, work, (families or {}).get(m)):
+                    if _valid(cls, group, options, work, (families or {}).get(m), checked):
                         per_module[m].append((group, options))
             reports[name] = reports.get(name, False) or found
             if not found:
@@ -162,14 +164,24 @@ def _probe(
 
 
 def _valid(
-    cls: type[Strategy], group: Group, options: StrategyOptions, work: Workload, family: Family | None
+    cls: type[Strategy],
+    group: Group,
+    options: StrategyOptions,
+    work: Workload,
+    family: Family | None,
+    checked: dict[tuple[Any, ...], list[str]] | None = None,
 ) -> bool:
     """The strategy's (and family's) own checks when a family is at hand; else a degree must
-    divide the module's heads (how sequence- and tensor-parallel strategies split attention)."""
+    divide the module's heads (how sequence- and tensor-parallel strategies split attention).
+    ``checked``: the family's answers so far, by (module, strategy, degree, replicas)."""
     try:
         problems = cls.check(family, group.degree, group.replicas, options)  # type: ignore[arg-type]
         if family is not None:
-            problems = problems + family.check(group.strategy, group.degree, group.replicas)
+            key = (group.module, group.strategy, group.degree, group.replicas)
+            cache = {} if checked is None else checked
+            if key not in cache:
+                cache[key] = family.check(group.strategy, group.degree, group.replicas)
+            problems = problems + cache[key]
     except Exception:  # checks that need the family's model dir: fall back to the shape's rule
         if family is not None:
             return False

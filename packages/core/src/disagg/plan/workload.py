@@ -10,6 +10,7 @@ from disagg.config.schema import Config
 from disagg.cost.shapes import shapes_for
 from disagg.interfaces import Family
 from disagg.interfaces.cost import Shape
+from disagg.interfaces.family import link_to_llm
 from disagg.plan.model import Workload
 from disagg.plugins import Registry
 
@@ -46,6 +47,10 @@ def config_families(cfg: Config, registry: Registry) -> dict[str, Family]:
             out[m] = cls(spec.path, spec.options)
         except Exception:  # validation reports it; the planner then uses the shape's rule
             continue
+    try:  # an encoder sized by the LLM (a projector to its width) learns it as in a run
+        link_to_llm(out)
+    except Exception:  # the LLM family could not say: the encoder's own check names the option
+        pass
     return out
 
 

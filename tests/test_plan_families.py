@@ -1,0 +1,136 @@
+"""Planning beyond Qwen2.5-VL, and a third party's cost hook, through ``disagg plan``
+and ``disagg bench --predict`` (issue 24): a LLaVA config and a Whisper (audio)
+config plan from their ``config.json`` values alone (each family describes its
+module, ``Family.planning_shape``), and the example plugin's ``example_ddp``, which
+states its own cost, is ranked beside the first-party strategies and predicted on
+the published setting. Config values only: no weights, no actor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("disagg_vision_sp")
+pytest.importorskip("disagg_llm_tp")
+pytest.importorskip("disagg_audio")
+
+#: LLaVA-1.5-7B's config values (CLIP ViT-L/14-336 + Llama-2-7B)
+LLAVA = {
+    "model_type": "llava",
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "vision_config": {
+        "model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+        "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "image_size": 336,
+    },
+    "text_config": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+    },
+}  # fmt: skip
+#: Whisper-small's encoder config values and Qwen2-0.5B's
+WHISPER = {
+    "model_type": "whisper", "d_model": 768, "encoder_layers": 12, "encoder_attention_heads": 12,
+    "encoder_ffn_dim": 3072, "num_mel_bins": 80, "max_source_positions": 1500,
+}  # fmt: skip
+QWEN2 = {
+    "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def _config(root: Path, model: dict) -> Path:
+    for spec in model.values():
+        d = root / spec["path"]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(spec.pop("config")))
+        spec["path"] = str(d)
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump({"model": model, "output_dir": str(root / "run")}))
+    return path
+
+
+def _plan(config: Path, tmp: Path, *extra: str) -> list[dict]:
+    from disagg.cli.main import main
+
+    out = tmp / "plan.json"
+    argv = [
+        "plan",
+        str(config),
+        "--cluster",
+        "h100x8",
+        "--gpus",
+        "4",
+        "--samples",
+        "4",
+        "--text-tokens",
+        "128",
+    ]
+    assert main([*argv, *extra, "--json", str(out)]) == 0
+    return json.loads(out.read_text())["ranked"]
+
+
+def test_llava_plans(tmp_path, capsys):
+    cfg = _config(
+        tmp_path,
+        {
+            "vision": {"family": "llava", "path": "llava", "config": LLAVA},
+            "llm": {"family": "llama", "path": "llava", "config": LLAVA},
+        },
+    )
+    ranked = _plan(cfg, tmp_path, "--vision-tokens", "577")
+    assert ranked and "best: vision=" in capsys.readouterr().out
+    best = ranked[0]["groups"]
+    # the CLIP tower's parameters (23 of its 24 layers run) and Llama-7B's, as the families list them
+    assert best["vision"]["flops"] > 0 and best["llm"]["state_bytes"] > 0
+    strategies = {m: {r["parallel"][m]["strategy"] for r in ranked} for m in ("vision", "llm")}
+    assert {"ulysses", "megatron_tp"} <= strategies["vision"] and "megatron_tp" in strategies["llm"]
+
+
+def test_whisper_plans_and_the_third_party_strategy_is_ranked(tmp_path):
+    from disagg.plugins import get_registry
+
+    if "example_ddp" not in get_registry().strategies:
+        pytest.skip("the example plugin is not installed")
+    cfg = _config(
+        tmp_path,
+        {
+            "audio": {"family": "whisper", "path": "whisper", "config": WHISPER},
+            "llm": {"family": "qwen2", "path": "qwen2", "config": QWEN2},
+        },
+    )
+    ranked = _plan(cfg, tmp_path, "--audio-tokens", "1500")
+    assert ranked
+    # 1500 positions pooled by 2 (the family's default stride): 750 rows to the LLM
+    first = ranked[0]["groups"]
+    assert first["audio"]["sent_bytes"] % 750 == 0 and first["llm"]["flops"] > 0
+    third = [
+        r
+        for r in ranked
+        if "example_ddp" in {g["strategy"] for g in r["parallel"].values() if "strategy" in g}
+    ]
+    assert third, "example_ddp states its own cost: its layouts are ranked"
+    assert ranked[0]["step_time_s"] == min(r["step_time_s"] for r in ranked)
+    assert {
+        r["groups"]["audio"]["exact"] == ["state_bytes"]
+        for r in third
+        if r["parallel"]["audio"]["strategy"] == "example_ddp"
+    } <= {True}
+
+
+def test_the_third_party_strategy_is_predicted_on_the_published_setting():
+    from disagg.bench.published import LAYOUTS_32B, predict_published
+    from disagg.plugins import get_registry
+
+    strategies = get_registry().strategies
+    if "example_ddp" not in strategies:
+        pytest.skip("the example plugin is not installed")
+    rows = predict_published([4096], recompute=("none",))
+    layouts = {r["layout"] for r in rows}
+    assert set(LAYOUTS_32B) <= layouts and "uniform_example_ddp" in layouts
+    row = next(r for r in rows if r["layout"] == "uniform_example_ddp")
+    # 8 whole replicas of a 32B model: state alone is 16 bytes per parameter, far over 80 GB
+    assert not row["fits"] and row["groups"]["llm"]["state_bytes"] > 16 * 30e9
