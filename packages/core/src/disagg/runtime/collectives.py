@@ -2,7 +2,7 @@
 
 A rank whose collective times out or fails (a peer skipped it, NCCL broke)
 raises in its own call: the error names the module, the rank and the
-collective, and it is a :class:`~disagg.runtime.orchestrator.GroupFailure`,
+collective, and it is a :class:`~disagg.runtime.failures.GroupFailure`,
 never a dead node, so recovery does not restart into the same failure. NCCL
 names the collective in its own words (``OpType=ALLREDUCE``); gloo does not,
 so the rank's last counted collective stands in.

@@ -12,7 +12,7 @@ from typing import Any
 
 from disagg.config.schema import Config
 from disagg.runtime.checkpoint import latest_checkpoint
-from disagg.runtime.orchestrator import ActorDied
+from disagg.runtime.failures import ActorDied
 
 log = logging.getLogger("disagg.recovery")
 

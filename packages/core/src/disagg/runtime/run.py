@@ -19,7 +19,8 @@ from disagg.metrics.step import step_record, summarize
 from disagg.plugins import Registry, get_registry, notify
 from disagg.runtime.checkpoint import load_checkpoint, save_checkpoint
 from disagg.runtime.evaluation import Evaluation, eval_samples
-from disagg.runtime.orchestrator import ActorDied, Orchestrator
+from disagg.runtime.failures import ActorDied
+from disagg.runtime.orchestrator import Orchestrator
 from disagg.runtime.plan import make_plan
 from disagg.runtime.recovery import recover
 from disagg.runtime.routing import contiguous

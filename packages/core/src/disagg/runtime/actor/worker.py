@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -34,70 +33,30 @@ from disagg.interfaces import (
     compute_dtype,
     dropout_seed,
 )
-from disagg.interfaces.activations import saved_bytes_hooks
 from disagg.metrics.record import RankRecord
-from disagg.runtime.actor.device_stats import DeviceTimer, record_memory
-from disagg.runtime.collectives import collective_name, is_collective_error
+from disagg.runtime.actor.accounting import Accounting
+from disagg.runtime.actor.errors import WorkerError, worker_error
+from disagg.runtime.actor.process_group import init_group
 
-
-class WorkerError(RuntimeError):
-    """An exception inside an actor, with the module and rank that raised it,
-    and the collective when one failed (timed out, aborted, mismatched)."""
-
-    def __init__(
-        self, message: str, module: str | None = None, rank: int | None = None, collective: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.module, self.rank, self.collective = module, rank, collective
-
-    def __reduce__(self) -> tuple:  # the attributes survive Ray's pickling to the driver
-        return (type(self), (str(self), self.module, self.rank, self.collective))
+__all__ = ["ModuleWorker", "WorkerError"]
 
 
 def _named(fn: Callable) -> Callable:
     # Errors must name the module and rank; Ray alone reports an opaque actor id.
     @functools.wraps(fn)
     def wrapper(self: ModuleWorker, *args: Any, **kwargs: Any) -> Any:
-        rec = self.record  # step() starts a new record; this call's time belongs to the old one
-        t0, waited = time.perf_counter(), rec.wait_s
-        start = self.timer.start() if fn.__name__ in _DEVICE_TIMED else None  # CUDA: no sync
-        if fn.__name__ in _CONSUMERS and self.idle_from is not None:
-            # Ray started this call once its shard/gradient arguments had arrived:
-            # the rank idled since its last call waiting on another group
-            rec.wait_s += t0 - self.idle_from
-            waited = rec.wait_s
-        try:
-            return fn(self, *args, **kwargs)
-        except WorkerError:
-            raise
-        except Exception as exc:
-            where = f"module {self.module!r} rank {self.rank}"
-            if not is_collective_error(exc):
-                raise WorkerError(f"{where}: {type(exc).__name__}: {exc}", self.module, self.rank) from exc
-            ctx = getattr(self.strategy, "ctx", None)
-            op = collective_name(str(exc), ctx.comm.last_op if ctx is not None else None)
-            raise WorkerError(
-                f"{where}: collective {op or 'unknown'!r} failed (a peer skipped it, timed out or NCCL "
-                f"failed): {type(exc).__name__}: {exc}",
-                self.module,
-                self.rank,
-                op or "unknown",
-            ) from exc
-        finally:
-            # busy: inside this call, minus what it spent blocked on another group
-            rec.busy_s += time.perf_counter() - t0 - (rec.wait_s - waited)
-            self.idle_from = time.perf_counter()
-            self.timer.stop(start)
+        with self.acct.call(fn.__name__):
+            try:
+                return fn(self, *args, **kwargs)
+            except WorkerError:
+                raise
+            except Exception as exc:
+                ctx = getattr(self.strategy, "ctx", None)
+                raise worker_error(
+                    exc, self.module, self.rank, ctx.comm if ctx is not None else None
+                ) from exc
 
     return wrapper
-
-
-#: calls whose GPU time counts as ``device_s`` (``step`` times its own optimizer work)
-_DEVICE_TIMED = frozenset(
-    {"encode", "shards_for", "backward", "loss_and_backward", "grads_for", "reduce_and_norm"}
-)
-#: methods whose arguments are another group's outputs (their wait counts as ``wait_s``)
-_CONSUMERS = frozenset({"loss_and_backward", "backward"})
 
 
 def _for_wire(t: torch.Tensor, host: bool) -> torch.Tensor:
@@ -140,13 +99,8 @@ class ModuleWorker:
         self.pending: dict[int, tuple[list[int], list[EmbeddingShard]]] = {}
         # microbatch -> (sample ids, embedding leaves per sample, source id -> [(sample, positions)])
         self.llm_leaves: dict[int, tuple[list[int], list[dict[str, torch.Tensor]], dict[int, list]]] = {}
-        self.record = RankRecord(module, rank)
-        # saved-activation bytes per microbatch in flight; their sum peaks at record.activation_bytes
-        self.live_bytes: dict[int, int] = {}
-        # end of the last call (None: none in this step yet), for wait_s
-        self.idle_from: float | None = None
-        # GPU time of this step's calls (CUDA events), for device_s
-        self.timer = DeviceTimer(device == "cuda")
+        #: this step's figures (times, bytes), handed back by step()
+        self.acct = Accounting(module, rank, device == "cuda")
 
     # -- set-up -------------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -166,35 +120,8 @@ class ModuleWorker:
 
         # one progress bar per rank per weight file drowns the driver's training bar
         transformers.utils.logging.disable_progress_bar()
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.device_kind == "cuda" else "cpu")
-        if self.device_kind == "cuda":
-            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU(s), so index 0 is ours.
-            device = torch.device("cuda", 0)
-            torch.cuda.set_device(device)
-            backend = "nccl"
-            # A collective that times out or fails raises in this rank (named as
-            # on gloo) after NCCL's communicators are aborted, instead of the
-            # watchdog killing the process, which the driver could not tell from
-            # a dead node (and recovery would restart into the same failure).
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        else:
-            device, backend = torch.device("cpu"), "gloo"
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK="0",
-        )
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=self.collective_timeout,
-            # NCCL: communicators created now (eagerly, bound to this GPU), so a bad
-            # NCCL setup fails set-up naming the rank, not the first step's collective
-            **({"device_id": device} if backend == "nccl" else {}),
+        device = init_group(
+            self.device_kind, master_addr, master_port, self.rank, self.world_size, self.collective_timeout
         )
         torch.manual_seed(self.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype_name]
@@ -259,7 +186,7 @@ class ModuleWorker:
             s = by_id[i]
             value = _for_wire(s.value, host)
             out[i] = (s.positions.to(value.device), value, s.total)
-            self.record.sent_bytes += s.value.numel() * s.value.element_size()
+            self.acct.sent(s.value)
         return out
 
     @_named
@@ -279,12 +206,12 @@ class ModuleWorker:
             [s.value for s in shards],
             [grads[i].to(device) if i in grads else torch.zeros_like(s.value) for i, s in zip(ids, shards)],
         )
-        self.live_bytes.pop(mb, None)
+        self.acct.freed(mb)
 
     def drop(self, mb: int) -> None:
         """Forget a microbatch whose gradients will not come (frozen module, eval)."""
         self.pending.pop(mb, None)
-        self.live_bytes.pop(mb, None)
+        self.acct.freed(mb)
         self.strategy.release(mb)  # type: ignore[union-attr]
 
     # -- language-model role ------------------------------------------------------------------------
@@ -331,7 +258,7 @@ class ModuleWorker:
                 t.requires_grad_(module in needs_grad)
         with self._count_saved(mb), self._compute():
             loss_sum = self.strategy.loss_and_backward(mb, inputs, embeds, loss_scale)  # type: ignore[union-attr]
-        self.live_bytes.pop(mb, None)  # backward has run: nothing stays saved
+        self.acct.freed(mb)  # backward has run: nothing stays saved
         self.llm_leaves[mb] = (list(sample_ids), embeds, layout)
         return loss_sum
 
@@ -351,7 +278,7 @@ class ModuleWorker:
                 # single-process model would leave untouched in this step.
                 g = torch.zeros_like(embeds[k][module])
             out[sid] = _for_wire(g[positions.to(g.device)], host)
-            self.record.sent_bytes += out[sid].numel() * out[sid].element_size()
+            self.acct.sent(out[sid])
         return out
 
     def release(self, mb: int) -> None:
@@ -382,13 +309,7 @@ class ModuleWorker:
     def end_evaluation(self) -> RankRecord:
         """The record of an evaluation (its time and collectives) and a fresh
         one, so that evaluation between steps counts toward no training step."""
-        ctx = self.strategy.ctx  # type: ignore[union-attr]
-        rec = self.record
-        rec.collective_calls = ctx.comm.calls()
-        rec.collective_bytes = ctx.comm.reset()
-        self.record = RankRecord(self.module, self.rank)
-        self.live_bytes.clear()
-        return rec
+        return self.acct.finish_evaluation(self.strategy.ctx.comm)  # type: ignore[union-attr]
 
     # -- optimizer step -----------------------------------------------------------------------------
     @_named
@@ -407,40 +328,16 @@ class ModuleWorker:
     def step(self, clip_coef: float) -> RankRecord:
         """Optimizer step; return this rank's record of the step and start a new one."""
         lr = self.strategy.current_lr()  # type: ignore[union-attr]  # the rate this step uses
-        ctx = self.strategy.ctx  # type: ignore[union-attr]
-        rec = self.record
-        start = self.timer.start()
+        start = self.acct.timer.start()
         self.strategy.step(clip_coef)  # type: ignore[union-attr]
-        self.timer.stop(start)
-        rec.device_s = self.timer.read()  # the step's one sync, on CUDA
-        record_memory(rec, ctx.device)
-        rec.collective_calls = ctx.comm.calls()
-        rec.collective_bytes = ctx.comm.reset()
-        rec.state_bytes = self.strategy.state_bytes()  # type: ignore[union-attr]
-        rec.lr = lr
-        self.record = RankRecord(self.module, self.rank)
-        return rec
+        return self.acct.finish_step(self.strategy, lr, start)
 
     def _compute(self) -> Any:
         ctx = self.strategy.ctx  # type: ignore[union-attr]
         return compute_dtype(ctx.device, ctx.dtype)
 
     def _count_saved(self, mb: int) -> Any:
-        """Count bytes autograd saves for backward (machine-independent
-        activation memory), live per microbatch until its backward."""
-        self.live_bytes.setdefault(mb, 0)
-
-        def add(nbytes: int) -> None:
-            self.live_bytes[mb] = self.live_bytes.get(mb, 0) + nbytes
-            self.record.activation_bytes = max(self.record.activation_bytes, sum(self.live_bytes.values()))
-
-        def peak(nbytes: int) -> None:
-            # one recomputed block's saves, held on top of everything live until its backward
-            self.record.activation_bytes = max(
-                self.record.activation_bytes, sum(self.live_bytes.values()) + nbytes
-            )
-
-        return saved_bytes_hooks(self.strategy.module, add, peak)  # type: ignore[union-attr]
+        return self.acct.count_saved(self.strategy.module, mb)  # type: ignore[union-attr]
 
     # -- state --------------------------------------------------------------------------------------
     @_named
