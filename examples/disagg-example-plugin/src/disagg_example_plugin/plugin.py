@@ -26,7 +26,7 @@ from pydantic import Field
 from torch import nn
 
 import disagg
-from disagg.interfaces import Cost, CostQuery, Family, Strategy, StrategyOptions
+from disagg.interfaces import Cost, CostQuery, Strategy, StrategyOptions
 
 CSV_ENV = "DISAGG_EXAMPLE_CSV"
 
@@ -38,19 +38,15 @@ class ExampleOptions(StrategyOptions):
 
 class ExampleDDP(Strategy):
     """Data parallelism under another name, with an options model: the base
-    ``Strategy`` already keeps a whole replica per rank and sums gradients
-    over the group, so a plugin built only on ``disagg.interfaces`` needs
-    nothing more than ``parallelize``."""
+    ``Strategy`` already keeps a whole replica per rank, sums gradients over
+    the group, steps AdamW, holds the full form, and its default ``check``
+    refuses a degree above ``max_degree``, so a plugin built only on
+    ``disagg.interfaces`` implements nothing more than ``parallelize``."""
 
     name: ClassVar[str] = "example_ddp"
     distribution: ClassVar[str] = "disagg-example-plugin"
     options_model: ClassVar[type[StrategyOptions]] = ExampleOptions
-
-    @classmethod
-    def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
-        return (
-            [] if degree == 1 else [f"strategy 'example_ddp' has no sharding: degree must be 1, got {degree}"]
-        )
+    max_degree: ClassVar[int | None] = 1  # no sharding: the default check refuses degree > 1
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         return module

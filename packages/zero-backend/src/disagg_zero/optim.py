@@ -176,3 +176,13 @@ def make_masked_adamw(
         cls = type("MaskedCPUAdam", (_RestoreAbsent, DeepSpeedCPUAdam), {})
         return cls(params, adamw_mode=True, **kw)
     return MaskedAdamW(params, foreach=None, **kw)
+
+
+def masked_adamw(
+    param_groups: list[dict[str, Any]], optim: OptimSpec, ctx: Any, options: Any
+) -> torch.optim.Optimizer:
+    """``ZeroStrategy.build_optimizer``: DeepSpeed's CPU AdamW for states
+    offloaded from a GPU run (``offload_optimizer``), else :class:`MaskedAdamW`."""
+    return make_masked_adamw(
+        param_groups, optim, cpu_adam=bool(options.offload_optimizer) and ctx.device.type == "cuda"
+    )

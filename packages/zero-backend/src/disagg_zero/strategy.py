@@ -4,14 +4,15 @@ Every rank of a group makes the same collectives in the same order whatever
 its share of a microbatch (any split, including none), by construction:
 
 * ZeRO-3 parameters are gathered **whole**, once per ``encode``, ``backward``,
-  ``loss_and_backward`` and ``evaluate`` call (:func:`runtime.gathered`), and
+  ``loss_and_backward`` and ``evaluate`` call (core's roles run each inside
+  :meth:`ZeroStrategy.module_call`, here :func:`runtime.gathered`), and
   DeepSpeed's per-submodule gather/release hooks are removed: their number of
   all-gathers follows the number of module calls, which the family's code
   makes per sample or per item. Parameters stay partitioned between calls
   (with gradients and optimizer states); the price is that a call holds the
   whole module's parameters, not one layer's.
 * Parameter gradients are computed locally with ``torch.autograd.grad`` and
-  handed to DeepSpeed through one engine backward whose graph is the same on
+  handed to DeepSpeed (:meth:`ZeroStrategy.backprop`) through one engine backward whose graph is the same on
   every rank (:mod:`disagg_zero.inject`), so stage 2-3 reduction hooks fire
   for the same parameters in the same order everywhere; a rank with no
   samples hands zeros.
@@ -36,14 +37,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, OptimSpec, Strategy
-from disagg.interfaces.strategy import make_scheduler
+from disagg.interfaces import Family, OptimSpec, Strategy
 from disagg_zero import runtime
 from disagg_zero.comm import counted
 from disagg_zero.dsconfig import backward_scale, build_ds_config, persistence_threshold, zero_section_problems
 from disagg_zero.fullstate import ZeroFullState
 from disagg_zero.inject import injector, local_grads
-from disagg_zero.optim import make_masked_adamw
+from disagg_zero.optim import masked_adamw
 from disagg_zero.options import ZeroOptions
 
 
@@ -54,6 +54,8 @@ class ZeroStrategy(ZeroFullState, Strategy):
     name: ClassVar[str] = "zero"
     distribution: ClassVar[str] = "disagg-zero"
     options_model: ClassVar[type[ZeroOptions]] = ZeroOptions  # type: ignore[assignment]
+    #: AdamW over this rank's fragments of DeepSpeed's partitions (see optim.py)
+    build_optimizer = staticmethod(masked_adamw)  # type: ignore[assignment]
     # Every call gathers (stage 3) or reduces (stages 2-3) as a collective, so
     # every rank must be called for every microbatch, as core does for every
     # strategy; but a rank may get no sample (it joins with zeros), so no
@@ -83,29 +85,19 @@ class ZeroStrategy(ZeroFullState, Strategy):
 
     # -- setup ------------------------------------------------------------------------------------
     def parallelize(self, module: nn.Module) -> nn.Module:
-        # The engine (built in setup, where the optimizer exists) does the wrapping.
-        return module
-
-    def setup(self, module: nn.Module, optim: OptimSpec | None) -> None:
-        deepspeed = runtime.prepare(self.ctx)
+        runtime.prepare(self.ctx)
         # core's recompute (``activation_checkpointing: true`` is its deprecated spelling):
         # the replay runs inside the strategy call that gathers the whole module (ZeRO-3)
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
-        self.module = module.to(self.ctx.device)
+        # The engine (finish_setup, once the optimizer exists) does the wrapping.
+        return module
+
+    def finish_setup(self, optim: OptimSpec | None) -> None:
+        import deepspeed
+
         config = build_ds_config(self.options, self.ctx.dtype)
-        if optim is None:
-            module.requires_grad_(False)
-            if self.options.stage < 3:
-                # Nothing to shard without optimizer states or gradients.
-                return
-        else:
-            self.freeze_parts(optim)
-            self.optimizer = make_masked_adamw(
-                self.param_groups(optim),
-                optim,
-                cpu_adam=self.options.offload_optimizer and self.ctx.device.type == "cuda",
-            )
-            self.scheduler = make_scheduler(self.optimizer, optim)
+        if optim is None and self.options.stage < 3:
+            return  # nothing to shard without optimizer states or gradients
         self._params = self.trainable_parameters()
         self._got = [False] * len(self._params)
         where = f"parallel.{self.ctx.module}"
@@ -128,8 +120,9 @@ class ZeroStrategy(ZeroFullState, Strategy):
             )
 
     @contextlib.contextmanager
-    def _whole(self) -> Iterator[None]:
-        """The module's full parameters for one call (ZeRO-3: one all-gather)."""
+    def module_call(self) -> Iterator[None]:
+        """The module's full parameters for one call (ZeRO-3: one all-gather),
+        and DeepSpeed's collectives inside it counted."""
         assert self.module is not None
         with (
             counted(self.ctx.comm),
@@ -161,47 +154,18 @@ class ZeroStrategy(ZeroFullState, Strategy):
             self.engine.backward(injector(self._params, local, self._seed_scale))
         self._backwards += 1
 
-    # -- encoder role -----------------------------------------------------------------------------
-    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
-        assert isinstance(self.family, EncoderFamily)
-        with self._whole():
-            return [EmbeddingShard.whole(self.family.encode(self.module, x)) for x in inputs]
-
-    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
-        # Even with no pairs: the gather and the reduction are collectives.
-        with self._whole():
-            local = local_grads([o for o, _ in pairs], [g for _, g in pairs], self._params)
-            self._hand_to_engine(local)
-
-    # -- llm role ---------------------------------------------------------------------------------
-    def loss_and_backward(
-        self,
-        mb: int,
-        inputs: list[dict[str, torch.Tensor]],
-        embeds: list[dict[str, torch.Tensor]],
-        loss_scale: float,
-    ) -> float:
-        leaves = [t for e in embeds for t in e.values() if t.requires_grad]
-        with self._whole():
-            if inputs:
-                logits, labels = self.llm_forward(inputs, embeds)
-                loss_sum = self.loss_sum(logits, labels)
-                got = local_grads([loss_sum * loss_scale], None, self._params + leaves)
-                loss = float(loss_sum.detach())
-            else:  # a replica with no sample in this microbatch still joins the collectives
-                got, loss = [None] * (len(self._params) + len(leaves)), 0.0
-            for t, g in zip(leaves, got[len(self._params) :]):
-                if g is not None:
-                    t.grad = g if t.grad is None else t.grad + g
-            self._hand_to_engine(got[: len(self._params)])
-        return loss
-
-    def evaluate(
-        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
-    ) -> tuple[float, int, int]:
-        with self._whole():  # every replica is called, with or without samples
-            return super().evaluate(inputs, embeds)
+    def backprop(
+        self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, leaves: list[torch.Tensor]
+    ) -> None:
+        """Gradients computed locally (``autograd.grad``: ``None`` where a
+        parameter is not reached) and handed to DeepSpeed; even with nothing to
+        back-propagate, since the gather and the reduction are collectives.
+        The LLM's embedding leaves accumulate theirs as ``.grad`` would."""
+        got = local_grads(tensors, grads, self._params + leaves)
+        for t, g in zip(leaves, got[len(self._params) :]):
+            if g is not None:
+                t.grad = g if t.grad is None else t.grad + g
+        self._hand_to_engine(got[: len(self._params)])
 
     # -- after backward ---------------------------------------------------------------------------
     def reduce_gradients(self) -> None:

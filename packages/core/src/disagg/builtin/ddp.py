@@ -6,25 +6,19 @@ from typing import ClassVar
 
 from torch import nn
 
-from disagg.interfaces import Cost, CostQuery, Family, Strategy, StrategyOptions
+from disagg.interfaces import Cost, CostQuery, Strategy, StrategyOptions
 
 
 class DDPStrategy(Strategy):
     """Data parallelism: replicas read disjoint samples and gradients are summed
     across them (the loss is already normalised by the global label count,
-    so a sum — not a mean — gives the single-process gradient)."""
+    so a sum — not a mean — gives the single-process gradient). Everything but
+    ``parallelize`` is the base :class:`~disagg.interfaces.Strategy`'s; ``max_degree = 1``
+    makes its default ``check`` refuse other degrees."""
 
     name: ClassVar[str] = "ddp"
+    max_degree: ClassVar[int | None] = 1
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
-
-    @classmethod
-    def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
-        if degree != 1:
-            return [
-                f"strategy 'ddp' has no sharding: degree must be 1, got {degree}; "
-                "use replicas for data parallelism"
-            ]
-        return []
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         # Gradient sum happens once per step in reduce_gradients, after all

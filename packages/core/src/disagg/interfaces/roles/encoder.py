@@ -1,0 +1,54 @@
+"""The encoder role: forward this rank's shard of each sample of a microbatch,
+keep what backward needs, and run backward when the LLM's gradients of those
+shards come back."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from disagg.interfaces.context import GroupContext
+from disagg.interfaces.family import EncoderFamily, Family
+from disagg.interfaces.shard import EmbeddingShard
+
+
+class EncoderRole:
+    """Defaults for a module every rank of a replica runs whole (each rank
+    returns whole outputs); the hooks are :class:`~.parallelizer.Parallelizer`'s."""
+
+    # what this role uses of the strategy it is part of (its Parallelizer's hooks)
+    ctx: GroupContext
+    family: Family
+    module: nn.Module | None
+    if TYPE_CHECKING:
+
+        def module_call(self) -> AbstractContextManager[None]: ...
+
+        def backprop(
+            self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, leaves: list[torch.Tensor]
+        ) -> None: ...
+
+    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+        """Forward this rank's share of each sample of microbatch ``mb`` (one
+        shard per sample, possibly empty); the graph is kept until
+        :meth:`backward` for the same ``mb``. Several microbatches may be in
+        flight, and their backwards may come in any order."""
+        assert isinstance(self.family, EncoderFamily) and self.module is not None
+        with self.module_call():
+            return [EmbeddingShard.whole(self.family.encode(self.module, x)) for x in inputs]
+
+    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Backward of microbatch ``mb`` from gradients of this rank's shard
+        values; called on every rank that encoded, with or without gradients."""
+        pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
+        with self.module_call():
+            self.backprop([o for o, _ in pairs], [g for _, g in pairs], [])
+
+    def release(self, mb: int) -> None:
+        """Forget what :meth:`encode` kept for ``mb`` when no backward will
+        come (evaluation, a frozen module); strategies that keep per-microbatch
+        state override it."""
+        return None

@@ -1,0 +1,154 @@
+"""The parallelizer role: one rank's module from set-up to optimizer step.
+
+Order in the actor: ``setup`` -> per step (the roles' forwards and backwards,
+each inside :meth:`Parallelizer.module_call`)* -> ``reduce_gradients`` ->
+``grad_norm_sq`` -> ``step(clip_coef)`` -> ``zero_grad``.
+
+Gradient convention: the loss is already divided by the *global* label count,
+so gradients from different replicas and shards are **summed** across the
+group, exactly once per element. The defaults keep a whole replica of every
+parameter on every rank (``ddp``, ``ulysses``); a strategy that shards
+parameters, gradients or optimizer state overrides the reduction, norm and
+step, and usually ``module_call``/``backprop``/``finish_setup`` (see ``zero``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces.context import GroupContext, OptimSpec
+from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
+from disagg.interfaces.parts import freeze_parts, optimizer_groups
+from disagg.interfaces.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
+
+
+class Parallelizer(ABC):
+    """Set-up, gradient reduction, norm and step of one rank's module."""
+
+    #: makes the optimizer from the trainable parameter groups (see :mod:`.optimizer`)
+    build_optimizer: ClassVar[OptimizerBuilder] = staticmethod(adamw)  # type: ignore[assignment]
+
+    ctx: GroupContext
+    options: Any
+    module: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+
+    @abstractmethod
+    def parallelize(self, module: nn.Module) -> nn.Module:
+        """Rewrite/wrap the unpartitioned module (already on this rank's
+        device) for this rank; return it."""
+
+    def setup(self, module: nn.Module, optim: OptimSpec | None) -> None:
+        """Parallelize and, unless the module is frozen (``optim is None``),
+        create its optimizer and scheduler; then :meth:`finish_setup`."""
+        self.module = self.parallelize(module.to(self.ctx.device))
+        if optim is None:
+            self.module.requires_grad_(False)
+        else:
+            self.freeze_parts(optim)
+            self.optimizer = type(self).build_optimizer(
+                self.param_groups(optim), optim, self.ctx, self.options
+            )
+            self.scheduler = make_scheduler(self.optimizer, optim)
+        self.finish_setup(optim)
+
+    def finish_setup(self, optim: OptimSpec | None) -> None:
+        """After the optimizer exists (none when frozen): e.g. wrap module and
+        optimizer in an engine. Nothing by default."""
+        return None
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        assert self.module is not None
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def freeze_parts(self, optim: OptimSpec) -> None:
+        """Apply ``optim.frozen`` (the parts ``train.modules.<m>.freeze`` names)
+        to ``self.module`` before the trainable parameters are collected."""
+        assert self.module is not None
+        freeze_parts(self.module, dict(optim.frozen), f"train.modules.{self.ctx.module}")
+
+    def param_groups(self, optim: OptimSpec) -> list[dict[str, Any]]:
+        """The trainable parameters as optimizer param groups: one per
+        ``train.modules.<m>.param_groups`` part (its lr / weight decay), plus
+        the rest with the module's settings."""
+        assert self.module is not None
+        where = f"train.modules.{self.ctx.module}"
+        return optimizer_groups(self.module, self.trainable_parameters(), optim.groups, where)
+
+    # -- the two hooks every forward and backward goes through ---------------------------------
+    @contextlib.contextmanager
+    def module_call(self) -> Iterator[None]:
+        """Around each forward and each backward of the module (``encode``,
+        ``backward``, ``loss_and_backward``, ``evaluate``, ``full_state_dict``),
+        called on every rank whatever its share of the samples (none included):
+        where a strategy that shards parameters gathers them. Nothing by default."""
+        yield
+
+    def backprop(
+        self,
+        tensors: list[torch.Tensor],
+        grads: list[torch.Tensor] | None,
+        leaves: list[torch.Tensor],
+    ) -> None:
+        """Backward of ``tensors`` seeded with ``grads`` (``None``: scalars,
+        seeded with 1): parameter gradients accumulate into ``.grad``, and so do
+        those of ``leaves`` (the LLM's embedding inputs). Called inside
+        :meth:`module_call`, on every rank, with empty ``tensors`` when the rank
+        has nothing to back-propagate."""
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    # -- after backward ---------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Sum gradients over every rank of the group (replicas and shards)."""
+        if self.ctx.world_size == 1:
+            return
+        params = self.trainable_parameters()
+        present = agree_on_grads(params, self.ctx.comm)
+        # flat buckets, as torch DDP's reducer: one call per 25 MiB, not per tensor
+        all_reduce_bucketed([p.grad for p, keep in zip(params, present) if keep], self.ctx.comm)
+
+    def grad_norm_sq(self) -> float:
+        """Squared L2 norm of the module's full gradient, each element once;
+        identical on every rank of the group (fused norms, one host sync)."""
+        return float(sum_of_squares([p.grad for p in self.trainable_parameters() if p.grad is not None]))
+
+    def step(self, clip_coef: float) -> None:
+        """Scale gradients by ``clip_coef`` (computed from the global norm) and step."""
+        if self.optimizer is None:
+            return
+        if clip_coef < 1.0:
+            grads = [p.grad for p in self.trainable_parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, clip_coef)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    # -- what the step's record reads -----------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of parameters + gradients + optimizer state held by this rank."""
+        assert self.module is not None
+        total = 0
+        for p in self.module.parameters():
+            total += p.numel() * p.element_size()
+            if p.grad is not None:
+                total += p.grad.numel() * p.grad.element_size()
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                total += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+        return total
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0

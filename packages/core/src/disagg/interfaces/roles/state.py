@@ -1,0 +1,89 @@
+"""The state adapter: a rank's module and optimizer state in the layout-free
+full form (every tensor unpartitioned, named as in ``family.build()``'s
+module), which checkpoints hold so that any layout resumes from any other's,
+and the rank's own random streams (same layout only)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from disagg.interfaces.context import GroupContext
+
+
+class StateAdapter:
+    """Defaults for a module whose parameters and AdamW state every rank holds whole."""
+
+    ctx: GroupContext
+    module: nn.Module | None
+    optimizer: Any
+    if TYPE_CHECKING:
+
+        def module_call(self) -> AbstractContextManager[None]: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Merged, unpartitioned parameters named as in ``family.build()``'s
+        module. Collective: call on every rank; rank 0's result is complete."""
+        assert self.module is not None
+        with self.module_call():
+            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Merged gradients (after ``reduce_gradients``), named like
+        :meth:`full_state_dict`; collective like it. A parameter that got no
+        gradient anywhere is left out."""
+        assert self.module is not None
+        return {
+            n: p.grad.detach().cpu().clone() for n, p in self.module.named_parameters() if p.grad is not None
+        }
+
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state of every parameter that has some, merged like
+        :meth:`full_state_dict` and under the same names:
+        ``{name: {"exp_avg", "exp_avg_sq", "step"}}`` (AdamW). Parameters
+        without state (never stepped) are left out. Collective; rank 0's
+        result is complete."""
+        if self.optimizer is None:
+            return {}
+        assert self.module is not None
+        out = {}
+        for name, p in self.module.named_parameters():
+            st = self.optimizer.state.get(p)
+            if st:
+                out[name] = {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
+        return out
+
+    def load_full_state(
+        self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
+    ) -> None:
+        """Take this rank's part of full parameters and optimizer state (the
+        forms of :meth:`full_state_dict` and :meth:`full_optimizer_state`,
+        possibly saved under another layout). Collective; every rank gets the
+        full tensors."""
+        assert self.module is not None
+        with torch.no_grad():
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                if name not in params:
+                    raise KeyError(f"checkpoint has no tensor {name!r} for module {self.ctx.module!r}")
+                t.copy_(params[name].to(t.device, t.dtype))
+        if self.optimizer is None:
+            return
+        for name, p in self.module.named_parameters():
+            if name in optim_state:
+                self.optimizer.state[p] = {
+                    # torch AdamW keeps its (non-capturable) step count on the CPU
+                    k: v.clone() if k == "step" else v.to(p.device, p.dtype).clone()
+                    for k, v in optim_state[name].items()
+                }
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """Random streams of this rank's own beyond torch's default generators
+        (core saves those), e.g. a per-shard dropout stream."""
+        return {}
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`rng_state` returned (same layout only)."""
+        return None
