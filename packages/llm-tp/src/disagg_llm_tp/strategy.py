@@ -94,7 +94,8 @@ class MegatronTPStrategy(Strategy):
     def __init__(self, ctx, family, options) -> None:
         super().__init__(ctx, family, options)
         self.plan = TPPlan()
-        #: dropout stream of this (replica, TP rank) for head-sharded regions (degree > 1)
+        #: dropout stream of this (replica, TP rank) for head-sharded regions (degree > 1);
+        #: the base rng_state/set_rng_state save and restore it
         self.rng: ShardRNG | None = None
         #: microbatch -> every output of the encoder on this TP rank, until its backward
         self._pending: dict[int, list[torch.Tensor]] = {}
@@ -394,10 +395,3 @@ class MegatronTPStrategy(Strategy):
                     .clone(memory_format=torch.contiguous_format)
                     for k, v in optim_state[name].items()
                 }
-
-    def rng_state(self) -> dict[str, torch.Tensor]:
-        return {"shard_dropout": self.rng.state.cpu()} if self.rng is not None else {}
-
-    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
-        if self.rng is not None and "shard_dropout" in state:
-            self.rng.state = state["shard_dropout"].clone()

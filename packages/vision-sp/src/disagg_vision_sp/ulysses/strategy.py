@@ -58,7 +58,8 @@ class UlyssesStrategy(Strategy):
         super().__init__(ctx, family, options)
         self.group: dist.ProcessGroup | None = None
         self.base_attention = "sdpa"
-        #: dropout stream of this (replica, shard) (degree > 1; see rng.py)
+        #: dropout stream of this (replica, shard) (degree > 1; see rng.py); the base
+        #: rng_state/set_rng_state save it, so a resumed run draws the masks it would have
         self.rng: ShardRNG | None = None
         #: microbatch -> (local output rows, the shard values cut from them), until its backward
         self._pending: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -151,14 +152,6 @@ class UlyssesStrategy(Strategy):
             shards.append(EmbeddingShard(layout.row_pos[r0 + idx].clone(), rows[pick], total))
             picks.append(pick)
         return shards, picks
-
-    def rng_state(self) -> dict[str, torch.Tensor]:
-        """The per-shard dropout stream, so a resumed run draws the masks it would have."""
-        return {"shard_dropout": self.rng.state.cpu()} if self.rng is not None else {}
-
-    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
-        if self.rng is not None and "shard_dropout" in state:
-            self.rng.state = state["shard_dropout"].clone()
 
     def release(self, mb: int) -> None:
         self._pending.pop(mb, None)

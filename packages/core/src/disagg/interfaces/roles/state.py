@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces.context import GroupContext
+from disagg.interfaces.rng import ShardRNG
 
 
 class StateAdapter:
@@ -81,9 +82,13 @@ class StateAdapter:
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         """Random streams of this rank's own beyond torch's default generators
-        (core saves those), e.g. a per-shard dropout stream."""
-        return {}
+        (core saves those): by default the per-shard dropout stream ``self.rng``
+        when the strategy made one (:class:`~disagg.interfaces.rng.ShardRNG`)."""
+        rng = getattr(self, "rng", None)
+        return {"shard_dropout": rng.state.cpu()} if isinstance(rng, ShardRNG) else {}
 
     def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`rng_state` returned (same layout only)."""
-        return None
+        rng = getattr(self, "rng", None)
+        if isinstance(rng, ShardRNG) and "shard_dropout" in state:
+            rng.state = state["shard_dropout"].clone()
