@@ -8,7 +8,7 @@ rows without the padding's cost. Preprocessing rounds each window's positions
 up to an even count (at most 20 ms more of the silence HF pads with), so that
 average pooling by 2 never leaves a lone position; the features and the
 ``feature_attention_mask`` HF would get for that clip give the same rows
-(``tests/test_qwen2_audio.py`` checks it against ``Qwen2AudioModel``).
+(``packages/audio/tests/test_families.py`` checks it against HF's ``Qwen2AudioForConditionalGeneration``).
 """
 
 from __future__ import annotations
