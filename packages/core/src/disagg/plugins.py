@@ -21,7 +21,9 @@ from disagg import hookspecs
 GROUP = "disagg"
 
 #: Strategies and families shipped by first-party plugins, so that naming one
-#: that is not installed gets the install line instead of "unknown".
+#: that is not installed gets the install line instead of "unknown". Written out
+#: (the hint is for when the plugin is *not* installed); ``tests/test_providers.py``
+#: asserts it equals :func:`providers_from` the first-party packages' registrations.
 KNOWN_PROVIDERS: dict[str, str] = {
     "strategy:ulysses": "disagg-vision-sp",
     "strategy:megatron_tp": "disagg-llm-tp",
@@ -191,6 +193,21 @@ REGISTER_HOOKS: tuple[tuple[str, str], ...] = (
     ("schedules", "disagg_register_schedules"),
     ("trackers", "disagg_register_trackers"),
 )
+
+
+def providers_from(registry: Registry, distributions: set[str]) -> dict[str, str]:
+    """``KNOWN_PROVIDERS``' entries as the installed plugins of ``distributions``
+    registered them: ``strategy:<name>`` / ``family:<role>:<name>`` -> distribution."""
+    assert registry.pm is not None
+    dist_of = {registry.pm.get_name(p): d.project_name for p, d in registry.pm.list_plugin_distinfo()}
+    out = {}
+    for plugin, info in registry.plugins.items():
+        dist = dist_of.get(plugin)
+        if dist not in distributions:
+            continue
+        out.update({f"strategy:{s}": dist for s in info.registered.get("strategies", [])})
+        out.update({f"family:{f}": dist for f in info.registered.get("families", [])})
+    return out
 
 
 def provider_of(kind: str, name: str, role: str | None = None) -> str | None:

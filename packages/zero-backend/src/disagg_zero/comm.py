@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from disagg.interfaces import CommCounter
+from disagg.interfaces import cost_rules as ring
 
 _local = threading.local()
 
@@ -40,17 +41,18 @@ def _nbytes(t: Any) -> int:
     return 0
 
 
-# sent bytes of one call for a group of n ranks, from the call's bound arguments
+# sent bytes of one call for a group of n ranks, from the call's bound arguments, by the
+# formulas the cost model uses (disagg.interfaces.cost_rules)
 def _all_reduce(a: dict, n: int) -> int:
-    return 2 * (n - 1) * _nbytes(a.get("tensor", a.get("tensors"))) // n
+    return ring.all_reduce(_nbytes(a.get("tensor", a.get("tensors"))), n)
 
 
 def _all_gather(a: dict, n: int) -> int:
-    return (n - 1) * _nbytes(a.get("input_tensor", a.get("tensor", a.get("input_tensor_list"))))
+    return ring.all_gather(_nbytes(a.get("input_tensor", a.get("tensor", a.get("input_tensor_list")))), n)
 
 
 def _reduce_scatter(a: dict, n: int) -> int:
-    return (n - 1) * _nbytes(a.get("output"))
+    return ring.reduce_scatter(_nbytes(a.get("output")), n)
 
 
 def _broadcast(a: dict, n: int) -> int:
@@ -58,7 +60,7 @@ def _broadcast(a: dict, n: int) -> int:
 
 
 def _reduce(a: dict, n: int) -> int:
-    return (n - 1) * _nbytes(a.get("tensor")) // n
+    return ring.reduce(_nbytes(a.get("tensor")), n)
 
 
 Sent = Callable[[dict, int], int]

@@ -49,7 +49,23 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 
 # -- collectives ---------------------------------------------------------------------------------
 def all_reduce(nbytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes`` over ``n`` ranks."""
     return 2 * (n - 1) * nbytes // n if n > 1 else 0
+
+
+def all_gather(shard_bytes: int, n: int) -> int:
+    """Bytes one rank sends gathering its ``shard_bytes`` to ``n - 1`` peers (ring)."""
+    return (n - 1) * shard_bytes
+
+
+def reduce_scatter(nbytes: int, n: int) -> int:
+    """Bytes one rank sends reduce-scattering a buffer whose output shard is ``nbytes``."""
+    return (n - 1) * nbytes
+
+
+def reduce(nbytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring reduce of ``nbytes`` (half an all-reduce)."""
+    return (n - 1) * nbytes // n
 
 
 def grad_all_reduce(tensors: list[int], n: int) -> int:
