@@ -134,3 +134,50 @@ def test_the_third_party_strategy_is_predicted_on_the_published_setting():
     row = next(r for r in rows if r["layout"] == "uniform_example_ddp")
     # 8 whole replicas of a 32B model: state alone is 16 bytes per parameter, far over 80 GB
     assert not row["fits"] and row["groups"]["llm"]["state_bytes"] > 16 * 30e9
+
+
+def _hf_params(module) -> dict[str, tuple[int, ...]]:  # type: ignore[no-untyped-def]
+    return {n: tuple(p.shape) for n, p in module.named_parameters()}
+
+
+def test_the_families_list_the_real_parameter_tensors():
+    """Each family's planning shape lists the Hugging Face module's parameters, by
+    name and shape (tiny configs of the same model types), so state bytes are exact."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel, WhisperConfig
+    from transformers.models.qwen2_audio.configuration_qwen2_audio import Qwen2AudioEncoderConfig
+    from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    from disagg_audio.families.shapes import qwen2_audio_shape, whisper_shape
+    from disagg_vision_sp.families.shapes import llava_shape
+
+    enc = dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=16)
+    enc["max_source_positions"] = 30
+    whisper = {n: s for n, s in _hf_params(WhisperEncoder(WhisperConfig(**enc))).items()}
+    got = {t.name: t.shape for t in whisper_shape(enc, {}, 48).tensors()}
+    assert {n: s for n, s in got.items() if not n.startswith("projector.")} == whisper
+    assert got["projector.linear_1.weight"] == (48, 32)
+
+    audio = Qwen2AudioEncoder(Qwen2AudioEncoderConfig(**enc))
+    got = {
+        t.name: t.shape
+        for t in qwen2_audio_shape({"audio_config": enc, "text_config": {"hidden_size": 48}}).tensors()
+    }
+    assert {n: s for n, s in got.items() if not n.startswith("multi_modal_projector.")} == _hf_params(audio)
+
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=3, patch_size=4
+    )
+    vision["image_size"] = 16
+    clip = {
+        n.removeprefix("vision_model."): s
+        for n, s in _hf_params(CLIPVisionModel(CLIPVisionConfig(**vision))).items()
+    }
+    shape = llava_shape(
+        {"vision_config": vision, "text_config": {"hidden_size": 48}, "vision_feature_layer": -2}
+    )
+    got = {t.name: t.shape for t in shape.tensors()}
+    # layers past vision_feature_layer and the post-norm never run: not planned
+    ran = {n: s for n, s in clip.items() if not n.startswith(("encoder.layers.2.", "post_layernorm"))}
+    assert {n: s for n, s in got.items() if not n.startswith("multi_modal_projector.")} == ran
+    assert shape.depth == 2 and got["multi_modal_projector.linear_2.weight"] == (48, 48)
