@@ -95,8 +95,13 @@ def test_whisper_options_and_check(tiny_whisper):
     assert "50-position window" in problems and "stride that divides 50" in problems
     assert "max_seconds=-1" in problems
     assert WhisperAudioFamily(tiny_whisper, {"hidden_size": 24, "stride": 5}).check("ulysses", 2, 1) == []
-    (tp,) = WhisperAudioFamily(tiny_whisper, {"hidden_size": 24}).check("megatron_tp", 3, 1)
-    assert tp.startswith("parallel.audio.degree=3: the 4 attention heads") and tp.endswith("1, 2, 4")
+    # the family declares its heads (layer_map().attention); the strategy that splits them checks
+    from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+
+    tp_family = WhisperAudioFamily(tiny_whisper, {"hidden_size": 24})
+    assert tp_family.check("megatron_tp", 3, 1) == []
+    (tp,) = MegatronTPStrategy.check(tp_family, 3, 1, MegatronTPOptions())
+    assert tp.startswith("4 attention heads") and "degree 3" in tp and tp.endswith("1, 2, 4")
 
 
 @pytest.mark.parametrize("which", ["whisper", "qwen2_audio"])

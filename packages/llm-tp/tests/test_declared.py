@@ -24,6 +24,6 @@ def test_undeclared_parameter_fails_with_its_name():
     lmap = fam.layer_map()
     assert unclassified_parameters(fam.build(), lmap) == []
     # The family forgets its norm: set-up refuses before anything is split.
-    bare = dataclasses.replace(lmap, extra={k: v for k, v in lmap.extra.items() if k != "replicated"})
+    bare = dataclasses.replace(lmap, replicated=())
     with pytest.raises(ValueError, match=r"does not classify parameter\(s\) norm\.weight, norm\.bias;"):
         parallelize_module(fam.build(), bare, shard=0, degree=2, config=None, comm=None)  # type: ignore[arg-type]

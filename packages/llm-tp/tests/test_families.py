@@ -6,9 +6,9 @@ import pytest
 import torch
 from tp_cases import family_cls
 
+from disagg.interfaces.hf import allowed_head_degrees as allowed_degrees
 from disagg.plugins import build_registry, make_plugin_manager
-from disagg_llm_tp.families.base import allowed_degrees
-from disagg_llm_tp.strategy import MegatronTPStrategy
+from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
 
 def test_plugin_registers_strategy_and_families():
@@ -30,8 +30,11 @@ def test_placeholder_ids_come_from_config_or_tokenizer(tiny_dirs, family):
 
 def test_check_names_value_and_allowed_degrees(tiny_dirs):
     fam = family_cls("qwen2")(tiny_dirs["qwen2"])  # 4 heads, 2 KV heads
-    assert fam.check("megatron_tp", 2, 1) == [] and fam.check("megatron_tp", 4, 1) == []
-    problems = fam.check("megatron_tp", 3, 1)
+    # the family declares its heads (layer_map().attention); the strategy that splits them checks
+    opts = MegatronTPOptions()
+    assert MegatronTPStrategy.check(fam, 2, 1, opts) == [] and MegatronTPStrategy.check(fam, 4, 1, opts) == []
+    assert fam.check("megatron_tp", 3, 1) == []
+    problems = MegatronTPStrategy.check(fam, 3, 1, opts)
     assert any("4 attention heads" in p and "degree 3" in p and "1, 2, 4" in p for p in problems)
     assert any("2 key/value heads" in p for p in problems)
     assert fam.check("ddp", 3, 1) == []

@@ -48,7 +48,8 @@ class ToyEncoderFamily(EncoderFamily):
             column=("attn.qkv", "fc1"),
             row=("attn.proj", "fc2"),
             heads={"attn": ("num_heads",)},
-            extra={"column_chunks": {"attn.qkv": 3}, "replicated": ("norm.*",)},
+            column_chunks={"attn.qkv": 3},
+            replicated=("norm.*",),
         )
 
     def preprocess(self, media):

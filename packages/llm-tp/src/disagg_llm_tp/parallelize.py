@@ -7,24 +7,25 @@ Driven only by the family's :class:`~disagg.interfaces.LayerMap`:
   same padded vocabulary (tied to the embedding when HF ties them);
 - ``column`` / ``row`` linears -> megatron Column/RowParallelLinear;
 - ``heads`` attributes are divided by the degree;
-- ``extra["attention"]`` (``{pattern: {"num_heads", "num_kv_heads", "k", "v",
-  "groups_attr", "kv_heads_attr"}}``) declares grouped-query attention: key/value
-  heads are split when ``num_kv_heads`` is divisible by the degree, otherwise
-  each rank keeps a copy of the one key/value head its query heads use
-  (``kv_replicated``; needs ``degree % num_kv_heads == 0``);
-- ``extra["column_chunks"]`` (``{pattern: n}``) marks fused projections (a
-  vision ``qkv`` is 3 blocks) whose blocks are each split separately;
-- ``extra["sequence_parallel"]`` (``{"split", "gather", "reduce_scatter"}``,
-  each a tuple of patterns) declares the sequence-parallel regions: modules
-  whose ``hidden_states`` input enters a region, norms whose output leaves it
-  (every column/output linear must read such an output), and the row linears
-  whose output re-enters it (every row linear inside a region);
-- ``extra["replicated"]`` (fnmatch patterns over parameter names) declares the
+- ``attention`` (:class:`~disagg.interfaces.AttentionSpec` per pattern) with
+  ``num_kv_heads`` declares grouped-query attention: key/value heads are split
+  when ``num_kv_heads`` is divisible by the degree, otherwise each rank keeps a
+  copy of the one key/value head its query heads use (``kv_replicated``; needs
+  ``degree % num_kv_heads == 0``); its head counts are what the strategy's
+  check holds the degree to;
+- ``column_chunks`` (``{pattern: n}``) marks fused projections (a vision
+  ``qkv`` is 3 blocks) whose blocks are each split separately;
+- ``sequence_parallel`` (:class:`~disagg.interfaces.SequenceParallelRegions`)
+  declares the sequence-parallel regions: modules whose ``hidden_states``
+  input enters a region, norms whose output leaves it (every column/output
+  linear must read such an output), and the row linears whose output re-enters
+  it (every row linear inside a region);
+- ``replicated`` (fnmatch patterns over parameter names) declares the
   parameters every TP rank holds in full (norms, patch/position embeddings).
   The biases of row linears are replicated by construction;
-- ``extra["head_replicated"]`` (patterns) declares full copies that each TP
-  rank applies to its own attention heads only (Qwen3's per-head q/k norms):
-  each rank then holds part of their gradient, summed over the TP ranks.
+- ``head_replicated`` (patterns) declares full copies that each TP rank
+  applies to its own attention heads only (Qwen3's per-head q/k norms): each
+  rank then holds part of their gradient, summed over the TP ranks.
 
 Every parameter leaves with a ``tp_spec`` (:class:`ShardSpec`); one that no
 declaration names is an error naming it, never a silent replica.
@@ -96,12 +97,13 @@ def parallelize_module(
             f"megatron_tp: the family's layer map does not classify parameter(s) {', '.join(undeclared)}; "
             "name each one's module as a column/row/vocab/output linear or, when every TP rank holds "
             "the same full copy (norms, patch or position embeddings), declare it in "
-            "layer_map().extra['replicated'] (fnmatch patterns over parameter names)"
+            "LayerMap.replicated (fnmatch patterns over parameter names)"
         )
     plan = TPPlan()
     sp_rows = _wire_sequence_parallel(module, lmap, sp) if sp is not None else set()
-    attention: dict = dict(lmap.extra.get("attention", {}))
-    chunks: dict = dict(lmap.extra.get("column_chunks", {}))
+    # only grouped-query declarations change how key/value projections are cut
+    attention = {pat: spec for pat, spec in lmap.attention.items() if spec.num_kv_heads is not None}
+    chunks = dict(lmap.column_chunks)
     named = dict(module.named_modules())
     tied: dict[int, nn.Parameter] = {}
 
@@ -155,21 +157,20 @@ def parallelize_module(
             setattr(mod, attr, value // degree)
         spec = _lookup(name, attention) if name else None
         if spec is not None:
-            q_local = spec["num_heads"] // degree
-            kv = spec["num_kv_heads"]
+            q_local = spec.num_heads // degree
+            kv = spec.kv_heads
             kv_local = kv // degree if kv % degree == 0 else 1
-            setattr(mod, spec.get("groups_attr", "num_key_value_groups"), q_local // kv_local)
-            kv_attr = spec.get("kv_heads_attr")
-            if kv_attr and hasattr(mod, kv_attr):
-                setattr(mod, kv_attr, kv_local)
+            setattr(mod, spec.groups_attr, q_local // kv_local)
+            if spec.kv_heads_attr and hasattr(mod, spec.kv_heads_attr):
+                setattr(mod, spec.kv_heads_attr, kv_local)
 
-    per_head = tuple(lmap.extra.get("head_replicated", ()))
+    per_head = lmap.head_replicated
     for name, p in module.named_parameters():
         if not hasattr(p, "tp_spec"):
             if _match(name, per_head):
                 mark(p, ShardSpec("replicated", sp_partial=True))  # used on this rank's heads only
                 continue
-            assert _match(name, tuple(lmap.extra.get("replicated", ()))), name  # checked above
+            assert _match(name, lmap.replicated), name  # checked above
             mark(p, ShardSpec("replicated"))
     return plan
 
@@ -181,7 +182,7 @@ def unclassified_parameters(module: nn.Module, lmap: LayerMap) -> list[str]:
     wrong if it acts on a sharded activation (a new family's extra projection,
     say), so every one must be declared."""
     swapped = (*lmap.column, *lmap.row, *lmap.vocab, *lmap.output)
-    replicated = (*lmap.extra.get("replicated", ()), *lmap.extra.get("head_replicated", ()))
+    replicated = (*lmap.replicated, *lmap.head_replicated)
     return [
         name
         for name, _ in module.named_parameters()
@@ -221,12 +222,8 @@ def _swap_column(module, name, mod, shard, degree, config, comm, attention, chun
     _check_linear(name, mod, "column")
     parent, _, child = name.rpartition(".")
     attn = _lookup(parent, attention) if parent else None
-    if (
-        attn is not None
-        and child in (attn.get("k", "k_proj"), attn.get("v", "v_proj"))
-        and attn["num_kv_heads"] % degree
-    ):
-        kv, heads = attn["num_kv_heads"], attn["num_heads"]
+    if attn is not None and child in (attn.k, attn.v) and attn.kv_heads % degree:
+        kv = attn.kv_heads
         if degree % kv:
             raise ValueError(f"{kv} key/value heads cannot be split or replicated over degree {degree}")
         head_dim = mod.out_features // kv
@@ -236,7 +233,6 @@ def _swap_column(module, name, mod, shard, degree, config, comm, attention, chun
         new = TPColumnLinear(mod.in_features, head_dim * degree, mod.bias is not None, config, comm, sp)
         spec = ShardSpec("kv_replicated", head=shard // share, kv_share=share, num_heads=kv)
         plan.kv_replication = (kv, share)
-        del heads
     else:
         n = int(_lookup(name, chunks) or 1)
         if mod.out_features % (n * degree):
@@ -257,15 +253,16 @@ def _swap_column(module, name, mod, shard, degree, config, comm, attention, chun
 def _wire_sequence_parallel(module: nn.Module, lmap: LayerMap, sp: SequenceParallelRegion) -> set[str]:
     """Hook the region transitions into the HF module; returns the names of the
     row linears whose output re-enters a region."""
-    decl = lmap.extra.get("sequence_parallel")
-    if not decl:
+    decl = lmap.sequence_parallel
+    if decl is None:
         raise ValueError("the family's layer map declares no sequence-parallel regions")
     named = dict(module.named_modules())
     found: dict[str, list[str]] = {}
     for key in ("split", "gather", "reduce_scatter"):
-        found[key] = [n for n in named if n and _match(n, tuple(decl.get(key, ())))]
+        patterns = getattr(decl, key)
+        found[key] = [n for n in named if n and _match(n, patterns)]
         if not found[key]:
-            raise ValueError(f"sequence_parallel {key} patterns {decl.get(key)} match no module")
+            raise ValueError(f"sequence_parallel {key} patterns {patterns} match no module")
 
     def split(_mod, args, kwargs):
         if args:

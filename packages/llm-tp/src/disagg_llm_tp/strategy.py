@@ -43,6 +43,7 @@ from disagg.interfaces import (
     dropout_seed,
     sum_of_squares,
 )
+from disagg.interfaces.hf import head_split_problems
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.rng import ShardRNG
 from disagg_llm_tp.layers import ShardSpec, local_slice, merge
@@ -78,13 +79,18 @@ class MegatronTPStrategy(Strategy):
                 f"family {family.name!r} declares no layer map, so strategy 'megatron_tp' cannot split it; "
                 "use strategy 'ddp', 'zero' or 'ulysses'"
             )
+        for spec in lmap.attention.values() if lmap is not None else ():
+            # the heads the family declares are what tensor parallelism splits
+            for p in head_split_problems(spec.num_heads, spec.num_kv_heads, degree, str(family.path)):
+                if p not in problems:  # every layer declares the same counts
+                    problems.append(p)
         if getattr(options, "sequence_parallel", False):
             if degree < 2:
                 problems.append(
                     f"sequence_parallel = true needs degree >= 2 (tokens are split over the TP ranks), "
                     f"but degree is {degree}; set sequence_parallel: false or raise the degree"
                 )
-            if lmap is not None and not lmap.extra.get("sequence_parallel"):
+            if lmap is not None and lmap.sequence_parallel is None:
                 problems.append(
                     f"family {family.name!r} declares no sequence-parallel regions in its layer map, so "
                     "sequence_parallel = true cannot be used with it; allowed: false"
@@ -167,7 +173,7 @@ class MegatronTPStrategy(Strategy):
             # dropout draws from a stream per (replica, TP rank); see rng.py.
             ctx = self.ctx
             self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
-            fork_around(module, [*lmap.heads, *lmap.extra.get("attention", {})], self.rng)
+            fork_around(module, [*lmap.heads, *lmap.attention], self.rng)
         # A replayed block draws its attention masks from the TP stream again and
         # gathers into the shape its forward saw (another microbatch's split may
         # have changed the region's since: encoders run ahead).

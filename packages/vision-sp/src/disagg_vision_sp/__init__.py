@@ -1,6 +1,7 @@
 """disagg-vision-sp: the ``ulysses`` strategy and the vision families."""
 
-from disagg_vision_sp.ulysses.layout import SeqLayout, UlyssesFamily, plan_bounds
+from disagg_vision_sp.ulysses.layout import plan_bounds
 from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
 
-__all__ = ["SeqLayout", "UlyssesFamily", "UlyssesStrategy", "plan_bounds"]
+# The family hook points (UlyssesFamily, SeqLayout) are imported from disagg.interfaces only.
+__all__ = ["UlyssesStrategy", "plan_bounds"]

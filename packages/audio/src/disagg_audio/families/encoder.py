@@ -22,10 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagg.interfaces import AttentionScope, EncoderFamily, SeqLayout, UlyssesFamily
+from disagg.interfaces import AttentionScope, AttentionSpec, EncoderFamily, SeqLayout, UlyssesFamily
+from disagg.interfaces.hf import check_attn_implementation
 from disagg_audio.features import feature_extractor, window_inputs
-
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 
 
 class WhisperStyleEncoder(UlyssesFamily, EncoderFamily):
@@ -58,13 +57,7 @@ class WhisperStyleEncoder(UlyssesFamily, EncoderFamily):
         return None if value is None else float(value)
 
     def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
-        problems = []
-        impl = self.options.get("attn_implementation", "sdpa")
-        if impl not in ATTN_IMPLEMENTATIONS:
-            problems.append(
-                f"model.audio.options.attn_implementation={impl!r} is not supported; "
-                f"allowed: {', '.join(ATTN_IMPLEMENTATIONS)}"
-            )
+        problems = check_attn_implementation(self.options, "audio")
         cfg = self.encoder_config()
         if getattr(cfg, "encoder_layerdrop", 0.0):
             problems.append(
@@ -77,20 +70,18 @@ class WhisperStyleEncoder(UlyssesFamily, EncoderFamily):
                 f"family {self.name!r}: the {window}-position window of {self.path} is not a multiple of "
                 f"the {self.unit()} positions pooled into one row; choose a stride that divides {window}"
             )
-        heads = int(cfg.encoder_attention_heads)
-        if strategy == "megatron_tp" and heads % degree:
-            # ulysses checks its own degree against ulysses_heads(); tensor parallelism splits heads too
-            divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
-            problems.append(
-                f"parallel.audio.degree={degree}: the {heads} attention heads of {self.path} are not "
-                f"divisible by it; use a divisor of {heads}: {divisors}"
-            )
         seconds = self.options.get("max_seconds")
         if seconds is not None and (not isinstance(seconds, (int, float)) or seconds <= 0):
             problems.append(
                 f"model.audio.options.max_seconds={seconds!r} must be a positive number of seconds"
             )
         return problems
+
+    def attention(self, pattern: str) -> dict[str, AttentionSpec]:
+        """The layer map's head declaration for the attention modules ``pattern`` names:
+        tensor parallelism splits their heads (ulysses checks its own degree against
+        ``ulysses_heads``)."""
+        return {pattern: AttentionSpec(num_heads=int(self.encoder_config().encoder_attention_heads))}
 
     # -- data -----------------------------------------------------------------------------------
     def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:

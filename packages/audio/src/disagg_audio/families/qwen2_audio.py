@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import LayerMap
-from disagg_audio.families.common import checkpoint_keys, find_prefix, quiet_transformers
+from disagg.interfaces.hf import checkpoint_keys, find_prefix, quiet_transformers
 from disagg_audio.families.encoder import WhisperStyleEncoder
 
 _PREFIXES = ("", "model.")
@@ -104,18 +104,17 @@ class Qwen2AudioFamily(WhisperStyleEncoder):
             ),
             row=(f"{layers}.self_attn.out_proj", f"{layers}.fc2"),
             heads={f"{layers}.self_attn": ("num_heads",)},
-            extra={
-                # The projector is one Linear whose output every TP rank must hold whole: replicated.
-                "replicated": (
-                    "audio_tower.conv1.*",
-                    "audio_tower.conv2.*",
-                    "audio_tower.embed_positions.*",
-                    f"{layers}.self_attn_layer_norm.*",
-                    f"{layers}.final_layer_norm.*",
-                    "audio_tower.layer_norm.*",
-                    "multi_modal_projector.*",
-                )
-            },
+            attention=self.attention(f"{layers}.self_attn"),
+            # The projector is one Linear whose output every TP rank must hold whole: replicated.
+            replicated=(
+                "audio_tower.conv1.*",
+                "audio_tower.conv2.*",
+                "audio_tower.embed_positions.*",
+                f"{layers}.self_attn_layer_norm.*",
+                f"{layers}.final_layer_norm.*",
+                "audio_tower.layer_norm.*",
+                "multi_modal_projector.*",
+            ),
         )
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import LayerMap
-from disagg_audio.families.common import checkpoint_keys, find_prefix, load_tensors, quiet_transformers
+from disagg.interfaces.hf import checkpoint_keys, find_prefix, load_tensors, quiet_transformers
 from disagg_audio.families.encoder import WhisperStyleEncoder
 
 POOLINGS = ("avg", "stack")
@@ -184,16 +184,15 @@ class WhisperAudioFamily(WhisperStyleEncoder):
             ),
             row=(f"{layers}.self_attn.out_proj", f"{layers}.fc2", "projector.linear_2"),
             heads={f"{layers}.self_attn": ("num_heads",)},
-            extra={
-                "replicated": (
-                    "encoder.conv1.*",
-                    "encoder.conv2.*",
-                    "encoder.embed_positions.*",
-                    f"{layers}.self_attn_layer_norm.*",
-                    f"{layers}.final_layer_norm.*",
-                    "encoder.layer_norm.*",
-                )
-            },
+            attention=self.attention(f"{layers}.self_attn"),
+            replicated=(
+                "encoder.conv1.*",
+                "encoder.conv2.*",
+                "encoder.embed_positions.*",
+                f"{layers}.self_attn_layer_norm.*",
+                f"{layers}.final_layer_norm.*",
+                "encoder.layer_norm.*",
+            ),
         )
 
     def parts(self) -> dict[str, tuple[str, ...]]:

@@ -3,7 +3,14 @@
 from disagg.interfaces.comm import CommCounter
 from disagg.interfaces.context import GroupContext, OptimSpec, dropout_seed
 from disagg.interfaces.cost import Cost, CostQuery, DecoderShape, EncoderShape, VisionShape
-from disagg.interfaces.family import EncoderFamily, Family, LanguageFamily, LayerMap
+from disagg.interfaces.family import (
+    AttentionSpec,
+    EncoderFamily,
+    Family,
+    LanguageFamily,
+    LayerMap,
+    SequenceParallelRegions,
+)
 from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, bucket_sizes, sum_of_squares
 from disagg.interfaces.parts import PartGroup
 from disagg.interfaces.precision import compute_dtype
@@ -16,6 +23,7 @@ from disagg.interfaces.transport import Layout, Transport
 
 __all__ = [
     "AttentionScope",
+    "AttentionSpec",
     "CommCounter",
     "Cost",
     "CostQuery",
@@ -39,6 +47,7 @@ __all__ = [
     "Recompute",
     "PartGroup",
     "SeqLayout",
+    "SequenceParallelRegions",
     "Strategy",
     "StrategyOptions",
     "Tracker",

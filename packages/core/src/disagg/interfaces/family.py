@@ -21,9 +21,50 @@ Role = Literal["encoder", "llm"]
 
 
 @dataclass(frozen=True)
+class AttentionSpec:
+    """One attention module's heads, which tensor parallelism splits over its ranks.
+
+    The counts are what a strategy that splits heads checks its degree against
+    before any actor starts; the attribute names are what it rewrites per rank.
+    """
+
+    #: query heads
+    num_heads: int
+    #: key/value heads (grouped-query attention); None: as many as query heads, nothing to group
+    num_kv_heads: int | None = None
+    #: child linears holding the key and value projections (replicated when fewer
+    #: key/value heads than ranks)
+    k: str = "k_proj"
+    v: str = "v_proj"
+    #: attribute of the attention module holding query heads per key/value head
+    groups_attr: str = "num_key_value_groups"
+    #: attribute holding the key/value head count, rewritten per rank where present
+    kv_heads_attr: str | None = "num_key_value_heads"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class SequenceParallelRegions:
+    """Where sequence parallelism cuts the residual stream (each a tuple of patterns).
+
+    split: modules whose ``hidden_states`` input enters a region.
+    gather: norms whose output leaves it (every column/output linear reads one).
+    reduce_scatter: the row linears whose output re-enters it.
+    """
+
+    split: tuple[str, ...] = ()
+    gather: tuple[str, ...] = ()
+    reduce_scatter: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class LayerMap:
     """Where tensor parallelism cuts a module; names are ``fnmatch`` patterns
-    over ``module.named_modules()`` of the module ``Family.build`` returns.
+    over ``module.named_modules()`` of the module ``Family.build`` returns
+    (``replicated`` and ``head_replicated``: over ``named_parameters()``).
 
     column: linears split along output features (q/k/v, gate/up, fc1).
     row: linears split along input features (o_proj, down_proj, fc2).
@@ -31,7 +72,16 @@ class LayerMap:
     output: linears split along the vocabulary whose output is the logits.
     heads: attention module pattern -> attribute names holding per-rank head
         counts (e.g. ``{"*.self_attn": ("num_heads", "num_key_value_heads")}``).
-    extra: anything a specific strategy needs beyond this (documented by it).
+    attention: attention module pattern -> its head counts (:class:`AttentionSpec`):
+        the heads a tensor-parallel degree must split (checked at validation).
+    column_chunks: fused column linear pattern -> number of blocks split separately
+        (a vision ``qkv`` is 3).
+    sequence_parallel: the sequence-parallel regions, None when the family has none.
+    replicated: parameters every TP rank holds in full (norms, patch/position
+        embeddings); row-linear biases are replicated by construction.
+    head_replicated: full copies each TP rank applies to its own heads only (per-head
+        q/k norms): each rank holds part of their gradient.
+    extra: anything a third-party strategy needs beyond this (documented by it).
     """
 
     column: tuple[str, ...] = ()
@@ -39,6 +89,11 @@ class LayerMap:
     vocab: tuple[str, ...] = ()
     output: tuple[str, ...] = ()
     heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    attention: dict[str, AttentionSpec] = field(default_factory=dict)
+    column_chunks: dict[str, int] = field(default_factory=dict)
+    sequence_parallel: SequenceParallelRegions | None = None
+    replicated: tuple[str, ...] = ()
+    head_replicated: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -8,7 +8,6 @@ A family subclass says where the decoder lives in the module ``build`` returns
 
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,7 +15,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import LanguageFamily, LayerMap
+from disagg.interfaces import AttentionSpec, LanguageFamily, LayerMap, SequenceParallelRegions
+from disagg.interfaces.hf import checkpoint_keys
 
 #: which first-party family reads a dir of each ``model_type`` (for "use family X" hints)
 FAMILY_OF_MODEL_TYPE = {
@@ -29,11 +29,6 @@ FAMILY_OF_MODEL_TYPE = {
     "qwen2_audio": "qwen2_audio",
 }
 
-
-def allowed_degrees(heads: int, kv_heads: int) -> list[int]:
-    """Degrees megatron_tp can use: divide the query heads, and split or
-    replicate the key/value heads evenly."""
-    return [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
 
 
 class HFDecoderFamily(LanguageFamily):
@@ -98,24 +93,10 @@ class HFDecoderFamily(LanguageFamily):
                 f"model.llm.path={str(self.path)!r} is a {model_type!r} model, which family {self.name!r} "
                 f"cannot read (it reads {', '.join(reads)}){hint}"
             ]
-        if strategy != "megatron_tp" or degree == 1:
-            return []
-        tc = self.text_config
-        heads, kv = tc.num_attention_heads, tc.num_key_value_heads or tc.num_attention_heads
-        ok = ", ".join(map(str, allowed_degrees(heads, kv)))
-        problems = []
-        if heads % degree:
-            problems.append(
-                f"{heads} attention heads of {self.path} are not divisible by parallel.llm.degree {degree}; "
-                f"allowed degrees: {ok}"
-            )
-        if kv % degree and degree % kv:
-            problems.append(
-                f"{kv} key/value heads of {self.path} can be neither split nor replicated evenly over "
-                f"parallel.llm.degree {degree}; allowed degrees: {ok}"
-            )
-        # The vocabulary never blocks a degree: megatron_tp pads it to a multiple of the degree.
-        return problems
+        # The heads a tensor-parallel degree must split are declared in layer_map().attention
+        # (checked by the strategy that splits them); the vocabulary never blocks a degree:
+        # megatron_tp pads it to a multiple of the degree.
+        return []
 
     # -- tensor-parallel description --------------------------------------------------------------------
     def layer_map(self) -> LayerMap:
@@ -133,35 +114,29 @@ class HFDecoderFamily(LanguageFamily):
             vocab=(f"{p}.embed_tokens",),
             output=("lm_head",),
             heads={attn: self.head_attrs},
-            extra={
-                "attention": {
-                    attn: {
-                        "num_heads": tc.num_attention_heads,
-                        "num_kv_heads": tc.num_key_value_heads or tc.num_attention_heads,
-                        "k": "k_proj",
-                        "v": "v_proj",
-                        "groups_attr": "num_key_value_groups",
-                        "kv_heads_attr": "num_key_value_heads",
-                    }
-                },
-                # Full copies on every TP rank (row-linear biases are replicated by construction).
-                "replicated": (
-                    f"{p}.layers.*.input_layernorm.*",
-                    f"{p}.layers.*.post_attention_layernorm.*",
-                    f"{p}.norm.*",
-                ),
-                # Sequence parallelism: the residual stream from the first layer's input on;
-                # each norm's output is gathered for the column linears it feeds.
-                "sequence_parallel": {
-                    "split": (f"{p}.layers.0",),
-                    "gather": (
-                        f"{p}.layers.*.input_layernorm",
-                        f"{p}.layers.*.post_attention_layernorm",
-                        f"{p}.norm",
-                    ),
-                    "reduce_scatter": (f"{attn}.o_proj", f"{p}.layers.*.mlp.down_proj"),
-                },
+            attention={
+                attn: AttentionSpec(
+                    num_heads=tc.num_attention_heads,
+                    num_kv_heads=tc.num_key_value_heads or tc.num_attention_heads,
+                )
             },
+            # Full copies on every TP rank (row-linear biases are replicated by construction).
+            replicated=(
+                f"{p}.layers.*.input_layernorm.*",
+                f"{p}.layers.*.post_attention_layernorm.*",
+                f"{p}.norm.*",
+            ),
+            # Sequence parallelism: the residual stream from the first layer's input on;
+            # each norm's output is gathered for the column linears it feeds.
+            sequence_parallel=SequenceParallelRegions(
+                split=(f"{p}.layers.0",),
+                gather=(
+                    f"{p}.layers.*.input_layernorm",
+                    f"{p}.layers.*.post_attention_layernorm",
+                    f"{p}.norm",
+                ),
+                reduce_scatter=(f"{attn}.o_proj", f"{p}.layers.*.mlp.down_proj"),
+            ),
         )
 
     def parts(self) -> dict[str, tuple[str, ...]]:
@@ -269,21 +244,8 @@ class HFDecoderFamily(LanguageFamily):
         return module(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
 
     # -- export ----------------------------------------------------------------------------------------
-    def checkpoint_keys(self) -> set[str]:
-        """Tensor names in the dir's safetensors files (read from headers only)."""
-        from safetensors import safe_open
-
-        index = self.path / "model.safetensors.index.json"
-        if index.exists():
-            return set(json.loads(index.read_text())["weight_map"])
-        keys: set[str] = set()
-        for f in sorted(self.path.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as fh:
-                keys.update(fh.keys())
-        return keys
-
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        keys = self.checkpoint_keys()
+        keys = set(checkpoint_keys(self.path))
         out = {}
         for name, t in state.items():
             if name == "lm_head.weight" and "lm_head.weight" not in keys and self._tied():

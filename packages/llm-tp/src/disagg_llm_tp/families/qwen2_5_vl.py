@@ -47,11 +47,18 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
         grid = vision.get("image_grid_thw", vision.get("grid_thw"))
         return {} if grid is None else {"image_grid_thw": grid}
 
-    def run(self, module, ids, embeds, mask, inputs):
+    def mrope_inputs(
+        self, ids: torch.Tensor, inputs: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What HF's mRoPE positions read: each token's type (1 image, 2 video) and the
+        microbatch's image grids (None when it has no image)."""
         cfg = self.config
         types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
         grids = [x["image_grid_thw"].reshape(-1, 3) for x in inputs if "image_grid_thw" in x]
-        grid = torch.cat(grids).to(ids.device) if grids else None
+        return types, (torch.cat(grids).to(ids.device) if grids else None)
+
+    def run(self, module, ids, embeds, mask, inputs):
+        types, grid = self.mrope_inputs(ids, inputs)
         module.model.rope_deltas = None  # never reuse positions cached by an earlier call
         return module(
             input_ids=ids,

@@ -18,6 +18,7 @@ to, so this family declares no sequence-parallel regions (refused by
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -43,13 +44,14 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
         return len(self.config.vision_config.deepstack_visual_indexes)
 
     def layer_map(self) -> LayerMap:
-        base = super().layer_map()
         p = self.prefix
-        extra = {k: v for k, v in base.extra.items() if k != "sequence_parallel"}
-        # q/k norms act on each head's features: a full copy on every TP rank, used
-        # on that rank's heads only (its gradient is summed over the TP ranks)
-        extra["head_replicated"] = (f"{p}.layers.*.self_attn.q_norm.*", f"{p}.layers.*.self_attn.k_norm.*")
-        return LayerMap(base.column, base.row, base.vocab, base.output, base.heads, extra)
+        return dataclasses.replace(
+            super().layer_map(),
+            sequence_parallel=None,
+            # q/k norms act on each head's features: a full copy on every TP rank, used
+            # on that rank's heads only (its gradient is summed over the TP ranks)
+            head_replicated=(f"{p}.layers.*.self_attn.q_norm.*", f"{p}.layers.*.self_attn.k_norm.*"),
+        )
 
     def forward(
         self,
@@ -81,10 +83,7 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
                     for j in range(k)
                 ],
             }
-        cfg = self.config
-        types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
-        grids = [s["image_grid_thw"].reshape(-1, 3) for s in inputs if "image_grid_thw" in s]
-        grid = torch.cat(grids).to(device) if grids else None
+        types, grid = self.mrope_inputs(ids, inputs)
         model = module.model
         model.rope_deltas = None  # never reuse positions cached by an earlier call
         positions = model.compute_3d_position_ids(
@@ -99,18 +98,10 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
 
     @classmethod
     def tiny_vision(cls, out_hidden: int) -> dict:
-        return dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0],
-            out_hidden_size=out_hidden,
-        )
+        # Qwen2.5-VL's tiny tower without windows, with a learned position grid and one DeepStack layer
+        tower = super().tiny_vision(out_hidden)
+        del tower["window_size"], tower["fullatt_block_indexes"]
+        return {**tower, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
 
     @classmethod
     def tiny_text(cls) -> dict:

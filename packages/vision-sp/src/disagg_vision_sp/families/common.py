@@ -1,14 +1,12 @@
-"""Small pieces both vision families share: media loading, processors, checkpoint key names."""
+"""Small pieces the vision families share: media loading, processors, model-type checks
+(checkpoint key names and quiet loading are core's family kit, ``disagg.interfaces.hf``)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from pathlib import Path
-from typing import Any, Iterator
-
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+from typing import Any
 
 
 def load_image(item: Any) -> Any:
@@ -30,53 +28,6 @@ def image_processor(path: str, **overrides: int) -> Any:
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(path, **overrides)
-
-
-def checkpoint_keys(path: Path) -> list[str]:
-    """Tensor names stored in an HF dir's safetensors files."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return list(json.loads(index.read_text())["weight_map"])
-    from safetensors import safe_open
-
-    keys: list[str] = []
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            keys += list(st.keys())
-    return keys
-
-
-def find_prefix(keys: list[str], probe: str, candidates: tuple[str, ...]) -> str:
-    """The first prefix under which ``probe`` (a module-local key) is stored."""
-    stored = set(keys)
-    for prefix in candidates:
-        if prefix + probe in stored:
-            return prefix
-    raise KeyError(f"none of the prefixes {candidates} + {probe!r} is in the checkpoint")
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Loading one tower out of a whole-VLM dir reports every other tensor as
-    'unexpected'; that is the point, so keep the log quiet."""
-    from transformers.utils import logging
-
-    old = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(old)
-
-
-def check_attn_implementation(options: dict[str, Any]) -> list[str]:
-    impl = options.get("attn_implementation", "sdpa")
-    if impl not in ATTN_IMPLEMENTATIONS:
-        return [
-            f"model.vision.options.attn_implementation={impl!r} is not supported; "
-            f"allowed: {', '.join(ATTN_IMPLEMENTATIONS)}"
-        ]
-    return []
 
 
 #: which family reads a dir of each ``model_type`` (for "use family X" hints)

@@ -17,16 +17,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import EncoderFamily, LayerMap
-from disagg_vision_sp.families.common import (
-    check_attn_implementation,
-    checkpoint_keys,
-    find_prefix,
-    image_processor,
-    load_image,
-    quiet_transformers,
-)
-from disagg_vision_sp.ulysses.layout import AttentionScope, SeqLayout, UlyssesFamily
+from disagg.interfaces import AttentionScope, EncoderFamily, LayerMap, SeqLayout, UlyssesFamily
+from disagg.interfaces.hf import check_attn_implementation, checkpoint_keys, find_prefix, quiet_transformers
+from disagg_vision_sp.families.common import image_processor, load_image
 
 _PREFIXES = ("", "model.")
 _TOWERS = ("siglip_vision_model", "clip_vision_model")
@@ -79,7 +72,7 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
         return layer if layer >= 0 else n + 1 + layer
 
     def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
-        problems = check_attn_implementation(self.options)
+        problems = check_attn_implementation(self.options, "vision")
         cfg = self.config()
         if cfg.vision_config.model_type not in _TOWERS:
             problems.append(
@@ -134,18 +127,16 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
             ),
             row=(f"{layers}.self_attn.out_proj", f"{layers}.mlp.fc2", "multi_modal_projector.linear_2"),
             heads={f"{layers}.self_attn": ("num_heads",)},
-            extra={
-                # Full copies on every TP rank: embeddings, norms, and the parts LLaVA
-                # never runs (post-layernorm, a pooling head when the tower has one).
-                "replicated": (
-                    "vision_tower.embeddings.*",
-                    "vision_tower.pre_layrnorm.*",
-                    f"{layers}.layer_norm1.*",
-                    f"{layers}.layer_norm2.*",
-                    "vision_tower.post_layernorm.*",
-                    "vision_tower.head.*",
-                ),
-            },
+            # Full copies on every TP rank: embeddings, norms, and the parts LLaVA
+            # never runs (post-layernorm, a pooling head when the tower has one).
+            replicated=(
+                "vision_tower.embeddings.*",
+                "vision_tower.pre_layrnorm.*",
+                f"{layers}.layer_norm1.*",
+                f"{layers}.layer_norm2.*",
+                "vision_tower.post_layernorm.*",
+                "vision_tower.head.*",
+            ),
         )
 
     def parts(self) -> dict[str, tuple[str, ...]]:

@@ -15,18 +15,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import EncoderFamily, LayerMap
-from disagg_vision_sp.families.common import (
-    check_attn_implementation,
-    check_model_type,
-    checkpoint_keys,
-    find_prefix,
-    image_processor,
-    load_image,
-    quiet_transformers,
+from disagg.interfaces import (
+    AttentionScope,
+    EncoderFamily,
+    LayerMap,
+    SeqLayout,
+    SequenceParallelRegions,
+    UlyssesFamily,
 )
+from disagg.interfaces.hf import check_attn_implementation, checkpoint_keys, find_prefix, quiet_transformers
+from disagg_vision_sp.families.common import check_model_type, image_processor, load_image
 from disagg_vision_sp.ulysses.attention import LENGTHS_KWARG
-from disagg_vision_sp.ulysses.layout import AttentionScope, SeqLayout, UlyssesFamily
 
 #: where the tower lives in the files of a whole-VLM dir (legacy and transformers-5 layouts)
 _PREFIXES = ("visual.", "model.visual.", "")
@@ -61,7 +60,7 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
 
     def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
         problems = check_model_type(self.path, self.name, self.model_types)
-        return problems + check_attn_implementation(self.options)
+        return problems + check_attn_implementation(self.options, "vision")
 
     # -- building -------------------------------------------------------------------------------
     def tower_class(self) -> type:
@@ -82,24 +81,27 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
                 attn_implementation=self.options.get("attn_implementation", "sdpa"),
             )
 
+    #: the blocks' MLP linears split along output / input features (Qwen2-VL names them fc1/fc2)
+    mlp_column: ClassVar[tuple[str, ...]] = ("gate_proj", "up_proj")
+    mlp_row: ClassVar[str] = "down_proj"
+
     def layer_map(self) -> LayerMap:
+        mlp_row = f"blocks.*.mlp.{self.mlp_row}"
         return LayerMap(
-            column=("blocks.*.attn.qkv", "blocks.*.mlp.gate_proj", "blocks.*.mlp.up_proj", "merger.mlp.0"),
-            row=("blocks.*.attn.proj", "blocks.*.mlp.down_proj", "merger.mlp.2"),
+            column=("blocks.*.attn.qkv", *(f"blocks.*.mlp.{c}" for c in self.mlp_column), "merger.mlp.0"),
+            row=("blocks.*.attn.proj", mlp_row, "merger.mlp.2"),
             heads={"blocks.*.attn": ("num_heads",)},
-            extra={
-                # qkv is one Linear whose output is [3, heads, head_dim]: split each of the 3 blocks.
-                "column_chunks": {"blocks.*.attn.qkv": 3},
-                # Full copies on every TP rank: the per-patch embedding and the norms.
-                "replicated": ("patch_embed.*", "blocks.*.norm1.*", "blocks.*.norm2.*", "merger.ln_q.*"),
-                # Sequence parallelism over the patches of the blocks' residual stream; the
-                # merger's norm leaves it, since merging groups neighbouring patches.
-                "sequence_parallel": {
-                    "split": ("blocks.0",),
-                    "gather": ("blocks.*.norm1", "blocks.*.norm2", "merger.ln_q"),
-                    "reduce_scatter": ("blocks.*.attn.proj", "blocks.*.mlp.down_proj"),
-                },
-            },
+            # qkv is one Linear whose output is [3, heads, head_dim]: split each of the 3 blocks.
+            column_chunks={"blocks.*.attn.qkv": 3},
+            # Full copies on every TP rank: the per-patch embedding and the norms.
+            replicated=("patch_embed.*", "blocks.*.norm1.*", "blocks.*.norm2.*", "merger.ln_q.*"),
+            # Sequence parallelism over the patches of the blocks' residual stream; the
+            # merger's norm leaves it, since merging groups neighbouring patches.
+            sequence_parallel=SequenceParallelRegions(
+                split=("blocks.0",),
+                gather=("blocks.*.norm1", "blocks.*.norm2", "merger.ln_q"),
+                reduce_scatter=("blocks.*.attn.proj", mlp_row),
+            ),
         )
 
     def parts(self) -> dict[str, tuple[str, ...]]:

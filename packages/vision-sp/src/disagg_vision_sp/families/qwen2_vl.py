@@ -14,10 +14,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import LayerMap
+from disagg.interfaces import AttentionScope, SeqLayout
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
 from disagg_vision_sp.ulysses.attention import LENGTHS_KWARG
-from disagg_vision_sp.ulysses.layout import AttentionScope, SeqLayout
 
 
 class Qwen2VLVision(Qwen2_5_VLVision):
@@ -42,21 +41,8 @@ class Qwen2VLVision(Qwen2_5_VLVision):
 
         return Qwen2VisionTransformerPretrainedModel
 
-    def layer_map(self) -> LayerMap:
-        return LayerMap(
-            column=("blocks.*.attn.qkv", "blocks.*.mlp.fc1", "merger.mlp.0"),
-            row=("blocks.*.attn.proj", "blocks.*.mlp.fc2", "merger.mlp.2"),
-            heads={"blocks.*.attn": ("num_heads",)},
-            extra={
-                "column_chunks": {"blocks.*.attn.qkv": 3},
-                "replicated": ("patch_embed.*", "blocks.*.norm1.*", "blocks.*.norm2.*", "merger.ln_q.*"),
-                "sequence_parallel": {
-                    "split": ("blocks.0",),
-                    "gather": ("blocks.*.norm1", "blocks.*.norm2", "merger.ln_q"),
-                    "reduce_scatter": ("blocks.*.attn.proj", "blocks.*.mlp.fc2"),
-                },
-            },
-        )
+    mlp_column: ClassVar[tuple[str, ...]] = ("fc1",)
+    mlp_row: ClassVar[str] = "fc2"
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
@@ -111,7 +97,19 @@ class Qwen2VLVision(Qwen2_5_VLVision):
         whole = torch.tensor([0, hi - lo], device=module.device, dtype=torch.int32)
         # the local span's length from host memory: the varlen call needs no device sync
         spanning = {"max_seqlen": hi - lo, LENGTHS_KWARG: [hi - lo]}
-        for block in module.blocks:
+        tapped = set(self.tapped_blocks(module))
+        taps: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(module.blocks):
             with scope.spanning(layout.extra["full_segments"]):
                 hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary, **spanning)
+            if i in tapped:
+                taps[i] = hidden
+        return self.merge(module, hidden, taps)
+
+    def tapped_blocks(self, module: nn.Module) -> tuple[int, ...]:
+        """Blocks whose output :meth:`merge` reads besides the last one's."""
+        return ()
+
+    def merge(self, module: nn.Module, hidden: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Output rows of the last block's ``hidden`` (and the tapped blocks' outputs)."""
         return module.merger(hidden)

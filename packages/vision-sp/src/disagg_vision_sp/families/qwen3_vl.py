@@ -21,9 +21,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import LayerMap
+from disagg.interfaces import LayerMap, SeqLayout
 from disagg_vision_sp.families.qwen2_vl import Qwen2VLVision
-from disagg_vision_sp.ulysses.layout import SeqLayout
 
 
 class Qwen3VLVision(Qwen2VLVision):
@@ -55,18 +54,16 @@ class Qwen3VLVision(Qwen2VLVision):
             column=("blocks.*.attn.qkv", "blocks.*.mlp.linear_fc1", *(f"{m}.linear_fc1" for m in mergers)),
             row=("blocks.*.attn.proj", "blocks.*.mlp.linear_fc2", *(f"{m}.linear_fc2" for m in mergers)),
             heads={"blocks.*.attn": ("num_heads",)},
-            extra={
-                "column_chunks": {"blocks.*.attn.qkv": 3},
-                # No sequence-parallel regions: a DeepStack merger norms 2x2-merged rows
-                # taken straight from the residual stream.
-                "replicated": (
-                    "patch_embed.*",
-                    "pos_embed.*",
-                    "blocks.*.norm1.*",
-                    "blocks.*.norm2.*",
-                    *(f"{m}.norm.*" for m in mergers),
-                ),
-            },
+            column_chunks={"blocks.*.attn.qkv": 3},
+            # No sequence-parallel regions: a DeepStack merger norms 2x2-merged rows
+            # taken straight from the residual stream.
+            replicated=(
+                "patch_embed.*",
+                "pos_embed.*",
+                "blocks.*.norm1.*",
+                "blocks.*.norm2.*",
+                *(f"{m}.norm.*" for m in mergers),
+            ),
         )
 
     def parts(self) -> dict[str, tuple[str, ...]]:
@@ -115,17 +112,11 @@ class Qwen3VLVision(Qwen2VLVision):
         hidden = hidden + (module.pos_embed(idx) * w[:, :, None]).sum(1).to(hidden.dtype)
         return hidden, module.rotary_pos_emb(hidden, layout.extra["position_ids"][lo:hi].to(module.device))
 
-    def ulysses_forward(self, module, inputs, layout, lo, hi, scope):  # type: ignore[no-untyped-def]
-        from disagg_vision_sp.ulysses.attention import LENGTHS_KWARG
+    def tapped_blocks(self, module: nn.Module) -> tuple[int, ...]:
+        return tuple(module.deepstack_visual_indexes)
 
-        hidden, rotary = self.embed(module, inputs, layout, lo, hi)
-        whole = torch.tensor([0, hi - lo], device=module.device, dtype=torch.int32)
-        spanning = {"max_seqlen": hi - lo, LENGTHS_KWARG: [hi - lo]}
+    def merge(self, module: nn.Module, hidden: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        # one DeepStack merger per tapped block, in block order (as HF's forward)
         indexes = list(module.deepstack_visual_indexes)
-        deepstack = []
-        for i, block in enumerate(module.blocks):
-            with scope.spanning(layout.extra["full_segments"]):
-                hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary, **spanning)
-            if i in indexes:
-                deepstack.append(module.deepstack_merger_list[indexes.index(i)](hidden))
+        deepstack = [module.deepstack_merger_list[indexes.index(i)](taps[i]) for i in sorted(taps)]
         return torch.cat([module.merger(hidden), *deepstack], dim=-1)

@@ -1,18 +1,13 @@
 """How ``ulysses`` cuts a family's compute-order sequence into shards.
 
 The hook points a family exposes (``SeqLayout``, ``UlyssesFamily``) are defined
-in :mod:`disagg.interfaces.sequence`.
+in core and imported from :mod:`disagg.interfaces` (one import path), so that
+families of other plugins (audio) implement them without depending on this package.
 """
 
 from __future__ import annotations
 
 import bisect
-
-# The hook-point contract lives in core so that families of other plugins (audio) can
-# implement it without depending on this package; re-exported here for existing imports.
-from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
-
-__all__ = ["AttentionScope", "SeqLayout", "UlyssesFamily", "plan_bounds"]
 
 
 def plan_bounds(cuts: list[int], n_tokens: int, degree: int) -> list[int]:

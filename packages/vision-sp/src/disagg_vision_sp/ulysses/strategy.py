@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagg.interfaces import EmbeddingShard, Family, Strategy, StrategyOptions, dropout_seed
+from disagg.interfaces import EmbeddingShard, Family, Strategy, StrategyOptions, UlyssesFamily, dropout_seed
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.rng import ShardRNG
 from disagg_vision_sp.ulysses import attention
-from disagg_vision_sp.ulysses.layout import UlyssesFamily, plan_bounds
+from disagg_vision_sp.ulysses.layout import plan_bounds
 
 
 class UlyssesStrategy(Strategy):
