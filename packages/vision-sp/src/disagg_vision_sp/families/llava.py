@@ -46,19 +46,22 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
 
     name: ClassVar[str] = "llava"
 
+    modality: ClassVar[str] = "image"
+
     @classmethod
     def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
         from disagg_vision_sp.families.shapes import llava_shape
 
         return llava_shape(config)
 
-    modality: ClassVar[str] = "image"
-
     # -- config ---------------------------------------------------------------------------------
     def config(self) -> Any:
-        from transformers import AutoConfig
+        # read once per instance: checks ask for it per mesh (``disagg plan`` asks ~100 times)
+        if getattr(self, "_config", None) is None:
+            from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.path)
+            self._config = AutoConfig.from_pretrained(self.path)
+        return self._config
 
     def hidden_size(self) -> int:
         return int(self.config().text_config.hidden_size)
