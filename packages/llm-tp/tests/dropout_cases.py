@@ -18,6 +18,10 @@ from disagg.interfaces import GroupContext, OptimSpec, compute_dtype, dropout_se
 
 SEED = 7
 P = 0.25  # attention_dropout of the tiny model
+#: the bf16 step's AdamW: eps above the bf16 gradient noise keeps the first update Lipschitz in
+#: the gradient (with eps ~0 it is lr * sign(g), and a noise-level element's sign flips by rounding:
+#: Adam's hard limit, 2 lr; ``disagg.testing.tolerance``), as the end-to-end configs' eps = 1e-3
+BF16_OPTIM = OptimSpec(lr=1e-3, eps=1e-3)
 
 
 @contextlib.contextmanager
@@ -40,7 +44,7 @@ def dropout_spy() -> Iterator[list[torch.Tensor]]:
         F.dropout = real
 
 
-def _strategy(rank: int, path: str, degree: int, replicas: int):
+def _strategy(rank: int, path: str, degree: int, replicas: int, optim: OptimSpec | None = None):
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
@@ -56,7 +60,7 @@ def _strategy(rank: int, path: str, degree: int, replicas: int):
     )
     fam = Qwen2Family(path, {"attn_implementation": "eager"})
     strat = MegatronTPStrategy(ctx, fam, MegatronTPOptions())
-    strat.setup(fam.build(torch.float32), OptimSpec(lr=1e-3))
+    strat.setup(fam.build(torch.float32), optim or OptimSpec(lr=1e-3))
     # What core's worker does after set-up: train mode, the default RNG per replica.
     strat.module.train()
     torch.manual_seed(dropout_seed(SEED, ctx.replica))
@@ -95,7 +99,7 @@ def tp_bf16_rank(rank: int, path: str, degree: int, samples, embeds) -> bytes:
     total = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
     out: dict = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        strat = _strategy(rank, path, degree, 1)
+        strat = _strategy(rank, path, degree, 1, BF16_OPTIM)
         strat.module.eval()  # compare arithmetic, not dropout masks
         leaves = _leaves(embeds)
         with compute_dtype(torch.device("cpu"), dtype):

@@ -57,6 +57,8 @@ def _assert_step_matches(res: dict, ref: dict) -> None:
             grads={} if g is None else {n: g},
             what="bf16 ",
             precision=prec.get(n, BF16_COMPUTE),
+            betas=OPTIM.betas,
+            eps=OPTIM.eps,
         )
 
 

@@ -12,11 +12,10 @@ master weights): :data:`BF16_COMPUTE`.
 from __future__ import annotations
 
 import torch
+from dropout_cases import BF16_OPTIM as OPTIM  # noqa: E402 (what the ranks' strategies are set up with)
 
-from disagg.interfaces import OptimSpec, compute_dtype
+from disagg.interfaces import compute_dtype
 from disagg.testing.tolerance import BF16_COMPUTE, reference_precisions  # noqa: F401 (re-exported)
-
-OPTIM = OptimSpec(lr=1e-3)  # what the ranks' strategies are set up with (dropout_cases._strategy)
 
 
 def hf_bf16_step(path: str, samples: list[dict], embeds: list[dict], placeholder: int) -> dict:

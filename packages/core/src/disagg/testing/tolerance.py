@@ -67,17 +67,23 @@ that does is the gradient bound carried through Adam, per element:
   differ by more than ``2 * R_t`` lr in one step (opposite full steps): that is Adam's hard limit.
 
 An element with a resolved gradient (most of them) is held to a tiny fraction of lr, so one lr in
-such an element, or an update applied twice, fails. Elements whose gradient sign the gradient check
-cannot resolve (``r_i >= 1``: noise-level elements, e.g. a key bias that only matters through RoPE)
-get Adam's hard limit: decided per element from the reference's own gradient, never by name. Their
-margin is recorded apart (kind ``... adam-limit``): rounding can flip their step, so it can come
-near 1, but no honest run exceeds it. Adam's ``eps``, weight decay and clipping only shrink the
-sensitivity (clipping scales every element alike, which Adam ignores), so omitting them keeps the
-bound safe; passing ``eps`` uses ``sqrt(v_t) + eps >= s_t |g_1| + eps`` in the denominator (with
-``eps = 1e-3``, as the end-to-end configs use, the update is Lipschitz in the gradient). A
-parameter absent from ``grads`` got no gradient in the reference: AdamW skips it, so it is held
-to the storage term alone (it must not have moved). ``lr`` is the largest learning rate of the
-steps (a schedule only lowers it).
+such an element, or an update applied twice, fails. Elements whose first update the gradient check
+cannot resolve (``2 * rtol * max|g| >= |g_i| + eps``; with ``eps = 0``: ``r_i >= 1``, the sign
+itself: noise-level elements, e.g. a key bias that only matters through RoPE) get Adam's hard limit:
+decided per element from the reference's own gradient, never by name. Their margin is recorded apart
+(kind ``... adam-limit``): with ``eps`` negligible, Adam's first step is ``lr * sign(g)``, so a
+flipped sign on either side is an error of exactly the limit (margin ~1.0, measured in bf16, where
+the resolution is 6% of a module's largest gradient), and no honest run exceeds it. A test that
+wants every element held to a bound below the limit runs Adam where its update is Lipschitz in the
+gradient (``eps`` above the gradient noise, as the end-to-end configs' ``eps = 1e-3``): then a sign
+flip of a noise-level gradient moves the element by ~``|dg| / eps`` lr, and only elements with
+``resolution >= |g| + eps`` are left at the limit. Adam's ``eps``, weight decay and clipping only
+shrink the sensitivity (clipping scales every element alike, which Adam ignores), so omitting them
+keeps the bound safe; passing ``eps`` uses ``sqrt(v_t) + eps >= s_t |g_1| + eps`` in the denominator
+(with ``eps = 1e-3``, as the end-to-end configs use, the update is Lipschitz in the gradient). A
+parameter absent from ``grads`` got no gradient in the reference: AdamW skips it, so it is held to
+the storage term alone (it must not have moved). ``lr`` is the largest learning rate of the steps (a
+schedule only lowers it).
 
 bf16
 ----
@@ -295,7 +301,9 @@ def param_bound(
         # Adam's eps only enlarges the denominator: sqrt(v_t) + eps >= floor * |g_1| + eps
         sens = (1 + limit) * resolution / (floor * g + eps) if eps > 0 else (1 + limit) * r / floor
         bound = bound + lr * torch.clamp(sens, max=2 * limit)
-    return bound, r >= 1
+    # At Adam's hard limit: the first update's sensitivity reaches it, i.e. the gradient check's
+    # resolution reaches the update's denominator |g_1| + eps (eps = 0: r_i >= 1, the sign itself)
+    return bound, resolution >= g + eps
 
 
 def assert_params_close(
