@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disagg.cost.buckets import BUCKET_BYTES, bucket_sizes
+from disagg.interfaces.buckets import BUCKET_BYTES, bucket_sizes
 from disagg.interfaces.comm import CommCounter
 
 
