@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from disagg.interfaces import Cost, CostQuery, Strategy, StrategyOptions
+from disagg.interfaces import Cost, CostQuery, ReplicatedOptions, Strategy, StrategyOptions
 
 
 class DDPStrategy(Strategy):
@@ -19,10 +19,11 @@ class DDPStrategy(Strategy):
     name: ClassVar[str] = "ddp"
     max_degree: ClassVar[int | None] = 1
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
+    options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
 
     def parallelize(self, module: nn.Module) -> nn.Module:
-        # Gradient sum happens once per step in reduce_gradients, after all
-        # microbatches, which is what DistributedDataParallel's no_sync would do.
+        # Gradient sum happens once per step, after (or, with overlap_grad_reduce, during) the
+        # last microbatch's backward, which is what DistributedDataParallel's no_sync would do.
         self.recompute.apply_full(module, f"module {self.ctx.module!r}")
         return module
 

@@ -17,7 +17,7 @@ from disagg.interfaces.precision import compute_dtype
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
 from disagg.interfaces.shard import EmbeddingShard
-from disagg.interfaces.strategy import Strategy, StrategyOptions
+from disagg.interfaces.strategy import ReplicatedOptions, Strategy, StrategyOptions
 from disagg.interfaces.tracker import Tracker, TrackerOptions
 from disagg.interfaces.transport import Layout, Transport
 
@@ -49,6 +49,7 @@ __all__ = [
     "SeqLayout",
     "SequenceParallelRegions",
     "Strategy",
+    "ReplicatedOptions",
     "StrategyOptions",
     "Tracker",
     "TrackerOptions",

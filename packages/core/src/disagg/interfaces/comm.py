@@ -23,6 +23,8 @@ class CommCounter:
     #: kind of the last collective counted: named when a collective fails and
     #: the backend's error does not say which (gloo)
     last_op: str | None = None
+    #: of the all-reduces counted, those sent while backward still ran (``overlap_grad_reduce``)
+    overlapped_calls: int = 0
 
     def add(self, op: str, nbytes: int, calls: int = 1) -> None:
         """Count ``calls`` collectives of kind ``op`` sending ``nbytes`` in all
@@ -43,6 +45,7 @@ class CommCounter:
         out = dict(self.bytes_by_op)
         self.bytes_by_op.clear()
         self.calls_by_op.clear()
+        self.overlapped_calls = 0
         return out
 
     # -- counted collectives ---------------------------------------------------------------------

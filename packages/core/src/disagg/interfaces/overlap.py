@@ -108,6 +108,7 @@ class OverlappedReducer:
         while self._next < len(self.order) and self._waiting[self.order[self._next]] == 0:
             self._launch(self.order[self._next])
             self.launched_early += 1
+            self.comm.overlapped_calls += 1
 
     def _launch(self, b: int) -> None:
         parts = []

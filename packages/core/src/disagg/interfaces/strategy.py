@@ -17,7 +17,7 @@ from disagg.interfaces.recompute import Recompute, RecomputeMode
 from disagg.interfaces.roles import EncoderRole, LanguageRole, Parallelizer, StateAdapter
 from disagg.interfaces.roles.optimizer import make_scheduler
 
-__all__ = ["Strategy", "StrategyOptions", "clip_coefficient", "make_scheduler"]
+__all__ = ["ReplicatedOptions", "Strategy", "StrategyOptions", "clip_coefficient", "make_scheduler"]
 
 
 class StrategyOptions(BaseModel):
@@ -33,6 +33,18 @@ class StrategyOptions(BaseModel):
     """``parallel.<module>.recompute`` (core's key, passed to every strategy): ``full``
     recomputes every transformer block in backward, ``selective`` the attention core only;
     a strategy lists what it can do in ``Strategy.recompute_modes``."""
+
+
+class ReplicatedOptions(StrategyOptions):
+    """Options of a strategy whose every rank holds the whole module and sums gradients over the
+    group with the default reduction (``ddp``, ``ulysses``)."""
+
+    overlap_grad_reduce: bool = False
+    """``parallel.<module>.overlap_grad_reduce``: sum each gradient bucket while the step's last
+    backward still runs (as torch DDP does) instead of after it, on a process group of its own
+    (:class:`disagg.interfaces.overlap.OverlappedReducer`). The same sums; it holds every bucket's
+    flat buffer until the step's reduction ends (one extra copy of the gradients), which is why it
+    is off by default, as in Megatron's ``overlap_grad_reduce``."""
 
 
 class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):

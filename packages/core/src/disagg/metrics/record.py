@@ -25,6 +25,9 @@ class RankRecord:
     collective_bytes: dict[str, int] = field(default_factory=dict)
     #: collective calls this rank made in its group, by kind
     collective_calls: dict[str, int] = field(default_factory=dict)
+    #: of its gradient all-reduces, those sent while its last backward still ran
+    #: (``parallel.<module>.overlap_grad_reduce``)
+    overlapped_calls: int = 0
     #: peak bytes autograd held saved for backward at once (all microbatches in flight)
     activation_bytes: int = 0
     #: parameters + gradients + optimizer state held by this rank
@@ -55,6 +58,7 @@ def reduce_group(records: list[RankRecord]) -> dict[str, Any]:
         "comm_bytes_per_rank": max(per_rank_comm),
         "collective_bytes_per_rank": _max_by_kind([r.collective_bytes for r in records]),
         "collective_calls_per_rank": _max_by_kind([r.collective_calls for r in records]),
+        "overlapped_calls_per_rank": max(r.overlapped_calls for r in records),
         "sent_bytes_per_rank": max(r.sent_bytes for r in records),
         "busy_s": max(r.busy_s for r in records),
         "wait_s": max(r.wait_s for r in records),

@@ -29,6 +29,7 @@ def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[
         # the most any rank of the group sent, by collective kind / to other groups
         "collective_bytes_per_rank": {m: g["collective_bytes_per_rank"] for m, g in res.groups.items()},
         "collective_calls_per_rank": {m: g["collective_calls_per_rank"] for m, g in res.groups.items()},
+        "overlapped_calls_per_rank": {m: g["overlapped_calls_per_rank"] for m, g in res.groups.items()},
         "sent_bytes_per_rank": {m: g["sent_bytes_per_rank"] for m, g in res.groups.items()},
         "busy_s": {m: g["busy_s"] for m, g in res.groups.items()},
         # time each group spent blocked on another (shards or gradients not yet there)

@@ -143,6 +143,7 @@ class Orchestrator:
         ops = self.schedule.order(len(flights), max_inflight=self.max_inflight, frozen=frozen)
         check_order(ops, len(flights), max_inflight=self.max_inflight, frozen=frozen, name=self.schedule.name)
         loss_refs: list[Any] = []
+        self._last = _last_backwards(ops, flights, self.llm.module)
         for op in ops:
             f = flights[op.mb]
             if op.phase == "forward":
@@ -212,6 +213,7 @@ class Orchestrator:
                 loss_scale,
                 *[f.shard_refs[sid] for sid in task.sources],
                 ranks=list(task.ranks),
+                last=self._last.get((self.llm.module, task.ranks[0])) == f.mb,
             )
             loss_refs.append(refs[0])  # every TP rank computes the same replica loss; count it once
             self._side_refs += refs[1:]
@@ -233,7 +235,8 @@ class Orchestrator:
                 for src in f.route.sources_of(g.module, rank):
                     head = self.llm.actors[f.route.llm[src.llm_replica].grad_rank]
                     grads.append(head.grads_for.options(**self._opts).remote(f.mb, src.id, self._host))
-                self._side_refs.append(g.actors[rank].backward.remote(f.mb, *grads))
+                last = self._last.get((g.module, rank)) == f.mb
+                self._side_refs.append(g.actors[rank].backward.remote(f.mb, *grads, last=last))
         for a in self.llm.actors:
             a.release.remote(f.mb)
 
@@ -345,3 +348,21 @@ class Orchestrator:
 
 
 __all__ = ["ActorDied", "GroupFailure", "Orchestrator", "actor_failure", "wait_all"]
+
+
+def _last_backwards(ops: list[Any], flights: list[_Flight], llm: str) -> dict[tuple[str, int], int]:
+    """``(module, rank) -> microbatch`` of each rank's last backward this step, in schedule order:
+    a strategy that reduces gradients while backward runs starts with that one (only then are its
+    gradients final)."""
+    last: dict[tuple[str, int], int] = {}
+    for op in ops:
+        f = flights[op.mb]
+        if op.phase == "llm":
+            for task in f.route.llm:
+                for r in task.ranks:
+                    last[(llm, r)] = f.mb
+        elif op.phase == "backward":
+            for module in {t.module for t in f.route.encodes}:
+                for r in f.route.encoded_ranks(module):
+                    last[(module, r)] = f.mb
+    return last

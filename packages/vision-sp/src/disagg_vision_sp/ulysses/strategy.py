@@ -22,7 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagg.interfaces import EmbeddingShard, Family, Strategy, StrategyOptions, UlyssesFamily, dropout_seed
+from disagg.interfaces import (
+    EmbeddingShard,
+    Family,
+    ReplicatedOptions,
+    Strategy,
+    StrategyOptions,
+    UlyssesFamily,
+    dropout_seed,
+)
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.rng import ShardRNG
 from disagg_vision_sp.ulysses import attention
@@ -33,6 +41,8 @@ class UlyssesStrategy(Strategy):
     name: ClassVar[str] = "ulysses"
     distribution: ClassVar[str] = "disagg-vision-sp"
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full", "selective")
+    #: every rank holds the whole tower: gradients summed by the default reduction (overlap optional)
+    options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:

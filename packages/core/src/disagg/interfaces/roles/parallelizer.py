@@ -24,6 +24,7 @@ from torch import nn
 
 from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
+from disagg.interfaces.overlap import OverlappedReducer
 from disagg.interfaces.parts import freeze_parts, optimizer_groups
 from disagg.interfaces.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
 
@@ -39,6 +40,8 @@ class Parallelizer(ABC):
     module: nn.Module | None
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
+    #: set up when ``overlap_grad_reduce`` is on: sums gradients while the last backward runs
+    reducer: OverlappedReducer | None = None
 
     @abstractmethod
     def parallelize(self, module: nn.Module) -> nn.Module:
@@ -57,6 +60,11 @@ class Parallelizer(ABC):
                 self.param_groups(optim), optim, self.ctx, self.options
             )
             self.scheduler = make_scheduler(self.optimizer, optim)
+            if getattr(self.options, "overlap_grad_reduce", False) and self.ctx.world_size > 1:
+                # every rank of the group builds it (a new process group is collective)
+                self.reducer = OverlappedReducer(
+                    self.trainable_parameters(), self.ctx.comm, timeout=self.ctx.collective_timeout
+                )
         self.finish_setup(optim)
 
     def finish_setup(self, optim: OptimSpec | None) -> None:
@@ -105,10 +113,19 @@ class Parallelizer(ABC):
         if tensors:
             torch.autograd.backward(tensors, grads)
 
+    def arm_last_backward(self) -> None:
+        """The next backward is this rank's last of the step (the driver says so, from the
+        schedule): with ``overlap_grad_reduce``, buckets are summed from then on as they fill."""
+        if self.reducer is not None:
+            self.reducer.arm()
+
     # -- after backward ---------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         """Sum gradients over every rank of the group (replicas and shards)."""
         if self.ctx.world_size == 1:
+            return
+        if self.reducer is not None:
+            self.reducer.finish()
             return
         params = self.trainable_parameters()
         present = agree_on_grads(params, self.ctx.comm)

@@ -93,6 +93,7 @@ class Accounting:
         rec.device_s = self.timer.read()  # the step's one sync, on CUDA
         record_memory(rec, ctx.device)
         rec.collective_calls = ctx.comm.calls()
+        rec.overlapped_calls = ctx.comm.overlapped_calls
         rec.collective_bytes = ctx.comm.reset()
         rec.state_bytes = strategy.state_bytes()
         rec.lr = lr

@@ -190,9 +190,10 @@ class ModuleWorker:
         return out
 
     @_named
-    def backward(self, mb: int, *grad_parts: dict[int, torch.Tensor]) -> None:
+    def backward(self, mb: int, *grad_parts: dict[int, torch.Tensor], last: bool = False) -> None:
         """Backward from the gradients of this rank's shards (one object from
-        each LLM replica, top-level arguments)."""
+        each LLM replica, top-level arguments); ``last``: this rank's last
+        backward of the step (gradients may be reduced while it runs)."""
         grads: dict[int, torch.Tensor] = {}
         for part in grad_parts:
             grads.update(part)
@@ -201,6 +202,8 @@ class ModuleWorker:
         missing = [i for i, s in zip(ids, shards) if i not in grads and s.value.numel()]
         if missing:
             raise RuntimeError(f"microbatch {mb}: no gradients came back for samples {missing}")
+        if last:
+            self.strategy.arm_last_backward()  # type: ignore[union-attr]
         self.strategy.backward(  # type: ignore[union-attr]
             mb,
             [s.value for s in shards],
@@ -247,6 +250,7 @@ class ModuleWorker:
         needs_grad: list[str],
         loss_scale: float,
         *parts: dict[int, tuple[torch.Tensor, torch.Tensor, int]],
+        last: bool = False,
     ) -> float:
         """Assemble each sample's embeddings from its sources ``(source id,
         module)`` and their shard objects ``parts`` (top-level arguments), run
@@ -256,6 +260,8 @@ class ModuleWorker:
         for e in embeds:
             for module, t in e.items():
                 t.requires_grad_(module in needs_grad)
+        if last:  # this rank's last backward of the step: gradients may be reduced while it runs
+            self.strategy.arm_last_backward()  # type: ignore[union-attr]
         with self._count_saved(mb), self._compute():
             loss_sum = self.strategy.loss_and_backward(mb, inputs, embeds, loss_scale)  # type: ignore[union-attr]
         self.acct.freed(mb)  # backward has run: nothing stays saved
