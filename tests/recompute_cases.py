@@ -12,24 +12,34 @@ collective calls and saved-activation bytes (counted as the worker counts them).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from disagg.interfaces import GroupContext, OptimSpec, dropout_seed
 from disagg.interfaces.activations import saved_bytes_hooks
+from disagg.interfaces.recompute import replaying
 from disagg.interfaces.strategy import clip_coefficient
 
 SEED = 3
-OPTIM = OptimSpec(lr=1e-3, weight_decay=0.1)
+#: eps 1e-3, as the end-to-end configs: Adam's update is then Lipschitz in the gradient, so the
+#: rounding noise of a near-zero gradient element (another layout's summation order, against HF)
+#: moves its parameter by ~noise/eps lr instead of flipping a full lr step (``disagg.testing.tolerance``)
+OPTIM = OptimSpec(lr=1e-3, weight_decay=0.1, eps=1e-3)
 CLIP = 0.05  # active in every step
 #: images per sample, per step (pixels, as in tests/mixed_data.py); step 2 is text only
 IMAGE_STEPS = [[[(56, 56)], [(28, 28), (56, 28)]], [], [[(56, 28)], [(56, 56)], [(28, 28)]]]
+#: seconds per clip, per sample (1 s windows in the tiny audio models): three windows and a
+#: two-clip sample; no audio; a sliver, one window and a clip over two
+AUDIO_STEPS = [[[2.3], [0.7, 0.45]], [], [[0.03], [1.0], [1.5]]]
 
 
 @dataclass
@@ -78,6 +88,53 @@ def set_dropout(module: nn.Module, p: float) -> int:
     return n
 
 
+@contextlib.contextmanager
+def dropout_spy() -> Iterator[dict[str, list]]:
+    """Record the keep mask (``True`` = kept) of every dropout call of a forward, in call
+    order (``masks``); a recomputed block's replay draws again and is not recorded (its masks
+    are the forward's, as the comparison with ``none`` shows). Where the input is zero (causal
+    and padding positions) the mask is ``True``: nothing is dropped that was there. Under
+    ulysses, each batched attention call over segments (``_batched_by_length``: one call per
+    distinct segment length) is recorded too (``groups``: its segments, whether they span the
+    shards, and which masks it drew), so a reference can tell the masks' segments apart."""
+    rec: dict[str, list] = {"masks": [], "groups": []}
+    masks, real = rec["masks"], F.dropout
+
+    def spy(x, p=0.5, training=True, inplace=False):  # noqa: ANN001, ANN202
+        out = real(x, p, training, inplace)
+        if training and p > 0 and not replaying():
+            masks.append(torch.where(x.detach() != 0, out.detach() != 0, True))
+        return out
+
+    with contextlib.ExitStack() as stack:
+        try:
+            from disagg_vision_sp.ulysses import attention
+        except ImportError:
+            attention = None
+        if attention is not None:
+            batched = attention._batched_by_length
+
+            def grouped(fn, module, q, k, v, segments, kwargs):  # noqa: ANN001, ANN202
+                start = len(masks)
+                out = batched(fn, module, q, k, v, segments, kwargs)
+                if not replaying():
+                    rt = attention.current()
+                    rec["groups"].append(
+                        {
+                            "segments": [s for s in segments if s],
+                            "spanning": rt is not None and rt.segments is not None,
+                            "calls": (start, len(masks)),
+                        }
+                    )
+                return out
+
+            attention._batched_by_length = grouped
+            stack.callback(setattr, attention, "_batched_by_length", batched)
+        F.dropout = spy
+        stack.callback(setattr, F, "dropout", real)
+        yield rec
+
+
 def encoder_steps(family: Any, images: Any) -> list[list[tuple[dict, torch.Tensor]]]:
     """Encoder inputs per step and a fixed upstream gradient per sample."""
     from disagg_vision_sp.testing import random_images
@@ -90,6 +147,25 @@ def encoder_steps(family: Any, images: Any) -> list[list[tuple[dict, torch.Tenso
             rows = sum(family.num_tokens(x))
             g = torch.Generator().manual_seed(100 * k + i)
             step.append((x, torch.randn(rows, family.hidden_size(), generator=g)))
+        steps.append(step)
+    return steps
+
+
+def audio_steps(family: Any, seconds: Any = AUDIO_STEPS) -> list[list[tuple[dict, torch.Tensor]]]:
+    """Audio encoder inputs per step (decoded clips of ragged lengths) and a fixed
+    upstream gradient per sample."""
+    steps = []
+    for k, samples in enumerate(seconds):
+        rng = torch.Generator().manual_seed(1000 + k)
+        step = []
+        for i, clip_seconds in enumerate(samples):
+            clips = [
+                {"array": (0.1 * torch.randn(int(16000 * c), generator=rng)).numpy(), "sampling_rate": 16000}
+                for c in clip_seconds
+            ]
+            x = family.preprocess(clips)
+            g = torch.Generator().manual_seed(100 * k + i)
+            step.append((x, torch.randn(sum(family.num_tokens(x)), family.hidden_size(), generator=g)))
         steps.append(step)
     return steps
 
@@ -152,6 +228,9 @@ def _run(rank: int, case: Case, mode: str) -> dict[str, Any]:
     strat.module.train()
     torch.manual_seed(dropout_seed(SEED, ctx.replica))  # what the worker does after set-up
     rec: dict[str, Any] = {"out": [], "loss": [], "grads": [], "calls": [], "act": [], "egrads": []}
+    rec["pos"] = []  # the rows of each sample's output a shard of ``out`` holds
+    rec["masks"] = []  # per step, per microbatch: the forward's dropout keep masks in call order
+    rec["groups"] = []  # per step, per microbatch: ulysses' batched attention calls (dropout_spy)
     live: dict[int, int] = {}
     peak = [0]
 
@@ -170,25 +249,32 @@ def _run(rank: int, case: Case, mode: str) -> dict[str, Any]:
     for step in case.steps:
         peak[0] = 0
         mbs = _microbatches(list(range(len(step))), ctx.replica, case.replicas)
+        rec["masks"].append([[] for _ in mbs])
+        rec["groups"].append([[] for _ in mbs])
         if case.module == "llm":
             total = sum(int((s["labels"][1:] != -100).sum()) for s, _ in step)
             loss = 0.0
             for mb, part in enumerate(mbs):
                 leaves = [{k: v.clone().requires_grad_(True) for k, v in step[i][1].items()} for i in part]
-                with counter(mb):
+                with counter(mb), dropout_spy() as spied:
                     loss += strat.loss_and_backward(mb, [step[i][0] for i in part], leaves, 1.0 / total)
+                rec["masks"][-1][mb], rec["groups"][-1][mb] = spied["masks"], spied["groups"]
                 live.pop(mb)
                 rec["egrads"].append([{k: v.grad.clone() for k, v in e.items()} for e in leaves])
             rec["loss"].append(loss)
         else:
             shards = {}
             for mb, part in enumerate(mbs):  # both microbatches in flight
-                with counter(mb):
+                with counter(mb), dropout_spy() as spied:
                     shards[mb] = strat.encode(mb, [step[i][0] for i in part])
+                rec["masks"][-1][mb], rec["groups"][-1][mb] = spied["masks"], spied["groups"]
                 rec["out"].append([s.value.detach().clone() for s in shards[mb]])
+                rec["pos"].append([s.positions.clone() for s in shards[mb]])
             for mb, part in enumerate(mbs):
                 grads = [step[i][1][s.positions] for i, s in zip(part, shards[mb])]
-                strat.backward(mb, [s.value for s in shards[mb]], grads)
+                with dropout_spy() as spied:
+                    strat.backward(mb, [s.value for s in shards[mb]], grads)
+                assert not spied["masks"], "a backward draws only in replays"
                 live.pop(mb)
         strat.reduce_gradients()
         norm_sq = strat.grad_norm_sq()
