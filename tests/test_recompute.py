@@ -253,7 +253,12 @@ def _predicted_calls(case: Case, mode: str, microbatches: int, samples: int) -> 
     ).comm_calls_by_kind
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if "llava" not in n])
+#: the audio encoders' replayed calls are measured (full vs none above); their prediction from the
+#: family's planning shape is not checked yet (``shapes_from_hf_config`` refused audio configs)
+AUDIO = ("ulysses-whisper", "megatron_tp-qwen2_audio")
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "llava" not in n and n not in AUDIO])
 def test_replayed_collectives_are_counted_and_predicted(runs, name):
     """Measured calls with recompute = measured without + what ``disagg.cost`` says
     the replay adds, step by step (microbatches with work on the rank's replica)."""
