@@ -8,14 +8,13 @@ step (possibly none). The upstream gradient of each sample is fixed.
 
 from __future__ import annotations
 
-import io
-import math
 from pathlib import Path
 
 import torch
 
-from disagg.interfaces import GroupContext, OptimSpec, StrategyOptions, dropout_seed
-from disagg.interfaces.strategy import clip_coefficient
+from disagg.interfaces import OptimSpec
+from disagg.testing import ranks
+from disagg.testing.reference import reference_adamw
 
 MAX_NORM = 0.05  # small enough that clipping is active
 # weight decay on; eps 1e-3 keeps Adam's update Lipschitz in the gradient, so
@@ -23,18 +22,14 @@ MAX_NORM = 0.05  # small enough that clipping is active
 OPTIM = OptimSpec(lr=1e-3, weight_decay=0.1, eps=1e-3)
 
 
-def _loads(raw: bytes):  # noqa: ANN201
-    return torch.load(io.BytesIO(raw), weights_only=False)
-
-
-def _strategy(name: str, ctx: GroupContext, family):  # noqa: ANN001, ANN202
+def _strategy(name: str) -> type:
     if name == "ulysses":
         from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
 
-        return UlyssesStrategy(ctx, family, StrategyOptions())
-    from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+        return UlyssesStrategy
+    from disagg_llm_tp.strategy import MegatronTPStrategy
 
-    return MegatronTPStrategy(ctx, family, MegatronTPOptions())
+    return MegatronTPStrategy
 
 
 def steps_rank(
@@ -42,38 +37,28 @@ def steps_rank(
 ) -> bytes:
     from disagg_vision_sp.families.llava import LlavaVision
 
-    ctx = GroupContext(
-        "vision", rank, degree * replicas, degree, replicas, torch.device("cpu"), torch.float32
-    )
+    ctx = ranks.rank_context("vision", rank, degree, replicas)
     family = LlavaVision(Path(path))
-    strat = _strategy(strategy, ctx, family)
-    strat.setup(family.build(torch.float32), OPTIM)
-    strat.module.train()  # as core's worker does
-    torch.manual_seed(dropout_seed(ctx.seed, ctx.replica))
+    strat = ranks.strategy_rank(_strategy(strategy), family, ctx, optim=OPTIM, train=True)  # as the worker
     out: dict = {"present": [], "norm_sq": [], "grads": {}}
     for step, per_replica in enumerate(schedule):
         mine = per_replica[ctx.replica]
-        shards = strat.encode(step, [inputs[i] for i in mine])
-        strat.backward(step, [s.value for s in shards], [grads[i][s.positions] for i, s in zip(mine, shards)])
-        strat.reduce_gradients()
-        out["present"].append(sorted(strat.full_grads()))
-        norm_sq = strat.grad_norm_sq()
+        ranks.encode_and_backward(strat, step, [inputs[i] for i in mine], [grads[i] for i in mine])
+        norm_sq = ranks.reduce(strat)
+        out["present"].append(sorted(ranks.full_grads(strat)))
         out["norm_sq"].append(norm_sq)
-        strat.step(clip_coefficient(math.sqrt(norm_sq), MAX_NORM))
-        strat.zero_grad()
-    out["params"] = strat.full_state_dict()
+        ranks.step(strat, norm_sq, MAX_NORM)
+    out["params"] = ranks.full_state(strat)
     with_state = {id(p) for p in strat.optimizer.state}
     out["with_state"] = sorted(n for n, p in strat.module.named_parameters() if id(p) in with_state)
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return buf.getvalue()
+    return ranks.dumps(out)
 
 
 def run_steps(strategy: str, degree: int, replicas: int, path: str, inputs, grads, schedule) -> list[dict]:
     from disagg.testing.dist import run_ranks
 
     raw = run_ranks(steps_rank, degree * replicas, strategy, degree, replicas, path, inputs, grads, schedule)
-    return [_loads(r) for r in raw]
+    return [ranks.loads(r) for r in raw]
 
 
 def reference_steps(family, inputs, grads, schedule) -> dict:  # noqa: ANN001
@@ -81,9 +66,7 @@ def reference_steps(family, inputs, grads, schedule) -> dict:  # noqa: ANN001
     module = family.build(torch.float32)
     module.train()
     params = dict(module.named_parameters())
-    opt = torch.optim.AdamW(
-        params.values(), lr=OPTIM.lr, weight_decay=OPTIM.weight_decay, eps=OPTIM.eps, foreach=False
-    )
+    opt = reference_adamw(params.values(), OPTIM)
     out: dict = {"present": [], "norm_sq": [], "grads": {}}
     for per_replica in schedule:
         ids = [i for r in per_replica for i in r]

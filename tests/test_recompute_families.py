@@ -15,7 +15,7 @@ import pytest
 import torch
 from recompute_cases import set_dropout
 
-from disagg.interfaces import GroupContext, OptimSpec, StrategyOptions
+from disagg.testing import ranks
 from disagg.testing.tolerance import assert_exact
 
 pytest.importorskip("disagg_vision_sp")
@@ -83,23 +83,22 @@ def _run(family, mode: str, batch):  # noqa: ANN001, ANN202
 
     from disagg.builtin.ddp import DDPStrategy
 
-    ctx = GroupContext(family.role, 0, 1, 1, 1, torch.device("cpu"), torch.float32, seed=1)
-    strat = DDPStrategy(ctx, family, StrategyOptions(recompute=mode))
+    ctx = ranks.rank_context(family.role, 0, 1, 1, seed=1)
     torch.manual_seed(0)
     module = family.build(torch.float32)
     assert set_dropout(module, 0.2)
-    strat.setup(module, OptimSpec(lr=1e-3))
-    strat.module.train()
+    strat = ranks.strategy_rank(
+        DDPStrategy, family, ctx, options={"recompute": mode}, train=True, module=module
+    )
     blocks = [m for m in strat.module.modules() if isinstance(m, GradientCheckpointingLayer)]
     torch.manual_seed(7)
     if family.role == "llm":
-        leaves = [{k: v.clone().requires_grad_(True) for k, v in e.items()} for _, e in batch]
+        leaves = ranks.leaves([e for _, e in batch])
         total = sum(int((s["labels"][1:] != -100).sum()) for s, _ in batch)
-        loss = strat.loss_and_backward(0, [s for s, _ in batch], leaves, 1.0 / total)
+        loss = ranks.loss_and_backward(strat, 0, [s for s, _ in batch], leaves, 1.0 / total)
         outs = [torch.tensor(loss)] + [v.grad for e in leaves for v in e.values()]
     else:
-        shards = strat.encode(0, [x for x, _ in batch])
-        strat.backward(0, [s.value for s in shards], [g for _, g in batch])
+        shards = ranks.encode_and_backward(strat, 0, [x for x, _ in batch], [g for _, g in batch])
         outs = [s.value.detach() for s in shards]
     grads = {n: p.grad for n, p in strat.module.named_parameters() if p.grad is not None}
     return outs, grads, blocks

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from disagg.builtin.ddp import DDPStrategy
-from disagg.interfaces import GroupContext, OptimSpec, PartGroup, StrategyOptions
+from disagg.interfaces import OptimSpec, PartGroup
 from disagg.interfaces.parts import freeze_parts, optimizer_groups
+from disagg.testing import ranks
 
 
 class Tiny(nn.Module):
@@ -22,11 +23,9 @@ class Tiny(nn.Module):
 
 
 def _strategy(optim: OptimSpec) -> DDPStrategy:
-    ctx = GroupContext("vision", 0, 1, 1, 1, torch.device("cpu"), torch.float32)
-    s = DDPStrategy(ctx, family=None, options=StrategyOptions())  # type: ignore[arg-type]
+    ctx = ranks.rank_context("vision", 0, 1, 1)
     torch.manual_seed(0)
-    s.setup(Tiny(), optim)
-    return s
+    return ranks.strategy_rank(DDPStrategy, None, ctx, optim=optim, module=Tiny())  # type: ignore[arg-type,return-value]
 
 
 def test_frozen_part_gets_no_grad_and_no_state_and_groups_get_their_lr():

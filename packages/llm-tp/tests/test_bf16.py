@@ -15,9 +15,10 @@ import torch
 from dropout_cases import tp_bf16_rank
 from toy_encoder import ToyEncoderFamily, encoder_rank
 from tp_bf16_reference import BF16_COMPUTE, OPTIM, hf_bf16_step
-from tp_cases import _loads, make_batch, rel
+from tp_cases import make_batch, rel
 
 from disagg.testing.dist import run_ranks
+from disagg.testing.ranks import loads as _loads
 from disagg.testing.tolerance import (
     BF16,
     assert_params_close,

@@ -19,10 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dropout_cases import SEED, P, dropout_spy, tp_dropout_rank
-from tp_cases import _loads, make_batch
+from tp_cases import make_batch
 
 from disagg.interfaces import dropout_seed
 from disagg.testing.dist import run_ranks
+from disagg.testing.ranks import loads as _loads
 from disagg.testing.tolerance import assert_scalar_close, assert_tensors_close
 from disagg_llm_tp.families.qwen2 import Qwen2Family
 

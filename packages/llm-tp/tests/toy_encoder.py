@@ -67,22 +67,22 @@ class ToyEncoderFamily(EncoderFamily):
 
 def encoder_rank(rank: int, degree: int, xs: list, gs: list, dtype: torch.dtype = torch.float32) -> dict:
     """Encode under core's ``compute_dtype(dtype)`` and backward outside it, as core's worker does."""
-    from disagg.interfaces import GroupContext, OptimSpec, compute_dtype
-    from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+    from disagg.interfaces import compute_dtype
+    from disagg.testing import ranks
+    from disagg_llm_tp.strategy import MegatronTPStrategy
 
-    ctx = GroupContext("vision", rank, degree, degree, 1, torch.device("cpu"), dtype)
+    ctx = ranks.rank_context("vision", rank, degree, 1, dtype=dtype)
     fam = ToyEncoderFamily(".")
-    strat = MegatronTPStrategy(ctx, fam, MegatronTPOptions())
-    strat.setup(fam.build(), OptimSpec(lr=1e-3))
+    strat = ranks.strategy_rank(MegatronTPStrategy, fam, ctx)
     with compute_dtype(ctx.device, dtype):
-        shards = strat.encode(0, [{"x": x} for x in xs])
+        shards = ranks.encode(strat, 0, [{"x": x} for x in xs])
     grads = [g if ctx.shard == 0 else torch.zeros(0, g.shape[1]) for g in gs]
-    strat.backward(0, [s.value for s in shards], grads)
-    strat.reduce_gradients()
+    ranks.backward(strat, 0, shards, grads)
+    ranks.reduce_gradients(strat)
     return {
         "rows": [int(s.value.shape[0]) for s in shards],
         "values": [s.value.detach().float().numpy().copy() for s in shards],
         "dtypes": {str(s.value.dtype) for s in shards}
         | {str(p.grad.dtype) for p in strat.module.parameters()},
-        "grads": {k: v.numpy() for k, v in strat.full_grads().items()},
+        "grads": {k: v.numpy() for k, v in ranks.full_grads(strat).items()},
     }

@@ -6,15 +6,16 @@ Rank functions live here (not in a test module) so spawned ranks can import them
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from disagg.interfaces import GroupContext, OptimSpec
+from disagg.interfaces import OptimSpec
 from disagg.interfaces.activations import saved_bytes_hooks
-from disagg.interfaces.strategy import clip_coefficient
+from disagg.testing import ranks
+from disagg.testing.ranks import dumps, loads
+from disagg.testing.reference import reference_adamw
 
 MAX_NORM = 0.05  # small enough that clipping is active in every step
 LR = 1e-3
@@ -90,7 +91,7 @@ def reference(case: Case) -> dict:
     model = _hf_model(case)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     all_params = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=0.0, foreach=False)
+    opt = reference_adamw(params.values(), OptimSpec(lr=LR))
     total = label_count(case.samples)
     out: dict = {}
     for step in range(case.steps):
@@ -167,55 +168,31 @@ def _hf_logits(case: Case, fam, model, s: dict, e: dict) -> torch.Tensor:
 
 # -- the megatron_tp run: one call per rank ------------------------------------------------------------
 def tp_rank(rank: int, case_bytes: bytes) -> bytes:
-    """Tensors cross the process boundary as bytes: shared-memory handles of a
-    rank that has already exited cannot be opened by the parent."""
-    out = _tp_rank(rank, _loads(case_bytes))
-    return dumps(out)
-
-
-def dumps(obj) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _loads(b: bytes):
-    import io
-
-    return torch.load(io.BytesIO(b), weights_only=False)
+    """Tensors cross the process boundary as bytes (``disagg.testing.ranks.dumps``)."""
+    return dumps(_tp_rank(rank, loads(case_bytes)))
 
 
 def run_tp(case: Case) -> list[dict]:
     from disagg.testing.dist import run_ranks
 
-    return [_loads(b) for b in run_ranks(tp_rank, case.degree * case.replicas, dumps(case))]
+    return [loads(b) for b in run_ranks(tp_rank, case.degree * case.replicas, dumps(case))]
 
 
 def _tp_rank(rank: int, case: Case) -> dict:
     from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
-    ctx = GroupContext(
-        module="llm",
-        rank=rank,
-        world_size=case.degree * case.replicas,
-        degree=case.degree,
-        replicas=case.replicas,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+    ctx = ranks.rank_context("llm", rank, case.degree, case.replicas)
     fam = family_cls(case.family)(case.path)
-    strat = MegatronTPStrategy(ctx, fam, MegatronTPOptions(sequence_parallel=case.sequence_parallel))
-    strat.setup(fam.build(torch.float32), OptimSpec(lr=LR))
+    options = MegatronTPOptions(sequence_parallel=case.sequence_parallel)
+    strat = ranks.strategy_rank(MegatronTPStrategy, fam, ctx, options=options, optim=OptimSpec(lr=LR))
     samples = replica_slice(case.samples, ctx.replica, case.replicas)
     embeds = replica_slice(case.embeds, ctx.replica, case.replicas)
     total = label_count(case.samples)
     out: dict = {"rank": rank}
     with torch.no_grad():
-        out["eval"] = strat.evaluate(samples, embeds)
+        out["eval"] = ranks.evaluate(strat, samples, embeds)
     for step in range(case.steps):
-        leaves = [{k: v.clone().requires_grad_(True) for k, v in e.items()} for e in embeds]
+        leaves = ranks.leaves(embeds)
         if step == 0:
             with torch.no_grad():
                 logits, _ = fam.forward(strat.module, samples, leaves)
@@ -224,21 +201,19 @@ def _tp_rank(rank: int, case: Case) -> dict:
                 out["logits"] = _gather_vocab(logits, strat)[real]
         saved: list[int] = []
         with saved_bytes_hooks(strat.module, saved.append):  # as the worker's activation metric
-            loss = strat.loss_and_backward(0, samples, leaves, 1.0 / total)
-        strat.reduce_gradients()
-        norm_sq = strat.grad_norm_sq()
+            loss = ranks.loss_and_backward(strat, 0, samples, leaves, 1.0 / total)
+        norm_sq = ranks.reduce(strat)
         if step == 0:
             out["loss"] = loss
             out["norm_sq"] = norm_sq
             out["activation_bytes"] = sum(saved)
-            out["grads"] = strat.full_grads()
+            out["grads"] = ranks.full_grads(strat)
             out["embed_grads"] = [{k: v.grad.clone() for k, v in e.items()} for e in leaves]
-        strat.step(clip_coefficient(math.sqrt(norm_sq), MAX_NORM))
-        strat.zero_grad()
+        ranks.step(strat, norm_sq, MAX_NORM)
     with torch.no_grad():  # the trained model's loss on its samples, for the export test
         logits, labels = fam.forward(strat.module, samples, embeds)
-        out["final_loss"] = float(strat.loss_sum(logits, labels))
-    out["params"] = strat.full_state_dict()
+        out["final_loss"] = float(ranks.loss_sum(strat, logits, labels))
+    out["params"] = ranks.full_state(strat)
     out["comm_bytes"] = ctx.comm.total()
     out["collectives"] = dict(ctx.comm.bytes_by_op)
     return out

@@ -1,75 +1,34 @@
 """Rank functions for the ulysses dropout and bf16 tests (importable by spawned ranks).
 
-Masks are observed with a spy on ``torch.nn.functional.dropout``, which
-SigLIP's eager attention calls on the attention probabilities.
+Masks are observed with core's dropout spy (``disagg.testing.dropout``) on
+``torch.nn.functional.dropout``, which SigLIP's eager attention calls on the
+attention probabilities.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from disagg.interfaces import GroupContext, OptimSpec, StrategyOptions, compute_dtype, dropout_seed
+from disagg.interfaces import compute_dtype
+from disagg.testing import ranks
+from disagg.testing.dropout import dropout_spy
+from disagg.testing.ranks import dumps, loads
+
+__all__ = ["P", "SEED", "bf16_rank", "dropout_rank", "dropout_spy", "dumps", "loads"]
 
 SEED = 7
 P = 0.25  # the tower's attention_dropout in the dropout test
-
-
-def dumps(obj) -> bytes:  # noqa: ANN001
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def loads(raw: bytes):  # noqa: ANN201
-    return torch.load(io.BytesIO(raw), weights_only=False)
-
-
-@contextlib.contextmanager
-def dropout_spy() -> Iterator[list[torch.Tensor]]:
-    """Kept (1) / dropped (0) mask of every active dropout call; -1 where the
-    input was already zero."""
-    masks: list[torch.Tensor] = []
-    real = F.dropout
-
-    def spy(x, p=0.5, training=True, inplace=False):  # noqa: ANN001
-        out = real(x, p, training, inplace)
-        if training and p > 0:
-            masks.append(torch.where(x.detach() != 0, (out.detach() != 0).to(torch.int8), -1))
-        return out
-
-    F.dropout = spy
-    try:
-        yield masks
-    finally:
-        F.dropout = real
 
 
 def _strategy(rank: int, degree: int, replicas: int, path: str):
     from disagg_vision_sp.families.llava import LlavaVision
     from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
 
-    ctx = GroupContext(
-        module="vision",
-        rank=rank,
-        world_size=degree * replicas,
-        degree=degree,
-        replicas=replicas,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        seed=SEED,
-    )
+    ctx = ranks.rank_context("vision", rank, degree, replicas, seed=SEED)
     family = LlavaVision(Path(path), {"attn_implementation": "eager"})
-    strat = UlyssesStrategy(ctx, family, StrategyOptions())
-    strat.setup(family.build(torch.float32), OptimSpec(lr=1e-3))
-    strat.module.train()  # what core's worker does after set-up
-    torch.manual_seed(dropout_seed(SEED, ctx.replica))
-    return strat
+    return ranks.strategy_rank(UlyssesStrategy, family, ctx, train=True)  # train mode, as core's worker
 
 
 def _dot(shards, grads) -> float:  # noqa: ANN001
@@ -83,8 +42,8 @@ def dropout_rank(rank: int, degree: int, replicas: int, path: str, inputs, grads
     for run in ("first", "again"):  # a fresh set-up with the same seed
         strat = _strategy(rank, degree, replicas, path)
         with dropout_spy() as masks:
-            shards = strat.encode(0, inputs)
-        strat.backward(0, [s.value for s in shards], [g[s.positions] for s, g in zip(shards, grads)])
+            shards = ranks.encode(strat, 0, inputs)
+        ranks.backward(strat, 0, shards, [g[s.positions] for s, g in zip(shards, grads)])
         out[run] = {
             "dot": _dot(shards, grads),
             "masks": masks,
@@ -93,8 +52,8 @@ def dropout_rank(rank: int, degree: int, replicas: int, path: str, inputs, grads
     dots = []
     with torch.no_grad():  # fresh draws of the same stream, for the statistics
         for mb in range(1, draws + 1):
-            dots.append(_dot(strat.encode(mb, inputs), grads))
-            strat.release(mb)
+            dots.append(_dot(ranks.encode(strat, mb, inputs), grads))
+            ranks.release(strat, mb)
     out["dots"] = dots
     return dumps(out)
 
@@ -106,23 +65,16 @@ def bf16_rank(rank: int, degree: int, path: str, inputs, grads) -> bytes:
         strat = _strategy(rank, degree, 1, path)
         strat.module.eval()  # compare arithmetic, not dropout masks
         with compute_dtype(torch.device("cpu"), dtype):
-            shards = strat.encode(0, inputs)
-        strat.backward(0, [s.value for s in shards], [g[s.positions] for s, g in zip(shards, grads)])
-        strat.reduce_gradients()
-        norm_sq = strat.grad_norm_sq()
-        full = {n: g.clone() for n, g in strat.full_grads().items()}  # collective: every rank
-        strat.step(1.0)
+            shards = ranks.encode(strat, 0, inputs)
+        ranks.backward(strat, 0, shards, [g[s.positions] for s, g in zip(shards, grads)])
+        norm_sq, full = ranks.finish_step(strat, zero_grad=False)  # unclipped; grads kept for dtypes
         out[name] = {
             "dot": _dot(shards, grads),
             "shards": [(s.positions, s.value.detach(), s.total) for s in shards],
             "grads": full,
             "out_dtypes": {s.value.dtype for s in shards},
             "norm_sq": norm_sq,
-            "param_dtypes": {p.dtype for p in strat.module.parameters()},
-            "grad_dtypes": {p.grad.dtype for p in strat.module.parameters() if p.grad is not None},
-            "state_dtypes": {
-                v.dtype for st in strat.optimizer.state.values() for v in st.values() if v.dim() > 0
-            },
-            "params": strat.full_state_dict(),
+            **ranks.state_dtypes(strat),
+            "params": ranks.full_state(strat),
         }
     return dumps(out)

@@ -17,7 +17,8 @@ import torch
 import zero_harness as H
 from torch import nn
 
-from disagg.interfaces import GroupContext, compute_dtype
+from disagg.interfaces import compute_dtype
+from disagg.testing import ranks
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily
 
 #: per step, per microbatch, per rank (2 ranks): sample indices
@@ -49,17 +50,6 @@ class UnusedLayerEncoderFamily(ToyEncoderFamily):
 
 
 # -- references -------------------------------------------------------------------------------------
-def _ref_optim_step(module: nn.Module, opt: Any, sched: Any, loss: torch.Tensor | None) -> tuple[float, dict]:
-    opt.zero_grad(set_to_none=True)
-    if loss is not None:
-        loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
-    norm = float(torch.nn.utils.clip_grad_norm_([p for p in module.parameters()], H.CLIP))
-    opt.step()
-    sched.step()
-    return norm, grads
-
-
 def _ref_steps(module: nn.Module, opt: Any) -> dict[str, float | None]:
     """Per parameter: AdamW's step count, None where it has no state (never stepped)."""
     return {
@@ -80,7 +70,7 @@ def reference_encoder(enc_dir: Path) -> dict[str, Any]:
             if idx
             else None
         )
-        norm, grads = _ref_optim_step(module, opt, sched, loss)
+        norm, grads = H._ref_step(module, opt, sched, loss)
         out["norm"].append(norm)
         out["grads"].append(grads)
     out["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -99,7 +89,7 @@ def reference_llm(lm_dir: Path) -> dict[str, Any]:
         logits, labels = fam.forward(module, [x["llm"] for x in samples], embeds)
         loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
         loss = loss / H.label_count(samples)
-        norm, grads = _ref_optim_step(module, opt, sched, loss)
+        norm, grads = H._ref_step(module, opt, sched, loss)
         out["loss"].append(float(loss.detach()))
         out["norm"].append(norm)
         out["grads"].append(grads)
@@ -160,15 +150,15 @@ def rank_encoder(rank: int, enc_dir: Path, options: dict[str, Any]) -> dict[str,
     rec: dict[str, Any] = {"norm": [], "grads": [], "layout": _layout(strat)}
     for step, plan in enumerate(ENCODER_PLAN):
         samples = encoder_samples(step)
-        strat.zero_grad()
+        ranks.zero_grad(strat)
         for mb, parts in enumerate(plan):
             mine = [samples[i] for i in parts[rank]]
-            shards = strat.encode(mb, [x["vision"] for x in mine])
-            strat.backward(mb, [s.value for s in shards], [x["out_grad"] for x in mine])
+            shards = ranks.encode(strat, mb, [x["vision"] for x in mine])
+            ranks.backward(strat, mb, shards, [x["out_grad"] for x in mine])
         H._finish_step(strat, rec)
-    rec["params"] = strat.full_state_dict()
+    rec["params"] = ranks.full_state(strat)
     rec["steps"] = _fragment_steps(strat)
-    rec["lr"] = strat.current_lr()
+    rec["lr"] = ranks.current_lr(strat)
     return H.portable(rec)
 
 
@@ -183,28 +173,24 @@ def rank_llm(
         loss_sum, egrads = 0.0, {}
         for mb, parts in enumerate(plan):
             part = parts[rank]
-            embeds = [
-                {k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part
-            ]
+            embeds = ranks.leaves([samples[i]["embeds"] for i in part])
             with compute_dtype(torch.device("cpu"), dtype):
-                loss_sum += strat.loss_and_backward(mb, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
+                loss_sum += ranks.loss_and_backward(
+                    strat, mb, [samples[i]["llm"] for i in part], embeds, 1.0 / n
+                )
             egrads.update({i: {k: v.grad.clone() for k, v in e.items()} for i, e in zip(part, embeds)})
         rec["loss_sum"].append(loss_sum)
         rec["embed_grads"].append(egrads)
         H._finish_step(strat, rec)
-    rec["params"] = strat.full_state_dict()
-    rec["lr"] = strat.current_lr()
+    rec["params"] = ranks.full_state(strat)
+    rec["lr"] = ranks.current_lr(strat)
     return H.portable(rec)
 
 
 def rank_eval(rank: int, enc_dir: Path, lm_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
     """Forward only, 3 samples over 2 ranks then 1 (rank 1 empty): a frozen
     encoder's outputs and a trained LLM's evaluation sums, under no_grad."""
-    from disagg_zero import ZeroOptions, ZeroStrategy
-
-    ctx = GroupContext("vision", rank, 2, 1, 2, torch.device("cpu"), torch.float32)
-    enc = ZeroStrategy(ctx, UnusedLayerEncoderFamily(enc_dir), ZeroOptions(**options))
-    enc.setup(enc.family.build(torch.float32), None)  # frozen
+    enc = H._strategy(rank, 2, "vision", UnusedLayerEncoderFamily(enc_dir), options, optim=None)  # frozen
     llm = H._strategy(rank, 2, "llm", ToyLMFamily(lm_dir), options)
     samples = H.llm_batches(2, 1)[0]
     out: dict[str, Any] = {"encoded": {}, "eval": []}
@@ -212,10 +198,10 @@ def rank_eval(rank: int, enc_dir: Path, lm_dir: Path, options: dict[str, Any]) -
         for mb, parts in enumerate([[[0, 1], [2]], [[3], []]]):
             part = parts[rank]
             images = [i for i in part if "vision" in samples[i]]
-            shards = enc.encode(mb, [samples[i]["vision"] for i in images])
+            shards = ranks.encode(enc, mb, [samples[i]["vision"] for i in images])
             out["encoded"].update({i: s.value for i, s in zip(images, shards)})
             embeds = [samples[i]["embeds"] for i in part]
-            out["eval"].append(llm.evaluate([samples[i]["llm"] for i in part], embeds))
+            out["eval"].append(ranks.evaluate(llm, [samples[i]["llm"] for i in part], embeds))
     return H.portable(out)
 
 
@@ -226,10 +212,10 @@ def rank_mismatch(rank: int, enc_dir: Path) -> str:
     strat = H._strategy(rank, 2, "vision", fam, {"stage": 1})
     x = encoder_samples(0)[0]
     for mb in range(2 - rank):
-        shards = strat.encode(mb, [x["vision"]])
-        strat.backward(mb, [shards[0].value], [x["out_grad"]])
+        shards = ranks.encode(strat, mb, [x["vision"]])
+        ranks.backward(strat, mb, shards, [x["out_grad"]])
     try:
-        strat.reduce_gradients()
+        ranks.reduce_gradients(strat)
     except RuntimeError as exc:
         return str(exc)
     return ""

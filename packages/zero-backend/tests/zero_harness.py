@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
-from disagg.interfaces import GroupContext, OptimSpec
-from disagg.interfaces.strategy import clip_coefficient, make_scheduler
+from disagg.interfaces import OptimSpec
+from disagg.interfaces.strategy import make_scheduler
+from disagg.testing import ranks
+from disagg.testing.reference import reference_adamw
 from disagg.testing.tolerance import assert_params_close, first_grads
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, toy_samples
 from disagg_zero.cost import DEEPSPEED_PERSISTENCE
@@ -76,9 +78,11 @@ def split(xs: list[Any], parts: int) -> list[list[Any]]:
 
 
 # -- references -------------------------------------------------------------------------------------
-def _ref_step(module: torch.nn.Module, opt: Any, sched: Any, loss: torch.Tensor) -> tuple[float, dict]:
+def _ref_step(module: torch.nn.Module, opt: Any, sched: Any, loss: torch.Tensor | None) -> tuple[float, dict]:
+    """One reference step; ``loss`` None: a step without samples (no gradient, the optimizer still steps)."""
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    if loss is not None:
+        loss.backward()
     # merged gradients are compared before clipping (full_grads runs before step)
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     params = [p for p in module.parameters() if p.requires_grad]
@@ -89,14 +93,7 @@ def _ref_step(module: torch.nn.Module, opt: Any, sched: Any, loss: torch.Tensor)
 
 
 def _ref_optim(module: torch.nn.Module) -> tuple[Any, Any]:
-    opt = torch.optim.AdamW(
-        module.parameters(),
-        lr=OPTIM.lr,
-        weight_decay=OPTIM.weight_decay,
-        betas=OPTIM.betas,
-        eps=OPTIM.eps,
-        foreach=False,
-    )
+    opt = reference_adamw(module.parameters(), OPTIM)
     return opt, make_scheduler(opt, OPTIM)
 
 
@@ -169,26 +166,26 @@ def tensors(x: Any) -> Any:
 
 
 # -- ranks ------------------------------------------------------------------------------------------
-def _strategy(rank: int, world: int, module: str, family: Any, options: dict[str, Any]) -> Any:
-    from disagg_zero import ZeroOptions, ZeroStrategy
+def _strategy(
+    rank: int, world: int, module: str, family: Any, options: dict[str, Any], optim: OptimSpec | None = OPTIM
+) -> Any:
+    """``zero`` on one of ``world`` data-parallel ranks (degree 1)."""
+    from disagg_zero import ZeroStrategy
 
-    ctx = GroupContext(module, rank, world, 1, world, torch.device("cpu"), torch.float32)
-    strat = ZeroStrategy(ctx, family, ZeroOptions(**options))
-    strat.setup(family.build(torch.float32), OPTIM)
-    return strat
+    ctx = ranks.rank_context(module, rank, 1, world)
+    return ranks.strategy_rank(ZeroStrategy, family, ctx, options=options, optim=optim)
 
 
 def _finish_step(strat: Any, rec: dict[str, Any]) -> None:
-    strat.reduce_gradients()
-    nsq = strat.grad_norm_sq()
+    nsq = ranks.reduce(strat)
     rec["norm"].append(math.sqrt(nsq))
-    rec["grads"].append(strat.full_grads())
-    strat.step(clip_coefficient(math.sqrt(nsq), CLIP))
+    rec["grads"].append(ranks.full_grads(strat))
+    ranks.step(strat, nsq, CLIP, zero_grad=False)
     # the accounting the bench reports, read where the worker reads it (after the step)
     rec.setdefault("calls", []).append(strat.ctx.comm.calls())
     rec.setdefault("comm", []).append(strat.ctx.comm.reset())
-    rec.setdefault("state_bytes", []).append(strat.state_bytes())
-    strat.zero_grad()
+    rec.setdefault("state_bytes", []).append(ranks.state_bytes(strat))
+    ranks.zero_grad(strat)
 
 
 def rank_llm(rank: int, lm_dir: Path, world: int, options: dict[str, Any]) -> dict[str, Any]:
@@ -200,16 +197,14 @@ def rank_llm(rank: int, lm_dir: Path, world: int, options: dict[str, Any]) -> di
         idx = list(range(len(samples)))
         loss_sum, egrads = 0.0, {}
         for part in split(mine(idx, rank, world), MICROBATCHES):
-            embeds = [
-                {k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part
-            ]
-            loss_sum += strat.loss_and_backward(0, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
+            embeds = ranks.leaves([samples[i]["embeds"] for i in part])
+            loss_sum += ranks.loss_and_backward(strat, 0, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
             egrads.update({i: {k: v.grad.clone() for k, v in e.items()} for i, e in zip(part, embeds)})
         rec["loss_sum"].append(loss_sum)
         rec["embed_grads"].append(egrads)
         _finish_step(strat, rec)
-    rec["params"] = strat.full_state_dict()
-    rec["lr"] = strat.current_lr()
+    rec["params"] = ranks.full_state(strat)
+    rec["lr"] = ranks.current_lr(strat)
     return portable(rec)
 
 
@@ -219,13 +214,13 @@ def rank_encoder(rank: int, enc_dir: Path, world: int, options: dict[str, Any]) 
     rec: dict[str, Any] = {"norm": [], "grads": []}
     for samples in encoder_batches(world):
         for part in split(mine(samples, rank, world), MICROBATCHES):
-            shards = strat.encode(0, [x["vision"] for x in part])
+            shards = ranks.encode(strat, 0, [x["vision"] for x in part])
             for s, x in zip(shards, part):
                 assert s.total == x["out_grad"].shape[0] and s.positions.tolist() == list(range(s.total))
-            strat.backward(0, [s.value for s in shards], [x["out_grad"] for x in part])
+            ranks.backward(strat, 0, shards, [x["out_grad"] for x in part])
         _finish_step(strat, rec)
-    rec["params"] = strat.full_state_dict()
-    rec["lr"] = strat.current_lr()
+    rec["params"] = ranks.full_state(strat)
+    rec["lr"] = ranks.current_lr(strat)
     return portable(rec)
 
 
@@ -318,31 +313,29 @@ def checkpoint_roundtrip(
     def one_step(strat: Any, samples: list[dict[str, Any]]) -> None:
         n = label_count(samples)
         part = mine(list(range(len(samples))), rank, world)
-        embeds = [{k: v.clone().requires_grad_(True) for k, v in samples[i]["embeds"].items()} for i in part]
-        strat.loss_and_backward(0, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
-        strat.reduce_gradients()
-        strat.step(clip_coefficient(math.sqrt(strat.grad_norm_sq()), CLIP))
-        strat.zero_grad()
+        embeds = ranks.leaves([samples[i]["embeds"] for i in part])
+        ranks.loss_and_backward(strat, 0, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
+        ranks.step(strat, ranks.reduce(strat), CLIP)
 
     a = _strategy(rank, world, "llm", fam, options)
     one_step(a, batches[0])
     one_step(a, batches[1])
     a.save(path)
-    saved = a.full_state_dict()
+    saved = ranks.full_state(a)
     one_step(a, batches[2])
     b = _strategy(rank, world, "llm", fam, options)
     b.load(path)
-    loaded = b.full_state_dict()
-    lr_loaded = b.current_lr()
+    loaded = ranks.full_state(b)
+    lr_loaded = ranks.current_lr(b)
     one_step(b, batches[2])
     return portable(
         {
             "saved": saved,
             "loaded": loaded,
-            "after_a": a.full_state_dict(),
-            "after_b": b.full_state_dict(),
-            "lr_a": a.current_lr(),
-            "lr_b": b.current_lr(),
+            "after_a": ranks.full_state(a),
+            "after_b": ranks.full_state(b),
+            "lr_a": ranks.current_lr(a),
+            "lr_b": ranks.current_lr(b),
             "lr_loaded": lr_loaded,
         }
     )

@@ -7,7 +7,7 @@ loss = sum of label-token losses / label-token count, one backward, global
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,6 +17,14 @@ from torch import nn
 from disagg.interfaces import EncoderFamily, Family, LanguageFamily, OptimSpec
 from disagg.interfaces.strategy import make_scheduler
 from disagg.testing.tolerance import FP32, Precision, assert_exact, assert_params_close, assert_tensors_close
+
+
+def reference_adamw(params: Iterable[torch.Tensor] | Iterable[dict], optim: OptimSpec) -> torch.optim.AdamW:
+    """The single-process optimizer every strategy is held to: AdamW with ``optim``'s
+    settings, one tensor at a time (``foreach=False``, what the strategies use on CPU)."""
+    return torch.optim.AdamW(
+        params, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas, eps=optim.eps, foreach=False
+    )
 
 
 @dataclass
@@ -50,14 +58,7 @@ class ReferenceModel:
                     f"ReferenceModel takes whole-module settings only; freeze parts of {m!r} or give them "
                     "their own param groups on the reference's HF modules directly"
                 )
-            opt = torch.optim.AdamW(
-                mod.parameters(),
-                lr=spec.lr,
-                weight_decay=spec.weight_decay,
-                betas=spec.betas,
-                eps=spec.eps,
-                foreach=False,
-            )
+            opt = reference_adamw(mod.parameters(), spec)
             self.optimizers[m] = opt
             self.schedulers[m] = make_scheduler(opt, spec)
 

@@ -1,0 +1,207 @@
+"""One rank of any strategy, set up and stepped as core's worker does: the test kit's
+only calls into a :class:`~disagg.interfaces.Strategy`.
+
+Plugin tests run a strategy on gloo ranks (:func:`disagg.testing.dist.run_ranks`)
+and compare it with the single-process reference. They build the rank here
+(:func:`strategy_rank`) and drive it through the functions below, never by
+calling strategy methods themselves, so that a change of the strategy contract
+costs one edit in this file rather than one per harness.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from disagg.interfaces import EmbeddingShard, Family, GroupContext, OptimSpec, Strategy, StrategyOptions
+from disagg.interfaces.context import dropout_seed
+from disagg.interfaces.strategy import clip_coefficient
+
+#: what the harnesses train with unless they say otherwise
+DEFAULT_OPTIM = OptimSpec(lr=1e-3)
+
+
+def rank_context(
+    module: str,
+    rank: int,
+    degree: int,
+    replicas: int,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> GroupContext:
+    """The :class:`GroupContext` core gives rank ``rank`` of a ``degree x replicas`` group."""
+    return GroupContext(
+        module=module,
+        rank=rank,
+        world_size=degree * replicas,
+        degree=degree,
+        replicas=replicas,
+        device=device or torch.device("cpu"),
+        dtype=dtype,
+        seed=seed,
+    )
+
+
+def strategy_rank(
+    strategy: type[Strategy],
+    family: Family,
+    ctx: GroupContext,
+    *,
+    options: StrategyOptions | dict[str, Any] | None = None,
+    optim: OptimSpec | None = DEFAULT_OPTIM,
+    train: bool = False,
+    module: nn.Module | None = None,
+) -> Strategy:
+    """``strategy`` on this rank, set up on ``module`` (default: ``family``'s freshly
+    built fp32 module).
+
+    ``options``: the strategy's options model or the ``parallel.<m>`` keys it takes.
+    ``train``: what core's worker does after set-up (train mode, the default RNG
+    seeded per replica); off, the module stays in the eval mode HF loads it in.
+    """
+    if not isinstance(options, StrategyOptions):
+        options = strategy.options_model(**(options or {}))
+    strat = strategy(ctx, family, options)
+    strat.setup(family.build(torch.float32) if module is None else module, optim)
+    if train:
+        assert strat.module is not None
+        strat.module.train()
+        torch.manual_seed(dropout_seed(ctx.seed, ctx.replica))
+    return strat
+
+
+# -- the step sequence: encoder role -------------------------------------------------------------
+def encode(strat: Strategy, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+    """This rank's shard of each sample of microbatch ``mb``."""
+    return strat.encode(mb, inputs)
+
+
+def backward(strat: Strategy, mb: int, shards: list[EmbeddingShard], grads: list[torch.Tensor]) -> None:
+    """Backward of microbatch ``mb`` from gradients of the shards' own rows."""
+    strat.backward(mb, [s.value for s in shards], grads)
+
+
+def encode_and_backward(
+    strat: Strategy, mb: int, inputs: list[dict[str, torch.Tensor]], grads: list[torch.Tensor]
+) -> list[EmbeddingShard]:
+    """Encode, then backward each shard from its rows of its sample's full upstream gradient."""
+    shards = encode(strat, mb, inputs)
+    backward(strat, mb, shards, [g[s.positions] for s, g in zip(shards, grads)])
+    return shards
+
+
+def release(strat: Strategy, mb: int) -> None:
+    """Drop what microbatch ``mb``'s forward kept for a backward that will not come."""
+    strat.release(mb)
+
+
+# -- the step sequence: LLM role -----------------------------------------------------------------
+def loss_and_backward(
+    strat: Strategy,
+    mb: int,
+    samples: list[dict[str, torch.Tensor]],
+    embeds: list[dict[str, torch.Tensor]],
+    scale: float,
+) -> float:
+    """Forward and backward of microbatch ``mb`` (loss sum times ``scale``); the loss sum."""
+    return strat.loss_and_backward(mb, samples, embeds, scale)
+
+
+def evaluate(strat: Strategy, samples: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]):
+    """The strategy's forward-only loss of ``samples`` (``Strategy.evaluate``)."""
+    return strat.evaluate(samples, embeds)
+
+
+def loss_sum(strat: Strategy, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The strategy's summed loss of ``logits`` (vocab-parallel under TP)."""
+    return strat.loss_sum(logits, labels)
+
+
+def leaves(embeds: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Fresh leaf copies of encoder rows, so their gradient can be read after a backward."""
+    return [{k: v.clone().requires_grad_(True) for k, v in e.items()} for e in embeds]
+
+
+# -- the step sequence: reduction and the optimizer step ------------------------------------------
+def reduce_gradients(strat: Strategy) -> None:
+    """Reduce the gradients over the group (a collective)."""
+    strat.reduce_gradients()
+
+
+def reduce(strat: Strategy) -> float:
+    """Reduce the gradients over the group; the group's exact squared grad norm."""
+    reduce_gradients(strat)
+    return strat.grad_norm_sq()
+
+
+def full_grads(strat: Strategy) -> dict[str, torch.Tensor]:
+    """The merged (unpartitioned) gradients, copied; a collective on every rank."""
+    return {n: g.clone() for n, g in strat.full_grads().items()}
+
+
+def full_state(strat: Strategy) -> dict[str, torch.Tensor]:
+    """The merged parameters; a collective on every rank."""
+    return strat.full_state_dict()
+
+
+def current_lr(strat: Strategy) -> float:
+    return strat.current_lr()
+
+
+def step(strat: Strategy, norm_sq: float, max_norm: float | None = None, zero_grad: bool = True) -> None:
+    """Optimizer step clipped to ``max_norm`` by the global norm (None: no clipping), then
+    ``zero_grad`` (left out to read the stepped gradients' dtypes)."""
+    strat.step(1.0 if max_norm is None else clip_coefficient(math.sqrt(norm_sq), max_norm))
+    if zero_grad:
+        strat.zero_grad()
+
+
+def zero_grad(strat: Strategy) -> None:
+    strat.zero_grad()
+
+
+def state_bytes(strat: Strategy) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds."""
+    return strat.state_bytes()
+
+
+def finish_step(
+    strat: Strategy, max_norm: float | None = None, zero_grad: bool = True
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """What every rank runs after the microbatches of a step: reduce, the squared norm,
+    the merged gradients (read before the step), the clipped step; ``(norm_sq, grads)``."""
+    norm_sq = reduce(strat)
+    grads = full_grads(strat)
+    step(strat, norm_sq, max_norm, zero_grad)
+    return norm_sq, grads
+
+
+def state_dtypes(strat: Strategy) -> dict[str, set[torch.dtype]]:
+    """Dtypes of parameters, gradients and (non-scalar) optimizer state, for precision tests."""
+    assert strat.module is not None and strat.optimizer is not None
+    return {
+        "param_dtypes": {p.dtype for p in strat.module.parameters()},
+        "grad_dtypes": {p.grad.dtype for p in strat.module.parameters() if p.grad is not None},
+        "state_dtypes": {
+            v.dtype for st in strat.optimizer.state.values() for v in st.values() if v.dim() > 0
+        },
+    }
+
+
+# -- results across the process boundary ----------------------------------------------------------
+def dumps(obj: Any) -> bytes:
+    """Plain bytes: tensors sent through a torch.multiprocessing queue are shared by file
+    descriptor and die with the rank process before the parent reads them."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def loads(raw: bytes) -> Any:
+    return torch.load(io.BytesIO(raw), weights_only=False)
