@@ -80,23 +80,8 @@ def reference_encoder(enc_dir: Path) -> dict[str, Any]:
 
 
 def reference_llm(lm_dir: Path) -> dict[str, Any]:
-    fam = ToyLMFamily(lm_dir)
-    module = fam.build()
-    opt, sched = H._ref_optim(module)
-    out: dict[str, Any] = {"loss": [], "norm": [], "grads": [], "embed_grads": []}
-    for samples in H.llm_batches(2, len(LLM_PLAN)):
-        embeds = [{k: v.clone().requires_grad_(True) for k, v in x["embeds"].items()} for x in samples]
-        logits, labels = fam.forward(module, [x["llm"] for x in samples], embeds)
-        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-        loss = loss / H.label_count(samples)
-        norm, grads = H._ref_step(module, opt, sched, loss)
-        out["loss"].append(float(loss.detach()))
-        out["norm"].append(norm)
-        out["grads"].append(grads)
-        out["embed_grads"].append([{k: v.grad.clone() for k, v in e.items()} for e in embeds])
-    out["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    out["lr"] = opt.param_groups[0]["lr"]
-    return out
+    """The single-process LLM over every step's whole batch (zero_harness's reference)."""
+    return H.reference_llm(lm_dir, 2, len(LLM_PLAN))
 
 
 def encoder_samples(step: int) -> list[dict[str, Any]]:

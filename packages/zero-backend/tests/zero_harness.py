@@ -97,12 +97,12 @@ def _ref_optim(module: torch.nn.Module) -> tuple[Any, Any]:
     return opt, make_scheduler(opt, OPTIM)
 
 
-def reference_llm(lm_dir: Path, world: int) -> dict[str, Any]:
+def reference_llm(lm_dir: Path, world: int, steps: int = STEPS) -> dict[str, Any]:
     fam = ToyLMFamily(lm_dir)
     module = fam.build()
     opt, sched = _ref_optim(module)
     out: dict[str, Any] = {"loss": [], "norm": [], "grads": [], "embed_grads": []}
-    for samples in llm_batches(world):
+    for samples in llm_batches(world, steps):
         embeds = [{k: v.clone().requires_grad_(True) for k, v in x["embeds"].items()} for x in samples]
         logits, labels = fam.forward(module, [x["llm"] for x in samples], embeds)
         loss = torch.nn.functional.cross_entropy(
