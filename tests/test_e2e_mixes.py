@@ -149,15 +149,22 @@ def test_layout_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path,
     _assert_matches_reference(tmp_path / "run", reference, tmp_path)
 
 
-def test_encoders_ahead_with_four_microbatches_equals_hf_model(ray_local, tiny, reference, tmp_path):
+def test_encoders_ahead_with_four_microbatches_and_recompute_in_both_modules_equals_hf_model(
+    ray_local, tiny, reference, tmp_path
+):
     """The schedule changes when each microbatch runs, not the math: only the
-    order of the gradient sums may differ."""
+    order of the gradient sums may differ. Both modules recompute in the same run
+    (``parallel.<m>.recompute: full``: every tower block and every LLM block), with
+    two microbatches in flight: recomputation changes what is
+    kept, not what is computed."""
     from disagg.runtime.run import run_training
 
     vision, llm = LAYOUTS["ulysses2x2+tp2"]
+    vision, llm = {**vision, "recompute": "full"}, {**llm, "recompute": "full"}
     cfg = _config(
         tiny, tmp_path / "run", vision, llm, microbatches=4, schedule="encoders_ahead", max_inflight=2
     )
+    assert (cfg.parallel.vision.recompute, cfg.parallel.llm.recompute) == ("full", "full")
     run_training(cfg, progress=False)
     _assert_matches_reference(tmp_path / "run", reference, tmp_path)
 
