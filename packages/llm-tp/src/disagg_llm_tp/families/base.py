@@ -30,7 +30,6 @@ FAMILY_OF_MODEL_TYPE = {
 }
 
 
-
 class HFDecoderFamily(LanguageFamily):
     """Base of the decoder families; subclasses set the class attributes."""
 
@@ -227,10 +226,15 @@ class HFDecoderFamily(LanguageFamily):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         device = next(module.parameters()).device
         ids, mask, labels = self.pad_batch(inputs, device)
-        x = self.scatter(module.get_input_embeddings()(ids), ids, embeds)
-        logits = self.run(module, ids, x, mask, inputs)
+        x = self.scatter(module.get_input_embeddings()(ids), ids, self.placeholder_rows(embeds))
+        logits = self.run(module, ids, x, mask, inputs, embeds)
         logits = logits[:, :-1].reshape(-1, logits.shape[-1])
         return logits, labels[:, 1:].reshape(-1)
+
+    def placeholder_rows(self, rows: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """What is scattered at each sample's placeholder tokens: the encoder rows as they come
+        (a family whose rows carry more than the embedding takes its part)."""
+        return rows
 
     def run(
         self,
@@ -239,8 +243,10 @@ class HFDecoderFamily(LanguageFamily):
         embeds: torch.Tensor,
         mask: torch.Tensor,
         inputs: list[dict[str, torch.Tensor]],
+        rows: list[dict[str, torch.Tensor]],
     ) -> torch.Tensor:
-        """Logits of the padded batch (HF forward from ``inputs_embeds``)."""
+        """Logits of the padded batch (HF forward from ``inputs_embeds``); ``rows``: the encoder
+        rows per sample, as :meth:`forward` got them."""
         return module(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
 
     # -- export ----------------------------------------------------------------------------------------

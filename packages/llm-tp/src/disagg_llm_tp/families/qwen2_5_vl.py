@@ -57,7 +57,7 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
         grids = [x["image_grid_thw"].reshape(-1, 3) for x in inputs if "image_grid_thw" in x]
         return types, (torch.cat(grids).to(ids.device) if grids else None)
 
-    def run(self, module, ids, embeds, mask, inputs):
+    def run(self, module, ids, embeds, mask, inputs, rows):
         types, grid = self.mrope_inputs(ids, inputs)
         module.model.rope_deltas = None  # never reuse positions cached by an earlier call
         return module(

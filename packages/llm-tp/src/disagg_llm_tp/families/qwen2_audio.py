@@ -35,7 +35,7 @@ class Qwen2AudioLanguageFamily(HFDecoderFamily):
         model.model.multi_modal_projector = None
         return model
 
-    def run(self, module, ids, embeds, mask, inputs):
+    def run(self, module, ids, embeds, mask, inputs, rows):
         hidden = module.model.language_model(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
         return module.lm_head(hidden.last_hidden_state)
 

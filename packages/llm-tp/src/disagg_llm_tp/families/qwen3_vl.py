@@ -22,7 +22,6 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from disagg.interfaces import LayerMap
 from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
@@ -53,33 +52,27 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
             head_replicated=(f"{p}.layers.*.self_attn.q_norm.*", f"{p}.layers.*.self_attn.k_norm.*"),
         )
 
-    def forward(
-        self,
-        module: nn.Module,
-        inputs: list[dict[str, torch.Tensor]],
-        embeds: list[dict[str, torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        device = next(module.parameters()).device
-        ids, mask, labels = self.pad_batch(inputs, device)
-        width = self.hidden_size()
-        k = self.deepstack_layers()
-        for e in embeds:
+    def placeholder_rows(self, rows: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        width, k = self.hidden_size(), self.deepstack_layers()
+        for e in rows:
             if "vision" in e and e["vision"].shape[-1] != width * (1 + k):
                 raise ValueError(
                     f"family 'qwen3_vl' takes image rows of {width} x (1 + {k} DeepStack layers) = "
                     f"{width * (1 + k)} columns (the qwen3_vl vision family's), got {e['vision'].shape[-1]}"
                 )
-        main = [{m: (v[:, :width] if m == "vision" else v) for m, v in e.items()} for e in embeds]
-        x = self.scatter(module.get_input_embeddings()(ids), ids, main)
-        rows = [e["vision"] for e in embeds if "vision" in e]
+        # the merged embedding goes to the placeholders; the DeepStack blocks to the decoder (run)
+        return [{m: (v[:, :width] if m == "vision" else v) for m, v in e.items()} for e in rows]
+
+    def run(self, module, ids, embeds, mask, inputs, rows):
+        width, k = self.hidden_size(), self.deepstack_layers()
+        images = [e["vision"] for e in rows if "vision" in e]
         deepstack: dict[str, Any] = {}
-        if rows:
-            image = ids == self._pid("vision")
+        if images:
             deepstack = {
-                "visual_pos_masks": image,
+                "visual_pos_masks": ids == self._pid("vision"),
                 # batch order = the row-major order of hidden_states[visual_pos_masks]
                 "deepstack_visual_embeds": [
-                    torch.cat([r[:, width * (j + 1) : width * (j + 2)] for r in rows]).to(x.dtype)
+                    torch.cat([r[:, width * (j + 1) : width * (j + 2)] for r in images]).to(embeds.dtype)
                     for j in range(k)
                 ],
             }
@@ -87,14 +80,16 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
         model = module.model
         model.rope_deltas = None  # never reuse positions cached by an earlier call
         positions = model.compute_3d_position_ids(
-            input_ids=ids, inputs_embeds=x, image_grid_thw=grid, attention_mask=mask, mm_token_type_ids=types
+            input_ids=ids,
+            inputs_embeds=embeds,
+            image_grid_thw=grid,
+            attention_mask=mask,
+            mm_token_type_ids=types,
         )
         hidden = model.language_model(
-            inputs_embeds=x, position_ids=positions, attention_mask=mask, use_cache=False, **deepstack
+            inputs_embeds=embeds, position_ids=positions, attention_mask=mask, use_cache=False, **deepstack
         ).last_hidden_state
-        logits = module.lm_head(hidden)
-        logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-        return logits, labels[:, 1:].reshape(-1)
+        return module.lm_head(hidden)
 
     @classmethod
     def tiny_vision(cls, out_hidden: int) -> dict:

@@ -179,6 +179,43 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
             },
         )
 
+    def embed(
+        self, module: nn.Module, inputs: list[dict[str, torch.Tensor]], layout: SeqLayout, lo: int, hi: int
+    ) -> tuple[torch.Tensor, Any]:
+        """Patch and rotary embeddings of compute-order tokens ``[lo, hi)`` (window order)."""
+        unit, dev = layout.unit, module.device
+        units = layout.extra["window_index"][lo // unit : hi // unit]
+        # original (processor-order) token index of every local token, in window order
+        tokens = (units[:, None] * unit + torch.arange(unit)).reshape(-1)
+        pixels = torch.cat([x["pixel_values"] for x in inputs])[tokens].to(dev, module.dtype)
+        hidden = module.patch_embed(pixels)
+        return hidden, module.rotary_pos_emb(hidden, layout.extra["position_ids"][tokens].to(dev))
+
+    def full_blocks(self, module: nn.Module) -> set[int]:
+        """Blocks that attend over whole images (they span shards); the others attend per window."""
+        return set(module.fullatt_block_indexes)
+
+    def local_windows(
+        self, layout: SeqLayout, lo: int, hi: int, dev: torch.device
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``cu_seqlens`` and varlen keywords of the attention windows inside ``[lo, hi)``."""
+        cu_window = layout.extra["cu_window"]
+        local_windows = cu_window[(cu_window >= lo) & (cu_window <= hi)] - lo
+        if local_windows.numel() < 2:  # an empty shard still runs every block (collectives)
+            local_windows = torch.zeros(2, dtype=torch.long)
+        # window lengths from host memory: the attention's varlen call needs no device sync
+        bounds = [int(x) for x in local_windows.tolist()]
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        return local_windows.to(dev, torch.int32), {"max_seqlen": max(lengths), LENGTHS_KWARG: lengths}
+
+    def tapped_blocks(self, module: nn.Module) -> tuple[int, ...]:
+        """Blocks whose output :meth:`merge` reads besides the last one's."""
+        return ()
+
+    def merge(self, module: nn.Module, hidden: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Output rows of the last block's ``hidden`` (and the tapped blocks' outputs)."""
+        return module.merger(hidden)
+
     def ulysses_forward(
         self,
         module: nn.Module,
@@ -188,30 +225,25 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
         hi: int,
         scope: AttentionScope,
     ) -> torch.Tensor:
-        unit, dev = layout.unit, module.device
-        units = layout.extra["window_index"][lo // unit : hi // unit]
-        # original (processor-order) token index of every local token, in window order
-        tokens = (units[:, None] * unit + torch.arange(unit)).reshape(-1)
-        pixels = torch.cat([x["pixel_values"] for x in inputs])[tokens].to(dev, module.dtype)
-        hidden = module.patch_embed(pixels)
-        rotary = module.rotary_pos_emb(hidden, layout.extra["position_ids"][tokens].to(dev))
-
-        cu_window = layout.extra["cu_window"]
-        local_windows = cu_window[(cu_window >= lo) & (cu_window <= hi)] - lo
-        if local_windows.numel() < 2:  # an empty shard still runs every block (collectives)
-            local_windows = torch.zeros(2, dtype=torch.long)
-        # window lengths from host memory: the attention's varlen call needs no device sync
-        bounds = [int(x) for x in local_windows.tolist()]
-        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-        windows = {"max_seqlen": max(lengths), LENGTHS_KWARG: lengths}
-        local_windows = local_windows.to(dev, torch.int32)
+        # Shared by the Qwen towers: qwen2_vl and qwen3_vl have no windows (every block is full)
+        # and qwen3_vl taps blocks for its DeepStack mergers.
+        hidden, rotary = self.embed(module, inputs, layout, lo, hi)
+        dev = module.device
+        full = self.full_blocks(module)
+        windows = self.local_windows(layout, lo, hi, dev) if len(full) < len(module.blocks) else None
         whole = torch.tensor([0, hi - lo], device=dev, dtype=torch.int32)
+        # the local span's length from host memory: the varlen call needs no device sync
         spanning = {"max_seqlen": hi - lo, LENGTHS_KWARG: [hi - lo]}
-        full = set(module.fullatt_block_indexes)
+        tapped = set(self.tapped_blocks(module))
+        taps: dict[int, torch.Tensor] = {}
         for i, block in enumerate(module.blocks):
             if i in full:
                 with scope.spanning(layout.extra["full_segments"]):
                     hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary, **spanning)
             else:
-                hidden = block(hidden, cu_seqlens=local_windows, position_embeddings=rotary, **windows)
-        return module.merger(hidden)
+                assert windows is not None
+                local, kw = windows
+                hidden = block(hidden, cu_seqlens=local, position_embeddings=rotary, **kw)
+            if i in tapped:
+                taps[i] = hidden
+        return self.merge(module, hidden, taps)

@@ -14,9 +14,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import AttentionScope, SeqLayout
+from disagg.interfaces import SeqLayout
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
-from disagg_vision_sp.ulysses.attention import LENGTHS_KWARG
 
 
 class Qwen2VLVision(Qwen2_5_VLVision):
@@ -84,32 +83,5 @@ class Qwen2VLVision(Qwen2_5_VLVision):
         hidden = module.patch_embed(pixels)
         return hidden, module.rotary_pos_emb(hidden, layout.extra["position_ids"][lo:hi].to(module.device))
 
-    def ulysses_forward(
-        self,
-        module: nn.Module,
-        inputs: list[dict[str, torch.Tensor]],
-        layout: SeqLayout,
-        lo: int,
-        hi: int,
-        scope: AttentionScope,
-    ) -> torch.Tensor:
-        hidden, rotary = self.embed(module, inputs, layout, lo, hi)
-        whole = torch.tensor([0, hi - lo], device=module.device, dtype=torch.int32)
-        # the local span's length from host memory: the varlen call needs no device sync
-        spanning = {"max_seqlen": hi - lo, LENGTHS_KWARG: [hi - lo]}
-        tapped = set(self.tapped_blocks(module))
-        taps: dict[int, torch.Tensor] = {}
-        for i, block in enumerate(module.blocks):
-            with scope.spanning(layout.extra["full_segments"]):
-                hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary, **spanning)
-            if i in tapped:
-                taps[i] = hidden
-        return self.merge(module, hidden, taps)
-
-    def tapped_blocks(self, module: nn.Module) -> tuple[int, ...]:
-        """Blocks whose output :meth:`merge` reads besides the last one's."""
-        return ()
-
-    def merge(self, module: nn.Module, hidden: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Output rows of the last block's ``hidden`` (and the tapped blocks' outputs)."""
-        return module.merger(hidden)
+    def full_blocks(self, module: nn.Module) -> set[int]:
+        return set(range(len(module.blocks)))  # no attention windows
