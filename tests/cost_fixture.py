@@ -3,7 +3,8 @@
 ``python packages/core/tests/cost_fixture.py`` wrote ``data/cost_predictions.json.gz``
 before the cost formulas moved from core into the plugins (issue 24);
 ``test_cost_fixture.py`` recomputes the same dict with the code at hand and asserts
-it equals the file exactly: every strategy's ``estimate`` on a grid of queries
+it equals the file exactly (re-recorded when a decoder's logits term became one loss chunk,
+``parallel.llm.loss_chunk_tokens``): every strategy's ``estimate`` on a grid of queries
 (published Qwen2.5-VL-32B and the tiny Qwen2.5-VL), ``disagg bench --predict``'s rows
 and ``disagg plan``'s full ranking on both.
 """

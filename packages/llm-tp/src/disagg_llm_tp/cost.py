@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import (
     GRAD_BYTES,
     Cost,
@@ -37,6 +38,7 @@ from disagg.interfaces.cost_rules import (
     all_reduce,
     blocks_of,
     extra_flops,
+    logits_bytes,
     recompute_mode,
     state_bytes,
     train_flops,
@@ -170,13 +172,21 @@ def decoder_calls(shape: DecoderShape, w: Workload, sequence_parallel: bool) -> 
 
 
 # -- saved activations ---------------------------------------------------------------------------
-def activation_bytes(shape: Shape, tokens: int, degree: int, act_bytes: int, sequence_parallel: bool) -> int:
+def activation_bytes(
+    shape: Shape,
+    tokens: int,
+    degree: int,
+    act_bytes: int,
+    sequence_parallel: bool,
+    chunk: int | None = DEFAULT_CHUNK_TOKENS,
+) -> int:
     """Saved bytes on one rank for ``tokens`` tokens: the column outputs and what
     follows them are split ``1/d``, the rest is a full replica; sequence parallelism
-    also splits the norms and saves the column inputs as shards."""
+    also splits the norms and saves the column inputs as shards. A decoder's logits:
+    ``1/d`` of the vocabulary for one loss chunk (``chunk`` tokens)."""
     d = degree
     if d == 1:
-        return whole_activation_bytes(shape, tokens, act_bytes)
+        return whole_activation_bytes(shape, tokens, act_bytes, chunk)
     h, i, hd, heads = shape.hidden, shape.intermediate, shape.head_dim, shape.heads
     if isinstance(shape, EncoderShape):
         mlp_in, mlp_mid = shape.mlp_in, shape.mlp_mid
@@ -188,14 +198,14 @@ def activation_bytes(shape: Shape, tokens: int, degree: int, act_bytes: int, seq
             merger_tp = 4 * h + 2 + 2 * h / d
         per_token = shape.input_elems + shape.depth * block_tp + merger_tp
         return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens)
-    logits = 2 * shape.vocab * 4 / act_bytes  # fp32, in units of act_bytes
     if sequence_parallel:
         layer = (14 * h + heads + 4 + 4 * i) / d + 4 * hd
-        head = (4 * h) / d + logits / d
+        head = (4 * h) / d
     else:
         layer = 9 * h + 4 + 4 * hd + (5 * h + heads + 4 * i) / d
-        head = 4 * h + logits / d
-    return int(tokens * (shape.layers * layer + head) * act_bytes)
+        head = 4 * h
+    logits = logits_bytes(-(-shape.vocab // d), tokens, chunk)  # this rank's vocabulary slice
+    return int(tokens * (shape.layers * layer + head) * act_bytes) + logits
 
 
 def replay(
@@ -216,7 +226,7 @@ def replay(
     return {"all_reduce": s * 2 * blocks * all_reduce(n * h * e, w.degree)}, {"all_reduce": 2 * blocks * m}
 
 
-def estimate(query: CostQuery, sequence_parallel: bool) -> Cost:
+def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost:
     shape, sp = query.shape, sequence_parallel
     mode = recompute_mode(query.recompute)
     w = workload(query)
@@ -228,11 +238,11 @@ def estimate(query: CostQuery, sequence_parallel: bool) -> Cost:
     act = with_recompute(
         shape,
         mode,
-        activation_bytes(shape, tokens, d, w.act_bytes, sp),
+        activation_bytes(shape, tokens, d, w.act_bytes, sp, chunk),
         w.act_bytes,
         full_held=-(-tokens // d) if sp else tokens,
         selective_held=tokens,
-        layer_bytes=lambda one: activation_bytes(one, tokens, d, w.act_bytes, sp),
+        layer_bytes=lambda one: activation_bytes(one, tokens, d, w.act_bytes, sp, chunk),
     )
     work = train_flops(shape, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)

@@ -190,7 +190,9 @@ class MegatronTPStrategy(TPFullState, Strategy):
         return module.to(self.ctx.device)
 
     # -- llm role --------------------------------------------------------------------------------------
-    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Megatron's vocabulary-parallel cross entropy of each token (0 off the labels), on
+        this rank's slice of the vocabulary (of one chunk of tokens: core's chunked loss)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         masked = self._mask_vocab_padding(logits.float())
@@ -202,7 +204,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
         # megatron's cross entropy: three all-reduces (max, sum of exponentials, target logit)
         self.ctx.comm.add("all_reduce", 3 * 2 * (n - 1) * 4 * labels.numel() // n, calls=3)
         losses = vocab_parallel_cross_entropy(masked.unsqueeze(1), target.unsqueeze(1)).squeeze(1)
-        return (losses * keep).sum()
+        return losses * keep
 
     def correct_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> int:
         """Argmax over the whole vocabulary from this rank's slice: every TP rank's
@@ -319,7 +321,8 @@ class MegatronTPStrategy(TPFullState, Strategy):
         """With or without sequence parallelism (:mod:`disagg_llm_tp.cost`)."""
         from disagg_llm_tp import cost
 
-        return cost.estimate(query, bool(getattr(options, "sequence_parallel", False)))
+        chunk = getattr(options, "loss_chunk_tokens", cost.DEFAULT_CHUNK_TOKENS)
+        return cost.estimate(query, bool(getattr(options, "sequence_parallel", False)), chunk)
 
     @classmethod
     def option_variants(cls) -> list[dict]:

@@ -32,4 +32,4 @@ class DDPStrategy(Strategy):
         """Every rank a full replica, gradients all-reduced (:mod:`disagg.builtin.ddp_cost`)."""
         from disagg.builtin import ddp_cost
 
-        return ddp_cost.estimate(query)
+        return ddp_cost.estimate(query, getattr(options, "loss_chunk_tokens", None))

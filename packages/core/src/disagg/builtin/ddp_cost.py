@@ -7,6 +7,7 @@ Exact (equal to what :class:`disagg.interfaces.CommCounter` and
 
 from __future__ import annotations
 
+from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import Cost, CostQuery, assemble, held_tokens, workload
 from disagg.interfaces.cost_rules import (
     activation_bytes,
@@ -21,13 +22,13 @@ from disagg.interfaces.cost_rules import (
 )
 
 
-def estimate(query: CostQuery) -> Cost:
+def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost:
     mode = recompute_mode(query.recompute)
     w = workload(query)
     shape = query.shape
     numels = [t.numel for t in shape.tensors()]
     tokens = held_tokens(query, w)
-    saved = activation_bytes(shape, tokens, w.act_bytes)
+    saved = activation_bytes(shape, tokens, w.act_bytes, chunk)
     act = with_recompute(
         shape,
         mode,
@@ -35,7 +36,7 @@ def estimate(query: CostQuery) -> Cost:
         w.act_bytes,
         full_held=tokens,
         selective_held=tokens,
-        layer_bytes=lambda one: activation_bytes(one, tokens, w.act_bytes),
+        layer_bytes=lambda one: activation_bytes(one, tokens, w.act_bytes, chunk),
     )
     work = train_flops(shape, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)

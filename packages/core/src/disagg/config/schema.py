@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
+from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
+
 MODULES = ("vision", "audio", "llm")
 
 
@@ -67,10 +69,20 @@ class GroupConfig(BaseModel):
     runs its forward again in backward; ``selective`` recomputes only the attention core
     (scores, softmax, context). Each strategy applies it; one that cannot is refused
     with the values it allows."""
+    loss_chunk_tokens: PositiveInt | None = DEFAULT_CHUNK_TOKENS
+    """``parallel.llm`` only: the loss applies the output head to this many tokens at a time
+    inside a recomputed region, so one chunk's logits (tokens x vocabulary, fp32) exist at
+    once, in forward and in backward, whatever the sequence length; the same loss and
+    gradients. ``null``: the whole microbatch's logits at once, as Hugging Face does."""
 
     def strategy_options(self) -> dict[str, Any]:
-        """The strategy's own keys, plus ``recompute`` (core's key, applied by the strategy)."""
-        return {**(self.model_extra or {}), "recompute": self.recompute}
+        """The strategy's own keys, plus core's keys applied by the strategy (``recompute``,
+        ``loss_chunk_tokens``)."""
+        return {
+            **(self.model_extra or {}),
+            "recompute": self.recompute,
+            "loss_chunk_tokens": self.loss_chunk_tokens,
+        }
 
 
 class AutoPlan(Strict):

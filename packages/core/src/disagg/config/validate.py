@@ -197,6 +197,12 @@ class _Checker:
         options = self.options(m, group, strategy_cls) if strategy_cls else None
         if options is not None and strategy_cls is not None:
             self.recompute(m, group, strategy_cls, options)
+            if m != "llm" and "loss_chunk_tokens" in group.model_fields_set:
+                self.add(
+                    ("parallel", m, "loss_chunk_tokens"),
+                    f"only the language model computes the loss; set parallel.llm.loss_chunk_tokens "
+                    f"and remove it from parallel.{m}",
+                )
         if strategy_cls is None or family_cls is None or options is None:
             return None
         try:

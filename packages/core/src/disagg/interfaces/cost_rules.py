@@ -20,7 +20,9 @@ input and the normalised output (``3H`` + 2 scalars); attention the qkv input
 ``mlp_in`` inputs of width ``H`` and ``mlp_mid`` tensors of width ``I``
 (SwiGLU: gate, its activation, up, their product). For a Qwen2.5-VL tower in
 fp32 that is exact; elsewhere an estimate. A decoder adds the fp32 logits
-(``2V``·4 bytes) kept for the loss.
+(``2V``·4 bytes per token, as the hooks count the log-softmax output that the loss saves)
+of one loss chunk (``parallel.llm.loss_chunk_tokens``, :mod:`disagg.interfaces.chunked_loss`):
+``min(tokens, chunk)`` tokens, held while that chunk is replayed in backward.
 
 **FLOPs**: training = 3 x forward; a matmul counts ``2·m·n·k`` (every weight of
 2+ dims times the rows it sees); encoder attention per window (``window_tokens``
@@ -39,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from disagg.interfaces.buckets import bucket_sizes
+from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import GRAD_BYTES, Workload
 from disagg.interfaces.shapes import DecoderShape, EncoderShape, ParamTensor, Shape
 
@@ -122,17 +125,32 @@ def encoder_activation_bytes(shape: EncoderShape, tokens: int, act_bytes: int) -
     return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens)
 
 
-def decoder_activation_bytes(shape: DecoderShape, tokens: int, act_bytes: int) -> int:
-    """Saved bytes of a whole decoder for ``tokens`` tokens in one forward (an estimate)."""
-    logits = 2 * shape.vocab * 4 / act_bytes  # fp32, in units of act_bytes
-    head = 4 * shape.hidden + logits
-    return int(tokens * (shape.layers * block_elems(shape) + head) * act_bytes)
+def loss_tokens(tokens: int, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> int:
+    """Tokens whose logits exist at once: one loss chunk of ``tokens`` (all of them when
+    ``chunk`` is None, the whole microbatch's)."""
+    return tokens if not chunk else min(tokens, chunk)
 
 
-def activation_bytes(shape: Shape, tokens: int, act_bytes: int) -> int:
+def logits_bytes(vocab: int, tokens: int, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> int:
+    """The loss's saved fp32 logits (``2V``·4 bytes per token) of one chunk."""
+    return 2 * vocab * 4 * loss_tokens(tokens, chunk)
+
+
+def decoder_activation_bytes(
+    shape: DecoderShape, tokens: int, act_bytes: int, chunk: int | None = DEFAULT_CHUNK_TOKENS
+) -> int:
+    """Saved bytes of a whole decoder for ``tokens`` tokens in one forward (an estimate):
+    every layer's and the head's input for every token, the logits of one loss chunk."""
+    per_token = shape.layers * block_elems(shape) + 4 * shape.hidden
+    return int(tokens * per_token * act_bytes) + logits_bytes(shape.vocab, tokens, chunk)
+
+
+def activation_bytes(
+    shape: Shape, tokens: int, act_bytes: int, chunk: int | None = DEFAULT_CHUNK_TOKENS
+) -> int:
     if isinstance(shape, EncoderShape):
         return encoder_activation_bytes(shape, tokens, act_bytes)
-    return decoder_activation_bytes(shape, tokens, act_bytes)
+    return decoder_activation_bytes(shape, tokens, act_bytes, chunk)
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ import math
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PositiveInt
 from torch import nn
 
+from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.context import GroupContext
 from disagg.interfaces.cost import Cost, CostQuery
 from disagg.interfaces.family import Family
@@ -33,6 +34,11 @@ class StrategyOptions(BaseModel):
     """``parallel.<module>.recompute`` (core's key, passed to every strategy): ``full``
     recomputes every transformer block in backward, ``selective`` the attention core only;
     a strategy lists what it can do in ``Strategy.recompute_modes``."""
+    loss_chunk_tokens: PositiveInt | None = DEFAULT_CHUNK_TOKENS
+    """``parallel.llm.loss_chunk_tokens`` (core's key, the LLM only): the loss applies the
+    output head to this many tokens at a time, so one chunk's logits exist at once, in
+    forward and backward (:mod:`disagg.interfaces.chunked_loss`); ``null``: the whole
+    microbatch at once (Hugging Face's way: tokens x vocabulary fp32 logits)."""
 
 
 class ReplicatedOptions(StrategyOptions):

@@ -5,13 +5,15 @@ back), and forward-only evaluation."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from disagg.interfaces import chunked_loss
 from disagg.interfaces.context import GroupContext
 from disagg.interfaces.family import Family, LanguageFamily
+from disagg.interfaces.recompute import Recompute
 
 
 class LanguageRole:
@@ -22,6 +24,8 @@ class LanguageRole:
     ctx: GroupContext
     family: Family
     module: nn.Module | None
+    options: Any
+    recompute: Recompute
     if TYPE_CHECKING:
 
         def module_call(self) -> AbstractContextManager[None]: ...
@@ -48,14 +52,34 @@ class LanguageRole:
             if not inputs:  # still joins what module_call and backprop do collectively
                 self.backprop([], None, leaves)
                 return 0.0
-            logits, labels = self.llm_forward(inputs, embeds)
-            loss_sum = self.loss_sum(logits, labels)
+            loss_sum = self.chunked_loss(inputs, embeds)
             self.backprop([loss_sum * loss_scale], None, leaves)
             return float(loss_sum.detach())
 
+    def chunked_loss(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        """:meth:`loss_sum` of the family's logits, one ``parallel.llm.loss_chunk_tokens``
+        chunk of them at a time (:mod:`disagg.interfaces.chunked_loss`)."""
+        assert self.module is not None
+        head = chunked_loss.output_head(self.family, self.module)
+        if head is None:
+            return self.loss_sum(*self.llm_forward(inputs, embeds))
+        with chunked_loss.deferred(head):
+            hidden, labels = self.llm_forward(inputs, embeds)
+        chunk = getattr(self.options, "loss_chunk_tokens", chunked_loss.DEFAULT_CHUNK_TOKENS)
+        return chunked_loss.loss_sum(
+            head, hidden, labels, self.token_losses, chunk, self.recompute.checkpoint
+        )
+
+    def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each token's cross-entropy in fp32 (0 where the label is ``-100``); strategies
+        whose logits are split over the vocabulary override it."""
+        return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none")
+
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies over the label tokens (``-100``: not a label)."""
-        return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+        return chunked_loss.total(self.token_losses(logits, labels), labels)
 
     def llm_forward(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
@@ -80,9 +104,18 @@ class LanguageRole:
         with self.module_call():
             if not inputs:
                 return 0.0, 0, 0
-            logits, labels = self.llm_forward(inputs, embeds)
-            count = int((labels != -100).sum())
-            return float(self.loss_sum(logits, labels)), self.correct_predictions(logits, labels), count
+            head = chunked_loss.output_head(self.family, self.module)
+            if head is None:
+                logits, labels = self.llm_forward(inputs, embeds)
+                loss, right = self.loss_sum(logits, labels), self.correct_predictions(logits, labels)
+            else:
+                with chunked_loss.deferred(head):
+                    hidden, labels = self.llm_forward(inputs, embeds)
+                chunk = getattr(self.options, "loss_chunk_tokens", chunked_loss.DEFAULT_CHUNK_TOKENS)
+                loss, right = chunked_loss.evaluate(
+                    head, hidden, labels, self.token_losses, self.correct_predictions, chunk
+                )
+            return float(loss), right, int((labels != -100).sum())
 
     def returns_input_grads(self) -> bool:
         """Whether this rank sends embedding gradients back to the encoders.
