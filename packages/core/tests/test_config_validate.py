@@ -91,7 +91,7 @@ def test_many_problems_are_collected(reg, workdir):
         "train.scheduler",
     }
     assert "did you mean 'chunks'" in found["parallel.vision.chunkz"]
-    allowed = "allowed: strategy, degree, replicas, ranks, resources, recompute, chunks"
+    allowed = "allowed: strategy, degree, replicas, ranks, resources, recompute, loss_chunk_tokens, chunks"
     assert allowed in found["parallel.vision.chunkz"]
     assert "did you mean 'object_store'" in found["parallel.transport"]
     assert "c.yaml:" in found["data.train"]
@@ -254,3 +254,19 @@ def test_recompute_reaches_the_strategy_options(reg, workdir):
     resolved = check(workdir, cfg)
     assert resolved.modules["llm"].options.recompute == "full"
     assert resolved.modules["vision"].options.recompute == "none"
+
+
+def test_loss_chunk_tokens_reaches_the_llm_and_is_refused_elsewhere(reg, workdir):
+    cfg = base()
+    cfg["parallel"]["llm"]["loss_chunk_tokens"] = 256
+    resolved = check(workdir, cfg)
+    assert resolved.modules["llm"].options.loss_chunk_tokens == 256
+    cfg["parallel"]["llm"]["loss_chunk_tokens"] = None  # the whole microbatch at once
+    assert check(workdir, cfg).modules["llm"].options.loss_chunk_tokens is None
+    cfg["parallel"]["vision"]["loss_chunk_tokens"] = 64
+    got = problems(workdir, cfg)
+    assert "only the language model computes the loss" in got["parallel.vision.loss_chunk_tokens"]
+    assert "c.yaml" in got["parallel.vision.loss_chunk_tokens"]
+    cfg["parallel"]["vision"].pop("loss_chunk_tokens")
+    cfg["parallel"]["llm"]["loss_chunk_tokens"] = 0
+    assert "greater than 0" in problems(workdir, cfg)["parallel.llm.loss_chunk_tokens"]
