@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tp_cases import LR, Case, _loads, dumps, family_cls, label_count, replica_slice
+from tp_cases import LR, Case, family_cls, label_count, replica_slice
 
-from disagg.interfaces import GroupContext, OptimSpec
+from disagg.interfaces import OptimSpec
 from disagg.interfaces.activations import SavedBytes
+from disagg.testing import ranks
+from disagg.testing.ranks import dumps, loads
 
 
 class LogitsBytes(SavedBytes):
@@ -36,42 +38,32 @@ class LogitsBytes(SavedBytes):
 
 
 def one_step(strategy: str, case: Case, rank: int, chunk: int | None) -> dict[str, Any]:
-    ctx = GroupContext(
-        module="llm",
-        rank=rank,
-        world_size=case.degree * case.replicas,
-        degree=case.degree,
-        replicas=case.replicas,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+    ctx = ranks.rank_context("llm", rank, case.degree, case.replicas)
     fam = family_cls(case.family)(case.path)
     if strategy == "megatron_tp":
         from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
         opts = MegatronTPOptions(sequence_parallel=case.sequence_parallel, loss_chunk_tokens=chunk)
-        strat: Any = MegatronTPStrategy(ctx, fam, opts)
+        strat: Any = ranks.strategy_rank(MegatronTPStrategy, fam, ctx, options=opts, optim=OptimSpec(lr=LR))
     else:
         from disagg.builtin.ddp import DDPStrategy
-        from disagg.interfaces import StrategyOptions
 
-        strat = DDPStrategy(ctx, fam, StrategyOptions(loss_chunk_tokens=chunk))
-    torch.manual_seed(0)
-    strat.setup(fam.build(torch.float32), OptimSpec(lr=LR))
+        options = {"loss_chunk_tokens": chunk}
+        strat = ranks.strategy_rank(DDPStrategy, fam, ctx, options=options, optim=OptimSpec(lr=LR))
     samples = replica_slice(case.samples, ctx.replica, case.replicas)
     embeds = replica_slice(case.embeds, ctx.replica, case.replicas)
     out: dict[str, Any] = {"rank": rank}
     with torch.no_grad():
-        out["eval"] = strat.evaluate(samples, embeds)
-    leaves = [{k: v.clone().requires_grad_(True) for k, v in e.items()} for e in embeds]
+        out["eval"] = ranks.evaluate(strat, samples, embeds)
+    leaves = ranks.leaves(embeds)
     start, end = getattr(getattr(strat, "plan", None), "output_range", (0, 0))
     vocab = end - start if end else fam.text_config.vocab_size
     with LogitsBytes(strat.module, vocab) as counter:
-        out["loss"] = strat.loss_and_backward(0, samples, leaves, 1.0 / label_count(case.samples))
+        out["loss"] = ranks.loss_and_backward(strat, 0, samples, leaves, 1.0 / label_count(case.samples))
     out["logits_bytes"] = counter.most
     out["vocab_local"] = vocab
-    strat.reduce_gradients()
-    out["grads"] = strat.full_grads()
+    ranks.reduce_gradients(strat)
+    out["grads"] = ranks.full_grads(strat)
     out["embed_grads"] = [{k: v.grad.clone() for k, v in e.items()} for e in leaves]
     out["tokens"] = len(samples) * (max(len(s["input_ids"]) for s in samples) - 1)
     return out
@@ -79,5 +71,5 @@ def one_step(strategy: str, case: Case, rank: int, chunk: int | None) -> dict[st
 
 def chunk_rank(rank: int, payload: bytes) -> bytes:
     """``payload``: (strategy, cases, chunk sizes); per case one step per chunk size, same weights."""
-    strategy, cases, chunks = _loads(payload)
+    strategy, cases, chunks = loads(payload)
     return dumps([[one_step(strategy, case, rank, c) for c in chunks] for case in cases])

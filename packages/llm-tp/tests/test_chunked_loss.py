@@ -12,9 +12,10 @@ The peak saved bytes of logits-shaped tensors shrink to about one chunk's."""
 from __future__ import annotations
 
 from chunked_cases import chunk_rank, one_step
-from tp_cases import Case, _loads, dumps, family_cls, make_batch
+from tp_cases import Case, family_cls, make_batch
 
 from disagg.testing.dist import run_ranks
+from disagg.testing.ranks import dumps, loads
 from disagg.testing.tolerance import assert_exact, assert_scalar_close, assert_tensors_close
 
 CHUNK = 8
@@ -57,7 +58,7 @@ def test_megatron_tp_chunked_equals_whole(tiny_dirs):
         Case("qwen2", tiny_dirs["qwen2"], 2, 1, 1, sp, samples=samples, embeds=embeds) for sp in (False, True)
     ]
     payload = dumps(("megatron_tp", cases, (None, CHUNK, 10_000)))
-    for r in (_loads(b) for b in run_ranks(chunk_rank, 2, payload)):
+    for r in (loads(b) for b in run_ranks(chunk_rank, 2, payload)):
         for sp, (whole, chunked, one) in zip((False, True), r, strict=True):
             _compare(whole, chunked, f"megatron_tp sp={sp} rank {whole['rank']}")
             _one_chunk_is_exact(whole, one)
