@@ -3,10 +3,12 @@ whole logits: ``ddp`` and ``megatron_tp`` (degree 2, with and without sequence p
 ragged samples with 0, 2 or 4 image rows (text-only included), one step from the same weights.
 
 What is exact and why: with one chunk (the default on these sizes) the operations are the
-unchunked ones, so everything is bit for bit. With several chunks each token's loss and the
-prediction count stay exact here, but the output head's weight gradient is a sum over tokens
-that becomes a sum of per-chunk matmuls (another summation order), so gradients are held to
-the tolerance policy; the evaluation's right-prediction count is an integer and exact always.
+unchunked ones, so everything is asserted bit for bit. With several chunks the output head's
+weight gradient is a sum over tokens that becomes a sum of per-chunk matmuls (another summation
+order), so the loss and gradients are held to the tolerance policy. (Measured, not asserted: on
+MKL's AVX-512 sgemm, which computes rows in blocks of 4, 8-token chunks leave the loss, the
+evaluation and every gradient but ``lm_head.weight`` bit-equal; 5-token chunks change every
+gradient in the last bits. No library promises either.) The right-prediction count is exact.
 The peak saved bytes of logits-shaped tensors shrink to about one chunk's."""
 
 from __future__ import annotations
