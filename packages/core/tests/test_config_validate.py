@@ -263,6 +263,8 @@ def test_loss_chunk_tokens_reaches_the_llm_and_is_refused_elsewhere(reg, workdir
     assert resolved.modules["llm"].options.loss_chunk_tokens == 256
     cfg["parallel"]["llm"]["loss_chunk_tokens"] = None  # the whole microbatch at once
     assert check(workdir, cfg).modules["llm"].options.loss_chunk_tokens is None
+    cfg["parallel"]["vision"]["loss_chunk_tokens"] = 1024  # the default, as a resolved config dump holds it
+    check(workdir, cfg)
     cfg["parallel"]["vision"]["loss_chunk_tokens"] = 64
     got = problems(workdir, cfg)
     assert "only the language model computes the loss" in got["parallel.vision.loss_chunk_tokens"]

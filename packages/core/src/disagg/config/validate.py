@@ -197,7 +197,8 @@ class _Checker:
         options = self.options(m, group, strategy_cls) if strategy_cls else None
         if options is not None and strategy_cls is not None:
             self.recompute(m, group, strategy_cls, options)
-            if m != "llm" and "loss_chunk_tokens" in group.model_fields_set:
+            # by value, not by presence: a resolved config (run dir, parallel: auto) holds every default
+            if m != "llm" and group.loss_chunk_tokens != GroupConfig().loss_chunk_tokens:
                 self.add(
                     ("parallel", m, "loss_chunk_tokens"),
                     f"only the language model computes the loss; set parallel.llm.loss_chunk_tokens "
