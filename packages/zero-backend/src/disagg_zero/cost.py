@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import GRAD_BYTES, Cost, CostQuery, ParamTensor, Workload, assemble, held_tokens
 from disagg.interfaces.cost import workload as workload_of
 from disagg.interfaces.cost_rules import (
@@ -146,10 +147,12 @@ def estimate(
     persistence_threshold: int = DEEPSPEED_PERSISTENCE,
     recompute: str = "none",
     offload_optimizer: bool = False,
+    chunk: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> Cost:
     """``recompute``: the strategy's own option, used where the query names none;
     ``offload_optimizer`` keeps the fp32 master partition and the two moments
-    (12 bytes per element, partitioned) off the GPU."""
+    (12 bytes per element, partitioned) off the GPU; ``chunk``: the LLM's
+    ``loss_chunk_tokens`` (logits of one chunk held at once; None: the whole microbatch's)."""
     if recompute != "none" and not query.recompute:
         query = replace(query, recompute=recompute)
     mode = recompute_mode(query.recompute)
@@ -162,11 +165,11 @@ def estimate(
     act = with_recompute(
         shape,
         mode,
-        activation_bytes(shape, tokens, w.act_bytes),
+        activation_bytes(shape, tokens, w.act_bytes, chunk),
         w.act_bytes,
         full_held=tokens,
         selective_held=tokens,
-        layer_bytes=lambda one: activation_bytes(one, tokens, w.act_bytes),
+        layer_bytes=lambda one: activation_bytes(one, tokens, w.act_bytes, chunk),
     )
     work = train_flops(shape, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)

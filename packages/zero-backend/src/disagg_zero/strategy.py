@@ -238,6 +238,7 @@ class ZeroStrategy(ZeroFullState, Strategy):
             persistence_threshold(options),
             recompute=options.recompute,
             offload_optimizer=bool(options.offload_optimizer),
+            chunk=getattr(options, "loss_chunk_tokens", None),
         )
 
     @classmethod
