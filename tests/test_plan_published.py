@@ -1,6 +1,7 @@
 """``disagg plan`` on the published setting: Qwen2.5-VL-32B config values, 8 x
-H100 (80 GB), the paper's vision lengths. The plan must prefer Ulysses SP for
-the vision encoder with TP for the LLM over uniform TP and over ZeRO-3,
+H100 (80 GB), the paper's vision lengths. The plan must put TP 8 on the LLM, prefer Ulysses SP
+for the vision encoder over uniform TP and over ZeRO-3 (first at 32k; at 16k within 1% of a
+data-parallel ZeRO-1 tower, see below),
 predict ZeRO-3 out of memory at 16k vision tokens (where the paper saw it), and
 predict DHP faster than uniform TP by the step times docs/benchmarks.md records (1.08x
 at 16k and 32k), which is below the paper's measured 1.26-1.37x (the page
@@ -33,8 +34,19 @@ def test_plan_prefers_ulysses_vision_with_tp_llm(results, n):
 
     result = results[n]
     best = result.best
-    assert best.groups["vision"].strategy == "ulysses" and best.groups["llm"].strategy == "megatron_tp"
+    assert best.groups["llm"].strategy == "megatron_tp"
     assert best.groups["llm"].degree == 8  # the 32B LLM's state only fits split 8 ways
+    ulysses = next(x for x in result.ranked if x.groups["vision"].strategy == "ulysses")
+    assert ulysses.groups["llm"].strategy == "megatron_tp"
+    if n == 32 * 1024:
+        assert best is ulysses
+    else:
+        # Since the loss holds one 1,024-token chunk of logits instead of the whole microbatch's
+        # (parallel.llm.loss_chunk_tokens), a data-parallel ZeRO-1 tower beside TP 8 also fits in
+        # the collocated GPUs at 16k (71.8 of 74.5 GiB) and is predicted 0.8% faster than ulysses
+        # (4.138 vs 4.173 s): at 16k the tower's replicas cost less than its all-to-alls.
+        assert best.groups["vision"].strategy == "zero"
+        assert ulysses.step_time_s <= 1.01 * best.step_time_s
     tp, dhp, z3 = (named(result, k) for k in ("uniform_tp", "dhp_ulysses_tp", "uniform_zero3"))
     assert tp.fits and dhp.fits and not z3.fits
     assert result.ranked.index(dhp) < result.ranked.index(tp)
