@@ -48,13 +48,12 @@ from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import GRAD_BYTES, Cost, CostQuery, ParamTensor, Workload, assemble, held_tokens
 from disagg.interfaces.cost import workload as workload_of
 from disagg.interfaces.cost_rules import (
-    activation_bytes,
     all_reduce,
     extra_flops,
     recompute_mode,
+    replica_activation_bytes,
     train_flops,
     transfer_bytes,
-    with_recompute,
 )
 
 #: DeepSpeed's default stage3_param_persistence_threshold (deepspeed/runtime/zero/config.py)
@@ -162,15 +161,7 @@ def estimate(
     numels = [t.numel for t in tensors]
     per_call = 2 if query.encoder else 1
     tokens = held_tokens(query, w)
-    act = with_recompute(
-        shape,
-        mode,
-        activation_bytes(shape, tokens, w.act_bytes, chunk),
-        w.act_bytes,
-        full_held=tokens,
-        selective_held=tokens,
-        layer_bytes=lambda one: activation_bytes(one, tokens, w.act_bytes, chunk),
-    )
+    act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk)
     work = train_flops(shape, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)
     cost = assemble(

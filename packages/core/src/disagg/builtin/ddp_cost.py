@@ -10,15 +10,14 @@ from __future__ import annotations
 from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import Cost, CostQuery, assemble, held_tokens, workload
 from disagg.interfaces.cost_rules import (
-    activation_bytes,
     extra_flops,
     grad_reduce_calls,
     recompute_mode,
+    replica_activation_bytes,
     replicated_comm,
     state_bytes,
     train_flops,
     transfer_bytes,
-    with_recompute,
 )
 
 
@@ -28,16 +27,7 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost
     shape = query.shape
     numels = [t.numel for t in shape.tensors()]
     tokens = held_tokens(query, w)
-    saved = activation_bytes(shape, tokens, w.act_bytes, chunk)
-    act = with_recompute(
-        shape,
-        mode,
-        saved,
-        w.act_bytes,
-        full_held=tokens,
-        selective_held=tokens,
-        layer_bytes=lambda one: activation_bytes(one, tokens, w.act_bytes, chunk),
-    )
+    act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk)
     work = train_flops(shape, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)
     return assemble(

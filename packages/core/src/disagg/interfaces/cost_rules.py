@@ -241,3 +241,19 @@ def with_recompute(
     if mode == "selective":
         return saved - selective_saving(shape, selective_held, act_bytes)
     return saved
+
+
+def replica_activation_bytes(
+    shape: Shape, mode: str, tokens: int, act_bytes: int, chunk: int | None = DEFAULT_CHUNK_TOKENS
+) -> int:
+    """Saved bytes of a rank that runs the whole module on its own ``tokens`` (``ddp``, ``zero``:
+    no activation split across ranks) under recompute ``mode``."""
+    return with_recompute(
+        shape,
+        mode,
+        activation_bytes(shape, tokens, act_bytes, chunk),
+        act_bytes,
+        full_held=tokens,
+        selective_held=tokens,
+        layer_bytes=lambda one: activation_bytes(one, tokens, act_bytes, chunk),
+    )
