@@ -56,7 +56,7 @@ def _step(rank: int, world: int, overlap: bool) -> tuple[dict[str, torch.Tensor 
     early, buckets = 0, 0
     if reducer is not None:
         reducer.finish()
-        early, buckets = reducer.last_launched_early, len(reducer.buckets)
+        early, buckets = comm.overlapped_calls, len(reducer.buckets)
     else:
         present = agree_on_grads(params, comm)
         all_reduce_bucketed([p.grad for p, keep in zip(params, present) if keep], comm, cap_bytes=CAP)

@@ -78,8 +78,6 @@ class OverlappedReducer:
         self._waiting = [len(b) for b in self.buckets]
         self._next = 0  # position in self.order of the next bucket to launch
         self._flight: dict[int, tuple[torch.Tensor, Any]] = {}
-        #: buckets sent while backward still ran, this step (the overlap actually won)
-        self.launched_early = 0
 
     def arm(self) -> None:
         """The next backward is this step's last on this rank: launch buckets as they complete."""
@@ -107,8 +105,7 @@ class OverlappedReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.order) and self._waiting[self.order[self._next]] == 0:
             self._launch(self.order[self._next])
-            self.launched_early += 1
-            self.comm.overlapped_calls += 1
+            self.comm.overlapped_calls += 1  # sent while backward still runs
 
     def _launch(self, b: int) -> None:
         parts = []
@@ -146,7 +143,6 @@ class OverlappedReducer:
                     else:
                         p.grad.copy_(value)
                 offset += p.numel()
-        self.last_launched_early = self.launched_early
         self._reset()
         return present
 
