@@ -52,7 +52,7 @@ from disagg.interfaces.rng import ShardRNG
 from disagg_llm_tp.fullstate import TPFullState
 from disagg_llm_tp.layers import ShardSpec
 from disagg_llm_tp.parallelize import TPPlan, parallelize_module
-from disagg_llm_tp.rng import fork_around
+from disagg_llm_tp.rng import fork_around, fork_between
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 
@@ -178,6 +178,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
             ctx = self.ctx
             self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
             fork_around(module, [*lmap.heads, *lmap.attention], self.rng)
+            fork_between(module, lmap.feature_split, self.rng)
         # A replayed block draws its attention masks from the TP stream again and
         # gathers into the shape its forward saw (another microbatch's split may
         # have changed the region's since: encoders run ahead).

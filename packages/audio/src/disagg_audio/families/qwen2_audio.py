@@ -105,6 +105,8 @@ class Qwen2AudioFamily(WhisperStyleEncoder):
             row=(f"{layers}.self_attn.out_proj", f"{layers}.fc2"),
             heads={f"{layers}.self_attn": ("num_heads",)},
             attention=self.attention(f"{layers}.self_attn"),
+            # the layer drops fc1's activations (column-split) before fc2 (rng.py of llm-tp)
+            feature_split={layers: ("fc1", "fc2")},
             # The projector is one Linear whose output every TP rank must hold whole: replicated.
             replicated=(
                 "audio_tower.conv1.*",

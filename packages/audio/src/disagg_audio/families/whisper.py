@@ -185,6 +185,8 @@ class WhisperAudioFamily(WhisperStyleEncoder):
             row=(f"{layers}.self_attn.out_proj", f"{layers}.fc2", "projector.linear_2"),
             heads={f"{layers}.self_attn": ("num_heads",)},
             attention=self.attention(f"{layers}.self_attn"),
+            # the layer drops fc1's activations (column-split) before fc2 (rng.py of llm-tp)
+            feature_split={layers: ("fc1", "fc2")},
             replicated=(
                 "encoder.conv1.*",
                 "encoder.conv2.*",

@@ -81,6 +81,11 @@ class LayerMap:
         embeddings); row-linear biases are replicated by construction.
     head_replicated: full copies each TP rank applies to its own heads only (per-head
         q/k norms): each rank holds part of their gradient.
+    feature_split: layer pattern -> (first, last): child modules of each matching
+        layer between whose output and input the activations are split by features
+        (a column linear's output on its way to its row linear, e.g. Whisper's
+        ``("fc1", "fc2")``, whose layer drops activations in between): dropout drawn
+        there must differ per TP rank, as inside attention.
     extra: anything a third-party strategy needs beyond this (documented by it).
     """
 
@@ -94,6 +99,7 @@ class LayerMap:
     sequence_parallel: SequenceParallelRegions | None = None
     replicated: tuple[str, ...] = ()
     head_replicated: tuple[str, ...] = ()
+    feature_split: dict[str, tuple[str, str]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -123,6 +123,13 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
 
         return make_tiny_qwen2_5_vl(Path(out_dir))
 
+    @classmethod
+    def tiny_variants(cls) -> dict[str, Any]:
+        from disagg_vision_sp.families.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl_deep
+
+        # the benchmark's model (examples/bench/bench.yaml): an 8-block tower
+        return {"qwen2_5_vl_deep": lambda out: make_tiny_qwen2_5_vl_deep(Path(out))}
+
     # -- data -----------------------------------------------------------------------------------
     def preprocess(self, media: list[Any], **limits: int) -> dict[str, torch.Tensor]:
         # min_pixels/max_pixels: the area each image is resized to, so its token count

@@ -49,6 +49,10 @@ class Qwen2VLVision(Qwen2_5_VLVision):
 
         return make_tiny_qwen2_vl(Path(out_dir))
 
+    @classmethod
+    def tiny_variants(cls) -> dict[str, Any]:
+        return {}  # the benchmark's deep tower is Qwen2.5-VL's only (Qwen3-VL inherits this)
+
     # -- ulysses hook points --------------------------------------------------------------------
     def ulysses_layout(self, inputs: list[dict[str, torch.Tensor]]) -> SeqLayout:
         from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids

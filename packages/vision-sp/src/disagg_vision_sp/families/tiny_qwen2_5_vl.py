@@ -53,6 +53,12 @@ VISION = dict(
     fullatt_block_indexes=[1, 3],
     hidden_act="silu",
 )
+#: the benchmark's tower (``qwen2_5_vl_deep``): twice the blocks, a full-attention block after every
+#: three window blocks (the 32B tower has one after every seven). What recompute frees is the
+#: blocks' activations; what it keeps is their inputs, the patch pixels and the merger's. With
+#: 4 blocks the pixels and the merger are a larger share of a rank's saved bytes than in any
+#: real tower (32 blocks), so a budget search on the shallow tower understates recompute.
+VISION_DEEP = dict(VISION, depth=8, fullatt_block_indexes=[3, 7])
 #: smallest image: 2x2 merged tokens; largest: 8x8 merged tokens
 PROCESSOR = dict(min_pixels=16 * 16, max_pixels=64 * 64)
 
@@ -93,6 +99,14 @@ def make_tiny_qwen2_5_vl(out_dir: Path, seed: int = 0) -> Path:
     return _make_tiny(
         Path(out_dir), Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "out_hidden_size", VISION, seed
     )
+
+
+def make_tiny_qwen2_5_vl_deep(out_dir: Path, seed: int = 0) -> Path:
+    """:func:`make_tiny_qwen2_5_vl` with the benchmark's 8-block tower (:data:`VISION_DEEP`)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    model_cls = Qwen2_5_VLForConditionalGeneration
+    return _make_tiny(Path(out_dir), Qwen2_5_VLConfig, model_cls, "out_hidden_size", VISION_DEEP, seed)
 
 
 def make_tiny_qwen2_vl(out_dir: Path, seed: int = 0) -> Path:
