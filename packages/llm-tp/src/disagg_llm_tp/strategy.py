@@ -30,6 +30,7 @@ replica.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import ClassVar
 
 import torch
@@ -49,6 +50,7 @@ from disagg.interfaces import (
 from disagg.interfaces.hf import head_split_problems
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.rng import ShardRNG
+from disagg_llm_tp import lora
 from disagg_llm_tp.fullstate import TPFullState
 from disagg_llm_tp.layers import ShardSpec
 from disagg_llm_tp.parallelize import TPPlan, parallelize_module
@@ -73,6 +75,8 @@ class MegatronTPStrategy(TPFullState, Strategy):
     # selective would checkpoint Hugging Face's attention function inside the TP
     # attention module; not wired yet, so it is refused at validation
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
+    #: adapters on the column and row linears it splits (lora.py: column/row-parallel adapters)
+    lora_support: ClassVar[tuple[str, ...]] = ("column", "row")
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
@@ -168,10 +172,13 @@ class MegatronTPStrategy(TPFullState, Strategy):
         sp = None
         if self.options.sequence_parallel and self.ctx.degree > 1:
             sp = SequenceParallelRegion(self.tp_group, self.ctx.degree, self.ctx.shard, self.ctx.comm)
+        # PEFT's adapters come off before the linears are split and go back on around them (lora.py)
+        sites = lora.unwrap(module, lmap.column, lmap.row)
         self.plan = parallelize_module(
             module, lmap, self.ctx.shard, self.ctx.degree, config, self.ctx.comm, sp
         )
         self.kv_groups = self._kv_groups()
+        replica_rng = None
         if self.ctx.degree > 1:
             # Attention probabilities are a head shard on each TP rank: their
             # dropout draws from a stream per (replica, TP rank); see rng.py.
@@ -179,12 +186,30 @@ class MegatronTPStrategy(TPFullState, Strategy):
             self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
             fork_around(module, [*lmap.heads, *lmap.attention], self.rng)
             fork_between(module, lmap.feature_split, self.rng)
+            if any(s.dropout > 0 for s in sites):
+                # a stream every TP rank of the replica shares, apart from the default one
+                replica_rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.degree), ctx.device)
+        if sites:
+            rows = lmap.sequence_parallel.reduce_scatter if sp is not None and lmap.sequence_parallel else ()
+            sp_rows = {n for n, _ in module.named_modules() if n and any(fnmatchcase(n, p) for p in rows)}
+            lora.rewrap(
+                module,
+                sites,
+                self.ctx.shard,
+                self.ctx.degree,
+                config,
+                self.ctx.comm,
+                sp,
+                sp_rows,
+                replica_rng,
+                self.rng,
+            )
         # A replayed block draws its attention masks from the TP stream again and
         # gathers into the shape its forward saw (another microbatch's split may
         # have changed the region's since: encoders run ahead).
         self.recompute = Recompute(
             self.options.recompute,
-            rngs=[self.rng] if self.rng is not None else [],
+            rngs=[r for r in (self.rng, replica_rng) if r is not None],
             captures=[sp.capture_shape] if sp is not None else [],
         )
         self.recompute.apply_full(module, f"family {self.family.name!r} module")

@@ -202,6 +202,27 @@ class PartTrainConfig(Strict):
     """Weight decay of the part's parameters (default: the module's)."""
 
 
+class LoraTrainConfig(Strict):
+    """``train.modules.<m>.lora``: train PEFT LoRA adapters on the module's linears instead of
+    its weights (``pip install 'disagg-core[lora]'``). The base weights are frozen (no gradient,
+    no optimizer state); the adapters and ``modules_to_save`` train."""
+
+    r: int = 8
+    """Rank of each adapter (PEFT ``r``), > 0."""
+    alpha: float = Field(16.0, gt=0)
+    """Scaling numerator (PEFT ``lora_alpha``): the adapter's output is scaled by ``alpha / r``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (PEFT ``lora_dropout``), drawn like the module's own dropout."""
+    targets: list[str] = Field(min_length=1)
+    """Linear layers to adapt, as PEFT's ``target_modules`` list: a module's full name or a suffix
+    of whole components, e.g. ``[q_proj, v_proj]`` on an LLM, ``[attn.qkv, attn.proj]`` on the
+    Qwen2.5-VL tower (docs/models.md lists each family's linears). One that matches none of the
+    family's linears is refused."""
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Family part names trained in full beside the adapters (PEFT ``modules_to_save``), e.g.
+    ``[merger]`` on ``qwen2_5_vl`` vision."""
+
+
 class ModuleTrainConfig(Strict):
     freeze: bool | list[str] = False
     """``true``: the whole module is frozen: no optimizer, no parameter gradients, and a frozen
@@ -222,6 +243,8 @@ class ModuleTrainConfig(Strict):
     """Overrides ``train.scheduler`` for this module."""
     warmup_steps: int | None = Field(None, ge=0)
     """Overrides ``train.warmup_steps`` for this module."""
+    lora: LoraTrainConfig | None = None
+    """Train LoRA adapters instead of the module's weights (``null``: full training)."""
 
 
 class TrainConfig(Strict):

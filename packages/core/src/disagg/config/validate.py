@@ -374,6 +374,7 @@ class _Checker:
                 )
             elif m in resolved.modules:
                 self.parts(m, mt, resolved.modules[m].family)
+                self.lora(m, mt, resolved.modules[m])
         if t.schedule not in self.reg.schedules:
             names = sorted(self.reg.schedules)
             self.add(
@@ -388,6 +389,14 @@ class _Checker:
         ]:
             if kinds and kind not in kinds:
                 self.add(path, f"unknown scheduler {kind!r}; {allowed(kinds)}{did_you_mean(kind, kinds)}")
+
+    def lora(self, m: str, mt: Any, module: ResolvedModule) -> None:
+        """``train.modules.<m>.lora`` (:mod:`disagg.config.lora_checks`)."""
+        from disagg.config.lora_checks import lora_problems
+
+        strategy = getattr(self.cfg.parallel, m).strategy
+        for path, message in lora_problems(m, mt, module.family, module.strategy, strategy):
+            self.add(path, message)
 
     def parts(self, m: str, mt: Any, family: Family) -> None:
         """Part names in ``freeze: [..]`` and ``param_groups`` are the family's."""

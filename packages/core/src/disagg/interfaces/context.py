@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from disagg.interfaces.comm import CommCounter
+from disagg.interfaces.lora import LoraSpec
 from disagg.interfaces.parts import PartGroup
 
 
@@ -28,6 +29,9 @@ class OptimSpec:
     frozen: tuple[tuple[str, tuple[str, ...]], ...] = ()
     #: ``train.modules.<m>.param_groups`` resolved, in config order (first match wins)
     groups: tuple[PartGroup, ...] = ()
+    #: ``train.modules.<m>.lora`` resolved: core injects these adapters after
+    #: ``Family.build`` and freezes the base; None: every weight trains
+    lora: LoraSpec | None = None
 
 
 @dataclass

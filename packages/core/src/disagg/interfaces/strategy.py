@@ -102,6 +102,12 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
     #: values of ``parallel.<module>.recompute`` this strategy applies; others are
     #: refused at validation, naming the module and these
     recompute_modes: ClassVar[tuple[str, ...]] = ("none",)
+    #: trains the PEFT LoRA adapters core injects after ``Family.build``
+    #: (``train.modules.<m>.lora``, :mod:`disagg.interfaces.lora`): True on any linear;
+    #: a tuple of layer-map kinds (``column``, ``row``, ``output``) names the only
+    #: linears its adapters may wrap (a strategy that rewrites linears builds its own
+    #: adapters for those); False: refused at validation
+    lora_support: ClassVar[bool | tuple[str, ...]] = True
 
     # -- validation, before any actor starts -------------------------------------------------
     @classmethod

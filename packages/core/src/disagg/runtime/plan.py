@@ -64,6 +64,22 @@ def optim_for(cfg: Config, module: str, family: Family | None = None) -> OptimSp
             )
             for n, g in o.param_groups.items()
         )
+    lora = None
+    if o is not None and o.lora is not None:
+        from disagg.interfaces.lora import LoraSpec, part_modules
+
+        if o.lora.modules_to_save and family is None:
+            raise ValueError(f"train.modules.{module}.lora: part names need the module's family to resolve")
+        saved = [parts[n] for n in o.lora.modules_to_save]
+        lora = LoraSpec(
+            r=o.lora.r,
+            alpha=o.lora.alpha,
+            dropout=o.lora.dropout,
+            targets=tuple(o.lora.targets),
+            modules_to_save=tuple(m for p in saved for m in part_modules(tuple(p))),
+            save_patterns=tuple(dict.fromkeys(p for ps in saved for p in ps)),
+            seed=t.seed,
+        )
     return OptimSpec(
         lr=pick("lr"),
         weight_decay=pick("weight_decay"),
@@ -74,6 +90,7 @@ def optim_for(cfg: Config, module: str, family: Family | None = None) -> OptimSp
         total_steps=t.steps,
         frozen=frozen,
         groups=groups,
+        lora=lora,
     )
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
+from disagg.interfaces.lora import freeze_base
 from disagg.interfaces.overlap import OverlappedReducer
 from disagg.interfaces.parts import freeze_parts, optimizer_groups
 from disagg.interfaces.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
@@ -55,6 +56,8 @@ class Parallelizer(ABC):
         if optim is None:
             self.module.requires_grad_(False)
         else:
+            if optim.lora is not None:  # the base stays frozen whatever layers replaced it
+                freeze_base(self.module, optim.lora)
             self.freeze_parts(optim)
             self.optimizer = type(self).build_optimizer(
                 self.param_groups(optim), optim, self.ctx, self.options

@@ -33,6 +33,7 @@ from disagg.interfaces import (
     compute_dtype,
     dropout_seed,
 )
+from disagg.interfaces.lora import apply_lora
 from disagg.metrics.record import RankRecord
 from disagg.runtime.actor.accounting import Accounting
 from disagg.runtime.actor.errors import WorkerError, worker_error
@@ -138,7 +139,11 @@ class ModuleWorker:
         )
         self.strategy = self.strategy_cls(ctx, self.family, self.options)
         # Weights load in fp32 (master weights); compute_dtype autocasts the forward.
-        self.strategy.setup(self.family.build(torch.float32), self.optim)
+        module = self.family.build(torch.float32)
+        if self.optim is not None and self.optim.lora is not None:
+            # adapters before parallelization: the strategy sees which weights train
+            module = apply_lora(module, self.optim.lora, self.module, f"train.modules.{self.module}.lora")
+        self.strategy.setup(module, self.optim)
         # from_pretrained leaves a model in eval mode; training runs its dropout.
         self.strategy.module.train()  # type: ignore[union-attr]
         # Weights were built under one seed on every rank; dropout draws from

@@ -1,0 +1,86 @@
+"""LoRA under megatron_tp vs the single-process PEFT model: the rank function and the
+reference (spawned ranks import this module by name)."""
+
+from __future__ import annotations
+
+import torch
+from tp_cases import LR, MAX_NORM, label_count
+
+from disagg.interfaces import OptimSpec
+from disagg.interfaces.lora import LoraSpec, apply_lora, lora_seed
+from disagg.testing import ranks
+from disagg.testing.ranks import dumps, loads
+from disagg.testing.reference import reference_adamw
+
+#: column linears (q, k, v; the MLP's gate) and row linears (o, down) of every layer
+SPEC = LoraSpec(r=4, alpha=8.0, dropout=0.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
+OPTIM = OptimSpec(lr=LR, eps=1e-3, lora=SPEC)
+STEPS = 3
+
+
+def reference(path: str, samples: list[dict], steps: int = STEPS) -> dict:
+    """PEFT's LoRA on the HF model (its own LoraConfig, nothing of the code under test but the
+    seed), one process, clipped AdamW over the adapters."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = LoraConfig(r=SPEC.r, lora_alpha=SPEC.alpha, lora_dropout=0.0, target_modules=list(SPEC.targets))
+    torch.manual_seed(lora_seed(SPEC.seed, "llm"))
+    inject_adapter_in_model(cfg, model)
+    model.lm_head.requires_grad_(False)  # outside the decoder PEFT froze; a tied one already is
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = reference_adamw(params.values(), OPTIM)
+    total = label_count(samples)
+    out: dict = {"loss": [], "grads": []}
+    for _ in range(steps):
+        loss_sum = torch.zeros(())
+        for s in samples:
+            logits = model(input_ids=s["input_ids"][None], use_cache=False).logits[0]
+            loss_sum = loss_sum + torch.nn.functional.cross_entropy(
+                logits[:-1], s["labels"][1:], ignore_index=-100, reduction="sum"
+            )
+        (loss_sum / total).backward()
+        out["loss"].append(float(loss_sum.detach()))
+        out["grads"].append({n: p.grad.detach().clone() for n, p in params.items()})
+        torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["initial"] = initial
+    return out
+
+
+def tp_lora_rank(rank: int, payload: bytes) -> bytes:
+    """``payload``: (family path, samples, [sequence_parallel per case]); one record per case."""
+    from disagg_llm_tp.families.qwen2 import Qwen2Family
+    from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+
+    path, samples, cases = loads(payload)
+    outs = []
+    for sp in cases:
+        ctx = ranks.rank_context("llm", rank, 2, 1)
+        fam = Qwen2Family(path)
+        module = apply_lora(fam.build(torch.float32), SPEC, "llm", "train.modules.llm.lora")
+        strat = ranks.strategy_rank(
+            MegatronTPStrategy,
+            fam,
+            ctx,
+            options=MegatronTPOptions(sequence_parallel=sp),
+            optim=OPTIM,
+            module=module,
+        )
+        total = label_count(samples)
+        rec: dict = {"loss": [], "grads": [], "norm_sq": []}
+        for _ in range(STEPS):
+            rec["loss"].append(ranks.loss_and_backward(strat, 0, samples, [{} for _ in samples], 1.0 / total))
+            norm_sq = ranks.reduce(strat)
+            rec["norm_sq"].append(norm_sq)
+            rec["grads"].append(ranks.full_grads(strat))
+            ranks.step(strat, norm_sq, MAX_NORM)
+        rec["params"] = ranks.full_state(strat)
+        rec["trainable"] = sorted(n for n, p in strat.module.named_parameters() if p.requires_grad)
+        rec["collectives"] = dict(ctx.comm.bytes_by_op)
+        outs.append(rec)
+    return dumps(outs)
