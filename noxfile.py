@@ -73,8 +73,9 @@ def tests(session: nox.Session) -> None:
     install(session, *packages, EXAMPLE)
     session.install("scikit-learn")  # its sample photographs feed the real-image pipeline test
     session.install("datasets")  # writes the parquet / save_to_disk dirs the HF-dataset tests read
-    # matplotlib: the bench and plot tests check their plots; the trackers' test reads their files back
-    session.install("-e", "packages/core[bench,trackers]")
+    # matplotlib: the bench and plot tests check their plots; the trackers' test reads their files back;
+    # peft: the LoRA tests (train.modules.<m>.lora)
+    session.install("-e", "packages/core[bench,trackers,lora]")
     pytest(session, *(f"{p}/tests" for p in packages), f"{EXAMPLE}/tests", "tests")
 
 

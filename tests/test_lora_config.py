@@ -123,10 +123,11 @@ def test_good_lora_resolves_into_the_optim_spec(tiny, tmp_path):
         ),
         (
             {},
-            {"lora": {"targets": ["q_proj"]}},
+            # megatron_tp adapts the column and row linears it splits; lm_head is its vocab-parallel output
+            {"lora": {"targets": ["q_proj", "lm_head"]}},
             {"strategy": "megatron_tp", "degree": 2},
-            "train.modules.llm.lora",
-            ["strategy 'megatron_tp' (parallel.llm.strategy) cannot train LoRA adapters"],
+            "train.modules.llm.lora.targets.1",
+            ["'lm_head' names output linears", "strategy 'megatron_tp' cannot adapt", "column, row"],
         ),
     ],
 )
