@@ -6,7 +6,13 @@ before the cost formulas moved from core into the plugins (issue 24);
 it equals the file exactly (re-recorded when a decoder's logits term became one loss chunk,
 ``parallel.llm.loss_chunk_tokens``): every strategy's ``estimate`` on a grid of queries
 (published Qwen2.5-VL-32B and the tiny Qwen2.5-VL), ``disagg bench --predict``'s rows
-and ``disagg plan``'s full ranking on both.
+and ``disagg plan``'s full ranking on both, on clusters without the efficiency curve
+(every FLOP at the MFU, the time model before issue 24 item 2).
+
+``by_shape`` (added with item 2, compute time by GEMM shape): the same on the ``h100x8``
+preset's curve: each estimate's compute seconds, ``bench --predict``'s rows and the
+published plan at 16k vision tokens, and the tiny model's plan on 2 such GPUs (beside its
+flat plan, which ``test_cost_fixture`` compares it with: only time moves).
 """
 
 from __future__ import annotations
@@ -55,8 +61,15 @@ def _shapes(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def estimates(
-    name: str, cfg: dict[str, Any], vision_tokens: int, text_tokens: int, dtype: str
+    name: str,
+    cfg: dict[str, Any],
+    vision_tokens: int,
+    text_tokens: int,
+    dtype: str,
+    keep: list[Any] | None = None,
 ) -> list[dict[str, Any]]:
+    """The grid's rows; ``keep`` collects each row's ``Cost`` (None where there is none)."""
+    kept = [] if keep is None else keep
     from disagg.interfaces import CostQuery
 
     shapes = _shapes(cfg)
@@ -77,6 +90,7 @@ def estimates(
                     try:
                         options = cls.options_model(**opts)
                     except Exception as exc:  # the strategy does not offer this recompute mode
+                        kept.append(None)
                         out.append(
                             {
                                 "key": [name, sname, module, degree, replicas, micro, inflight, rc, variant],
@@ -98,6 +112,7 @@ def estimates(
                         recompute=rc,
                     )
                     cost = cls.estimate(q, options)
+                    kept.append(cost)
                     out.append(
                         {
                             "key": [name, sname, module, degree, replicas, micro, inflight, rc, variant],
@@ -111,27 +126,77 @@ def ranking(result: Any) -> list[list[Any]]:
     return [[x.name(), x.step_time_s, x.memory_bytes, x.fits] for x in result.ranked + result.oom]
 
 
+#: the h100x8 preset's MFU before its efficiency curve (the flat model's)
+FLAT_MFU = 0.4
+
+
+def _flat(cluster: Any) -> Any:
+    from disagg.plan.efficiency import flat
+
+    return flat(cluster, FLAT_MFU if cluster.name.startswith("h1") else None)
+
+
+class Only:
+    """The registry with the first-party strategies only (a third party's would join the ranking)."""
+
+    @property
+    def strategies(self) -> dict[str, Any]:
+        return _strategies()
+
+    @property
+    def families(self) -> Any:
+        from disagg.plugins import get_registry
+
+        return get_registry().families
+
+
 def plans(tiny: dict[str, Any]) -> dict[str, Any]:
     from disagg.plan.cluster import cluster_from
     from disagg.plan.model import Workload
     from disagg.plan.published import plan_published, summary
     from disagg.plan.search import plan
-    from disagg.plugins import get_registry
-
-    class Only:
-        """The registry with the first-party strategies only (a third party's would join the ranking)."""
-
-        strategies = _strategies()
-        families = get_registry().families
 
     out: dict[str, Any] = {}
     for n in (16384, 65536):
-        r = plan_published(n, Only)  # type: ignore[arg-type]
+        r = plan_published(n, Only(), _flat(cluster_from("h100x8")))  # type: ignore[arg-type]
         out[f"published-{n}"] = {"summary": summary(r), "ranking": ranking(r)}
     work = Workload(shapes=_shapes(tiny), vision_tokens=256, text_tokens=32, samples=2)
-    r = plan(work, cluster_from("cpu", {"gpus": 2}), _strategies())
+    r = plan(work, _flat(cluster_from("cpu", {"gpus": 2})), _strategies())
     out["tiny-cpu2"] = {"ranking": ranking(r)}
     return out
+
+
+def by_shape(tiny: dict[str, Any], estimated: list[Any]) -> dict[str, Any]:
+    """Predictions on the ``h100x8`` preset's efficiency curve (module docstring)."""
+    from disagg.bench.published import LAYOUTS_32B, predict_published, ratios
+    from disagg.plan.cluster import PRESETS, cluster_from
+    from disagg.plan.efficiency import compute_seconds
+    from disagg.plan.model import Workload
+    from disagg.plan.published import plan_published, summary
+    from disagg.plan.search import plan
+
+    gpu = PRESETS["h100x8"]
+    rows = [r for r in predict_published([4096, 16384, 65536]) if r["layout"] in LAYOUTS_32B]
+    published = plan_published(16384, Only())  # type: ignore[arg-type]
+    work = Workload(shapes=_shapes(tiny), vision_tokens=256, text_tokens=32, samples=2)
+    two = cluster_from("h100x8", {"gpus": 2})
+    tiny_plans = {name: plan(work, c, _strategies()) for name, c in (("shaped", two), ("flat", _flat(two)))}
+    return {
+        "compute_s": [None if c is None else compute_seconds(c, gpu) for c in estimated],
+        "bench_predict": {"rows": rows, "ratios": ratios(rows), "ratios_none": ratios(rows, "none")},
+        "plans": {
+            "published-16384": {"summary": summary(published), "ranking": ranking(published)},
+            "tiny-h100x2": {k: {"ranking": ranking(r), "layouts": layouts(r)} for k, r in tiny_plans.items()},
+        },
+    }
+
+
+def layouts(result: Any) -> dict[str, Any]:
+    """Each planned layout's machine-independent figures, by name (what only-time-moves compares)."""
+    return {
+        x.name(): {"memory_bytes": x.memory_bytes, "costs": {m: c.to_dict() for m, c in x.costs.items()}}
+        for x in result.ranked + result.oom
+    }
 
 
 def dump(tiny: dict[str, Any]) -> dict[str, Any]:
@@ -139,15 +204,17 @@ def dump(tiny: dict[str, Any]) -> dict[str, Any]:
     from disagg.bench.published import LAYOUTS_32B, QWEN2_5_VL_32B, predict_published, ratios
 
     # since issue 24 every installed strategy is predicted (uniform_<name>): the paper's layouts are recorded
-    rows = [r for r in predict_published([4096, 16384, 65536]) if r["layout"] in LAYOUTS_32B]
+    rows = [r for r in predict_published([4096, 16384, 65536], flat=True) if r["layout"] in LAYOUTS_32B]
+    kept: list[Any] = []
     return {
         "tiny_config": tiny,
         "estimates": (
-            estimates("published", QWEN2_5_VL_32B, 16384, 512, "bfloat16")
-            + estimates("tiny", tiny, 256, 32, "float32")
+            estimates("published", QWEN2_5_VL_32B, 16384, 512, "bfloat16", kept)
+            + estimates("tiny", tiny, 256, 32, "float32", kept)
         ),
         "bench_predict": {"rows": rows, "ratios": ratios(rows), "ratios_none": ratios(rows, "none")},
         "plans": plans(tiny),
+        "by_shape": by_shape(tiny, kept),
     }
 
 

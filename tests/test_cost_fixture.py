@@ -2,7 +2,9 @@
 the first-party strategies' ``estimate`` on a grid of queries, ``disagg bench
 --predict``'s rows and ``disagg plan``'s whole ranking, on the published
 Qwen2.5-VL-32B and the tiny Qwen2.5-VL, exactly as ``data/cost_predictions.json.gz``
-recorded them before (``cost_fixture.py`` wrote it)."""
+recorded them before (``cost_fixture.py`` wrote it), on clusters without the
+efficiency curve. With the curve (compute time by GEMM shape, ``by_shape``) only
+time moves: memory, bytes and calls stay what they were."""
 
 from __future__ import annotations
 
@@ -18,9 +20,14 @@ pytest.importorskip("disagg_zero")
 from cost_fixture import FIXTURE, dump  # noqa: E402
 
 
-def test_predictions_equal_the_recorded_ones():
+@pytest.fixture(scope="module")
+def predicted():
     recorded = json.loads(gzip.decompress(FIXTURE.read_bytes()))
-    now = json.loads(json.dumps(dump(recorded["tiny_config"]), sort_keys=True))
+    return recorded, json.loads(json.dumps(dump(recorded["tiny_config"]), sort_keys=True))
+
+
+def test_predictions_equal_the_recorded_ones(predicted):
+    recorded, now = predicted
     for e_now, e_then in zip(now["estimates"], recorded["estimates"], strict=True):
         assert e_now == e_then, f"estimate {e_then['key']}"
     assert now["bench_predict"] == recorded["bench_predict"]
@@ -28,3 +35,46 @@ def test_predictions_equal_the_recorded_ones():
         for x_now, x_then in zip(now["plans"][name]["ranking"], then["ranking"], strict=True):
             assert x_now == x_then, f"plan {name}"
         assert now["plans"][name] == then
+    shaped, then = now["by_shape"], recorded["by_shape"]
+    for i, (c_now, c_then) in enumerate(zip(shaped["compute_s"], then["compute_s"], strict=True)):
+        assert c_now == c_then, f"compute seconds of estimate {now['estimates'][i]['key']}"
+    assert shaped == then
+
+
+#: what a row of ``bench --predict`` or a planned layout states besides time
+MACHINE_FREE = ("memory_per_gpu", "fits", "groups", "layout", "recompute", "vision_tokens")
+
+
+def test_only_time_moves_with_the_gemm_shapes(predicted):
+    """On the published setting and the tiny model, the curve changes step times and
+    nothing else: every ``bench --predict`` row's memory, fit and per-group costs (state,
+    activations, bytes and calls by kind, FLOPs), and every planned layout's memory and
+    costs, equal the flat model's; the compute seconds do move."""
+    _, now = predicted
+    flat, shaped = now["bench_predict"]["rows"], now["by_shape"]["bench_predict"]["rows"]
+    assert len(flat) == len(shaped)
+    for a, b in zip(flat, shaped, strict=True):
+        assert {k: a[k] for k in MACHINE_FREE} == {k: b[k] for k in MACHINE_FREE}
+    assert any(a["step_time_s"] != b["step_time_s"] for a, b in zip(flat, shaped))
+    for a, b in zip(now["bench_predict"]["ratios"], now["by_shape"]["bench_predict"]["ratios"], strict=True):
+        assert a["fits"] == b["fits"] and a["vision_tokens"] == b["vision_tokens"]
+    # the published plan at 16k: the same layouts with the same memory, fit or not, in another order
+    key = lambda r: (r[0], r[2], r[3])  # noqa: E731  (name, memory, fits)
+    pub_flat = now["plans"]["published-16384"]["ranking"]
+    pub_shaped = now["by_shape"]["plans"]["published-16384"]["ranking"]
+    assert sorted(map(key, pub_flat)) == sorted(map(key, pub_shaped))
+    assert [r[1] for r in pub_flat] != [r[1] for r in pub_shaped]
+    for name in ("uniform_tp", "dhp_ulysses_tp", "uniform_zero3"):
+        then = now["plans"]["published-16384"]["summary"]["layouts"][name]
+        got = now["by_shape"]["plans"]["published-16384"]["summary"]["layouts"][name]
+        if then["name"] == got["name"]:
+            assert then["memory_bytes"] == got["memory_bytes"] and then["fits"] == got["fits"]
+    # the tiny model on two GPUs: every layout's costs equal, with and without the curve
+    tiny = now["by_shape"]["plans"]["tiny-h100x2"]
+    assert tiny["shaped"]["layouts"] == tiny["flat"]["layouts"]
+    assert sorted(map(key, tiny["shaped"]["ranking"])) == sorted(map(key, tiny["flat"]["ranking"]))
+    assert [r[1] for r in tiny["shaped"]["ranking"]] != [r[1] for r in tiny["flat"]["ranking"]]
+    # and the compute seconds by shape differ from FLOPs at the flat MFU for the published estimates
+    est = [(e, c) for e, c in zip(now["estimates"], now["by_shape"]["compute_s"]) if c is not None]
+    moved = [c != e["cost"]["flops"] / (989e12 * 0.4) for e, c in est if e["key"][0] == "published"]
+    assert moved and all(moved)

@@ -1,10 +1,12 @@
 """``disagg plan`` on the published setting: Qwen2.5-VL-32B config values, 8 x
-H100 (80 GB), the paper's vision lengths. The plan must put TP 8 on the LLM, prefer Ulysses SP
-for the vision encoder over uniform TP and over ZeRO-3 (first at 32k; at 16k within 1% of a
+H100 (80 GB), the paper's vision lengths, compute time by GEMM shape on the ``h100x8``
+preset's efficiency curve. The plan must put TP 8 on the LLM, rank Ulysses SP for the
+vision encoder ahead of uniform TP and ZeRO-3 (first at 32k; at 16k within 2% of a
 data-parallel ZeRO-1 tower, see below),
-predict ZeRO-3 out of memory at 16k vision tokens (where the paper saw it), and
-predict DHP faster than uniform TP by the step times docs/benchmarks.md records (1.08x
-at 16k and 32k), which is below the paper's measured 1.26-1.37x (the page
+predict ZeRO-3 out of memory at 16k vision tokens (where the paper saw it), charge the
+TP-split tower more compute time than the Ulysses one for the same FLOPs, and
+predict DHP faster than uniform TP by the step times docs/benchmarks.md records (1.12x
+at 16k, 1.13x at 32k), which is below the paper's measured 1.26-1.37x (the page
 says why). Pure computation from each strategy's cost hook."""
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def results():
 
 
 #: uniform TP and DHP predicted step seconds, as docs/benchmarks.md records them
-RECORDED_STEP_S = {16 * 1024: (4.549, 4.219), 32 * 1024: (8.895, 8.25)}
+RECORDED_STEP_S = {16 * 1024: (3.144, 2.796), 32 * 1024: (6.052, 5.372)}
+#: their ratio, rounded
+RECORDED_SPEEDUP = {16 * 1024: 1.12, 32 * 1024: 1.13}
 
 
 @pytest.mark.parametrize("n", [16 * 1024, 32 * 1024])
@@ -41,12 +45,12 @@ def test_plan_prefers_ulysses_vision_with_tp_llm(results, n):
     if n == 32 * 1024:
         assert best is ulysses
     else:
-        # Since the loss holds one 1,024-token chunk of logits instead of the whole microbatch's
-        # (parallel.llm.loss_chunk_tokens), a data-parallel ZeRO-1 tower beside TP 8 also fits in
-        # the collocated GPUs at 16k (71.8 of 74.5 GiB) and is predicted 0.8% faster than ulysses
-        # (4.138 vs 4.173 s): at 16k the tower's replicas cost less than its all-to-alls.
+        # Since the loss holds one 1,024-token chunk of logits (parallel.llm.loss_chunk_tokens), a
+        # data-parallel ZeRO-1 tower beside TP 8 fits in the collocated GPUs at 16k (71.8 of 74.5
+        # GiB) and is predicted 1.3% faster than ulysses 4 x 2 (2.715 vs 2.750 s): at 16k the
+        # tower's replicas cost less than its all-to-alls.
         assert best.groups["vision"].strategy == "zero"
-        assert ulysses.step_time_s <= 1.01 * best.step_time_s
+        assert ulysses.step_time_s <= 1.02 * best.step_time_s
     tp, dhp, z3 = (named(result, k) for k in ("uniform_tp", "dhp_ulysses_tp", "uniform_zero3"))
     assert tp.fits and dhp.fits and not z3.fits
     assert result.ranked.index(dhp) < result.ranked.index(tp)
@@ -61,7 +65,11 @@ def test_plan_prefers_ulysses_vision_with_tp_llm(results, n):
     s = summary(result)
     assert (round(tp.step_time_s, 3), round(dhp.step_time_s, 3)) == RECORDED_STEP_S[n]
     assert s["speedup_dhp_vs_tp"] == pytest.approx(tp.step_time_s / dhp.step_time_s)
-    assert round(s["speedup_dhp_vs_tp"], 2) == 1.08 < PAPER["throughput_dhp_vs_tp"][0]
+    assert round(s["speedup_dhp_vs_tp"], 2) == RECORDED_SPEEDUP[n] < PAPER["throughput_dhp_vs_tp"][0]
+    # the GEMM shapes: the same tower FLOPs per rank take longer split 8 ways by TP (narrow
+    # products: a 1280-wide tower's projection has k = 160) than on 1/8 of the tokens at full width
+    assert tp.costs["vision"].flops == pytest.approx(dhp.costs["vision"].flops, rel=1e-9)
+    assert tp.times["vision"]["compute_s"] > 1.05 * dhp.times["vision"]["compute_s"]
 
 
 def test_zero3_runs_out_of_memory_where_the_paper_saw_it(results):

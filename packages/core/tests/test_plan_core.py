@@ -66,8 +66,9 @@ class FusedDDP(Strategy):
     @classmethod
     def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:
         cost = DDPStrategy.estimate(query, options)
-        assert cost is not None
-        return replace(cost, flops=cost.flops / 2)
+        assert cost is not None and cost.compute is not None
+        # half the FLOPs, and half the work by shape the planner charges time by
+        return replace(cost, flops=cost.flops / 2, compute=cost.compute.scaled(0.5))
 
     def parallelize(self, module):  # type: ignore[no-untyped-def]
         return module
@@ -328,7 +329,8 @@ def test_calibration_measures_positive_finite_figures():
     c = calibrate(PRESETS["cpu"], ray_calls=False)
     for v in (c.peak_flops, c.intra_bw, c.intra_latency, c.layer_overhead, c.call_latency):
         assert math.isfinite(v) and v > 0
-    assert c.mfu == 1.0 and c.source.startswith("measured (matmul, layer, gloo)")
+    assert c.mfu == 1.0 and c.source.startswith("measured (matmul, layer, gloo, gemm curve, memory)")
+    assert c.gemm_ridge >= 0 and c.mem_bw > 0 and (c.gemm_tile, c.compute_units) == (0, 0)
     assert c.call_latency == PRESETS["cpu"].call_latency  # not measured without Ray
 
 

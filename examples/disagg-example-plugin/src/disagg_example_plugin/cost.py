@@ -4,7 +4,9 @@
 
 ``example_ddp`` runs the base ``Strategy``'s data parallelism: every rank a whole
 replica on its own samples (``degree`` 1), gradients summed over the group in
-25 MiB buckets after an agreement all-reduce. It recomputes nothing.
+25 MiB buckets after an agreement all-reduce. It recomputes nothing. Its matmuls are
+a whole replica's (``Split()``: no tokens or widths split), so the planner charges
+each at the efficiency its shape reaches (:mod:`disagg.interfaces.gemms`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from disagg.interfaces.cost_rules import (
     train_flops,
     transfer_bytes,
 )
+from disagg.interfaces.gemms import Split, module_compute
 
 
 def estimate(query: CostQuery) -> Cost | None:
@@ -35,5 +38,6 @@ def estimate(query: CostQuery) -> Cost | None:
         flops_per_sample=train_flops(shape, query.seq_len),
         share=1,
         sent_bytes=transfer_bytes(w),
+        compute=module_compute(shape, query.seq_len, Split(), w.act_bytes),
         exact=("state_bytes",),
     )

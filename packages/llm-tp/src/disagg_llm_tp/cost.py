@@ -45,6 +45,7 @@ from disagg.interfaces.cost_rules import (
     transfer_bytes,
     with_recompute,
 )
+from disagg.interfaces.gemms import Split, strategy_compute
 
 #: searched by ``disagg plan`` beside the defaults
 OPTION_VARIANTS: list[dict[str, Any]] = [{}, {"sequence_parallel": True}]
@@ -255,6 +256,9 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
         flops_per_sample=work,
         share=d,
         sent_bytes=transfer_bytes(w),
+        # every token through 1/d of each split weight; without sequence parallelism the norms and
+        # residual adds are repeated on every rank for all tokens
+        compute=strategy_compute(shape, query.seq_len, Split(tp=d, sequence_parallel=sp), w.act_bytes, mode),
         exact=("state_bytes", "comm_bytes") if enc and not sp else ("state_bytes",),
         replay=replay(shape, w, sp, mode),
     )

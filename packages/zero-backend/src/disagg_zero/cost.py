@@ -55,6 +55,7 @@ from disagg.interfaces.cost_rules import (
     train_flops,
     transfer_bytes,
 )
+from disagg.interfaces.gemms import Split, strategy_compute
 
 #: DeepSpeed's default stage3_param_persistence_threshold (deepspeed/runtime/zero/config.py)
 DEEPSPEED_PERSISTENCE = 100_000
@@ -175,6 +176,7 @@ def estimate(
         flops_per_sample=work,
         share=1,
         sent_bytes=transfer_bytes(w),
+        compute=strategy_compute(shape, query.seq_len, Split(), w.act_bytes, mode),
     )
     if offload_optimizer:
         numel = sum(numels)

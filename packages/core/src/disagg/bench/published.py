@@ -5,10 +5,13 @@ The model is described by its config values only (from the released
 encoder + TP for the LLM) at 1.26-1.37x the throughput of uniform TP, and
 65k trainable vision tokens where ZeRO-3 ran out of memory at 16k.
 
-Time is a roofline, stated so it can be argued with: FLOPs at ``MFU`` of the
-H100's dense bf16 peak plus bytes at NVLink ring bandwidth, not overlapped
-(tensor-parallel collectives sit on the critical path); collocated groups run
-one after the other on the same GPUs. Every row says the
+Time is a roofline, stated so it can be argued with: each matmul and attention
+core a strategy states at the efficiency its shape reaches on the ``h100x8``
+preset's curve, and the element-wise bytes at HBM bandwidth
+(:mod:`disagg.plan.efficiency`; ``flat=True``: every FLOP at ``MFU`` of the dense
+bf16 peak, the model before shapes were counted), plus bytes at NVLink ring
+bandwidth, not overlapped (tensor-parallel collectives sit on the critical path);
+collocated groups run one after the other on the same GPUs. Every row says the
 ``parallel.<module>.recompute`` it assumes, for both modules: ``none`` (what
 is saved for backward is held) or ``full`` (the usual setting at these
 lengths: per layer only its input is kept, plus one layer's activations while
@@ -65,8 +68,11 @@ PAPER = {
     "zero3_oom_vision_tokens": 16 * 1024,
     "dhp_max_vision_tokens": 64 * 1024,  # "65k"
 }
-#: H100 SXM dense bf16 peak, the fraction of it a well-tuned step reaches, NVLink ring bandwidth
+#: H100 SXM dense bf16 peak, the fraction of it a well-tuned step reaches (the flat model's), NVLink
+#: ring bandwidth
 PEAK_FLOPS, MFU, LINK_BYTES_PER_S = 989e12, 0.4, 360e9
+#: the machine whose efficiency curve charges compute by shape (disagg.plan.cluster.PRESETS)
+CLUSTER = "h100x8"
 TEXT_TOKENS = 512  # text tokens per sample beside the image
 SAMPLES = 8  # one sample per GPU per step
 
@@ -110,13 +116,23 @@ def predict_published(
     vision_tokens: list[int],
     recompute: tuple[str, ...] = ("none", "full"),
     strategies: dict[str, Any] | None = None,
+    flat: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per recompute mode, layout and vision length: predicted step time,
     tokens/s, memory per GPU (and whether it fits 80 GB), bytes per GPU. Every strategy
     is asked for its own cost (``strategies``: name -> class, default the installed
     ones); a third party's appears as ``uniform_<name>`` (:func:`third_party_layouts`),
-    left out where its hook states no cost for a module."""
+    left out where its hook states no cost for a module. ``flat``: every FLOP at ``MFU``
+    (the time model before GEMM shapes were counted)."""
+    from disagg.plan.cluster import PRESETS
+    from disagg.plan.efficiency import compute_seconds
+    from disagg.plan.efficiency import flat as flat_curve
     from disagg.plan.published import published_shapes
+
+    machine = PRESETS[CLUSTER]
+    if flat:
+        machine = flat_curve(machine, MFU)
+    assert machine.peak_flops == PEAK_FLOPS
 
     if strategies is None:
         from disagg.plugins import get_registry
@@ -160,7 +176,7 @@ def predict_published(
                         raise
                     break  # a third party's strategy that states no cost for this module
                 costs[module] = cost.to_dict()
-                seconds += cost.flops / (PEAK_FLOPS * MFU) + cost.comm_bytes / LINK_BYTES_PER_S
+                seconds += compute_seconds(cost, machine) + cost.comm_bytes / LINK_BYTES_PER_S
                 memory += cost.memory_bytes
             if len(costs) < 2:
                 continue
@@ -196,3 +212,26 @@ def ratios(rows: list[dict[str, Any]], recompute: str = "full") -> list[dict[str
             }
         )
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m disagg.bench.published [LENGTHS] [--flat]``: the published prediction's
+    tables (``disagg bench --predict``'s, without a bench run), ratios under both recompute modes."""
+    import argparse
+
+    from disagg.bench.data import parse_tokens
+    from disagg.bench.report import published_md
+
+    p = argparse.ArgumentParser(prog="python -m disagg.bench.published", description=main.__doc__)
+    p.add_argument("lengths", nargs="?", default="4k,16k,64k", help="vision tokens per image")
+    p.add_argument("--flat", action="store_true", help="every FLOP at MFU (the model before GEMM shapes)")
+    args = p.parse_args(argv)
+    rows = predict_published(parse_tokens(args.lengths), flat=args.flat)
+    print(f"compute: {'every FLOP at MFU ' + str(MFU) if args.flat else 'by GEMM shape on ' + CLUSTER}")
+    for mode in ("full", "none"):
+        print(published_md([r for r in rows if r["recompute"] == mode], ratios(rows, mode), PAPER), "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,6 +19,7 @@ from disagg.interfaces.cost_rules import (
     train_flops,
     transfer_bytes,
 )
+from disagg.interfaces.gemms import Split, strategy_compute
 
 
 def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost:
@@ -39,5 +40,6 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost
         flops_per_sample=work,
         share=1,
         sent_bytes=transfer_bytes(w),
+        compute=strategy_compute(shape, query.seq_len, Split(), w.act_bytes, mode),
         exact=("state_bytes", "comm_bytes") if query.encoder else ("state_bytes",),
     )

@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const=True,
         default=None,
         metavar="FILE",
-        help="measure this machine (matmul FLOP/s, per-layer dispatch, gloo all-reduce latency and "
-        "bandwidth, Ray call latency with --ray) over the cluster's figures; save them to FILE if given",
+        help="measure this machine (a sweep of matmul shapes fitted to the efficiency curve, element-wise "
+        "bandwidth, per-layer dispatch, gloo all-reduce latency and bandwidth, Ray call latency with --ray) "
+        "over the cluster's figures; save them to FILE if given",
     )
     parser.add_argument("--ray", action="store_true", help="devices and memory from the running Ray cluster")
     for flag, what in (
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--intra-bw", "bytes/s a device sends inside a node, e.g. 360GB/s"),
         ("--inter-bw", "bytes/s a device sends across nodes, e.g. 50GB/s"),
         ("--flops", "peak FLOP/s per device, e.g. 989T"),
-        ("--mfu", "fraction of the peak a step reaches, e.g. 0.4"),
+        ("--mfu", "fraction of the peak the largest matmuls reach (the efficiency curve's top), e.g. 0.8"),
         ("--usable", "fraction of device memory a plan may fill, e.g. 0.9"),
         ("--intra-latency", "seconds per collective message step inside a node (alpha), e.g. 2us"),
         ("--inter-latency", "seconds per collective message step across nodes, e.g. 5us"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.interfaces.gemms import Compute
 from disagg.interfaces.shapes import DecoderShape, EncoderShape, ParamTensor, Shape, VisionShape
 
 #: bytes per activation element of a compute dtype
@@ -42,6 +43,10 @@ class Cost:
     #: collective calls per step, by kind: each pays a fixed latency whatever its
     #: size; empty = the strategy reports none
     comm_calls_by_kind: dict[str, int] = field(default_factory=dict)
+    #: the rank's matmuls, attention cores and element-wise bytes by shape, per step
+    #: (:mod:`disagg.interfaces.gemms`): what the planner charges compute time by;
+    #: None = only ``flops`` is known (charged at the efficiency curve's ceiling)
+    compute: Compute | None = field(default=None, compare=False, repr=False)
 
     @property
     def comm_bytes(self) -> int:
@@ -171,10 +176,13 @@ def assemble(
     sent_bytes: int,
     exact: tuple[str, ...] = (),
     replay: tuple[dict[str, int], dict[str, int]] = ({}, {}),
+    compute: Compute | None = None,
 ) -> Cost:
     """A :class:`Cost` from a strategy's parts: kinds that move nothing are dropped,
     a recompute replay's bytes and calls (``replay``) added on top, FLOPs of one
-    sample times the replica's samples over the ``share`` ranks that split each."""
+    sample times the replica's samples over the ``share`` ranks that split each;
+    ``compute``: one sample's work on this rank by shape (already split), times the
+    replica's samples."""
     kinds = {k: v for k, v in comm.items() if v}
     for k, v in replay[0].items():
         kinds[k] = kinds.get(k, 0) + v
@@ -189,6 +197,7 @@ def assemble(
         flops=flops_per_sample * w.samples_per_replica / share,
         exact=exact,
         comm_calls_by_kind=counts,
+        compute=None if compute is None else compute.scaled(w.samples_per_replica),
     )
 
 
@@ -196,6 +205,7 @@ __all__ = [
     "DTYPE_BYTES",
     "GRAD_BYTES",
     "Cost",
+    "Compute",
     "CostQuery",
     "DecoderShape",
     "EncoderShape",

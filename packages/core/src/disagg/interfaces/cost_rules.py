@@ -27,7 +27,8 @@ of one loss chunk (``parallel.llm.loss_chunk_tokens``, :mod:`disagg.interfaces.c
 **FLOPs**: training = 3 x forward; a matmul counts ``2·m·n·k`` (every weight of
 2+ dims times the rows it sees); encoder attention per window (``window_tokens``
 keys per query) in window blocks and over the whole sequence in full blocks;
-decoder attention causal. Element-wise work is ignored.
+decoder attention causal. Element-wise work is not counted in FLOPs; what a rank computes by
+shape, element-wise bytes included, is :mod:`disagg.interfaces.gemms`' (``Cost.compute``).
 
 **Recomputation** (``parallel.<module>.recompute``): ``full`` keeps each
 block's input and one block's saves while it is replayed and costs one more

@@ -4,9 +4,14 @@
 Short microbenchmarks, a few seconds in all, each the smallest honest probe of
 one term of :mod:`disagg.plan.model`:
 
-- ``peak_flops``: a float32 matrix multiply on one thread (a Ray actor's torch
-  runs one thread per CPU it holds, ``OMP_NUM_THREADS``); ``mfu`` becomes 1,
-  the measured rate already being what a well-shaped matmul reaches.
+- the efficiency curve (:mod:`disagg.plan.efficiency`): float32 matmuls of a sweep
+  of shapes (:data:`GEMM_SWEEP`, square to narrow: arithmetic intensity 4-128 FLOP/B)
+  on one thread (a Ray actor's torch runs one thread per CPU it holds,
+  ``OMP_NUM_THREADS``), fitted to ``rate(I) = R · min(1, I / ridge)``
+  (:func:`fit_curve`): ``peak_flops = R`` and ``mfu`` 1 (the measured rate already
+  being what a well-shaped matmul reaches), ``gemm_ridge = ridge``; no tile or wave
+  quantization on a core;
+- ``mem_bw``: an element-wise add of 4M floats (``c = a + b``, 3 x 16 MiB moved);
 - ``layer_overhead``: forward + backward of a transformer block so narrow that
   its arithmetic is negligible: what every layer pays per microbatch in
   dispatch (eager ops, autograd), whatever its size.
@@ -23,6 +28,7 @@ still move with load (report the load beside them).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -45,13 +51,78 @@ def _median_time(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
 
 def matmul_flops(n: int = 384, repeats: int = 7) -> float:
     """FLOP/s of an ``n x n x n`` float32 matmul on one thread (``2n³`` FLOPs)."""
+    return gemm_rate(n, n, n, repeats)
+
+
+def gemm_rate(m: int, n: int, k: int, repeats: int = 5) -> float:
+    """FLOP/s of an ``m x k`` by ``k x n`` float32 matmul on one thread."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        return 2 * n**3 / _median_time(lambda: a @ b, repeats, inner=3)
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        out = torch.empty(m, n)
+        return 2 * m * n * k / _median_time(lambda: torch.mm(a, b, out=out), repeats, inner=3)
+    finally:
+        torch.set_num_threads(threads)
+
+
+#: (m, n, k) the calibration times: large and square down to the narrow products a
+#: tensor-parallel split or a few heads leave (~0.1-0.3 GFLOP each, ~2 s in all on one core)
+GEMM_SWEEP: tuple[tuple[int, int, int], ...] = (
+    (384, 384, 384),
+    (512, 512, 512),
+    (1024, 512, 256),
+    (2048, 512, 64),
+    (2048, 64, 512),
+    (4096, 256, 32),
+    (4096, 32, 256),
+    (8192, 128, 16),
+    (8192, 16, 128),
+)
+
+
+def gemm_sweep(shapes: tuple[tuple[int, int, int], ...] = GEMM_SWEEP) -> list[tuple[int, int, int, float]]:
+    """``(m, n, k, FLOP/s)`` of every shape."""
+    return [(m, n, k, gemm_rate(m, n, k)) for m, n, k in shapes]
+
+
+def fit_curve(samples: list[tuple[int, int, int, float]], elem_bytes: int = 4) -> tuple[float, float]:
+    """``(R, ridge)`` of ``rate(I) = R · min(1, I / ridge)`` fitted to measured
+    ``(m, n, k, rate)`` by least squares on ``log rate``. Sorted by intensity, the
+    products below the ridge are memory-bound (``log rate = log I + b``), the rest
+    compute-bound (``log rate = log R``): each split of the sorted list gives ``log R``
+    and ``b`` as means, ``ridge = R / e^b`` (kept between the split's two intensities);
+    the split with the least squared error wins. ``ridge`` 0: no product was memory-bound."""
+    from disagg.plan.efficiency import intensity
+
+    pts = sorted((intensity(m, n, k, elem_bytes), math.log(r)) for m, n, k, r in samples if r > 0)
+    if not pts:
+        raise ValueError("fit_curve: no measurement")
+    best: tuple[float, float, float] | None = None
+    for j in range(len(pts)):  # pts[:j] memory-bound, pts[j:] compute-bound (at least one)
+        log_r = sum(y for _, y in pts[j:]) / (len(pts) - j)
+        ridge = 0.0
+        if j:
+            b = sum(y - math.log(i) for i, y in pts[:j]) / j
+            ridge = min(max(math.exp(log_r - b), pts[j - 1][0]), pts[j][0])
+        err = sum((y - log_r - (min(0.0, math.log(i / ridge)) if ridge else 0.0)) ** 2 for i, y in pts)
+        if best is None or err < best[0] - 1e-12 * (1 + best[0]):
+            best = (err, math.exp(log_r), ridge)
+    assert best is not None
+    return best[1], best[2]
+
+
+def stream_bandwidth(numel: int = 1 << 22, repeats: int = 7) -> float:
+    """Bytes/s an element-wise float32 add moves on one thread (two reads, one write)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+        return 3 * 4 * numel / _median_time(lambda: torch.add(a, b, out=c), repeats, inner=3)
     finally:
         torch.set_num_threads(threads)
 
@@ -165,11 +236,12 @@ def ray_call_latency(calls: int = 50) -> float:
 def calibrate(base: Cluster, *, name: str | None = None, ray_calls: bool | None = None) -> Cluster:
     """``base`` with this machine's measured rates and latencies (see the module doc).
     ``ray_calls``: measure the actor call round trip (default: when Ray is running)."""
-    flops = matmul_flops()
+    flops, ridge = fit_curve(gemm_sweep())
     overhead = layer_overhead()
     alpha, bw = gloo_alpha_beta()
+    mem_bw = stream_bandwidth()
     call = base.call_latency
-    measured = ["matmul", "layer", "gloo"]
+    measured = ["matmul", "layer", "gloo", "gemm curve", "memory"]
     if ray_calls is None:
         ray_calls = _ray_running()
     if ray_calls:
@@ -188,5 +260,9 @@ def calibrate(base: Cluster, *, name: str | None = None, ray_calls: bool | None 
         inter_latency=max(alpha, base.inter_latency) if base.nodes > 1 else alpha,
         layer_overhead=overhead,
         call_latency=call,
+        gemm_ridge=ridge,
+        gemm_tile=0,
+        compute_units=0,
+        mem_bw=mem_bw,
         source=f"measured ({', '.join(measured)}) at load {load:.2f}",
     )

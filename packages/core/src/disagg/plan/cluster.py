@@ -32,7 +32,9 @@ class Cluster:
     device_memory: int
     #: peak dense FLOP/s of one device at the compute dtype
     peak_flops: float
-    #: fraction of the peak a well-tuned step reaches (model FLOPs utilisation)
+    #: fraction of the peak the largest, best-shaped matmuls reach: the ceiling of the
+    #: efficiency curve (:mod:`disagg.plan.efficiency`); on a cluster without the curve
+    #: (all of ``gemm_ridge``, ``gemm_tile``, ``compute_units``, ``mem_bw`` 0) every FLOP runs at it
     mfu: float
     #: bytes/s one device sends in a ring collective inside a node (NVLink) and across nodes
     intra_bw: float
@@ -57,6 +59,15 @@ class Cluster:
     #: seconds per driver -> actor call of the step (each carries a microbatch, its
     #: rows or their gradients through the object store)
     call_latency: float = 0.0
+    #: the efficiency curve (:func:`disagg.plan.efficiency.efficiency`): FLOPs per byte at which
+    #: a matmul's operand traffic takes as long as its arithmetic at the ceiling (0: never memory bound)
+    gemm_ridge: float = 0.0
+    #: side of the output tile a matmul kernel computes (0: no tile quantization)
+    gemm_tile: int = 0
+    #: tiles that run at once (SMs; 0: no wave quantization)
+    compute_units: int = 0
+    #: bytes/s element-wise kernels stream (0: element-wise work not charged)
+    mem_bw: float = 0.0
     #: where the figures come from: ``preset`` or ``measured on <host> ...``
     source: str = "preset"
 
@@ -85,7 +96,16 @@ class Cluster:
             f"latency {self.intra_latency * 1e6:.3g} us intra / {self.inter_latency * 1e6:.3g} us inter "
             "per step, "
             f"{self.layer_overhead * 1e3:.3g} ms per layer pass, {self.call_latency * 1e3:.3g} ms per call, "
-            f"{self.dtype} ({self.source})"
+            + self._curve()
+            + f"{self.dtype} ({self.source})"
+        )
+
+    def _curve(self) -> str:
+        if not (self.gemm_ridge or self.gemm_tile or self.compute_units or self.mem_bw):
+            return "every FLOP at the MFU, "
+        return (
+            f"matmuls memory-bound below {self.gemm_ridge:.4g} FLOP/B, tiles {self.gemm_tile}, "
+            f"{self.compute_units} units, element-wise at {self.mem_bw / 1e9:.4g} GB/s, "
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,8 +115,14 @@ class Cluster:
 
 
 #: H100/H200 SXM: dense bf16 peak 989 TFLOP/s, NVLink 4 ring bandwidth ~360 GB/s per GPU
-#: (NCCL bus bandwidth), 400 Gb/s InfiniBand per GPU across nodes; MFU 40%, as the
-#: published prediction (disagg.bench.published) assumes.
+#: (NCCL bus bandwidth), 400 Gb/s InfiniBand per GPU across nodes.
+#: The efficiency curve (disagg.plan.efficiency): the ceiling 0.8 is the "maximum achievable
+#: matmul FLOPS" measured on an H100 SXM (~794 TFLOP/s bf16 in Stas Bekman's ml-engineering
+#: MAMF table, 792-821 in mag-/gpu_benchmark's runs of the same finder); the H200 has the same
+#: compute die, so the same ceiling is assumed. Memory bandwidth from NVIDIA's datasheets
+#: (H100 SXM HBM3 3.35 TB/s, H200 HBM3e 4.8 TB/s), which element-wise kernels are assumed to
+#: stream at; the ridge is derived from them, ceiling x peak / bandwidth (236 and 165 FLOP/B).
+#: 132 SMs (both), output tiles of 128 x 128 (cuBLAS's common bf16 tile on Hopper; an assumption).
 #: Latencies: nccl-tests' all_reduce_perf on one 8-GPU NVLink node takes ~15-20 us for
 #: a few bytes, i.e. ~1.5 us per ring step (14 steps); across nodes NCCL's small-message
 #: latency over InfiniBand is several times that (~5 us per step: NIC + proxy thread).
@@ -104,6 +130,10 @@ class Cluster:
 #: backward is ~40 kernels in eager PyTorch (0.2 ms, hidden under the device's work
 #: unless the layer computes for less than that). One Ray actor call round trip is ~0.5 ms (Ray's release
 #: microbenchmark, "1:1 actor calls sync", ~2k calls/s).
+def _gpu_curve(mem_bw: float, ceiling: float = 0.8, peak: float = 989e12) -> dict[str, float | int]:
+    return {"gemm_ridge": ceiling * peak / mem_bw, "gemm_tile": 128, "compute_units": 132, "mem_bw": mem_bw}
+
+
 _GPU_LATENCY = {
     "intra_latency": 1.5e-6,
     "inter_latency": 5e-6,
@@ -112,8 +142,8 @@ _GPU_LATENCY = {
     "call_latency": 5e-4,
 }
 PRESETS: dict[str, Cluster] = {
-    "h100x8": Cluster("h100x8", 8, 1, 80 * 10**9, 989e12, 0.4, 360e9, 50e9, **_GPU_LATENCY),
-    "h200x8": Cluster("h200x8", 8, 1, 141 * 10**9, 989e12, 0.4, 360e9, 50e9, **_GPU_LATENCY),
+    "h100x8": Cluster("h100x8", 8, 1, 80 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU_LATENCY, **_gpu_curve(3.35e12)),  # noqa: E501
+    "h200x8": Cluster("h200x8", 8, 1, 141 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU_LATENCY, **_gpu_curve(4.8e12)),  # noqa: E501
     # The CI machine: actors are CPU processes; float32; rates are rough orders of
     # magnitude for one core (gloo over shared memory, a loopback TCP round trip
     # ~50 us per step), eager PyTorch dispatch ~10 us per op and ~60 ops per layer

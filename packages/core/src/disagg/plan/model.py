@@ -5,7 +5,10 @@ Each module's group reports its cost per rank through :meth:`Strategy.estimate`
 per collective kind, bytes shipped to the other group. The planner turns it
 into time on a :class:`~disagg.plan.cluster.Cluster`, per group:
 
-- ``compute_s = FLOPs / (peak x MFU)``.
+- ``compute_s``: each matmul and attention core the strategy states (``Cost.compute``)
+  at the efficiency its shape reaches on the cluster, plus its element-wise bytes at
+  the memory bandwidth (:mod:`disagg.plan.efficiency`); ``FLOPs / (peak x MFU)``
+  where a cost states no shapes or the cluster has no curve.
 - ``collective_s``, the α-β model (Thakur, Rabenseifner & Gropp, "Optimization
   of Collective Communication Operations in MPICH", 2005): each call of kind
   ``k`` over ``p`` ranks pays ``steps_k(p) · α`` (ring all-reduce ``2(p-1)``,
@@ -49,6 +52,7 @@ from typing import Any
 from disagg.interfaces import Cost, CostQuery, EncoderShape, Strategy, StrategyOptions
 from disagg.interfaces.cost import Shape
 from disagg.plan.cluster import Cluster
+from disagg.plan.efficiency import compute_seconds
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,9 @@ class Layout:
             "groups": {
                 m: {
                     **self.costs[m].to_dict(),
-                    "time_s": self.times[m],
+                    # predicted busy seconds (metrics.jsonl's busy_s), and its parts
+                    "busy_s": sum(self.times[m].values()),
+                    "busy_s_by_part": dict(self.times[m]),
                     # the recompute the prediction assumed (what the plan writes)
                     "recompute": dict(self.groups[m].options).get("recompute", "none"),
                 }
@@ -242,14 +248,13 @@ def evaluate(
     """Fill ``layout``'s time and memory from its groups' ``costs`` on ``cluster``
     (``work``: the module shapes, for the per-layer overhead; without it none is charged)."""
     layout.costs = costs
-    rate = cluster.peak_flops * cluster.mfu
     total_ranks = sum(g.ranks for g in layout.groups.values())
     spans = total_ranks if layout.placement == "disaggregated" else 1
     across, hop = cluster.bandwidth(spans), cluster.call_latency
     m = layout.microbatches
     for name, g in layout.groups.items():
         c = costs[name]
-        compute = c.flops / rate
+        compute = compute_seconds(c, cluster)
         layout.times[name] = {
             "compute_s": compute,
             "collective_s": collective_seconds(c, g.ranks, cluster),

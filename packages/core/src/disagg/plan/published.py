@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg.plan.cluster import cluster_from
+from disagg.plan.cluster import Cluster, cluster_from
 from disagg.plan.model import Layout, Workload
 from disagg.plan.search import PlanResult, plan
 from disagg.plugins import Registry
@@ -21,7 +21,8 @@ def published_shapes(config: dict[str, Any], registry: Registry | None = None) -
     return shapes_for({"vision": config, "llm": config}, {"vision": FAMILY, "llm": FAMILY}, registry)
 
 
-def plan_published(vision_tokens: int, registry: Registry) -> PlanResult:
+def plan_published(vision_tokens: int, registry: Registry, cluster: Cluster | None = None) -> PlanResult:
+    """The plan on ``cluster`` (default the ``h100x8`` preset)."""
     from disagg.bench.published import QWEN2_5_VL_32B, SAMPLES, TEXT_TOKENS
 
     work = Workload(
@@ -31,7 +32,7 @@ def plan_published(vision_tokens: int, registry: Registry) -> PlanResult:
         samples=SAMPLES,
         recompute=True,
     )
-    return plan(work, cluster_from("h100x8"), registry.strategies, placements=("collocated",))
+    return plan(work, cluster or cluster_from("h100x8"), registry.strategies, placements=("collocated",))
 
 
 def named(result: PlanResult, name: str) -> Layout:

@@ -22,6 +22,7 @@ from disagg.interfaces.cost_rules import (
     transfer_bytes,
     with_recompute,
 )
+from disagg.interfaces.gemms import Split, strategy_compute
 
 
 def all_to_all_bytes(shape: EncoderShape, w: Workload) -> int:
@@ -95,6 +96,8 @@ def estimate(query: CostQuery) -> Cost | None:
         flops_per_sample=work,
         share=d,
         sent_bytes=transfer_bytes(w, split=d),
+        # dense layers on 1/d of the tokens at full width, attention on all of them for 1/d of the heads
+        compute=strategy_compute(shape, query.seq_len, Split(tokens=d), w.act_bytes, mode),
         exact=("state_bytes", "comm_bytes"),
         replay=replay(shape, w, mode),
     )
