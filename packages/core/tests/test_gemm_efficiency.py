@@ -181,3 +181,20 @@ def test_calibrate_writes_the_fitted_curve(tmp_path, monkeypatch):
         assert g["busy_s"] == pytest.approx(sum(g["busy_s_by_part"].values()))
         assert set(g["busy_s_by_part"]) == {"compute_s", "collective_s", "overhead_s", "transfer_s"}
     assert math.isfinite(best["step_time_s"]) and best["step_time_s"] > 0
+
+
+def test_curve_flags_and_their_errors():
+    from disagg.plan.efficiency import shaped
+
+    c = cluster_from(
+        "h100x8", {"mem_bw": "2TB/s", "gemm_ridge": "100", "gemm_tile": "64", "compute_units": "114"}
+    )
+    assert (c.mem_bw, c.gemm_ridge, c.gemm_tile, c.compute_units) == (2e12, 100.0, 64, 114)
+    off = cluster_from("h100x8", {"mem_bw": 0, "gemm_ridge": 0, "gemm_tile": 0, "compute_units": 0})
+    assert not shaped(off) and efficiency(16384, 1280, 160, off) == off.mfu
+    with pytest.raises(ValueError, match="--gemm-tile: 'x' is not a number"):
+        cluster_from("h100x8", {"gemm_tile": "x"})
+    with pytest.raises(ValueError, match=r"mfu must be in \(0, 1\]"):
+        cluster_from("h100x8", {"mfu": "0"})
+    with pytest.raises(ValueError, match="mem_bw >= 0"):
+        cluster_from("h100x8", {"gemm_ridge": "-1"})

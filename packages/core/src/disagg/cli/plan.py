@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--inter-latency", "seconds per collective message step across nodes, e.g. 5us"),
         ("--layer-overhead", "fixed seconds per layer per microbatch (launch/dispatch), e.g. 0.2ms"),
         ("--call-latency", "seconds per driver->actor call / object-store hop, e.g. 0.5ms"),
+        ("--mem-bw", "bytes/s element-wise kernels stream (0: not charged), e.g. 3.35TB/s"),
+        ("--gemm-ridge", "FLOP/byte below which a matmul is memory-bound (0: never), e.g. 236"),
+        ("--gemm-tile", "side of a matmul's output tile (0: no tile quantization), e.g. 128"),
+        ("--compute-units", "SMs running attention blocks at once (0: no wave quantization), e.g. 132"),
     ):
         parser.add_argument(flag, default=None, help=what)
     parser.add_argument("--vision-tokens", type=int, default=1024, help="patches per image (default 1024)")
@@ -147,6 +151,10 @@ OVERRIDES = (
     "inter_latency",
     "layer_overhead",
     "call_latency",
+    "mem_bw",
+    "gemm_ridge",
+    "gemm_tile",
+    "compute_units",
 )
 
 

@@ -191,7 +191,8 @@ def cluster_from(
     cluster JSON file (``disagg plan --calibrate FILE``), then the Ray cluster's
     devices if asked, then explicit ``overrides`` (``gpus``, ``gpu_mem``,
     ``intra_bw``, ``inter_bw``, ``flops``, ``mfu``, ``nodes``, ``usable``,
-    ``intra_latency``, ``inter_latency``, ``layer_overhead``, ``call_latency``;
+    ``intra_latency``, ``inter_latency``, ``layer_overhead``, ``call_latency``, the
+    efficiency curve's ``gemm_ridge``, ``gemm_tile``, ``compute_units``, ``mem_bw``;
     strings with units allowed)."""
     name = preset or "h100x8"
     if isinstance(name, Cluster):
@@ -219,6 +220,7 @@ def cluster_from(
         ("intra_bw", "intra_bw"),
         ("inter_bw", "inter_bw"),
         ("flops", "peak_flops"),
+        ("mem_bw", "mem_bw"),
     ):
         if key in o:
             value = parse_quantity(o[key], f"--{key.replace('_', '-')}")
@@ -227,9 +229,20 @@ def cluster_from(
         if key in o:
             value = parse_seconds(o[key], f"--{key.replace('_', '-')}")
             c = replace(c, **{key: value}, name=f"{c.name}*")
-    for key in ("mfu", "usable"):
+    for key in ("mfu", "usable", "gemm_ridge", "gemm_tile", "compute_units"):
         if key in o:
-            c = replace(c, **{key: float(o[key])})
+            kind = int if key in ("gemm_tile", "compute_units") else float
+            try:
+                value = kind(o[key])
+            except (TypeError, ValueError):
+                raise ValueError(f"--{key.replace('_', '-')}: {o[key]!r} is not a number") from None
+            c = replace(c, **{key: value}, name=f"{c.name}*" if key.startswith(("gemm", "comp")) else c.name)
+    curve = (c.gemm_ridge, c.gemm_tile, c.compute_units, c.mem_bw)
+    if not 0 < c.mfu <= 1 or any(x < 0 or x != x for x in curve):
+        raise ValueError(
+            f"cluster {c.describe()}: mfu must be in (0, 1]; gemm_ridge, gemm_tile, compute_units "
+            "and mem_bw >= 0 (0: not charged)"
+        )
     if c.devices < 1 or c.device_memory <= 0 or c.peak_flops <= 0 or c.intra_bw <= 0 or c.inter_bw <= 0:
         raise ValueError(f"cluster {c.describe()}: every figure must be positive")
     latencies = (c.intra_latency, c.inter_latency, c.layer_overhead, c.call_latency)
