@@ -120,3 +120,21 @@ def test_activation_checkpointing_is_a_deprecated_spelling_of_recompute_full() -
     assert ZeroOptions(recompute="full").recompute == "full"
     assert ZeroOptions().recompute == "none"
     assert ZeroStrategy.recompute_modes == ("none", "full")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
+def test_precision_recipes_give_bf16_sections_deepspeed_accepts(precision: str) -> None:
+    """Ready for ``train.precision`` (not a core key yet): each recipe's ``bf16`` section
+    is what DeepSpeed's own schema accepts, with the recipe's master/state dtypes."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+
+    section = build_ds_config(ZeroOptions(stage=3), torch.float32, precision)["bf16"]
+    parsed = DeepSpeedBF16Config(**section)
+    assert parsed.enabled == (precision != "fp32")
+    assert parsed.bf16_master_weights_and_grads == parsed.bf16_optimizer_states == (precision == "bf16-pure")
+    assert not parsed.check_grad_overflow or precision == "fp32"
+
+
+def test_unknown_precision_lists_allowed() -> None:
+    with pytest.raises(ValueError, match="unknown precision 'fp16'; allowed: fp32, bf16, bf16-pure"):
+        build_ds_config(ZeroOptions(), torch.float32, "fp16")

@@ -26,11 +26,13 @@ import zero_harness as H
 from disagg.testing.dist import run_ranks
 from disagg.testing.tolerance import (
     BF16,
+    assert_exact,
     assert_scalar_close,
     assert_tensor_close,
     assert_tensors_close,
 )
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, make_toy_dirs
+from disagg_zero.cost import DEEPSPEED_PERSISTENCE, zero_gathered_bytes
 
 UNUSED = ("unused.weight", "unused.bias")
 
@@ -42,7 +44,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # hidden 384: qkv/proj/up/down exceed DeepSpeed's default
     # stage3_param_persistence_threshold (1e5 elements), so they are partitioned
     big = ToyEncoderFamily.make_tiny(root / "big_encoder", hidden=384)
-    ranks = H.tensors(run_ranks(U.rank_all, 2, enc, big, lm, timeout=1500))
+    # 19M parameters (76 MB in fp32): big enough for the set-up's memory to show above the noise
+    mem = ToyLMFamily.make_tiny(root / "mem_lm", hidden=768, layers=4, heads=8, vocab_size=64)
+    ranks = H.tensors(run_ranks(U.rank_all, 2, enc, big, lm, mem, timeout=1500))
     return {
         "ranks": ranks,
         "dirs": (enc, lm),
@@ -50,6 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "big": U.reference_encoder(big),
         "big_dir": big,
         "llm": U.reference_llm(lm),
+        "mem_dir": mem,
     }
 
 
@@ -155,3 +160,19 @@ def test_ranks_that_ran_different_backwards_are_named(runs: dict) -> None:
     for rank, msg in enumerate(r["1-mismatch"] for r in runs["ranks"]):
         assert f"ZeRO group 'vision': rank {rank} ran {2 - rank} backward(s)" in msg, msg
         assert "3 in total over 2 ranks" in msg and "with or without samples" in msg
+
+
+def test_stage3_builds_partitioned_and_loads_only_its_slices(runs: dict) -> None:
+    """ZeRO-3's ``build_module`` never holds the whole module: each rank's peak host
+    memory over the build and ``deepspeed.initialize`` stays under 0.65 of the fp32
+    module, where the whole-module build the strategy used before (measured in the same
+    process) needs at least 0.9 of it; the weights equal the family's, exactly."""
+    want = ToyLMFamily(runs["mem_dir"]).build().state_dict()
+    for r in (x["3-build"] for x in runs["ranks"]):
+        module = r["module_bytes"]
+        assert r["partitioned"]["load"] == "slices", r["partitioned"]
+        assert r["partitioned"]["setup"] <= 0.65 * module, (r["partitioned"], module)
+        assert r["whole"]["setup"] >= 0.9 * module, (r["whole"], module)
+        assert_exact(r["weights"], want, what="partitioned build ")
+        # and what a strategy call holds whole on top of the partitions is the cost model's figure
+        assert r["gathered"] == zero_gathered_bytes(r["numels"], 3, DEEPSPEED_PERSISTENCE) > 0.9 * module

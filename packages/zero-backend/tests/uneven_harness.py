@@ -210,8 +210,12 @@ Z3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 CONFIGS = {"1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3, "ds_config": Z3}}
 
 
-def rank_all(rank: int, enc_dir: Path, big_enc_dir: Path, lm_dir: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def rank_all(rank: int, enc_dir: Path, big_enc_dir: Path, lm_dir: Path, mem_lm_dir: Path) -> dict[str, Any]:
+    import build_harness
+
+    # first, before the runs below leave freed memory to the allocator for it to reuse
+    build = build_harness.rank_build_memory(rank, lm_dir, mem_lm_dir, 2)
+    out: dict[str, Any] = {"3-build": H.portable(build)}
     for label, options in CONFIGS.items():
         out[label] = {"encoder": rank_encoder(rank, enc_dir, options), "llm": rank_llm(rank, lm_dir, options)}
     # DeepSpeed's default persistence threshold: the big encoder's large

@@ -36,6 +36,25 @@ two moments, ``20·Σceil(k/n)``, plus the tensors of at most
 ZeRO paper's ``16ψ/n``: the paper counts mixed precision, where the master copy
 replaces an fp32 parameter. Estimates within per-tensor scalars.
 
+**Gathered** (``Cost.gathered_bytes``), stage 3: each strategy call (an encoder's
+encode or backward, the LLM's forward-backward, evaluation) gathers the whole
+module for the call (:func:`disagg_zero.runtime.gathered`), so at the peak a rank
+holds every tensor over the persistence threshold whole in fp32 on top of its
+state, ``4·Σ{k > threshold}`` (the persistent ones are whole in the state
+already). Under bf16 autocast the forward's bf16 copies of those weights, saved
+for backward, come on top and are not counted here. Not DeepSpeed's per-layer
+gathering with prefetch (one layer plus a prefetch bucket at a time), which
+``zero`` does not run yet: its every-rank-same-collectives guarantee rests on the
+whole-module gather (``disagg_zero.strategy``). Stages 1-2 keep whole parameters
+in the state.
+
+So in the published 32B setting (8 ranks) uniform ZeRO-3 fits at no length, and
+the groups the prediction prints say why: the LLM's ``state_bytes`` (20 B per
+parameter over 8 ranks) and its ``gathered_bytes`` (4 B per parameter) each
+exceed a GPU. The paper's ZeRO-3 (bf16, per layer) ran out at 16k for what it
+holds per token; this model reproduces that only once ``zero`` gathers per
+layer and runs DeepSpeed's bf16 mode.
+
 Saved activations are a whole replica's, as under ``ddp``.
 """
 
@@ -141,6 +160,16 @@ def zero_state_bytes(
     return 20 * parts + 4 * sum(k for k in numels if k <= persistence_threshold)
 
 
+def zero_gathered_bytes(
+    numels: list[int], stage: int, persistence_threshold: int = DEEPSPEED_PERSISTENCE
+) -> int:
+    """Stage 3: the fp32 parameters a strategy call holds whole on top of the state
+    (every tensor over the persistence threshold; the module docstring)."""
+    if stage < 3:
+        return 0
+    return GRAD_BYTES * sum(k for k in numels if k > persistence_threshold)
+
+
 def estimate(
     query: CostQuery,
     stage: int,
@@ -178,6 +207,7 @@ def estimate(
         sent_bytes=transfer_bytes(w),
         compute=strategy_compute(shape, query.seq_len, Split(), w.act_bytes, mode),
     )
+    cost = replace(cost, gathered_bytes=zero_gathered_bytes(numels, stage, persistence_threshold))
     if offload_optimizer:
         numel = sum(numels)
         cost = replace(cost, state_bytes=cost.state_bytes - 12 * -(-numel // w.world))

@@ -21,9 +21,30 @@ import torch
 
 from disagg_zero.options import ZeroOptions
 
+#: DeepSpeed's precision section per recipe of issue 25's ``train.precision`` (a key
+#: core does not have yet: the strategy builds with ``fp32``, core's one dtype rule).
+#: ``bf16``: bf16 weights for compute, fp32 master weights and AdamW state in
+#: DeepSpeed's optimizer; ``bf16-pure``: master weights, gradients and optimizer
+#: state in bf16 too. ``check_grad_overflow`` off: DeepSpeed would skip a step on its
+#: own, which the single-process model never does (the driver's global norm decides).
+PRECISION_SECTIONS: dict[str, dict[str, Any]] = {
+    "fp32": {"enabled": False},
+    "bf16": {"enabled": True, "check_grad_overflow": False},
+    "bf16-pure": {
+        "enabled": True,
+        "check_grad_overflow": False,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    },
+}
 
-def build_ds_config(options: ZeroOptions, dtype: torch.dtype) -> dict[str, Any]:
-    """DeepSpeed config dict for ``options`` (``ds_config`` merged last)."""
+
+def build_ds_config(options: ZeroOptions, dtype: torch.dtype, precision: str = "fp32") -> dict[str, Any]:
+    """DeepSpeed config dict for ``options`` (``ds_config`` merged last); ``precision``
+    picks DeepSpeed's ``bf16`` section (:data:`PRECISION_SECTIONS`; only ``fp32`` runs
+    today, the others are there for the precision recipe to switch on)."""
+    if precision not in PRECISION_SECTIONS:
+        raise ValueError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISION_SECTIONS)}")
     zero: dict[str, Any] = {"stage": options.stage}
     if options.reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = options.reduce_bucket_size
@@ -38,10 +59,10 @@ def build_ds_config(options: ZeroOptions, dtype: torch.dtype) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
         "gradient_allreduce_op": "mean" if options.stage == 3 else "sum",
-        # core's one dtype rule: fp32 parameters and states, the forward under
-        # autocast (disagg.interfaces.compute_dtype); DeepSpeed's bf16 mode would
-        # keep bf16 parameters and so differ from every other strategy.
-        "bf16": {"enabled": False},
+        # core's one dtype rule today (fp32): fp32 parameters and states, the forward
+        # under autocast (disagg.interfaces.compute_dtype); DeepSpeed's bf16 mode keeps
+        # bf16 parameters, which only a precision recipe for every strategy may ask for.
+        "bf16": dict(PRECISION_SECTIONS[precision]),
         "zero_optimization": zero,
         # The optimizer is a torch AdamW (or DeepSpeedCPUAdam when offloading)
         # built from train.*; DeepSpeed must take it as given.

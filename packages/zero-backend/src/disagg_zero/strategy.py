@@ -39,6 +39,7 @@ from torch import nn
 
 from disagg.interfaces import Family, OptimSpec, Strategy
 from disagg_zero import runtime
+from disagg_zero.build import build_partitioned
 from disagg_zero.comm import counted
 from disagg_zero.dsconfig import backward_scale, build_ds_config, persistence_threshold, zero_section_problems
 from disagg_zero.fullstate import ZeroFullState
@@ -84,6 +85,15 @@ class ZeroStrategy(ZeroFullState, Strategy):
         self._backwards = 0
 
     # -- setup ------------------------------------------------------------------------------------
+    def build_module(self) -> nn.Module:
+        """Stage 3: built partitioned, each rank reading only its own slice of every
+        weight (:mod:`disagg_zero.build`); stages 1-2 keep whole parameters anyway."""
+        if self.options.stage < 3:
+            return super().build_module()
+        runtime.prepare(self.ctx)
+        config = build_ds_config(self.options, self.ctx.dtype)
+        return build_partitioned(lambda: self.family.build(torch.float32), config)
+
     def parallelize(self, module: nn.Module) -> nn.Module:
         runtime.prepare(self.ctx)
         # core's recompute (``activation_checkpointing: true`` is its deprecated spelling):

@@ -47,6 +47,9 @@ class Cost:
     #: (:mod:`disagg.interfaces.gemms`): what the planner charges compute time by;
     #: None = only ``flops`` is known (charged at the efficiency curve's ceiling)
     compute: Compute | None = field(default=None, compare=False, repr=False)
+    #: parameters a forward or backward holds unpartitioned on top of ``state_bytes``
+    #: at the peak (ZeRO-3's gathered weights); 0 for strategies that keep them whole
+    gathered_bytes: int = 0
 
     @property
     def comm_bytes(self) -> int:
@@ -55,12 +58,14 @@ class Cost:
 
     @property
     def memory_bytes(self) -> int:
-        """State + saved activations: the machine-independent memory per rank."""
-        return self.state_bytes + self.activation_bytes
+        """State + gathered parameters + saved activations: the machine-independent
+        memory per rank."""
+        return self.state_bytes + self.gathered_bytes + self.activation_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "state_bytes": self.state_bytes,
+            "gathered_bytes": self.gathered_bytes,
             "activation_bytes": self.activation_bytes,
             "memory_bytes": self.memory_bytes,
             "comm_bytes": self.comm_bytes,

@@ -58,8 +58,8 @@ def strategy_rank(
     train: bool = False,
     module: nn.Module | None = None,
 ) -> Strategy:
-    """``strategy`` on this rank, set up on ``module`` (default: ``family``'s freshly
-    built fp32 module).
+    """``strategy`` on this rank, set up on ``module`` (default: the strategy's
+    ``build_module()``, the family's fresh fp32 module unless the strategy partitions it).
 
     ``options``: the strategy's options model or the ``parallel.<m>`` keys it takes.
     ``train``: what core's worker does after set-up (train mode, the default RNG
@@ -68,7 +68,7 @@ def strategy_rank(
     if not isinstance(options, StrategyOptions):
         options = strategy.options_model(**(options or {}))
     strat = strategy(ctx, family, options)
-    strat.setup(family.build(torch.float32) if module is None else module, optim)
+    strat.setup(strat.build_module() if module is None else module, optim)
     if train:
         assert strat.module is not None
         strat.module.train()

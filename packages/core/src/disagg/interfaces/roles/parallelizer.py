@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces.context import GroupContext, OptimSpec
+from disagg.interfaces.family import Family
 from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
 from disagg.interfaces.lora import freeze_base
 from disagg.interfaces.overlap import OverlappedReducer
@@ -37,12 +38,19 @@ class Parallelizer(ABC):
     build_optimizer: ClassVar[OptimizerBuilder] = staticmethod(adamw)  # type: ignore[assignment]
 
     ctx: GroupContext
+    family: Family
     options: Any
     module: nn.Module | None
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
     #: set up when ``overlap_grad_reduce`` is on: sums gradients while the last backward runs
     reducer: OverlappedReducer | None = None
+
+    def build_module(self) -> nn.Module:
+        """This rank's module before :meth:`setup`, in fp32 (master weights): the family's
+        unpartitioned build by default; a strategy that partitions at construction
+        (``zero`` stage 3) builds it so that no rank holds the whole module."""
+        return self.family.build(torch.float32)
 
     @abstractmethod
     def parallelize(self, module: nn.Module) -> nn.Module:

@@ -139,7 +139,7 @@ class ModuleWorker:
         )
         self.strategy = self.strategy_cls(ctx, self.family, self.options)
         # Weights load in fp32 (master weights); compute_dtype autocasts the forward.
-        module = self.family.build(torch.float32)
+        module = self.strategy.build_module()
         if self.optim is not None and self.optim.lora is not None:
             # adapters before parallelization: the strategy sees which weights train
             module = apply_lora(module, self.optim.lora, self.module, f"train.modules.{self.module}.lora")
