@@ -248,6 +248,8 @@ def padded_size(n: int, degree: int) -> int:
 
 def copy_into(param: nn.Parameter, full: torch.Tensor, shard: int, degree: int) -> None:
     spec: ShardSpec = param.tp_spec  # type: ignore[attr-defined]
+    if full.is_meta:  # built empty: the rank reads its own slice later (disagg_llm_tp.load)
+        return
     with torch.no_grad():
         param.copy_(local_slice(full.detach(), spec, shard, degree))
 

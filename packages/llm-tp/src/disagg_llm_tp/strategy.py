@@ -53,6 +53,7 @@ from disagg.interfaces.rng import ShardRNG
 from disagg_llm_tp import lora
 from disagg_llm_tp.fullstate import TPFullState
 from disagg_llm_tp.layers import ShardSpec
+from disagg_llm_tp.load import load_local
 from disagg_llm_tp.parallelize import TPPlan, parallelize_module
 from disagg_llm_tp.rng import fork_around, fork_between
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
@@ -152,6 +153,12 @@ class MegatronTPStrategy(TPFullState, Strategy):
         return groups
 
     # -- parallelize -----------------------------------------------------------------------------------
+    def build_module(self) -> nn.Module:
+        """Empty (meta device) when the family can build it so: :meth:`parallelize`
+        then allocates and reads only this rank's slices; else the whole loaded module."""
+        module = self.family.build_empty(torch.float32)
+        return self.family.build(torch.float32) if module is None else module
+
     def parallelize(self, module: nn.Module) -> nn.Module:
         from megatron.core.model_parallel_config import ModelParallelConfig
 
@@ -174,9 +181,14 @@ class MegatronTPStrategy(TPFullState, Strategy):
             sp = SequenceParallelRegion(self.tp_group, self.ctx.degree, self.ctx.shard, self.ctx.comm)
         # PEFT's adapters come off before the linears are split and go back on around them (lora.py)
         sites = lora.unwrap(module, lmap.column, lmap.row)
+        empty = any(p.is_meta for p in module.parameters())
         self.plan = parallelize_module(
             module, lmap, self.ctx.shard, self.ctx.degree, config, self.ctx.comm, sp
         )
+        if empty:
+            # megatron's layers hold only this rank's piece: fill them (and the replicated
+            # rest) from the stored tensors; nothing has been moved to the device yet
+            load_local(module, self.family, self.ctx.shard, self.ctx.degree)
         self.kv_groups = self._kv_groups()
         replica_rng = None
         if self.ctx.degree > 1:

@@ -133,6 +133,22 @@ class Family(ABC):
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The unpartitioned module, loaded from ``self.path`` with ``from_pretrained``."""
 
+    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module | None:
+        """``build()``'s module with its parameters (and persistent buffers) on the
+        meta device, nothing read from ``self.path``: a strategy that holds only
+        part of the module partitions it, then reads its own slices of the stored
+        tensors (:class:`disagg.interfaces.hf.StoredTensors`, under the names
+        :meth:`checkpoint_name` gives). ``None`` (the default): the family can only
+        build its module loaded, and such strategies fall back to :meth:`build`."""
+        return None
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name under which the tensor ``name`` of ``build()``'s module is
+        stored in ``self.path``'s safetensors files; ``None``: not stored (an
+        output layer tied to the input embedding). The one map of names that
+        loading slices and :meth:`export_state` share. Default: the same name."""
+        return name
+
     def layer_map(self) -> LayerMap | None:
         """Tensor-parallel layer map, or None when the family cannot be split."""
         return None

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import AttentionSpec, LanguageFamily, LayerMap, SequenceParallelRegions
-from disagg.interfaces.hf import checkpoint_keys
+from disagg.interfaces.hf import checkpoint_keys, empty_from_config
 
 #: which first-party family reads a dir of each ``model_type`` (for "use family X" hints)
 FAMILY_OF_MODEL_TYPE = {
@@ -73,6 +73,22 @@ class HFDecoderFamily(LanguageFamily):
     def prefix(self) -> str:
         """Dotted path of the decoder (embeddings + layers) in ``build()``'s module."""
         return "model.language_model" if self.is_vlm else "model"
+
+    # -- building --------------------------------------------------------------------------------------
+    def hf_class(self) -> type:
+        """The transformers class of ``self.path``'s model (whole, towers included)."""
+        raise NotImplementedError
+
+    def prune(self, model: nn.Module) -> nn.Module:
+        """Drop what other groups own (a VLM's vision tower); nothing by default."""
+        return model
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        return self.prune(self.hf_class().from_pretrained(self.path, **self._load_kwargs(dtype)))
+
+    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The same module on the meta device (the towers are dropped unbuilt too)."""
+        return self.prune(empty_from_config(self.hf_class(), self.config, **self._load_kwargs(dtype)))
 
     def _load_kwargs(self, dtype: torch.dtype) -> dict[str, Any]:
         kw: dict[str, Any] = {"dtype": dtype}
@@ -251,13 +267,22 @@ class HFDecoderFamily(LanguageFamily):
 
     # -- export ----------------------------------------------------------------------------------------
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        keys = set(checkpoint_keys(self.path))
         out = {}
         for name, t in state.items():
-            if name == "lm_head.weight" and "lm_head.weight" not in keys and self._tied():
-                continue  # tied to the input embedding: HF saves it once
-            out[self._checkpoint_name(name, keys)] = t
+            stored = self.checkpoint_name(name)
+            if stored is not None:
+                out[stored] = t
         return out
+
+    @cached_property
+    def _stored_keys(self) -> frozenset[str]:
+        return frozenset(checkpoint_keys(self.path))
+
+    def checkpoint_name(self, name: str) -> str | None:
+        keys = self._stored_keys
+        if name == "lm_head.weight" and "lm_head.weight" not in keys and self._tied():
+            return None  # tied to the input embedding: HF saves it once
+        return self._checkpoint_name(name, keys)
 
     def _tied(self) -> bool:
         return bool(

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from disagg_llm_tp.families.base import HFDecoderFamily
@@ -20,18 +19,17 @@ class LlamaFamily(HFDecoderFamily):
     vlm_model_types: ClassVar[tuple[str, ...]] = ("llava",)
     placeholder_tokens: ClassVar[dict[str, str]] = {"vision": "<image>", "audio": "<audio>"}
 
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        if self.is_vlm:
-            from transformers import LlavaForConditionalGeneration
+    def hf_class(self) -> type:
+        from transformers import LlamaForCausalLM, LlavaForConditionalGeneration
 
-            model = LlavaForConditionalGeneration.from_pretrained(self.path, **self._load_kwargs(dtype))
+        return LlavaForConditionalGeneration if self.is_vlm else LlamaForCausalLM
+
+    def prune(self, model: nn.Module) -> nn.Module:
+        if self.is_vlm:
             # The vision tower and projector belong to the vision module's group.
             model.model.vision_tower = None
             model.model.multi_modal_projector = None
-            return model
-        from transformers import LlamaForCausalLM
-
-        return LlamaForCausalLM.from_pretrained(self.path, **self._load_kwargs(dtype))
+        return model
 
     @classmethod
     def make_tiny(

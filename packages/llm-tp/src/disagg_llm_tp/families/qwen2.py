@@ -5,9 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-import torch
-from torch import nn
-
 from disagg_llm_tp.families.base import HFDecoderFamily
 from disagg_llm_tp.families.tiny import decoder_sizes, qwen_tokenizer, save_random
 
@@ -17,10 +14,10 @@ class Qwen2Family(HFDecoderFamily):
     model_types: ClassVar[tuple[str, ...]] = ("qwen2",)
     placeholder_tokens: ClassVar[dict[str, str]] = {"vision": "<|image_pad|>", "audio": "<|AUDIO|>"}
 
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+    def hf_class(self) -> type:
         from transformers import Qwen2ForCausalLM
 
-        return Qwen2ForCausalLM.from_pretrained(self.path, **self._load_kwargs(dtype))
+        return Qwen2ForCausalLM
 
     @classmethod
     def make_tiny(

@@ -34,8 +34,10 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
 
         return Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        model = self.hf_classes()[1].from_pretrained(self.path, **self._load_kwargs(dtype))
+    def hf_class(self) -> type:
+        return self.hf_classes()[1]
+
+    def prune(self, model: nn.Module) -> nn.Module:
         model.model.visual = None  # owned by the vision group; not trained here
         return model
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from disagg_llm_tp.families.base import HFDecoderFamily
@@ -26,10 +25,12 @@ class Qwen2AudioLanguageFamily(HFDecoderFamily):
     vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen2_audio",)
     placeholder_tokens: ClassVar[dict[str, str]] = {"audio": "<|AUDIO|>"}
 
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+    def hf_class(self) -> type:
         from transformers import Qwen2AudioForConditionalGeneration
 
-        model = Qwen2AudioForConditionalGeneration.from_pretrained(self.path, **self._load_kwargs(dtype))
+        return Qwen2AudioForConditionalGeneration
+
+    def prune(self, model: nn.Module) -> nn.Module:
         # owned by the audio group; not trained here
         model.model.audio_tower = None
         model.model.multi_modal_projector = None

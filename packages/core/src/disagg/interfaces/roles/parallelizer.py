@@ -49,18 +49,23 @@ class Parallelizer(ABC):
     def build_module(self) -> nn.Module:
         """This rank's module before :meth:`setup`, in fp32 (master weights): the family's
         unpartitioned build by default; a strategy that partitions at construction
-        (``zero`` stage 3) builds it so that no rank holds the whole module."""
+        (``zero`` stage 3) builds it so that no rank holds the whole module, or returns
+        ``family.build_empty`` (meta device, ``megatron_tp``) and loads its own part in
+        :meth:`parallelize`."""
         return self.family.build(torch.float32)
 
     @abstractmethod
     def parallelize(self, module: nn.Module) -> nn.Module:
         """Rewrite/wrap the unpartitioned module (already on this rank's
-        device) for this rank; return it."""
+        device, unless :meth:`build_module` built it empty) for this rank; return it."""
 
     def setup(self, module: nn.Module, optim: OptimSpec | None) -> None:
         """Parallelize and, unless the module is frozen (``optim is None``),
         create its optimizer and scheduler; then :meth:`finish_setup`."""
-        self.module = self.parallelize(module.to(self.ctx.device))
+        if not any(p.is_meta for p in module.parameters()):
+            module = module.to(self.ctx.device)
+        # else built empty (build_module): its parallelize allocates and loads its own part
+        self.module = self.parallelize(module)
         if optim is None:
             self.module.requires_grad_(False)
         else:

@@ -35,6 +35,7 @@ from disagg.interfaces import (
 )
 from disagg.interfaces.lora import apply_lora
 from disagg.metrics.record import RankRecord
+from disagg.runtime.actor import host_memory
 from disagg.runtime.actor.accounting import Accounting
 from disagg.runtime.actor.errors import WorkerError, worker_error
 from disagg.runtime.actor.process_group import init_group
@@ -111,6 +112,11 @@ class ModuleWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    def host_memory(self) -> dict[str, int]:
+        """Host memory of this rank's set-up (bytes): ``hwm`` its peak resident size,
+        ``setup_peak`` the peak's rise over the start, ``rss_before``/``rss_after``."""
+        return dict(self.setup_memory)
+
     def placement(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids()}
@@ -138,12 +144,18 @@ class ModuleWorker:
             collective_timeout=self.collective_timeout,
         )
         self.strategy = self.strategy_cls(ctx, self.family, self.options)
+        memory = host_memory.start()
         # Weights load in fp32 (master weights); compute_dtype autocasts the forward.
+        # the strategy builds: the whole module, or a partitioned or empty one
         module = self.strategy.build_module()
         if self.optim is not None and self.optim.lora is not None:
+            if any(p.is_meta for p in module.parameters()):
+                module = self.family.build(torch.float32)  # PEFT wraps loaded weights, not empty ones
             # adapters before parallelization: the strategy sees which weights train
             module = apply_lora(module, self.optim.lora, self.module, f"train.modules.{self.module}.lora")
         self.strategy.setup(module, self.optim)
+        #: this rank's host memory over the set-up (``host_memory.finish``)
+        self.setup_memory = host_memory.finish(memory)
         # from_pretrained leaves a model in eval mode; training runs its dropout.
         self.strategy.module.train()  # type: ignore[union-attr]
         # Weights were built under one seed on every rank; dropout draws from
