@@ -5,15 +5,21 @@ The reference is ``Qwen2_5_VLForConditionalGeneration`` with PEFT's LoRA injecte
 vision tower (targets ``attn.qkv`` — the fused projection — and ``attn.proj``) and into its
 language model (``q_proj``, ``v_proj``), each under the same ``LoraConfig`` and after
 ``torch.manual_seed(lora_seed(train.seed, module))``, the seed core draws the adapters under;
-the merger trains in full (PEFT's ``modules_to_save``, which trains that module's copy; here
-the module itself, the same numbers). Data: ``tests/mixed_data.py`` (images of three sizes, a
+the merger trains in full (PEFT's ``modules_to_save`` trains a copy of the module; core trains
+the module itself: the same numbers). Data: ``tests/mixed_data.py`` (images of three sizes, a
 two-image sample, a text-only step, uneven replicas, 2 microbatches, weight decay on).
 
-Each run equals the reference within 1e-6 relative in loss and grad norm at every step and in
-adapter and merger parameters after every step (through the tolerance policy, in lr units);
-every base weight stays bit-identical to the loaded model. The adapters are small, so ZeRO
-keeps them whole on each rank (stage 3 partitions them like any parameter; nothing here
-depends on it).
+Two layouts cover ulysses (2), megatron_tp (2: column-parallel adapters), ZeRO-1 and ZeRO-3
+(2 replicas each), and ddp through a resume: each run equals the reference within 1e-6
+relative in loss and grad norm at every step, and in adapter and merger parameters after
+every step (the tolerance policy, in lr units); every checkpoint holds exactly the trained
+tensors (no base weight) with optimizer state for exactly them. The ZeRO-3 run's step-2
+checkpoint resumes under ddp (another layout) and its step 3 equals the reference's. The TP
+run's export loads as PEFT adapter dirs over the exported base (``PeftModel.from_pretrained``)
+and, with ``--merge``, as plain HF weights, both with the trained model's logits (1e-5).
+Base weights bit-identical after training are asserted where the strategy's whole state is
+read back (``packages/llm-tp/tests/test_lora_tp.py``); here the checkpoint's contents show
+the base never trained.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ pytest.importorskip("disagg_vision_sp")
 from hf_reference import batches_of, run_metrics, train_reference  # noqa: E402
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
-from disagg.testing.tolerance import FP32, Precision, assert_exact, assert_params_close  # noqa: E402
+from disagg.testing.tolerance import FP32, Precision, assert_params_close  # noqa: E402
 from disagg.testing.tolerance import assert_scalar_close as scalar_close  # noqa: E402
 
 STEPS = 3
@@ -55,7 +61,7 @@ def _config(tiny: dict, out: Path, vision: dict, llm: dict, modules: dict | None
     )
 
 
-def _peft(spec: dict):
+def _peft(spec: dict):  # PEFT's own config, built here from the test's values
     from peft import LoraConfig
 
     return LoraConfig(
@@ -85,7 +91,19 @@ def reference(ray_local, tiny, tmp_path_factory):
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all(".lora_" in n or ".merger." in n for n in trained), sorted(trained)[:5]
+    kwargs = _kwargs(model.config.image_token_id)
+    batches = batches_of(cfg, STEPS)
+    with capture_first_grads(model) as grads:
+        run = train_reference(model, batches, kwargs, cfg.train)
+    model.eval()
+    sample = batches[0][0]  # a large image and its answer
+    assert "vision" in sample
+    with torch.no_grad():
+        logits = model(**kwargs(sample)).logits
+    return run, grads, cfg.train, initial, trained, (kwargs(sample), logits)
 
+
+def _kwargs(image_token_id: int):
     def kwargs(s: dict) -> dict:
         llm = s["llm"]
         kw = {"input_ids": llm["input_ids"][None], "labels": llm["labels"][None]}
@@ -93,30 +111,58 @@ def reference(ray_local, tiny, tmp_path_factory):
             kw.update(
                 pixel_values=s["vision"]["pixel_values"],
                 image_grid_thw=s["vision"]["image_grid_thw"],
-                mm_token_type_ids=(llm["input_ids"][None] == model.config.image_token_id).int(),
+                mm_token_type_ids=(llm["input_ids"][None] == image_token_id).int(),
             )
         return kw
 
-    with capture_first_grads(model) as grads:
-        run = train_reference(model, batches_of(cfg, STEPS), kwargs, cfg.train)
-    return run, grads, cfg.train, initial, trained
+    return kwargs
 
 
-def _state_after(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """The run's weights after ``step``, named as the whole HF model names them."""
+def _ckpt(run_dir: Path, step: int, what: str = "full") -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors (``full``: parameters; ``optim``: their names), named as the whole
+    HF model names them."""
     from safetensors.torch import load_file
 
     out = {}
     for m, prefix in PREFIX.items():
-        sd = load_file(str(run_dir / "checkpoints" / f"step-{step}" / m / "full.safetensors"))
+        sd = load_file(str(run_dir / "checkpoints" / f"step-{step}" / m / f"{what}.safetensors"))
         out.update({prefix + k: v for k, v in sd.items()})
     return out
 
 
+def _assert_steps(run_dir: Path, reference, steps: range, what: str) -> None:
+    """Loss and grad norm of ``steps`` (1-based) from metrics.jsonl, and the checkpoint after
+    each: it holds exactly the trained tensors (adapters, the merger), equal to the reference's
+    in lr units; the optimizer state covers exactly them too."""
+    run, grads, train, _, trained, _ = reference
+    losses, norms = run_metrics(run_dir)
+    assert len(losses) == len(norms) == len(steps), (len(losses), steps)
+    for i, step in enumerate(steps):
+        scalar_close(losses[i], run.losses[step - 1], f"{what} step {step} loss", TIGHT)
+        scalar_close(norms[i], run.grad_norms[step - 1], f"{what} step {step} grad norm", TIGHT)
+        got, want = _ckpt(run_dir, step), run.states[step - 1]
+        assert set(got) == trained, sorted(set(got) ^ trained)[:6]  # no base weight is saved
+        assert_params_close(
+            got,
+            {k: want[k] for k in trained},
+            lr=train.lr,
+            steps=step,
+            grads=grads,
+            what=f"{what} after step {step}: ",
+            precision=TIGHT,
+            eps=train.eps,
+            betas=tuple(train.betas),
+        )
+        optim = {k.split("::")[0] for k in _ckpt(run_dir, step, "optim")}
+        assert optim == trained, sorted(optim ^ trained)[:6]
+
+
 LAYOUTS = {
-    # ulysses over the tower's patches; ZeRO-3 partitions the LLM's adapters over 2 replicas
-    "ulysses2+zero3x2": (
-        {"strategy": "ulysses", "degree": 2},
+    # ulysses over the tower's patches; megatron_tp's column-parallel adapters on q/v
+    "ulysses2+tp2": ({"strategy": "ulysses", "degree": 2}, {"strategy": "megatron_tp", "degree": 2}),
+    # ZeRO-1 on the tower, ZeRO-3 partitioning the LLM's adapters over 2 replicas
+    "zero1x2+zero3x2": (
+        {"strategy": "zero", "stage": 1, "replicas": 2},
         {
             "strategy": "zero",
             "stage": 3,
@@ -124,7 +170,6 @@ LAYOUTS = {
             "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
         },
     ),
-    "zero1x2+ddpx2": ({"strategy": "zero", "stage": 1, "replicas": 2}, {"strategy": "ddp", "replicas": 2}),
 }
 
 
@@ -132,31 +177,51 @@ LAYOUTS = {
 def test_lora_equals_peft_model_every_step(ray_local, tiny, reference, tmp_path, name):
     from disagg.runtime.run import run_training
 
-    pytest.importorskip("disagg_zero")
-    run, grads, train, initial, trained = reference
+    if "zero" in name:
+        pytest.importorskip("disagg_zero")
     vision, llm = LAYOUTS[name]
     cfg = _config(tiny, tmp_path / "run", vision, llm)
     run_training(cfg, progress=False)
-    losses, norms = run_metrics(tmp_path / "run")
-    assert len(losses) == len(norms) == STEPS
-    for step in range(STEPS):
-        scalar_close(losses[step], run.losses[step], f"step {step + 1} loss", TIGHT)
-        scalar_close(norms[step], run.grad_norms[step], f"step {step + 1} grad norm", TIGHT)
-    for step in range(1, STEPS + 1):
-        got, want = _state_after(tmp_path / "run", step), run.states[step - 1]
-        assert set(got) == set(want), sorted(set(got) ^ set(want))[:6]
-        assert_params_close(
-            {k: got[k] for k in trained},
-            {k: want[k] for k in trained},
-            lr=train.lr,
-            steps=step,
-            grads=grads,
-            what=f"{name} after step {step}: ",
-            precision=TIGHT,
-            eps=train.eps,
-            betas=tuple(train.betas),
-        )
-        frozen = [k for k in want if k not in trained]
-        assert_exact({k: got[k] for k in frozen}, {k: initial[k] for k in frozen}, f"{name} base ")
-    # the adapters moved (B starts at zero, so A's first gradient is zero; the second step moves A)
-    assert all(not torch.equal(got[k], initial[k]) for k in trained if ".lora_B." in k or ".lora_A." in k)
+    _assert_steps(tmp_path / "run", reference, range(1, STEPS + 1), name)
+    if name == "ulysses2+tp2":
+        _assert_exports(tmp_path / "run", reference, tmp_path)
+    else:
+        # resume the last step from this run's checkpoint under ddp (another layout: the
+        # adapters reshard like full weights; the base comes from the model dir)
+        resumed = _config(tiny, tmp_path / "resumed", {"strategy": "ddp"}, {"strategy": "ddp"})
+        resumed.checkpoint.resume_from = str(tmp_path / "run" / "checkpoints" / f"step-{STEPS - 1}")
+        run_training(resumed, progress=False)
+        _assert_steps(tmp_path / "resumed", reference, range(STEPS, STEPS + 1), "resumed under ddp")
+
+
+def _assert_exports(run_dir: Path, reference, tmp_path: Path) -> None:
+    """``disagg export`` of the TP 2 run: the PEFT adapter dirs load on the exported base with
+    ``PeftModel.from_pretrained`` and give the trained model's logits; ``--merge`` writes
+    weights ``from_pretrained`` loads with the same logits (1e-5, the policy's fp32 bound)."""
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from disagg.plugins import get_registry
+    from disagg.runtime.export import export_checkpoint, read_manifest
+    from disagg.testing.tolerance import assert_tensor_close
+
+    *_, (kwargs, want) = reference
+    ckpt = run_dir / "checkpoints" / f"step-{STEPS}"
+    (base,) = export_checkpoint(ckpt, tmp_path / "peft", get_registry())
+    manifest = read_manifest(tmp_path / "peft")
+    assert {m: e["lora"] for m, e in manifest["modules"].items()} == {
+        "vision": "adapters/vision",
+        "llm": "adapters/llm",
+    }
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(base), dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, str(tmp_path / "peft" / "adapters" / "llm"), adapter_name="llm")
+    model.load_adapter(str(tmp_path / "peft" / "adapters" / "vision"), adapter_name="vision")
+    model.base_model.set_adapter(["llm", "vision"])
+    model.eval()
+    with torch.no_grad():
+        assert_tensor_close(model(**kwargs).logits, want, "logits of the PEFT adapter dirs")
+    (merged,) = export_checkpoint(ckpt, tmp_path / "merged", get_registry(), merge=True)
+    assert not (tmp_path / "merged" / "adapters").exists()
+    plain = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(merged), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert_tensor_close(plain(**kwargs).logits, want, "logits of the merged export")

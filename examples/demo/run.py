@@ -1,6 +1,6 @@
 """The demo: a tiny VLM learns to caption coloured shapes, on local Ray, on CPU.
 
-    python examples/demo/run.py [--out runs/demo] [--steps 200] [--omni]
+    python examples/demo/run.py [--out runs/demo] [--steps 200] [--omni] [--lora]
 
 1. ``disagg make-tiny``: a tiny random-weight Qwen2.5-VL dir and the shapes dataset.
 2. A config: vision ``ulysses`` degree 2 (sequence parallel), LLM
@@ -8,6 +8,10 @@
    ``<out>/demo.yaml`` so ``disagg train <out>/demo.yaml`` repeats the run.
 3. Held-out captions from the untrained model, training with a progress bar,
    the checkpoint exported to an HF dir, held-out captions again.
+
+``--lora``: PEFT LoRA adapters per module instead of full weights (the vision
+tower's fused ``qkv`` and projection with the merger trained in full, every
+LLM linear; ``train.modules.<m>.lora``), exported with ``--merge``.
 
 ``--omni``: three modules from three dirs (Qwen2.5-VL vision ``ulysses`` 2,
 Whisper audio ``ddp``, Qwen2 LLM ``megatron_tp`` 2) on samples that mix
@@ -57,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=48, help="side of the square demo images in pixels")
     p.add_argument("--eval-samples", type=int, default=48, help="held-out samples to caption")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="train PEFT LoRA adapters instead of the weights: on the tower's fused qkv and its "
+        "projection (the merger in full) and on every LLM linear; exported merged (--merge)",
+    )
     omni.add_arguments(p)
     return p.parse_args(argv)
 
@@ -81,11 +91,33 @@ def demo_config(
             "clip_grad_norm": 1.0,
             "scheduler": "cosine",
             "warmup_steps": max(1, args.steps // 20),
-            "modules": {"vision": {"lr": args.vision_lr}} if args.vision_lr else {},
+            "modules": lora_modules(args, model) if args.lora else vision_lr(args),
         },
         "checkpoint": {"every": 0},
         "output_dir": str(out / "run"),
     }
+
+
+def vision_lr(args: argparse.Namespace) -> dict:
+    return {"vision": {"lr": args.vision_lr}} if args.vision_lr else {}
+
+
+#: ``--lora``: every LLM linear but the output head, the tower's attention (its fused qkv)
+LLM_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_modules(args: argparse.Namespace, model: dict) -> dict:
+    """``train.modules`` of ``--lora``: adapters per module, each its own choice (the merger
+    trains in full; under ``--omni`` the audio encoder trains in full)."""
+    modules = vision_lr(args)
+    modules.setdefault("vision", {})["lora"] = {
+        "r": 8,
+        "alpha": 16,
+        "targets": ["attn.qkv", "attn.proj"],
+        "modules_to_save": ["merger"],
+    }
+    modules["llm"] = {"lora": {"r": 16, "alpha": 32, "targets": LLM_TARGETS}}
+    return modules
 
 
 VLM_PARALLEL = {
@@ -147,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print("[4/4] exporting the checkpoint and answering the held-out samples again", flush=True)
     export_dir = Path(summary["run_dir"]) / "export"
-    exported = export_checkpoint(summary["checkpoint"], export_dir, registry)
+    # --lora: merged weights, so that plain from_pretrained (and the manifest) load the trained model
+    exported = export_checkpoint(summary["checkpoint"], export_dir, registry, merge=args.lora)
     if args.omni:
         after = omni.evaluate_omni(load_exported(export_dir, registry), held_out)
     else:

@@ -84,3 +84,42 @@ def tp_lora_rank(rank: int, payload: bytes) -> bytes:
         rec["collectives"] = dict(ctx.comm.bytes_by_op)
         outs.append(rec)
     return dumps(outs)
+
+
+def tp_lora_dropout_rank(rank: int, payload: bytes) -> bytes:
+    """Adapter dropout under TP 2: one step with ``recompute`` none and full (same seeds);
+    the masks each adapter drew (in call order) and the merged gradients."""
+    from dataclasses import replace
+
+    from disagg.testing.dropout import dropout_spy
+    from disagg_llm_tp.families.qwen2 import Qwen2Family
+    from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+
+    path, samples = loads(payload)
+    spec = replace(SPEC, dropout=0.3)
+    optim = replace(OPTIM, lora=spec)
+    out = {}
+    for mode in ("none", "full"):
+        ctx = ranks.rank_context("llm", rank, 2, 1)
+        fam = Qwen2Family(path)
+        module = apply_lora(fam.build(torch.float32), spec, "llm", "train.modules.llm.lora")
+        strat = ranks.strategy_rank(
+            MegatronTPStrategy,
+            fam,
+            ctx,
+            options=MegatronTPOptions(recompute=mode),
+            optim=optim,
+            module=module,
+            train=True,
+        )
+        with dropout_spy() as masks:  # the kit's spy: a replay in backward would be recorded too
+            ranks.loss_and_backward(strat, 0, samples, [{} for _ in samples], 1.0 / label_count(samples))
+        ranks.reduce(strat)
+        out[mode] = {"masks": masks, "grads": ranks.full_grads(strat)}
+    return dumps(out)
+
+
+def tp_lora_all(rank: int, payload: bytes) -> bytes:
+    """Both rank functions in one spawn (the suite's time: one process start, one import)."""
+    main, dropout = loads(payload)
+    return dumps((loads(tp_lora_rank(rank, main)), loads(tp_lora_dropout_rank(rank, dropout))))

@@ -7,10 +7,11 @@ adapters after the steps in lr units (the tolerance policy), base weights bit-id
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 
-from lora_cases import STEPS, reference, tp_lora_rank  # noqa: E402
+from lora_cases import SPEC, STEPS, reference, tp_lora_all  # noqa: E402
 from tp_cases import LR, family_cls, make_batch  # noqa: E402
 
 from disagg.testing.dist import run_ranks  # noqa: E402
@@ -29,15 +30,24 @@ TIGHT = Precision("fp32-1e-6", rtol=1e-6, param_unit=FP32.param_unit)
 CASES = {"tp2": False, "tp2-sp": True}
 
 
-def test_lora_under_tensor_parallelism_equals_peft_model(tiny_dirs):
-    path = tiny_dirs["qwen2_untied"]
-    fam = family_cls("qwen2")(path)
-    samples, _ = make_batch(fam, n_samples=3)
-    samples = [{k: v for k, v in s.items() if k in ("input_ids", "labels")} for s in samples]
+def _text(path: str, n: int) -> list[dict]:
     # the placeholder ids are ordinary tokens to a text-only model
-    ref = reference(path, samples)
-    raw = run_ranks(tp_lora_rank, 2, dumps((path, samples, list(CASES.values()))))
-    per_rank = [loads(r) for r in raw]
+    samples, _ = make_batch(family_cls("qwen2")(path), n_samples=n)
+    return [{k: v for k, v in s.items() if k in ("input_ids", "labels")} for s in samples]
+
+
+@pytest.fixture(scope="module")
+def spawned(tiny_dirs):
+    """One spawn of two ranks for both tests: per rank (equivalence cases, dropout modes)."""
+    path = tiny_dirs["qwen2_untied"]
+    payload = (dumps((path, _text(path, 3), list(CASES.values()))), dumps((path, _text(path, 2))))
+    return path, [loads(r) for r in run_ranks(tp_lora_all, 2, dumps(payload))]
+
+
+def test_lora_under_tensor_parallelism_equals_peft_model(spawned):
+    path, outs = spawned
+    ref = reference(path, _text(path, 3))
+    per_rank = [o[0] for o in outs]
     adapters = sorted(ref["grads"][0])
     assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters), adapters[:4]
     for i, name in enumerate(CASES):
@@ -68,3 +78,29 @@ def test_lora_under_tensor_parallelism_equals_peft_model(tiny_dirs):
             assert got["collectives"].get("reduce_scatter", 0) > 0
     # B starts at zero (PEFT's init): after the steps every B has moved off it
     assert all(bool(ref["params"][k].abs().sum() > 0) for k in adapters if ".lora_B." in k)
+
+
+def test_adapter_dropout_draws_as_the_rest_of_the_module(spawned):
+    """A column adapter's input is the same on both TP ranks: both draw the same mask (the
+    replica's adapter stream); a row adapter's input is each rank's feature shard: each draws
+    its own (the TP rank's stream), so feature j and j + in/2 are not dropped together. A
+    recomputed block replays the forward's masks: gradients under ``full`` equal ``none``'s
+    bit for bit."""
+    path, outs = spawned
+    fam = family_cls("qwen2")(path)
+    r0, r1 = (o[1] for o in outs)
+    layers = fam.text_config.num_hidden_layers
+    per_layer = len(SPEC.targets)  # q, k, v (column), o, down (row), in call order
+    for mode in ("none",):  # under full the spy also records the replays in backward
+        a, b = r0[mode]["masks"], r1[mode]["masks"]
+        assert len(a) == len(b) == layers * per_layer, (len(a), layers)
+        for i, (ma, mb) in enumerate(zip(a, b)):
+            kind = SPEC.targets[i % per_layer]
+            if kind in ("o_proj", "down_proj"):
+                agree = float((ma == mb).float().mean())
+                assert agree < 0.9, f"{mode}: row adapter {kind} of layer {i // per_layer}: agreement {agree}"
+            else:
+                assert torch.equal(ma, mb), f"{mode}: column adapter {kind} of layer {i // per_layer}"
+    # the forward's masks come first under full too (its replays' follow, in backward)
+    assert all(torch.equal(x, y) for x, y in zip(r0["none"]["masks"], r0["full"]["masks"]))
+    assert_exact(r0["full"]["grads"], r0["none"]["grads"], "recompute full vs none ")

@@ -77,10 +77,9 @@ def unwrap(module: nn.Module, column: tuple[str, ...], row: tuple[str, ...]) -> 
     """Replace every PEFT ``lora.Linear`` by its base ``nn.Linear``; return what
     the adapters held. One on a linear the layer map does not split is an
     error (validation refuses such targets first)."""
-    try:
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:
-        return []
+    if not any(".lora_A." in n for n, _ in module.named_parameters()):
+        return []  # no adapters: peft need not even be installed
+    from peft.tuners.lora import Linear as LoraLinear
     sites = []
     for name, mod in list(module.named_modules()):
         if not isinstance(mod, LoraLinear):

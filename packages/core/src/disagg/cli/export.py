@@ -1,4 +1,4 @@
-"""``disagg export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype fp32|bf16]``: Hugging Face
+"""``disagg export CHECKPOINT OUT_DIR [--max-shard-size 5GB] [--dtype fp32|bf16] [--merge]``: Hugging Face
 (sharded safetensors) dirs from a checkpoint, and
 ``OUT_DIR/disagg_model.json``, the manifest that reassembles a model composed of several dirs."""
 
@@ -27,6 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["fp32", "bf16"],
         default="fp32",
         help="dtype of the written floating-point weights (default fp32, the checkpoint's master weights)",
+    )
+
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="modules trained with LoRA: write merged weights (W + alpha/r * B A) into the HF dir instead "
+        "of a PEFT adapter dir per module under OUT_DIR/adapters/",
     )
 
 
@@ -61,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
             ]
         ) from None
     written = export_checkpoint(
-        ckpt, args.out_dir, get_registry(), max_shard_size=args.max_shard_size, dtype=args.dtype
+        ckpt,
+        args.out_dir,
+        get_registry(),
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+        merge=args.merge,
     )
     for path in written:
         print(path)

@@ -29,6 +29,7 @@ from disagg.config.schema import Config
 from disagg.config.validate import role_of
 from disagg.interfaces import EncoderFamily, Family
 from disagg.plugins import Registry
+from disagg.runtime.export_lora import ADAPTERS, lora_specs, merged_entries, write_adapter_dir
 from disagg.runtime.hf_shards import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPES,
@@ -51,6 +52,7 @@ def export_checkpoint(
     *,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     dtype: str = "fp32",
+    merge: bool = False,
 ) -> list[Path]:
     """Write the HF dirs and ``OUT_DIR/disagg_model.json`` for a checkpoint of
     any layout (read from its full form, no actors); return the HF dirs.
@@ -58,7 +60,9 @@ def export_checkpoint(
     ``OUT_DIR/<modules joined by ->``. Weights are streamed tensor by tensor
     into HF sharded safetensors of at most ``max_shard_size`` (``5GB``,
     ``500MB``; one ``model.safetensors`` when it all fits), floating-point
-    tensors in ``dtype`` (``fp32`` or ``bf16``): no process holds the model."""
+    tensors in ``dtype`` (``fp32`` or ``bf16``): no process holds the model.
+    A module trained with LoRA becomes a PEFT adapter dir over the HF dir, or
+    with ``merge`` merged weights in it (:mod:`disagg.runtime.export_lora`)."""
     from disagg.runtime.checkpoint import verify_checkpoint
 
     if dtype not in DTYPES:
@@ -69,21 +73,33 @@ def export_checkpoint(
     meta = json.loads((checkpoint / "meta.json").read_text())
     cfg = Config.model_validate(meta["config"])
     families = families_for(cfg, registry)
+    lora = lora_specs(cfg, families)
     by_source: dict[Path, list[str]] = {}
     for m, fam in families.items():
         by_source.setdefault(fam.path.resolve(), []).append(m)
     written, where = [], {}
+    adapters: dict[str, Path] = {}
     for source, modules in by_source.items():
         dest = out_dir if len(by_source) == 1 else out_dir / "-".join(modules)
         _copy_non_weights(source, dest)
         # the source dir's own tensors first (a whole-VLM dir's parts no module trained stay as they were)
         entries: dict[str, Entry] = dict(tensor_refs(sorted(source.glob("*.safetensors"))))
         for m in modules:
-            entries.update(_module_entries(families[m], checkpoint / m / "full.safetensors"))
+            full = checkpoint / m / "full.safetensors"
+            if m not in lora:
+                entries.update(_module_entries(families[m], full))
+            elif merge:
+                entries.update(merged_entries(families[m], full, lora[m], entries))
+            # unmerged: the source's base weights stay; the adapters go to their own dir below
             where[m] = dest
         write_sharded(entries, dest, DTYPES[dtype], max_shard_size)
         set_config_dtype(dest, DTYPES[dtype])
         written.append(dest)
+        for m in modules:
+            if m in lora and not merge:
+                adapters[m] = write_adapter_dir(
+                    families[m], checkpoint / m / "full.safetensors", lora[m], out_dir / ADAPTERS / m, dest
+                )
     manifest = {
         "format": FORMAT,
         "step": int(meta["step"]),
@@ -91,6 +107,10 @@ def export_checkpoint(
         "dtype": dtype,
         "modules": {m: _entry(m, fam, where[m], out_dir) for m, fam in families.items()},
     }
+    for m in lora:
+        # unmerged: the module's HF dir holds its base; PEFT's adapter dir holds what trained
+        entry = manifest["modules"][m]
+        entry["lora"] = "merged" if merge else adapters[m].relative_to(out_dir).as_posix()
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return written
 

@@ -26,14 +26,21 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from disagg.interfaces import Strategy
+from disagg.interfaces.lora import LoraSpec, adapter_state
 
 SEP = "::"
 
 
-def save_full(strategy: Strategy, rank: int, ckpt: Path, module: str) -> dict[str, dict[str, Any]]:
+def save_full(
+    strategy: Strategy, rank: int, ckpt: Path, module: str, lora: LoraSpec | None = None
+) -> dict[str, dict[str, Any]]:
     """Write this rank's files under ``ckpt/module``; return ``{relative path:
-    {"sha256", "bytes"}}``. Collective (the strategy merges)."""
+    {"sha256", "bytes"}}``. Collective (the strategy merges). With ``lora`` only
+    the adapters and the ``modules_to_save`` parts are written: the frozen base
+    is the model dir's, unchanged."""
     params = strategy.full_state_dict()
+    if lora is not None:
+        params = adapter_state(params, lora)
     optim = strategy.full_optimizer_state()
     root = Path(ckpt) / module
     (root / "rng").mkdir(parents=True, exist_ok=True)
@@ -51,11 +58,17 @@ def save_full(strategy: Strategy, rank: int, ckpt: Path, module: str) -> dict[st
     return {str(f.relative_to(ckpt)): file_digest(f, sync=True) for f in written}
 
 
-def load_full(strategy: Strategy, rank: int, ckpt: Path, module: str, restore_rng: bool) -> None:
+def load_full(
+    strategy: Strategy, rank: int, ckpt: Path, module: str, restore_rng: bool, lora: LoraSpec | None = None
+) -> None:
     """Take this rank's part of the module's full state; with ``restore_rng``
-    (same layout as the save) continue its random streams too."""
+    (same layout as the save) continue its random streams too. With ``lora`` the
+    checkpoint holds the trained tensors only; the frozen base is the module's
+    own, as built from the model dir (it never changes)."""
     root = Path(ckpt) / module
     params = load_file(str(root / "full.safetensors"))
+    if lora is not None:
+        params = {**strategy.full_state_dict(), **params}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for key, v in load_file(str(root / "optim.safetensors")).items():
         name, _, k = key.rpartition(SEP)

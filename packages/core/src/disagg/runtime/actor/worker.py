@@ -378,13 +378,15 @@ class ModuleWorker:
         """This rank's files of a checkpoint in the full form (collective)."""
         from disagg.runtime.actor.state import save_full
 
-        return save_full(self.strategy, self.rank, Path(ckpt), self.module)  # type: ignore[arg-type]
+        lora = self.optim.lora if self.optim is not None else None
+        return save_full(self.strategy, self.rank, Path(ckpt), self.module, lora)  # type: ignore[arg-type]
 
     @_named
     def load_full(self, ckpt: str, restore_rng: bool) -> None:
         from disagg.runtime.actor.state import load_full
 
-        load_full(self.strategy, self.rank, Path(ckpt), self.module, restore_rng)  # type: ignore[arg-type]
+        lora = self.optim.lora if self.optim is not None else None
+        load_full(self.strategy, self.rank, Path(ckpt), self.module, restore_rng, lora)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
         if dist.is_initialized():
