@@ -7,6 +7,7 @@ Exact (equal to what :class:`disagg.interfaces.CommCounter` and
 
 from __future__ import annotations
 
+from disagg.interfaces import sharded
 from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import Cost, CostQuery, assemble, held_tokens, workload
 from disagg.interfaces.cost_rules import (
@@ -15,14 +16,18 @@ from disagg.interfaces.cost_rules import (
     recompute_mode,
     replica_activation_bytes,
     replicated_comm,
-    state_bytes,
     train_flops,
     transfer_bytes,
 )
 from disagg.interfaces.gemms import Split, strategy_compute
 
 
-def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost:
+def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: str = "none") -> Cost | None:
+    """``shard``: ``parallel.<module>.shard`` (:mod:`disagg.interfaces.sharded`): its state term
+    is exact; under ``gradients``/``parameters`` the communication is FSDP2's, which the
+    collective counter does not see, so only the state term is marked exact."""
+    if shard in sharded.FSDP_MODES and not query.encoder:
+        return None  # refused for the LLM at validation (encoders only)
     mode = recompute_mode(query.recompute)
     w = workload(query)
     shape = query.shape
@@ -33,7 +38,7 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost
     work += extra_flops(shape, query.seq_len, work, mode)
     return assemble(
         w,
-        state_bytes=state_bytes(shape.tensors()),
+        state_bytes=sharded.state_bytes([t.shape for t in shape.tensors()], shard, w.world),
         activation_bytes=act,
         comm=replicated_comm(numels, w),
         calls=grad_reduce_calls(numels, w.world),
@@ -41,5 +46,7 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost
         share=1,
         sent_bytes=transfer_bytes(w),
         compute=strategy_compute(shape, query.seq_len, Split(), w.act_bytes, mode),
-        exact=("state_bytes", "comm_bytes") if query.encoder else ("state_bytes",),
+        exact=("state_bytes", "comm_bytes")
+        if query.encoder and shard not in sharded.FSDP_MODES
+        else ("state_bytes",),
     )

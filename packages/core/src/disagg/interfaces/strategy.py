@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, PositiveInt
@@ -51,6 +51,13 @@ class ReplicatedOptions(StrategyOptions):
     (:class:`disagg.interfaces.overlap.OverlappedReducer`). The same sums; it holds every bucket's
     flat buffer until the step's reduction ends (one extra copy of the gradients), which is why it
     is off by default, as in Megatron's ``overlap_grad_reduce``."""
+    shard: Literal["none", "optimizer", "gradients", "parameters"] = "none"
+    """``parallel.<module>.shard``: the module's state split over all ``degree x replicas`` ranks
+    of its group, ZeRO-1/2/3 (:mod:`disagg.interfaces.sharded`): ``optimizer`` the AdamW state
+    (torch ``ZeroRedundancyOptimizer``), ``gradients`` also the gradients and ``parameters``
+    also the parameters (torch FSDP2 per block; ``gradients`` keeps a microbatch's gathered
+    parameters from its forward to its backward). Encoders only beyond ``optimizer``; not
+    with ``overlap_grad_reduce``."""
 
 
 class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):

@@ -10,6 +10,7 @@ and call for call; saved activations of a Qwen2.5-VL tower in fp32.
 
 from __future__ import annotations
 
+from disagg.interfaces import sharded
 from disagg.interfaces.cost import Cost, CostQuery, EncoderShape, Workload, assemble, held_tokens, workload
 from disagg.interfaces.cost_rules import (
     block_elems,
@@ -17,7 +18,6 @@ from disagg.interfaces.cost_rules import (
     grad_reduce_calls,
     recompute_mode,
     replicated_comm,
-    state_bytes,
     train_flops,
     transfer_bytes,
     with_recompute,
@@ -58,8 +58,11 @@ def replay(shape: EncoderShape, w: Workload, mode: str) -> tuple[dict[str, int],
     )
 
 
-def estimate(query: CostQuery) -> Cost | None:
-    """Nothing for a decoder: ``ulysses`` shards encoder towers only."""
+def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
+    """Nothing for a decoder: ``ulysses`` shards encoder towers only. ``shard``:
+    ``parallel.<module>.shard`` (:mod:`disagg.interfaces.sharded`), exact in the state term;
+    under ``gradients``/``parameters`` the gradient sum is FSDP2's (not counted: the
+    communication is then exact only in its all-to-alls)."""
     shape = query.shape
     if not isinstance(shape, EncoderShape):
         return None
@@ -89,7 +92,7 @@ def estimate(query: CostQuery) -> Cost | None:
     work += extra_flops(shape, query.seq_len, work, mode)
     return assemble(
         w,
-        state_bytes=state_bytes(shape.tensors()),
+        state_bytes=sharded.state_bytes([t.shape for t in shape.tensors()], shard, w.world),
         activation_bytes=act,
         comm=comm,
         calls=calls,
@@ -98,6 +101,6 @@ def estimate(query: CostQuery) -> Cost | None:
         sent_bytes=transfer_bytes(w, split=d),
         # dense layers on 1/d of the tokens at full width, attention on all of them for 1/d of the heads
         compute=strategy_compute(shape, query.seq_len, Split(tokens=d), w.act_bytes, mode),
-        exact=("state_bytes", "comm_bytes"),
+        exact=("state_bytes", "comm_bytes") if shard not in sharded.FSDP_MODES else ("state_bytes",),
         replay=replay(shape, w, mode),
     )

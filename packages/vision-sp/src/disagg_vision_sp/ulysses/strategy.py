@@ -30,18 +30,21 @@ from disagg.interfaces import (
     StrategyOptions,
     UlyssesFamily,
     dropout_seed,
+    fsdp,
 )
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.rng import ShardRNG
+from disagg.interfaces.sharded import ShardedReplicas, placeholder_input, shard_problems
 from disagg_vision_sp.ulysses import attention
 from disagg_vision_sp.ulysses.layout import plan_bounds
 
 
-class UlyssesStrategy(Strategy):
+class UlyssesStrategy(ShardedReplicas, Strategy):
     name: ClassVar[str] = "ulysses"
     distribution: ClassVar[str] = "disagg-vision-sp"
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full", "selective")
-    #: every rank holds the whole tower: gradients summed by the default reduction (overlap optional)
+    #: every rank holds the whole tower: gradients summed by the default reduction (overlap
+    #: optional), or its state sharded over the group (``shard``, disagg.interfaces.sharded)
     options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
 
     @classmethod
@@ -53,7 +56,7 @@ class UlyssesStrategy(Strategy):
                 "use strategy 'ddp', 'zero' or 'megatron_tp', or a family that implements "
                 "disagg.interfaces.UlyssesFamily (qwen2_5_vl, llava; whisper, qwen2_audio with disagg-audio)"
             ]
-        problems = list(family.check("ulysses", degree, replicas))
+        problems = list(family.check("ulysses", degree, replicas)) + shard_problems(family, options)
         heads = family.ulysses_heads()
         if heads % degree:
             divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
@@ -97,7 +100,7 @@ class UlyssesStrategy(Strategy):
             self.options.recompute, rngs=[self.rng] if self.rng else [], captures=[_capture_runtime]
         )
         self.recompute.apply_full(module, f"family {self.family.name!r} tower")
-        return module
+        return self.shard_state(module)
 
     def _replica_group(self) -> dist.ProcessGroup | None:
         ctx = self.ctx
@@ -115,8 +118,13 @@ class UlyssesStrategy(Strategy):
     def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         fam = self.family
         assert isinstance(fam, UlyssesFamily) and self.module is not None
-        if not inputs:  # a replica without images this microbatch: its ranks all skip together
-            return []
+        placeholder = not inputs
+        if placeholder:
+            if not (self.fsdp and self.ctx.replicas > 1):
+                return []  # a replica without images this microbatch: its ranks all skip together
+            # FSDP2 gathers over every replica: this one forwards a placeholder image (zero
+            # gradient in backward) so that its ranks issue the same all-gathers as the others
+            inputs = [placeholder_input(fam)]
         layout = fam.ulysses_layout(inputs)
         bounds = plan_bounds(layout.cuts, layout.n_tokens, self.ctx.degree)
         if any(b % layout.unit for b in bounds):
@@ -135,7 +143,15 @@ class UlyssesStrategy(Strategy):
         )
         forked = self.rng.fork() if self.rng is not None else contextlib.nullcontext()
         with runtime.active(), forked:
-            rows = fam.ulysses_forward(self.module, inputs, layout, lo, hi, runtime)
+            if self.fsdp:  # the root unit (patch embedding, merger) gathered around the whole call
+                rows = fsdp.call(self.module, fam.ulysses_forward, inputs, layout, lo, hi, runtime)
+                self.forwarded()
+            else:
+                rows = fam.ulysses_forward(self.module, inputs, layout, lo, hi, runtime)
+        if placeholder:
+            if rows.requires_grad:
+                self._pending[mb] = (rows, [])
+            return []
         shards, picks = self._split(rows, layout, lo // layout.unit, hi // layout.unit)
         if rows.requires_grad:
             self._pending[mb] = (rows, picks)
@@ -185,7 +201,12 @@ class UlyssesStrategy(Strategy):
         """Exact bytes for encoder towers (:mod:`disagg_vision_sp.ulysses.cost`); nothing for decoders."""
         from disagg_vision_sp.ulysses import cost
 
-        return cost.estimate(query)
+        return cost.estimate(query, getattr(options, "shard", "none"))
+
+    @classmethod
+    def option_variants(cls) -> list[dict[str, Any]]:
+        """``disagg plan`` tries the whole tower on every rank and each sharded state."""
+        return [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"shard": "parameters"}]
 
 
 def _capture_runtime() -> Any:

@@ -1,0 +1,127 @@
+"""A module's parameters, gradients and AdamW state sharded over its group with torch FSDP2
+(``parallel.<module>.shard: gradients | parameters``; :mod:`disagg.interfaces.sharded` picks).
+
+``fully_shard`` wraps every Hugging Face block (``GradientCheckpointingLayer``: the layers
+``recompute`` checkpoints) and then the module itself, whose unit holds the rest (patch
+embedding, merger, projector). Every tensor is split along dim 0 over all ``degree x replicas``
+ranks of the group (``Shard(0)`` DTensors); ``reshard_after_forward`` is what tells the two
+modes apart:
+
+- ``parameters`` (ZeRO-3): a block's parameters are gathered for its forward, freed after it,
+  gathered again for its backward; at rest a rank holds 1/N of parameters, gradients, AdamW.
+- ``gradients`` (ZeRO-2): gathered at a block's first forward of a microbatch and kept whole
+  until that microbatch's backward has passed it; gradients are reduce-scattered in backward
+  and AdamW steps the shard. At rest a rank holds 1/N of everything, but from a forward to its
+  backward the whole parameters exist: :func:`held_bytes` counts them as held.
+
+FSDP2's collectives run on a process group of their own, so they can never interleave with
+a strategy's all-to-alls on the group's world. Gradients are **summed** (divide factor 1,
+sum-only reductions): the loss is already divided by the global label count.
+
+Families call submodules directly (Qwen's ulysses forward runs its blocks one by one; LLaVA
+calls tower then projector), so the root unit's hooks cannot rely on the module's own
+``forward``: :func:`call` runs any function of the module as an FSDP forward method
+(``register_fsdp_forward_method``), gathering the root unit around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagg.interfaces.context import GroupContext
+
+#: the method :func:`call` runs under the root unit's FSDP hooks
+_CALL = "_disagg_fsdp_call"
+
+
+def _run(self: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(self, *args)
+
+
+def blocks(module: nn.Module) -> list[nn.Module]:
+    """The units FSDP2 gathers one at a time: Hugging Face's gradient-checkpointing layers."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def shard_module(module: nn.Module, ctx: GroupContext, mode: str) -> nn.Module:
+    """``fully_shard`` per block, then the module (in place); collective over the group
+    (a new process group). ``mode``: ``gradients`` or ``parameters``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import (
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
+    units = blocks(module)
+    if not units:
+        raise ValueError(
+            f"parallel.{ctx.module}.shard: {mode}: {type(module).__name__} has no Hugging Face "
+            "gradient-checkpointing layers to shard one at a time; allowed: none, optimizer"
+        )
+    group = dist.new_group(list(range(ctx.world_size)), timeout=ctx.collective_timeout)
+    mesh = DeviceMesh.from_group(group, ctx.device.type)
+    # bf16 compute from fp32 masters, gradients reduced in fp32 (the Megatron/FSDP standard).
+    mp = None if ctx.dtype == torch.float32 else MixedPrecisionPolicy(ctx.dtype, torch.float32)
+    kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": mode == "parameters"}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    for unit in units:
+        fully_shard(unit, **kw)
+    fully_shard(module, **kw)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            # a sum, exactly once (FSDP's default divides by the world size); gloo has no PREMUL_SUM
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    setattr(module, _CALL, _run.__get__(module, type(module)))
+    register_fsdp_forward_method(module, _CALL)
+    return module
+
+
+def call(module: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(module, *args)`` as a forward of the root unit (its parameters gathered around it)."""
+    return getattr(module, _CALL)(fn, *args)
+
+
+def is_sharded(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of ``t`` (its shard; FSDP's padding excluded)."""
+    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (an all-gather when sharded), detached on the CPU."""
+    return (t.full_tensor() if is_sharded(t) else t).detach().cpu().clone()  # type: ignore[attr-defined]
+
+
+def like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor) laid out as ``reference`` (a DTensor: this rank keeps its shard)."""
+    if not is_sharded(reference):
+        return value.to(reference.device, reference.dtype).clone()
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(
+        value.to(reference.device, reference.dtype),
+        reference.device_mesh,  # type: ignore[attr-defined]
+        reference.placements,  # type: ignore[attr-defined]
+        src_data_rank=None,  # every rank has the whole value: each keeps its own chunk, no broadcast
+    )
+
+
+def whole_param_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters currently held whole (gathered) on this rank."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if not is_sharded(p))

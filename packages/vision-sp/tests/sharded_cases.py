@@ -1,0 +1,64 @@
+"""Rank function of the sharded-state tests (``parallel.<m>.shard``), importable by spawned ranks.
+
+Three optimizer steps of a strategy on this rank's replica's samples (``plans[replicas][step]
+[microbatch][replica]``: sample indices, uneven, some replica empty), from a fixed upstream gradient per
+sample: the group's squared norm and merged gradients per step, then the merged parameters and
+AdamW state and this rank's measured state bytes. Every shard mode runs in the same spawn.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from disagg.interfaces import OptimSpec
+from disagg.testing import ranks
+
+#: weight decay on: a zero-filled gradient would move a parameter the reference leaves alone
+OPTIM = OptimSpec(lr=1e-3, weight_decay=0.1, eps=1e-3)
+MAX_NORM = 1.0
+
+
+def strategy_class(name: str) -> Any:
+    if name == "ulysses":
+        from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
+
+        return UlyssesStrategy
+    from disagg.builtin.ddp import DDPStrategy
+
+    return DDPStrategy
+
+
+def steps_rank(rank: int, runs: list[tuple[str, int, int, dict]], path: str, inputs, grads, plans) -> bytes:
+    """``runs``: (strategy, degree, replicas, options) in turn on the same ranks; ``plans``:
+    replicas -> the plan of that many replicas (the same samples per step)."""
+    from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+
+    family = Qwen2_5_VLVision(Path(path))
+    out = []
+    for name, degree, replicas, options in runs:
+        ctx = ranks.rank_context("vision", rank, degree, replicas)
+        strat = ranks.strategy_rank(strategy_class(name), family, ctx, options=options, optim=OPTIM)
+        res: dict[str, Any] = {"norms": [], "grads": []}
+        for step, microbatches in enumerate(plans[replicas]):
+            for k, per_replica in enumerate(microbatches):
+                mine = per_replica[ctx.replica]
+                mb = 10 * step + k
+                shards = ranks.encode(strat, mb, [inputs[i] for i in mine])
+                ranks.backward(strat, mb, shards, [grads[i][s.positions] for i, s in zip(mine, shards)])
+            norm_sq, full = ranks.finish_step(strat, MAX_NORM)
+            res["norms"].append(norm_sq)
+            res["grads"].append(full if rank == 0 else None)
+        res["params"] = ranks.full_state(strat)
+        res["optim"] = strat.full_optimizer_state()
+        res["state_bytes"] = ranks.state_bytes(strat)
+        # a checkpoint's round trip: the full form (rank 0's is complete) into a fresh set-up
+        import torch.distributed as dist
+
+        payload = [res["params"], res["optim"]]
+        dist.broadcast_object_list(payload, src=0)
+        fresh = ranks.strategy_rank(strategy_class(name), family, ctx, options=options, optim=OPTIM)
+        fresh.load_full_state(*payload)
+        res["reloaded"] = (ranks.full_state(fresh), fresh.full_optimizer_state())
+        out.append(res)
+    return ranks.dumps(out)
