@@ -91,6 +91,12 @@ LAYOUTS = {
         {"strategy": "ulysses", "degree": 2, "replicas": 2},
         {"strategy": "megatron_tp", "degree": 2},
     ),
+    # parallel.vision.shard: parameters (FSDP2, ZeRO-3 over the 4 vision ranks): a replica
+    # without an image in a microbatch forwards a placeholder so that its all-gathers match
+    "ulysses2x2-shard+tp2": (
+        {"strategy": "ulysses", "degree": 2, "replicas": 2, "shard": "parameters"},
+        {"strategy": "megatron_tp", "degree": 2},
+    ),
     "zero3x2+ddp": (
         # persistence threshold 0: every parameter is partitioned and gathered for real
         {

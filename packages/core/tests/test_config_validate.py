@@ -272,3 +272,23 @@ def test_loss_chunk_tokens_reaches_the_llm_and_is_refused_elsewhere(reg, workdir
     cfg["parallel"]["vision"].pop("loss_chunk_tokens")
     cfg["parallel"]["llm"]["loss_chunk_tokens"] = 0
     assert "greater than 0" in problems(workdir, cfg)["parallel.llm.loss_chunk_tokens"]
+
+
+def test_shard_modes_refused_by_name_where_they_cannot_run(reg, workdir):
+    """``parallel.<m>.shard`` (ddp here): FSDP modes are for encoders, and no sharded state is
+    combined with overlap_grad_reduce; a bad value lists the allowed ones."""
+    cfg = base()
+    cfg["parallel"]["llm"].update(shard="parameters")
+    got = problems(workdir, cfg)["parallel.llm"]
+    assert "parallel.llm.shard: parameters shards encoder state only" in got
+    assert "allowed for the LLM: none, optimizer" in got
+    assert "c.yaml" in got
+    cfg["parallel"]["llm"].update(shard="optimizer", overlap_grad_reduce=True)
+    got = problems(workdir, cfg)["parallel.llm"]
+    assert "parallel.llm.overlap_grad_reduce: true cannot be combined with" in got
+    assert "parallel.llm.shard: optimizer" in got
+    cfg["parallel"]["llm"].update(shard="everything", overlap_grad_reduce=False)
+    got = problems(workdir, cfg)["parallel.llm.shard"]
+    assert "'everything' is not allowed; allowed: none, optimizer, gradients, parameters" in got
+    cfg["parallel"]["llm"].update(shard="optimizer")
+    assert check(workdir, cfg).config.parallel.llm.shard == "optimizer"

@@ -46,12 +46,17 @@ def steps_rank(rank: int, runs: list[tuple[str, int, int, dict]], path: str, inp
                 mb = 10 * step + k
                 shards = ranks.encode(strat, mb, [inputs[i] for i in mine])
                 ranks.backward(strat, mb, shards, [grads[i][s.positions] for i, s in zip(mine, shards)])
-            norm_sq, full = ranks.finish_step(strat, MAX_NORM)
+            norm_sq, full = ranks.finish_step(strat, MAX_NORM, zero_grad=False)
             res["norms"].append(norm_sq)
             res["grads"].append(full if rank == 0 else None)
+            # what the worker's record reads: after the step, before the next zero_grad
+            res["state_bytes"] = ranks.state_bytes(strat)
+            ranks.zero_grad(strat)
         res["params"] = ranks.full_state(strat)
         res["optim"] = strat.full_optimizer_state()
-        res["state_bytes"] = ranks.state_bytes(strat)
+        if options.get("shard", "none") == "none":
+            out.append(res)
+            continue
         # a checkpoint's round trip: the full form (rank 0's is complete) into a fresh set-up
         import torch.distributed as dist
 

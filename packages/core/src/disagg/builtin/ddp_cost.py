@@ -24,8 +24,9 @@ from disagg.interfaces.gemms import Split, strategy_compute
 
 def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: str = "none") -> Cost | None:
     """``shard``: ``parallel.<module>.shard`` (:mod:`disagg.interfaces.sharded`): its state term
-    is exact; under ``gradients``/``parameters`` the communication is FSDP2's, which the
-    collective counter does not see, so only the state term is marked exact."""
+    is exact; the sharded state's own collectives (ZeRO-1's broadcasts, FSDP2's all-gathers and
+    reduce-scatters, :func:`disagg.interfaces.sharded.step_comm`) are the libraries', which the
+    collective counter does not see, so with ``shard`` only the state term is marked exact."""
     if shard in sharded.FSDP_MODES and not query.encoder:
         return None  # refused for the LLM at validation (encoders only)
     mode = recompute_mode(query.recompute)
@@ -34,19 +35,23 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: 
     numels = [t.numel for t in shape.tensors()]
     tokens = held_tokens(query, w)
     act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk)
+    shapes = [t.shape for t in shape.tensors()]
+    per_mb = -(-w.samples_per_replica // w.microbatches)  # one forward per sample
+    units = getattr(shape, "depth", 0) + 1
+    comm, calls = sharded.step_comm(
+        shapes, shard, w, units, replicated_comm(numels, w), grad_reduce_calls(numels, w.world), per_mb
+    )
     work = train_flops(shape, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)
     return assemble(
         w,
-        state_bytes=sharded.state_bytes([t.shape for t in shape.tensors()], shard, w.world),
+        state_bytes=sharded.state_bytes(shapes, shard, w.world),
         activation_bytes=act,
-        comm=replicated_comm(numels, w),
-        calls=grad_reduce_calls(numels, w.world),
+        comm=comm,
+        calls=calls,
         flops_per_sample=work,
         share=1,
         sent_bytes=transfer_bytes(w),
         compute=strategy_compute(shape, query.seq_len, Split(), w.act_bytes, mode),
-        exact=("state_bytes", "comm_bytes")
-        if query.encoder and shard not in sharded.FSDP_MODES
-        else ("state_bytes",),
+        exact=("state_bytes", "comm_bytes") if query.encoder and shard == "none" else ("state_bytes",),
     )

@@ -19,9 +19,10 @@ a strategy's all-to-alls on the group's world. Gradients are **summed** (divide 
 sum-only reductions): the loss is already divided by the global label count.
 
 Families call submodules directly (Qwen's ulysses forward runs its blocks one by one; LLaVA
-calls tower then projector), so the root unit's hooks cannot rely on the module's own
-``forward``: :func:`call` runs any function of the module as an FSDP forward method
-(``register_fsdp_forward_method``), gathering the root unit around it.
+calls tower then projector), so the root unit cannot be the module itself, whose ``forward``
+may or may not run (and would be entered twice when it does): the root is a :class:`Root`
+around it, whose forward runs any function of the module (:func:`call`), gathering the rest of
+the parameters around it. The module keeps its names (its parameters become DTensors in place).
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ from torch import nn
 
 from disagg.interfaces.context import GroupContext
 
-#: the method :func:`call` runs under the root unit's FSDP hooks
-_CALL = "_disagg_fsdp_call"
 
+class Root(nn.Module):
+    """The root FSDP unit: holds the module, and its forward is a call of any function of it."""
 
-def _run(self: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(self, *args)
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.inner = module
+
+    def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(self.inner, *args)
 
 
 def blocks(module: nn.Module) -> list[nn.Module]:
@@ -50,16 +55,12 @@ def blocks(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def shard_module(module: nn.Module, ctx: GroupContext, mode: str) -> nn.Module:
-    """``fully_shard`` per block, then the module (in place); collective over the group
-    (a new process group). ``mode``: ``gradients`` or ``parameters``."""
+def shard_module(module: nn.Module, ctx: GroupContext, mode: str) -> Root:
+    """``fully_shard`` per block, then a :class:`Root` around the module (its parameters become
+    DTensors in place); collective over the group (a new process group). ``mode``:
+    ``gradients`` or ``parameters``."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import (
-        FSDPModule,
-        MixedPrecisionPolicy,
-        fully_shard,
-        register_fsdp_forward_method,
-    )
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     units = blocks(module)
     if not units:
@@ -76,20 +77,20 @@ def shard_module(module: nn.Module, ctx: GroupContext, mode: str) -> nn.Module:
         kw["mp_policy"] = mp
     for unit in units:
         fully_shard(unit, **kw)
-    fully_shard(module, **kw)
-    for m in module.modules():
+    root = Root(module)
+    fully_shard(root, **kw)
+    for m in root.modules():
         if isinstance(m, FSDPModule):
             # a sum, exactly once (FSDP's default divides by the world size); gloo has no PREMUL_SUM
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
-    setattr(module, _CALL, _run.__get__(module, type(module)))
-    register_fsdp_forward_method(module, _CALL)
-    return module
+    return root
 
 
-def call(module: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(module, *args)`` as a forward of the root unit (its parameters gathered around it)."""
-    return getattr(module, _CALL)(fn, *args)
+def call(root: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(module, *args)`` as a forward of the root unit (the parameters outside the blocks
+    gathered around it; each block gathers its own)."""
+    return root(fn, *args)
 
 
 def is_sharded(t: Any) -> bool:

@@ -120,6 +120,8 @@ class ShardedReplicas:
     scheduler: Any
     #: the largest whole-parameter bytes a ``gradients`` forward left gathered (held until backward)
     _whole_bytes: int = 0
+    #: the FSDP2 root unit around the module (``gradients``/``parameters``)
+    fsdp_root: nn.Module | None = None
 
     @property
     def shard_mode(self) -> str:
@@ -131,7 +133,16 @@ class ShardedReplicas:
 
     def shard_state(self, module: nn.Module) -> nn.Module:
         """The end of ``parallelize``: FSDP2 units under ``gradients``/``parameters``."""
-        return fsdp.shard_module(module, self.ctx, self.shard_mode) if self.fsdp else module
+        if self.fsdp:
+            self.fsdp_root = fsdp.shard_module(module, self.ctx, self.shard_mode)
+        return module
+
+    def sharded_call(self, fn: Any, *args: Any) -> Any:
+        """``fn(module, *args)`` under the root unit; then what ``gradients`` keeps gathered."""
+        assert self.fsdp_root is not None
+        out = fsdp.call(self.fsdp_root, fn, *args)
+        self.forwarded()
+        return out
 
     def forwarded(self) -> None:
         """After a module call's forward: what ``gradients`` keeps gathered until backward."""
@@ -321,3 +332,55 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def comm(
+    shapes: list[tuple[int, ...]], mode: str, world: int, microbatches: int, units: int, act_bytes: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes a rank sends per step, and calls, for the state's own collectives (neither seen by
+    the collective counter: the library issues them), as :class:`~disagg.interfaces.CommCounter`
+    would count them (an all-gather ``(N-1)`` x the rank's shard, a reduce-scatter ``(N-1)/N`` of
+    the input). ``optimizer``: the default gradient all-reduce (the caller's) plus each owner's
+    broadcast of its partition after the step. FSDP2: per microbatch, one all-gather of every
+    unit for the forward and (``parameters``) one more for the backward, in the compute dtype,
+    and one reduce-scatter of the whole gradient in fp32; ``units``: the FSDP units (blocks + 1)."""
+    if world == 1 or mode == "none":
+        return {}, {}
+    numels = [_numel(s) for s in shapes]
+    if mode == "optimizer":
+        return {"broadcast": 4 * max(zero1_partition(numels, world))}, {"broadcast": world}
+    local = sum(shard_rows(s, world) for s in shapes)
+    gathers = (2 if mode == "parameters" else 1) * microbatches
+    padded = local * world  # FSDP2 reduce-scatters the padded flat gradient
+    return (
+        {
+            "all_gather": gathers * (world - 1) * local * act_bytes,
+            "reduce_scatter": microbatches * (world - 1) * padded * 4 // world,
+        },
+        {"all_gather": gathers * units, "reduce_scatter": microbatches * units},
+    )
+
+
+def step_comm(
+    shapes: list[tuple[int, ...]],
+    mode: str,
+    w: Any,
+    units: int,
+    comm_bytes: dict[str, int],
+    calls: dict[str, int],
+    forwards_per_mb: int = 1,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """A replicated strategy's communication (``comm_bytes``/``calls``: its gradient all-reduce)
+    under ``mode`` for the :class:`~disagg.interfaces.cost.Workload` ``w``: FSDP2 replaces the
+    all-reduce; ZeRO-1 adds its broadcasts. ``forwards_per_mb``: module forwards per
+    microbatch on the busiest rank (``ddp`` runs one per sample; each gathers and reduces)."""
+    extra, extra_calls = comm(shapes, mode, w.world, w.microbatches * forwards_per_mb, units, w.act_bytes)
+    comm_bytes, calls = dict(comm_bytes), dict(calls)
+    if mode in FSDP_MODES and w.world > 1:
+        comm_bytes.pop("all_reduce", None)
+        calls.pop("all_reduce", None)
+    for k, v in extra.items():
+        comm_bytes[k] = comm_bytes.get(k, 0) + v
+    for k, v in extra_calls.items():
+        calls[k] = calls.get(k, 0) + v
+    return comm_bytes, calls

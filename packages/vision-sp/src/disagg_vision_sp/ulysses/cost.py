@@ -61,8 +61,8 @@ def replay(shape: EncoderShape, w: Workload, mode: str) -> tuple[dict[str, int],
 def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
     """Nothing for a decoder: ``ulysses`` shards encoder towers only. ``shard``:
     ``parallel.<module>.shard`` (:mod:`disagg.interfaces.sharded`), exact in the state term;
-    under ``gradients``/``parameters`` the gradient sum is FSDP2's (not counted: the
-    communication is then exact only in its all-to-alls)."""
+    the sharded state's own collectives (:func:`disagg.interfaces.sharded.step_comm`) are the
+    libraries' (not counted at run time), so then only the state is marked exact."""
     shape = query.shape
     if not isinstance(shape, EncoderShape):
         return None
@@ -70,8 +70,10 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
     w = workload(query)
     d = w.degree
     numels = [t.numel for t in shape.tensors()]
-    comm = replicated_comm(numels, w)
-    calls = grad_reduce_calls(numels, w.world)
+    shapes = [t.shape for t in shape.tensors()]
+    comm, calls = sharded.step_comm(
+        shapes, shard, w, shape.depth + 1, replicated_comm(numels, w), grad_reduce_calls(numels, w.world)
+    )
     a2a = all_to_all_bytes(shape, w)
     if a2a:
         comm["all_to_all"] = a2a
@@ -92,7 +94,7 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
     work += extra_flops(shape, query.seq_len, work, mode)
     return assemble(
         w,
-        state_bytes=sharded.state_bytes([t.shape for t in shape.tensors()], shard, w.world),
+        state_bytes=sharded.state_bytes(shapes, shard, w.world),
         activation_bytes=act,
         comm=comm,
         calls=calls,
@@ -101,6 +103,6 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
         sent_bytes=transfer_bytes(w, split=d),
         # dense layers on 1/d of the tokens at full width, attention on all of them for 1/d of the heads
         compute=strategy_compute(shape, query.seq_len, Split(tokens=d), w.act_bytes, mode),
-        exact=("state_bytes", "comm_bytes") if shard not in sharded.FSDP_MODES else ("state_bytes",),
+        exact=("state_bytes", "comm_bytes") if shard == "none" else ("state_bytes",),
         replay=replay(shape, w, mode),
     )

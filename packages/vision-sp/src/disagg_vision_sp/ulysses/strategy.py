@@ -30,7 +30,6 @@ from disagg.interfaces import (
     StrategyOptions,
     UlyssesFamily,
     dropout_seed,
-    fsdp,
 )
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.rng import ShardRNG
@@ -144,8 +143,7 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
         forked = self.rng.fork() if self.rng is not None else contextlib.nullcontext()
         with runtime.active(), forked:
             if self.fsdp:  # the root unit (patch embedding, merger) gathered around the whole call
-                rows = fsdp.call(self.module, fam.ulysses_forward, inputs, layout, lo, hi, runtime)
-                self.forwarded()
+                rows = self.sharded_call(fam.ulysses_forward, inputs, layout, lo, hi, runtime)
             else:
                 rows = fam.ulysses_forward(self.module, inputs, layout, lo, hi, runtime)
         if placeholder:
