@@ -4,7 +4,8 @@
 before the cost formulas moved from core into the plugins (issue 24);
 ``test_cost_fixture.py`` recomputes the same dict with the code at hand and asserts
 it equals the file exactly (re-recorded when a decoder's logits term became one loss chunk,
-``parallel.llm.loss_chunk_tokens``): every strategy's ``estimate`` on a grid of queries
+``parallel.llm.loss_chunk_tokens``, and when ``ddp``/``ulysses`` got ``parallel.<m>.shard``:
+its variants estimated and searched by the plans): every strategy's ``estimate`` on a grid of queries
 (published Qwen2.5-VL-32B and the tiny Qwen2.5-VL), ``disagg bench --predict``'s rows
 and ``disagg plan``'s full ranking on both, on clusters without the efficiency curve
 (every FLOP at the MFU, the time model before issue 24 item 2).
@@ -28,8 +29,8 @@ FIXTURE = Path(__file__).parent / "data" / "cost_predictions.json.gz"
 FIRST_PARTY = ("ddp", "megatron_tp", "ulysses", "zero")
 #: option variants asked per strategy (besides recompute), as the planner searched them before
 VARIANTS: dict[str, list[dict[str, Any]]] = {
-    "ddp": [{}],
-    "ulysses": [{}],
+    "ddp": [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"shard": "parameters"}],
+    "ulysses": [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"shard": "parameters"}],
     "megatron_tp": [{}, {"sequence_parallel": True}],
     "zero": [{"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": 3, "offload_optimizer": True}],
 }
