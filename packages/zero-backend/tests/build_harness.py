@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from disagg.testing import ranks
+from disagg.testing.tolerance import assert_exact
 from disagg.testing.toy import ToyLMFamily
 
 
@@ -36,8 +37,8 @@ def rank_build_memory(rank: int, warm_dir: Path, lm_dir: Path, world: int) -> di
     exists; ``setup``: then ``deepspeed.initialize``, frozen, so parameters only), for
     ZeRO-3 set up the old way (the family's whole module, partitioned by
     ``deepspeed.initialize``) and the new (``build_module``: partitioned at
-    construction, own slices read); and the new build's full weights, to compare with
-    the family's."""
+    construction, own slices read); and whether the new build's full weights are
+    exactly the family's."""
     from disagg_zero import ZeroStrategy
     from disagg_zero.build import LAST_LOAD
 
@@ -60,7 +61,12 @@ def rank_build_memory(rank: int, warm_dir: Path, lm_dir: Path, world: int) -> di
         strat.setup(module, None)
         out[label] = {"build": built, "setup": _status("VmHWM") - base, "load": LAST_LOAD.get("path")}
         if label == "partitioned":
-            out["weights"] = strat.full_state_dict()
+            # exactly the family's weights (compared here: the module is too big to send back)
+            try:
+                assert_exact(strat.full_state_dict(), fam.build(torch.float32).state_dict(), "partitioned ")
+                out["weights"] = "exact"
+            except AssertionError as exc:
+                out["weights"] = str(exc)
             with strat.module_call():  # what a call holds whole on top of the partitions
                 out["gathered"] = sum(
                     p.data.untyped_storage().nbytes()
@@ -71,3 +77,85 @@ def rank_build_memory(rank: int, warm_dir: Path, lm_dir: Path, world: int) -> di
         del strat, module
     out["module_bytes"] = sum(p.numel() * p.element_size() for p in fam.build(torch.float32).parameters())
     return out
+
+
+class Qwen2Family(ToyLMFamily):
+    """A Qwen2 causal LM dir through ``from_pretrained``: only what the memory
+    measurement needs of a family (build), for a real Hugging Face model of the
+    LLM family the published setting trains."""
+
+    def build(self, dtype: torch.dtype = torch.float32) -> Any:
+        from transformers import Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM.from_pretrained(self.path, dtype=dtype)
+
+
+def make_qwen2(out_dir: Path, hidden: int, layers: int, vocab: int = 32_000) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def rank_qwen2_memory(rank: int, warm_dir: Path, qwen_dir: Path, world: int) -> dict[str, Any]:
+    """:func:`rank_build_memory`'s figures for a Qwen2 dir (no weights returned)."""
+    import disagg_zero.build as build
+
+    out = {}
+    fam = Qwen2Family(qwen_dir)
+    from disagg_zero import ZeroStrategy
+
+    warm = ZeroStrategy(
+        ranks.rank_context("llm", rank, 1, world), ToyLMFamily(warm_dir), ZeroStrategy.options_model(stage=3)
+    )
+    warm.setup(warm.build_module(), None)
+    del warm
+    for label in ("whole", "partitioned"):
+        build.LAST_LOAD.clear()
+        base = _reset_peak()
+        strat = ZeroStrategy(
+            ranks.rank_context("llm", rank, 1, world), fam, ZeroStrategy.options_model(stage=3)
+        )
+        module = fam.build(torch.float32) if label == "whole" else strat.build_module()
+        built = _status("VmHWM") - base
+        strat.setup(module, None)
+        out[label] = {"build": built, "setup": _status("VmHWM") - base, "load": build.LAST_LOAD.get("path")}
+        del strat, module
+    out["module_bytes"] = sum(p.numel() * 4 for p in fam.build(torch.float32).parameters())
+    return out
+
+
+if __name__ == "__main__":
+    # python packages/zero-backend/tests/build_harness.py DIR [HIDDEN LAYERS]: a Qwen2 LM
+    # (default 1024 wide, 12 layers: 0.19B parameters, 0.75 GB in fp32) set up under ZeRO-3
+    # over 2 ranks, the whole-module way and partitioned; peaks as fractions of the module.
+    import sys
+
+    from disagg.testing.dist import run_ranks
+    from disagg.testing.toy import make_toy_dirs
+
+    root = Path(sys.argv[1])
+    hidden, layers = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (1024, 12)
+    qwen = root / f"qwen2_{hidden}x{layers}"
+    if not qwen.exists():
+        make_qwen2(qwen, hidden, layers)
+    _, warm = make_toy_dirs(root / "toy")
+    for rank, r in enumerate(run_ranks(rank_qwen2_memory, 2, warm, qwen, 2, timeout=3000)):
+        m = r.pop("module_bytes")
+        print(
+            f"rank {rank}: module {m / 2**20:.0f} MiB",
+            {
+                k: {kk: (round(vv / m, 3) if isinstance(vv, int) else vv) for kk, vv in v.items()}
+                for k, v in r.items()
+            },
+        )

@@ -26,7 +26,6 @@ import zero_harness as H
 from disagg.testing.dist import run_ranks
 from disagg.testing.tolerance import (
     BF16,
-    assert_exact,
     assert_scalar_close,
     assert_tensor_close,
     assert_tensors_close,
@@ -167,12 +166,11 @@ def test_stage3_builds_partitioned_and_loads_only_its_slices(runs: dict) -> None
     memory over the build and ``deepspeed.initialize`` stays under 0.65 of the fp32
     module, where the whole-module build the strategy used before (measured in the same
     process) needs at least 0.9 of it; the weights equal the family's, exactly."""
-    want = ToyLMFamily(runs["mem_dir"]).build().state_dict()
     for r in (x["3-build"] for x in runs["ranks"]):
         module = r["module_bytes"]
         assert r["partitioned"]["load"] == "slices", r["partitioned"]
         assert r["partitioned"]["setup"] <= 0.65 * module, (r["partitioned"], module)
         assert r["whole"]["setup"] >= 0.9 * module, (r["whole"], module)
-        assert_exact(r["weights"], want, what="partitioned build ")
+        assert r["weights"] == "exact", r["weights"]  # assert_exact, in the rank
         # and what a strategy call holds whole on top of the partitions is the cost model's figure
         assert r["gathered"] == zero_gathered_bytes(r["numels"], 3, DEEPSPEED_PERSISTENCE) > 0.9 * module

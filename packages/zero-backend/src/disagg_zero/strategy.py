@@ -10,7 +10,14 @@ its share of a microbatch (any split, including none), by construction:
   all-gathers follows the number of module calls, which the family's code
   makes per sample or per item. Parameters stay partitioned between calls
   (with gradients and optimizer states); the price is that a call holds the
-  whole module's parameters, not one layer's.
+  whole module's parameters, not one layer's. DeepSpeed's per-layer gathering
+  needs every rank to make the same sequence of submodule calls: its fetches,
+  prefetches (from a recorded trace) and trace checks at each root forward are
+  collectives in that order, and here the order follows the data (an encoder
+  called per item, the LLM's embedding per sample and its head per loss chunk, a
+  rank without samples calling nothing), so it is not used yet.
+* Stage 3 builds the module partitioned (:meth:`ZeroStrategy.build_module`,
+  :mod:`disagg_zero.build`): no rank ever holds the whole module at set-up.
 * Parameter gradients are computed locally with ``torch.autograd.grad`` and
   handed to DeepSpeed (:meth:`ZeroStrategy.backprop`) through one engine backward whose graph is the same on
   every rank (:mod:`disagg_zero.inject`), so stage 2-3 reduction hooks fire
