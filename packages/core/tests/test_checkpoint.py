@@ -192,6 +192,42 @@ def test_truncated_file_is_refused_and_keep_last_prunes(undisturbed, toy_registr
     assert [p.name for p in ckpt.complete_checkpoints(root / "pruned")] == ["step-4"]
 
 
+def test_sharded_checkpoints_resume_and_export(undisturbed, toy_registry, tmp_path):
+    """``checkpoint.format: sharded``: each rank writes its own ``torch.distributed.checkpoint``
+    file (the vision group's two replicas about half of its state each, nothing merged),
+    ``keep_last`` prunes, training is unchanged, a run resumed from it (saving the full form)
+    continues the undisturbed losses bit for bit, and ``disagg export`` reads it without
+    actors: the same tensors as the export of the full-form checkpoint of the same step."""
+    from safetensors.torch import load_file
+
+    from disagg.runtime.export import export_checkpoint
+
+    root, dirs, losses = undisturbed
+    cfg = _cfg(root, dirs, "sharded", checkpoint={"every": 2, "format": "sharded", "keep_last": 2})
+    _train(cfg, toy_registry)
+    assert _losses(root / "sharded") == losses
+    assert [p.name for p in ckpt.complete_checkpoints(root / "sharded")] == ["step-4", "step-5"]
+    step4 = root / "sharded" / "checkpoints" / "step-4"
+    files = ckpt.verify_checkpoint(step4)["files"]
+    for m, world in (("vision", 2), ("llm", 1)):
+        assert {f"{m}/dcp/__{r}_0.distcp" for r in range(world)} | {f"{m}/dcp/.metadata"} <= set(files)
+        assert f"{m}/full.safetensors" not in files and f"{m}/optim.safetensors" not in files
+    halves = [files[f"vision/dcp/__{r}_0.distcp"]["bytes"] for r in (0, 1)]
+    assert 0.3 < halves[0] / sum(halves) < 0.7, halves
+
+    resumed = _cfg(root, dirs, "from-sharded", checkpoint={"every": 2, "resume_from": str(step4)})
+    _train(resumed, toy_registry)
+    assert _losses(root / "from-sharded")[STEPS] == losses[STEPS]
+
+    export_checkpoint(step4, tmp_path / "sharded", toy_registry)
+    export_checkpoint(root / "plain" / "checkpoints" / "step-4", tmp_path / "full", toy_registry)
+    exported = sorted(p.relative_to(tmp_path / "full") for p in (tmp_path / "full").rglob("*.safetensors"))
+    assert exported
+    for rel in exported:
+        got, want = load_file(str(tmp_path / "sharded" / rel)), load_file(str(tmp_path / "full" / rel))
+        assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want), rel
+
+
 def _kill_at(step: int, module_index: int, rank: int, monkeypatch) -> list[int]:
     """Kill one actor's process by pid at the start of ``step`` (once)."""
     killed: list[int] = []

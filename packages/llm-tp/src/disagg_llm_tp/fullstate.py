@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from disagg.interfaces import GroupContext
+from disagg.interfaces.roles.state import Layout
 from disagg_llm_tp.layers import ShardSpec, local_slice, merge
+from disagg_llm_tp.load import local_pieces
 
 
 class TPFullState:
@@ -103,3 +105,34 @@ class TPFullState:
                     .clone(memory_format=torch.contiguous_format)
                     for k, v in optim_state[name].items()
                 }
+
+    def tensor_layout(self, param: torch.Tensor) -> Layout:
+        """Where this rank's piece of ``param`` lies in the full tensor (sharded
+        checkpoints): the pieces the sliced load reads (:func:`local_pieces`), with the
+        vocabulary's padding rows left out; key/value copies and replicas list the same
+        piece (written once)."""
+        spec: ShardSpec = getattr(param, "tp_spec", ShardSpec("replicated"))
+        full = full_shape(spec, list(param.shape), self.ctx.degree)
+        where = []
+        for dst, src, rows, cols in local_pieces(spec, full, self.ctx.shard, self.ctx.degree):
+            if not full:
+                where.append(((), ()))
+                continue
+            offsets = [src] + [0] * (len(full) - 1)
+            if cols.start is not None:
+                offsets[1] = cols.start
+            where.append((tuple(offsets), (slice(dst, dst + rows),)))
+        return tuple(full), where
+
+
+def full_shape(spec: ShardSpec, local: list[int], degree: int) -> list[int]:
+    """The full tensor's shape from a rank's local one."""
+    if spec.kind == "replicated" or not local:
+        return local
+    if spec.kind == "row":
+        return [local[0], local[1] * degree, *local[2:]]
+    if spec.kind == "vocab":
+        return [spec.full_rows, *local[1:]]
+    if spec.kind == "kv_replicated":
+        return [local[0] * spec.num_heads, *local[1:]]
+    return [local[0] * degree, *local[1:]]

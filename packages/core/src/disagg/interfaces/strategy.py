@@ -77,12 +77,13 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
       ``evaluate``, ``loss_sum``, ``correct_predictions``, ``returns_input_grads``;
     - :class:`~disagg.interfaces.roles.StateAdapter`: the full form
       (``full_state_dict``, ``full_grads``, ``full_optimizer_state``,
-      ``load_full_state``) and ``rng_state``/``set_rng_state``;
+      ``load_full_state``), sharded checkpoints (``tensor_layout``, ``sharded_state``)
+      and ``rng_state``/``set_rng_state``;
     - ``build_optimizer``: a callable (:mod:`disagg.interfaces.roles.optimizer`);
     - class level, before any actor starts: ``check``, ``estimate``,
       ``option_variants`` and the attributes below.
 
-    Lifecycle in the actor: ``__init__`` -> ``setup(module, optim)`` -> per step
+    Lifecycle in the actor: ``__init__`` -> ``setup(build_module(), optim)`` -> per step
     (``encode`` & ``backward`` | ``loss_and_backward``)* -> ``reduce_gradients``
     -> ``grad_norm_sq`` -> ``step(clip_coef)`` -> ``zero_grad``.
 

@@ -34,6 +34,7 @@ from disagg.runtime.hf_shards import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPES,
     Entry,
+    dcp_refs,
     parse_max_shard_size,
     set_config_dtype,
     tensor_refs,
@@ -115,7 +116,7 @@ def export_checkpoint(
     return written
 
 
-def _module_entries(family: Family, full: Path) -> dict[str, Entry]:
+def _module_entries(family: Family, module_dir: Path) -> dict[str, Entry]:
     """A module's checkpoint tensors under the names of its source dir's files.
 
     ``export_state`` is the family's mapping; it is called on storage-less
@@ -123,7 +124,10 @@ def _module_entries(family: Family, full: Path) -> dict[str, Entry]:
     output is one of the stand-ins and names a tensor still on disk. A family
     whose export computes new tensors gets its module's state read for real
     (that module is then held once, the rest still streams)."""
-    refs = tensor_refs([full])
+    # the full form's file, or a sharded checkpoint's pieces (each tensor assembled when written)
+    sharded = (module_dir / "dcp" / ".metadata").is_file()
+    full = module_dir / "full.safetensors"
+    refs: dict[str, Any] = dcp_refs(module_dir / "dcp") if sharded else tensor_refs([full])
     stand_ins = {k: r.meta() for k, r in refs.items()}
     back = {id(t): k for k, t in stand_ins.items()}
     try:
@@ -132,7 +136,8 @@ def _module_entries(family: Family, full: Path) -> dict[str, Entry]:
         mapped = None
     if mapped is not None and all(id(t) in back for t in mapped.values()):
         return {name: refs[back[id(t)]] for name, t in mapped.items()}
-    return dict(family.export_state(load_file(str(full))))
+    whole = {k: r.read() for k, r in refs.items()} if sharded else load_file(str(full))
+    return dict(family.export_state(whole))
 
 
 def _entry(module: str, fam: Family, dest: Path, out_dir: Path) -> dict[str, Any]:

@@ -56,8 +56,43 @@ class TensorRef:
         return torch.empty(self.shape, dtype=self.dtype, device="meta")
 
 
-#: what a shard entry is: a tensor still on disk, or one a family had to compute
-Entry = Union[TensorRef, torch.Tensor]
+@dataclass(frozen=True)
+class DcpRef:
+    """One full tensor of a sharded checkpoint's ``torch.distributed.checkpoint`` dir,
+    known from its metadata only; read (assembled from its pieces by DCP, in this one
+    process) when the shard that holds it is written."""
+
+    dir: Path
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+    def read(self) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        t = torch.empty(self.shape, dtype=self.dtype)
+        dcp.load({self.key: t}, checkpoint_id=str(self.dir), no_dist=True)
+        return t
+
+
+def dcp_refs(dcp_dir: Path, prefix: str = "param/") -> dict[str, DcpRef]:
+    """The tensors under ``prefix`` of a DCP dir (its metadata only), the prefix stripped."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    return {
+        k[len(prefix) :]: DcpRef(Path(dcp_dir), k, tuple(m.size), m.properties.dtype)
+        for k, m in saved.items()
+        if k.startswith(prefix)
+    }
+
+
+#: what a shard entry is: a tensor still on disk (a file's, or a sharded checkpoint's),
+#: or one a family had to compute
+Entry = Union[TensorRef, DcpRef, torch.Tensor]
 
 
 def tensor_refs(files: list[Path]) -> dict[str, TensorRef]:
@@ -156,6 +191,8 @@ def _read(entries: Mapping[str, Entry], names: list[str], dtype: torch.dtype) ->
         e = entries[name]
         if isinstance(e, TensorRef):
             by_file.setdefault(e.file, []).append(name)
+        elif isinstance(e, DcpRef):
+            out[name] = _cast(e.read(), dtype)
         else:
             out[name] = _cast(e, dtype)
     for f, group in by_file.items():

@@ -305,11 +305,12 @@ class Orchestrator:
     def full_grads(self, module: str) -> dict[str, Any]:
         return self._wait(self.group(module).call("full_grads"))[0]
 
-    def save_full(self, path: str) -> dict[str, dict[str, Any]]:
+    def save_full(self, path: str, sharded: bool = False) -> dict[str, dict[str, Any]]:
         """Every group writes its part of a checkpoint in the full form under
-        ``path``; returns each written file's checksum by relative path."""
+        ``path`` (``sharded``: each rank its own pieces); returns each written
+        file's checksum by relative path."""
         files: dict[str, dict[str, Any]] = {}
-        for part in self._wait([r for g in self.groups for r in g.call("save_full", path)]):
+        for part in self._wait([r for g in self.groups for r in g.call("save_full", path, sharded)]):
             files.update(part)
         return files
 

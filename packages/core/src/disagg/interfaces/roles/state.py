@@ -1,10 +1,16 @@
 """The state adapter: a rank's module and optimizer state in the layout-free
 full form (every tensor unpartitioned, named as in ``family.build()``'s
 module), which checkpoints hold so that any layout resumes from any other's,
-and the rank's own random streams (same layout only)."""
+and the rank's own random streams (same layout only).
+
+Sharded checkpoints (``checkpoint.format: sharded``) never merge: each rank
+states where its tensors lie in the full form (:meth:`StateAdapter.tensor_layout`,
+gathered by :meth:`StateAdapter.sharded_state` into :data:`Pieces`), and
+``torch.distributed.checkpoint`` writes and reshards them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +19,12 @@ from torch import nn
 
 from disagg.interfaces.context import GroupContext
 from disagg.interfaces.rng import ShardRNG
+
+#: where a rank's tensor lies in its full form: (full shape, [(offsets in the full
+#: tensor, index of the local tensor)]); several ranks may list the same piece
+Layout = tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[slice, ...]]]]
+#: full-form name -> (full shape, [(offsets, this rank's tensor of that piece)])
+Pieces = dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]]
 
 
 class StateAdapter:
@@ -92,3 +104,47 @@ class StateAdapter:
         rng = getattr(self, "rng", None)
         if isinstance(rng, ShardRNG) and "shard_dropout" in state:
             rng.state = state["shard_dropout"].clone()
+
+    # -- sharded checkpoints ----------------------------------------------------------------------
+    def tensor_layout(self, param: torch.Tensor) -> Layout:
+        """Where this rank's ``param`` (and each optimizer state of its shape) lies in the
+        full form. Default: every rank holds it whole."""
+        return tuple(param.shape), [((0,) * param.dim(), ())]
+
+    def sharded_state(self, saved: Mapping[str, Any] | None = None) -> Pieces | None:
+        """This rank's parameters (``param/<name>``, every tensor of the module's state
+        dict) and optimizer state (``optim/<name>/<state>``) as pieces of the full form,
+        aliasing the live tensors: what a sharded save writes and what a load fills in
+        place. ``saved`` (a load): the checkpoint's tensor metadata by name; the
+        optimizer state it holds is created here (zeros) to be filled. ``None``: this
+        strategy states no layout (it changed the full form but not
+        :meth:`tensor_layout`); its checkpoints then hold the full form."""
+        if (
+            type(self).full_state_dict is not StateAdapter.full_state_dict
+            and type(self).tensor_layout is StateAdapter.tensor_layout
+        ):
+            return None
+        assert self.module is not None
+        out: Pieces = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.Tensor) and not name.endswith("_extra_state"):
+                out[f"param/{name}"] = self._pieces(t, t.detach())
+        if self.optimizer is None:
+            return out
+        for name, p in self.module.named_parameters():
+            if saved is not None:
+                wanted = {k.rpartition("/")[2]: m for k, m in saved.items() if k.startswith(f"optim/{name}/")}
+                if wanted:
+                    self.optimizer.state[p] = {
+                        # torch AdamW keeps its (non-capturable) step count on the CPU
+                        k: torch.zeros((), dtype=m.properties.dtype) if not m.size else torch.zeros_like(p)
+                        for k, m in wanted.items()
+                    }
+            for k, v in (self.optimizer.state.get(p) or {}).items():
+                if torch.is_tensor(v):
+                    out[f"optim/{name}/{k}"] = self._pieces(p, v) if v.dim() else ((), [((), v)])
+        return out
+
+    def _pieces(self, param: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], list]:
+        size, where = self.tensor_layout(param)
+        return size, [(offsets, t[index]) for offsets, index in where]

@@ -9,6 +9,14 @@ pickle anywhere: tensors in safetensors, the rest in JSON.
 
 Every file is fsynced and checksummed by the rank that wrote it; the driver
 puts the checksums in the manifest and renames the checkpoint dir only then.
+
+Sharded (:func:`save_sharded`): instead of the two merged files, the group's
+ranks write ``<module>/dcp/`` with ``torch.distributed.checkpoint`` (the
+module's own process group is its world): ``__K_0.distcp`` holds the pieces
+rank K was picked to write (about 1/d of the group's parameters and optimizer
+state), ``.metadata`` (rank 0) where every piece lies in the full tensors.
+:func:`load_full` takes either form; from a sharded one each rank reads only
+the stored regions that overlap its own pieces.
 """
 
 from __future__ import annotations
@@ -58,22 +66,78 @@ def save_full(
     return {str(f.relative_to(ckpt)): file_digest(f, sync=True) for f in written}
 
 
+def save_sharded(
+    strategy: Strategy, rank: int, ckpt: Path, module: str, lora: LoraSpec | None = None
+) -> dict[str, dict[str, Any]]:
+    """Write this rank's pieces of the module's state under ``ckpt/module/dcp`` (with
+    the schedule and random streams as :func:`save_full` does); a strategy that states
+    no layout (``sharded_state`` is None) writes the full form instead, and so does a
+    LoRA module (its adapters only: small, and the form ``disagg export`` reads for
+    them). Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    from disagg.runtime.actor.dcp_pieces import PieceSavePlanner
+
+    pieces = strategy.sharded_state() if lora is None else None
+    if pieces is None:
+        return save_full(strategy, rank, ckpt, module, lora)
+    root = Path(ckpt) / module
+    (root / "rng").mkdir(parents=True, exist_ok=True)
+    dcp.save({}, checkpoint_id=str(root / "dcp"), planner=PieceSavePlanner(pieces))
+    written = sorted((root / "dcp").glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        (root / "schedule.json").write_text(json.dumps(schedule_state(strategy), indent=1))
+        written += [root / "dcp" / ".metadata", root / "schedule.json"]
+    tensors, meta = rng_state(strategy)
+    rng_file = root / "rng" / f"rank-{rank}.safetensors"
+    save_file(tensors, str(rng_file), metadata={"state": json.dumps(meta)})
+    written.append(rng_file)
+    return {str(f.relative_to(ckpt)): file_digest(f, sync=True) for f in written}
+
+
+def _load_sharded(strategy: Strategy, root: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from disagg.runtime.actor.dcp_pieces import PieceLoadPlanner
+
+    reader = dcp.FileSystemReader(str(root / "dcp"))
+    saved = reader.read_metadata().state_dict_metadata
+    pieces = strategy.sharded_state(saved)
+    if pieces is not None:
+        dcp.load({}, storage_reader=reader, planner=PieceLoadPlanner(pieces, str(root)))
+        return
+    # a strategy without a stated layout slices the full form itself: every tensor whole
+    full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
+    dcp.load(full, storage_reader=reader)
+    params = {k[len("param/") :]: v for k, v in full.items() if k.startswith("param/")}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for key, v in full.items():
+        if key.startswith("optim/"):
+            name, _, k = key[len("optim/") :].rpartition("/")
+            optim.setdefault(name, {})[k] = v
+    strategy.load_full_state(params, optim)
+
+
 def load_full(
     strategy: Strategy, rank: int, ckpt: Path, module: str, restore_rng: bool, lora: LoraSpec | None = None
 ) -> None:
-    """Take this rank's part of the module's full state; with ``restore_rng``
-    (same layout as the save) continue its random streams too. With ``lora`` the
-    checkpoint holds the trained tensors only; the frozen base is the module's
-    own, as built from the model dir (it never changes)."""
+    """Take this rank's part of the module's state, saved full or sharded by any
+    layout; with ``restore_rng`` (same layout as the save) continue its random
+    streams too. With ``lora`` the checkpoint holds the trained tensors only; the
+    frozen base is the module's own, as built from the model dir (it never changes).
+    Collective."""
     root = Path(ckpt) / module
-    params = load_file(str(root / "full.safetensors"))
-    if lora is not None:
-        params = {**strategy.full_state_dict(), **params}
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    for key, v in load_file(str(root / "optim.safetensors")).items():
-        name, _, k = key.rpartition(SEP)
-        optim.setdefault(name, {})[k] = v
-    strategy.load_full_state(params, optim)
+    if (root / "dcp" / ".metadata").is_file():
+        _load_sharded(strategy, root)
+    else:
+        params = load_file(str(root / "full.safetensors"))
+        if lora is not None:
+            params = {**strategy.full_state_dict(), **params}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for key, v in load_file(str(root / "optim.safetensors")).items():
+            name, _, k = key.rpartition(SEP)
+            optim.setdefault(name, {})[k] = v
+        strategy.load_full_state(params, optim)
     set_schedule_state(strategy, json.loads((root / "schedule.json").read_text()))
     if restore_rng:
         path = root / "rng" / f"rank-{rank}.safetensors"

@@ -374,12 +374,14 @@ class ModuleWorker:
         return g if self.rank == 0 else None
 
     @_named
-    def save_full(self, ckpt: str) -> dict[str, dict[str, Any]]:
-        """This rank's files of a checkpoint in the full form (collective)."""
-        from disagg.runtime.actor.state import save_full
+    def save_full(self, ckpt: str, sharded: bool = False) -> dict[str, dict[str, Any]]:
+        """This rank's files of a checkpoint in the full form, or its own pieces
+        (``sharded``: ``checkpoint.format: sharded``); collective."""
+        from disagg.runtime.actor.state import save_full, save_sharded
 
         lora = self.optim.lora if self.optim is not None else None
-        return save_full(self.strategy, self.rank, Path(ckpt), self.module, lora)  # type: ignore[arg-type]
+        save = save_sharded if sharded else save_full
+        return save(self.strategy, self.rank, Path(ckpt), self.module, lora)  # type: ignore[arg-type]
 
     @_named
     def load_full(self, ckpt: str, restore_rng: bool) -> None:

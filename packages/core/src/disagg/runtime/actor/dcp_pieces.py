@@ -1,0 +1,96 @@
+"""``torch.distributed.checkpoint`` planners over pieces of full tensors.
+
+A rank's state is given as :data:`~disagg.interfaces.roles.state.Pieces`: per
+full-form name, the full tensor's shape and the pieces this rank holds, each
+at its offsets in the full tensor. That describes what ShardedTensor and
+DTensor cannot (a tensor-parallel rank's rows of each block of a fused q/k/v
+projection, a vocabulary cut after padding, a key/value head copied on several
+ranks) without either. Saving, every holder lists its pieces and DCP's own
+de-duplication of equal write items picks one writer per piece (spread over
+the ranks); loading, DCP's resharding (``create_read_items_for_chunk_list``)
+reads exactly the stored regions that overlap this rank's pieces, whatever
+layout wrote them. DCP fills the pieces in place, so a load's pieces alias the
+live parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from disagg.interfaces.roles.state import Pieces
+
+
+def _find(pieces: Pieces, index: MetadataIndex) -> torch.Tensor:
+    for offsets, t in pieces[index.fqn][1]:
+        if torch.Size(offsets) == index.offset:
+            return t
+    raise KeyError(f"no piece of {index.fqn!r} at {tuple(index.offset or ())}")
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """Writes the pieces (``dcp.save`` is given an empty state dict)."""
+
+    def __init__(self, pieces: Pieces) -> None:
+        super().__init__()
+        self.pieces = pieces
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, (size, parts) in self.pieces.items():
+            for offsets, t in parts:
+                at = torch.Size(offsets)
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, at),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=at, sizes=t.size()),
+                            properties=TensorProperties.create_from_tensor(t),
+                            size=torch.Size(size),
+                        ),
+                    )
+                )
+        self.plan = SavePlan(items, planner_data={fqn: (fqn,) for fqn in self.pieces})
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return _find(self.pieces, index).detach().cpu().contiguous()
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """Fills the pieces in place from whatever layout saved them."""
+
+    def __init__(self, pieces: Pieces, where: str) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces, self.where = pieces, where
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        stored = self.metadata.state_dict_metadata
+        items = []
+        for fqn, (size, parts) in self.pieces.items():
+            md = stored.get(fqn)
+            if not isinstance(md, TensorStorageMetadata):
+                raise KeyError(f"checkpoint {self.where} has no tensor {fqn!r}")
+            if tuple(md.size) != tuple(size):
+                raise ValueError(
+                    f"checkpoint {self.where}: {fqn!r} is {tuple(md.size)} there, "
+                    f"{tuple(size)} in this module"
+                )
+            chunks = [ChunkStorageMetadata(torch.Size(o), t.size()) for o, t in parts]
+            items += create_read_items_for_chunk_list(fqn, md, chunks)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return _find(self.pieces, index)

@@ -1,0 +1,70 @@
+"""Rank function of the sharded-checkpoint test (spawned ranks import it by name).
+
+On 4 ranks: ``megatron_tp`` 2 x 2 replicas trains a step, saves it sharded
+(``torch.distributed.checkpoint``, each rank its own pieces) and trains another;
+then fresh groups of other layouts on the same 4 ranks resume from the save:
+the same layout, ``megatron_tp`` 4 and ``ddp`` x 4, each compared after the load
+and after the same second step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tp_cases import LR, MAX_NORM, label_count, replica_slice
+
+from disagg.interfaces import OptimSpec
+from disagg.runtime.actor.state import load_full, save_sharded
+from disagg.testing import ranks
+from disagg.testing.ranks import dumps, loads
+
+
+def _build(kind: str, rank: int, path: str) -> Any:
+    from disagg_llm_tp.families.qwen2 import Qwen2Family
+
+    fam = Qwen2Family(path)
+    optim = OptimSpec(lr=LR, weight_decay=0.1)
+    if kind == "ddp":
+        from disagg.builtin.ddp import DDPStrategy
+
+        return ranks.strategy_rank(DDPStrategy, fam, ranks.rank_context("llm", rank, 1, 4), optim=optim)
+    from disagg_llm_tp.strategy import MegatronTPStrategy
+
+    degree = int(kind[2:])
+    ctx = ranks.rank_context("llm", rank, degree, 4 // degree)
+    return ranks.strategy_rank(MegatronTPStrategy, fam, ctx, optim=optim)
+
+
+def _step(strat: Any, samples: list[dict], embeds: list[dict]) -> None:
+    ctx = strat.ctx
+    mine = replica_slice(samples, ctx.replica, ctx.replicas)
+    rows = replica_slice(embeds, ctx.replica, ctx.replicas)
+    ranks.loss_and_backward(strat, 0, mine, ranks.leaves(rows), 1.0 / label_count(samples))
+    ranks.step(strat, ranks.reduce(strat), MAX_NORM)
+
+
+def _state(strat: Any) -> dict[str, torch.Tensor]:
+    """Merged parameters and AdamW state, one flat dict."""
+    out = {f"param/{k}": v for k, v in ranks.full_state(strat).items()}
+    for name, st in strat.full_optimizer_state().items():
+        out.update({f"optim/{name}/{k}": v for k, v in st.items()})
+    return out
+
+
+def ckpt_rank(rank: int, payload: bytes) -> bytes:
+    path, root, samples, embeds = loads(payload)
+    ckpt = Path(root)
+    first = _build("tp2", rank, path)
+    _step(first, samples, embeds)
+    files = save_sharded(first, rank, ckpt, "llm")
+    out: dict[str, Any] = {"files": files, "saved": _state(first)}
+    _step(first, samples, embeds)
+    out["uninterrupted"] = _state(first)
+    for kind in ("tp2", "tp4", "ddp"):
+        strat = _build(kind, rank, path)
+        load_full(strat, rank, ckpt, "llm", restore_rng=kind == "tp2")
+        out[f"{kind}/loaded"] = _state(strat)
+        _step(strat, samples, embeds)
+        out[f"{kind}/stepped"] = _state(strat)
+    return dumps(out)
