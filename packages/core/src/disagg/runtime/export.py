@@ -116,7 +116,7 @@ def export_checkpoint(
     return written
 
 
-def _module_entries(family: Family, module_dir: Path) -> dict[str, Entry]:
+def _module_entries(family: Family, full: Path) -> dict[str, Entry]:
     """A module's checkpoint tensors under the names of its source dir's files.
 
     ``export_state`` is the family's mapping; it is called on storage-less
@@ -124,10 +124,10 @@ def _module_entries(family: Family, module_dir: Path) -> dict[str, Entry]:
     output is one of the stand-ins and names a tensor still on disk. A family
     whose export computes new tensors gets its module's state read for real
     (that module is then held once, the rest still streams)."""
-    # the full form's file, or a sharded checkpoint's pieces (each tensor assembled when written)
-    sharded = (module_dir / "dcp" / ".metadata").is_file()
-    full = module_dir / "full.safetensors"
-    refs: dict[str, Any] = dcp_refs(module_dir / "dcp") if sharded else tensor_refs([full])
+    # the full form's file, or a sharded checkpoint's pieces beside where it would be
+    # (each tensor assembled when its shard is written)
+    sharded = (full.parent / "dcp" / ".metadata").is_file()
+    refs: dict[str, Any] = dcp_refs(full.parent / "dcp") if sharded else tensor_refs([full])
     stand_ins = {k: r.meta() for k, r in refs.items()}
     back = {id(t): k for k, t in stand_ins.items()}
     try:
