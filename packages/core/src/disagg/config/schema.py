@@ -313,7 +313,8 @@ class CheckpointConfig(Strict):
     (``<module>/full.safetensors``, ``optim.safetensors``; ``disagg export`` reads them).
     ``sharded``: every rank writes only its own pieces through ``torch.distributed.checkpoint``
     (``<module>/dcp/``, about 1/degree of the module each); a resume in any layout reads
-    only what its ranks need. Resuming takes either form. ``zero`` writes the full form."""
+    only what its ranks need. Resuming takes either form. ``zero``, and ``ddp``/``ulysses`` with a
+    ``shard`` other than ``none``, write the full form there."""
     keep_last: int | None = Field(None, ge=1)
     """Keep only the newest K complete checkpoints (``null``: keep all)."""
     keep_best: Literal["eval_loss"] | None = None

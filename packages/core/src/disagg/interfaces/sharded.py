@@ -205,6 +205,13 @@ class ShardedReplicas:
         return total + self._whole_bytes
 
     # -- the full form (checkpoints, export, tests) ---------------------------------------------------
+    def sharded_state(self, saved: Any = None) -> Any:
+        """Whole replicas (``shard: none``) give sharded checkpoints the default layout;
+        FSDP2 / ZeRO-1 shards write the full form there until their layout is stated."""
+        if self.shard_mode != "none" and self.ctx.world_size > 1:
+            return None
+        return self.layout_pieces(saved)  # type: ignore[attr-defined]
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if not self.fsdp:
             return super().full_state_dict()  # type: ignore[misc]

@@ -124,6 +124,11 @@ class StateAdapter:
             and type(self).tensor_layout is StateAdapter.tensor_layout
         ):
             return None
+        return self.layout_pieces(saved)
+
+    def layout_pieces(self, saved: Mapping[str, Any] | None = None) -> Pieces:
+        """:meth:`sharded_state` by :meth:`tensor_layout`, whatever the full form is (for a
+        strategy whose own ``sharded_state`` decides when its layout holds)."""
         assert self.module is not None
         out: Pieces = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
