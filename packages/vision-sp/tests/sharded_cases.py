@@ -57,13 +57,21 @@ def steps_rank(rank: int, runs: list[tuple[str, int, int, dict]], path: str, inp
         if options.get("shard", "none") == "none":
             out.append(res)
             continue
-        # a checkpoint's round trip: the full form (rank 0's is complete) into a fresh set-up
+        # a checkpoint's round trip: the full form (rank 0's is complete) loaded back into the
+        # same set-up after its parameters and AdamW state were wiped
+        import torch
         import torch.distributed as dist
+
+        from disagg.interfaces import fsdp
 
         payload = [res["params"], res["optim"]]
         dist.broadcast_object_list(payload, src=0)
-        fresh = ranks.strategy_rank(strategy_class(name), family, ctx, options=options, optim=OPTIM)
-        fresh.load_full_state(*payload)
-        res["reloaded"] = (ranks.full_state(fresh), fresh.full_optimizer_state())
+        with torch.no_grad():
+            for p in strat.module.parameters():
+                fsdp.local(p).zero_()
+        inner = getattr(strat.optimizer, "optim", strat.optimizer)  # ZeroRedundancyOptimizer's own
+        inner.state.clear()
+        strat.load_full_state(*payload)
+        res["reloaded"] = (ranks.full_state(strat), strat.full_optimizer_state())
         out.append(res)
     return ranks.dumps(out)
