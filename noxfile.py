@@ -105,6 +105,7 @@ def kernels(session: nox.Session) -> None:
     packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
     install(session, *packages, EXAMPLE)
     session.install("scikit-learn")
+    session.install("-e", "packages/core[lora]")  # the LoRA equivalence tests
     log = ROOT / "runs" / "margins" / "kernels.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.unlink(missing_ok=True)
@@ -146,8 +147,11 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job: a tiny multimodal training run on local Ray, on CPU
-    (``-- --omni``: vision + audio + LLM from three dirs; ``-- --help``: the options)."""
+    (``-- --omni``: vision + audio + LLM from three dirs; ``-- --lora``: PEFT LoRA adapters;
+    ``-- --help``: the options)."""
     install(session, "packages/core", *(f"packages/{p}" for p in PLUGINS))
+    if "--lora" in session.posargs:
+        session.install("-e", "packages/core[lora]")
     session.run("python", "examples/demo/run.py", *session.posargs, env=ENV)
 
 

@@ -115,6 +115,14 @@ def test_good_lora_resolves_into_the_optim_spec(tiny, tmp_path):
             ["unknown part 'mergr'", "(did you mean 'merger'?)"],
         ),
         (
+            # the merger's first linear, inside the part trained in full
+            {"lora": {"targets": ["qkv", "mlp.0"], "modules_to_save": ["merger"]}},
+            {},
+            None,
+            "train.modules.vision.lora.targets.1",
+            ["'mlp.0' matches merger.mlp.0, inside part 'merger' of modules_to_save"],
+        ),
+        (
             {"freeze": ["tower"], "lora": {"targets": ["qkv"]}},
             {},
             None,

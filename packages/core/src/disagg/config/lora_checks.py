@@ -95,6 +95,31 @@ def lora_problems(
                         )
                     )
     parts = family.parts()
+    saved = {}
+    for name in lora.modules_to_save:
+        try:
+            saved.update({m: name for m in part_modules(parts.get(name, ()))})
+        except ValueError:
+            pass  # reported below
+    for i, target in enumerate(lora.targets):
+        inside = sorted(
+            {
+                (p, saved[m])
+                for p in linears
+                for m in saved
+                if p.startswith(m + ".") and pattern_can_match(p, target)
+            }
+        )
+        if inside:
+            p, part = inside[0]
+            out.append(
+                (
+                    (*key, "targets", i),
+                    f"{target!r} matches {p}, inside part {part!r} of modules_to_save, which trains in "
+                    "full (PEFT adapts no layer of a module it saves); target other linears or remove "
+                    f"{part!r} from modules_to_save",
+                )
+            )
     for i, name in enumerate(lora.modules_to_save):
         if name not in parts:
             known = ", ".join(sorted(parts)) or "none"
