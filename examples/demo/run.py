@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=200, help="optimizer steps (default 200, a few minutes on 2 cores)"
     )
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default 3e-3; 1e-2 with --lora)"
+    )
     p.add_argument(
         "--vision-lr", type=float, default=None, help="learning rate of the vision tower (default --lr)"
     )
@@ -86,7 +88,7 @@ def demo_config(
         },
         "train": {
             "steps": args.steps,
-            "lr": args.lr,
+            "lr": args.lr or (1e-2 if args.lora else 3e-3),
             "seed": 0,
             "clip_grad_norm": 1.0,
             "scheduler": "cosine",
@@ -108,7 +110,7 @@ LLM_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def lora_modules(args: argparse.Namespace, model: dict) -> dict:
     """``train.modules`` of ``--lora``: adapters per module, each its own choice (the merger
-    trains in full; under ``--omni`` the audio encoder trains in full)."""
+    and the LLM's output head train in full; under ``--omni`` the audio encoder trains in full)."""
     modules = vision_lr(args)
     modules.setdefault("vision", {})["lora"] = {
         "r": 8,
@@ -116,7 +118,8 @@ def lora_modules(args: argparse.Namespace, model: dict) -> dict:
         "targets": ["attn.qkv", "attn.proj"],
         "modules_to_save": ["merger"],
     }
-    modules["llm"] = {"lora": {"r": 16, "alpha": 32, "targets": LLM_TARGETS}}
+    # the tiny model's output head is random too: it trains in full (PEFT modules_to_save)
+    modules["llm"] = {"lora": {"r": 16, "alpha": 32, "targets": LLM_TARGETS, "modules_to_save": ["lm_head"]}}
     return modules
 
 
