@@ -1,4 +1,5 @@
-"""Rank function of the sharded-checkpoint test (spawned ranks import it by name).
+"""Rank function of ``test_sharded_checkpoint_tp`` (spawned ranks import it by name; it
+imports llm-tp's ``tp_cases``, which that test puts on the path).
 
 On 4 ranks: ``megatron_tp`` 2 x 2 replicas trains a step, saves it sharded
 (``torch.distributed.checkpoint``, each rank its own pieces) and trains another;

@@ -9,19 +9,26 @@ grouped key/value heads replicated under degree 4."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from ckpt_cases import ckpt_rank
-from tp_cases import make_batch
+# llm-tp's case kit (batches, step settings); spawned ranks inherit this path. The test lives
+# here, not in llm-tp's tests, because it drives core's runtime (the actor's checkpoint
+# functions), which plugin tests may not import (test_import_rules).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "llm-tp" / "tests"))
 
-from disagg.testing.dist import run_ranks
-from disagg.testing.ranks import dumps, loads
-from disagg.testing.tolerance import assert_exact, assert_tensors_close
-from disagg_llm_tp.families.qwen2 import Qwen2Family
+from ckpt_cases import ckpt_rank  # noqa: E402
+from tp_cases import make_batch  # noqa: E402
+
+from disagg.testing.dist import run_ranks  # noqa: E402
+from disagg.testing.ranks import dumps, loads  # noqa: E402
+from disagg.testing.tolerance import assert_exact, assert_tensors_close  # noqa: E402
+from disagg_llm_tp.families.qwen2 import Qwen2Family  # noqa: E402
 
 
-def test_sharded_save_resumes_in_any_layout(tiny_dirs, tmp_path):
-    path = tiny_dirs["qwen2"]
+def test_sharded_save_resumes_in_any_layout(tmp_path):
+    # llm-tp's tiny qwen2 (its conftest's): tied embeddings, a vocabulary 4 does not divide
+    path = str(Qwen2Family.make_tiny(tmp_path / "qwen2", vocab_size=498, tie_word_embeddings=True))
     samples, embeds = make_batch(Qwen2Family(path), n_samples=4, seed=5)
     out = [loads(b) for b in run_ranks(ckpt_rank, 4, dumps((path, str(tmp_path), samples, embeds)))]
     saved, uninterrupted = out[0]["saved"], out[0]["uninterrupted"]
