@@ -133,7 +133,7 @@ def test_two_ranks_every_mode_equals_unsharded_and_hf(case, tiny_qwen):
         ("ulysses", 2, 1, {"shard": "parameters", "recompute": "full"}),
         ("ddp", 1, 2, {}),
         ("ddp", 1, 2, {"shard": "gradients"}),
-        ("ddp", 1, 2, {"shard": "parameters"}),
+        ("ddp", 1, 2, {"shard": "parameters", "recompute": "full"}),
     ]
     res = _check_all(case, 2, runs)
     # measured on the tiny tower: state bytes per rank under shard: parameters at d = 2 vs whole
