@@ -24,7 +24,7 @@ pytest.importorskip("disagg_llm_tp")
 pytest.importorskip("disagg_zero")
 
 from e2e_run import e2e_config  # noqa: E402
-from hf_reference import batches_of, train_reference  # noqa: E402
+from hf_reference import batches_of, qwen2_5_vl_kwargs, train_reference  # noqa: E402
 
 from disagg.testing.tolerance import assert_exact, assert_params_close, assert_scalar_close  # noqa: E402
 
@@ -177,23 +177,6 @@ def test_tp4_export_equals_ddp_export(resharded, tmp_path):
     )
 
 
-def _hf_kwargs(image_token: int):
-    """A run's sample as the HF Qwen2.5-VL model's forward keywords."""
-
-    def kwargs(s: dict) -> dict:
-        llm = s["llm"]
-        kw = {"input_ids": llm["input_ids"][None], "labels": llm["labels"][None]}
-        if "vision" in s:
-            kw.update(
-                pixel_values=s["vision"]["pixel_values"],
-                image_grid_thw=s["vision"]["image_grid_thw"],
-                mm_token_type_ids=(llm["input_ids"][None] == image_token).int(),
-            )
-        return kw
-
-    return kwargs
-
-
 def test_zero3_export_reproduces_the_trained_loss(zero3, tmp_path):
     """Step 4's logged loss is that of the step-3 weights on the 4th batch."""
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -205,7 +188,7 @@ def test_zero3_export_reproduces_the_trained_loss(zero3, tmp_path):
     (dest,) = export_checkpoint(_step3(cfg), tmp_path / "export", get_registry())
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(dest), dtype=torch.float32)
     batch = batches_of(cfg, 4)[3]
-    ref = train_reference(model, [batch], _hf_kwargs(model.config.image_token_id), cfg.train)
+    ref = train_reference(model, [batch], qwen2_5_vl_kwargs(model.config.image_token_id), cfg.train)
     assert_scalar_close(losses[4], ref.losses[0], "step 4 loss of the exported step-3 weights")
 
 
@@ -233,7 +216,7 @@ def test_tp2_sharded_export_loads_and_reproduces_the_trained_loss(dhp, tmp_path)
     )
     assert {k: list(v) for k, v in info.items() if v} == {}, info  # missing/unexpected/mismatched/errors
     batch = batches_of(cfg, 4)[3]
-    ref = train_reference(model, [batch], _hf_kwargs(model.config.image_token_id), cfg.train)
+    ref = train_reference(model, [batch], qwen2_5_vl_kwargs(model.config.image_token_id), cfg.train)
     assert_scalar_close(losses[4], ref.losses[0], "step 4 loss of the sharded export of the step-3 weights")
 
     bf16 = tmp_path / "bf16"

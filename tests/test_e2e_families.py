@@ -23,7 +23,13 @@ import torch
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
-from hf_reference import batches_of, exported_state, run_metrics, train_reference  # noqa: E402
+from hf_reference import (  # noqa: E402
+    batches_of,
+    exported_state,
+    qwen2_5_vl_kwargs,
+    run_metrics,
+    train_reference,
+)
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
 from disagg.config.schema import Config  # noqa: E402
@@ -33,18 +39,7 @@ STEPS = 3
 
 
 def _qwen_kwargs(cfg) -> Callable[[dict], dict]:  # noqa: ANN001
-    def kwargs(s: dict) -> dict:
-        llm = s["llm"]
-        kw = {"input_ids": llm["input_ids"][None], "labels": llm["labels"][None]}
-        if "vision" in s:
-            kw.update(
-                pixel_values=s["vision"]["pixel_values"],
-                image_grid_thw=s["vision"]["image_grid_thw"],
-                mm_token_type_ids=(llm["input_ids"][None] == cfg.image_token_id).int(),
-            )
-        return kw
-
-    return kwargs
+    return qwen2_5_vl_kwargs(cfg.image_token_id)  # Qwen2-VL and Qwen3-VL take the same keywords
 
 
 def _llava_kwargs(cfg) -> Callable[[dict], dict]:  # noqa: ANN001

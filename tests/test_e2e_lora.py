@@ -32,7 +32,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("disagg_vision_sp")
 
-from hf_reference import batches_of, run_metrics, train_reference  # noqa: E402
+from hf_reference import batches_of, qwen2_5_vl_kwargs, run_metrics, train_reference  # noqa: E402
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
 from disagg.testing.tolerance import FP32, Precision, assert_params_close  # noqa: E402
@@ -91,7 +91,7 @@ def reference(ray_local, tiny, tmp_path_factory):
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all(".lora_" in n or ".merger." in n for n in trained), sorted(trained)[:5]
-    kwargs = _kwargs(model.config.image_token_id)
+    kwargs = qwen2_5_vl_kwargs(model.config.image_token_id)
     batches = batches_of(cfg, STEPS)
     with capture_first_grads(model) as grads:
         run = train_reference(model, batches, kwargs, cfg.train)
@@ -101,21 +101,6 @@ def reference(ray_local, tiny, tmp_path_factory):
     with torch.no_grad():
         logits = model(**kwargs(sample)).logits
     return run, grads, cfg.train, initial, trained, (kwargs(sample), logits)
-
-
-def _kwargs(image_token_id: int):
-    def kwargs(s: dict) -> dict:
-        llm = s["llm"]
-        kw = {"input_ids": llm["input_ids"][None], "labels": llm["labels"][None]}
-        if "vision" in s:
-            kw.update(
-                pixel_values=s["vision"]["pixel_values"],
-                image_grid_thw=s["vision"]["image_grid_thw"],
-                mm_token_type_ids=(llm["input_ids"][None] == image_token_id).int(),
-            )
-        return kw
-
-    return kwargs
 
 
 def _ckpt(run_dir: Path, step: int, what: str = "full") -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ from hf_reference import (  # noqa: E402
     batches_of,
     eval_set_of,
     exported_state,
+    qwen2_5_vl_kwargs,
     run_eval_losses,
     run_metrics,
     train_reference,
@@ -55,21 +56,6 @@ def _config(tiny: dict, out: Path, vision: dict, llm: dict, **train: object) -> 
     return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS, eval_every=1, **train)
 
 
-def _hf_kwargs(image_token_id: int):
-    def kwargs(s: dict) -> dict:
-        llm = s["llm"]
-        kw = {"input_ids": llm["input_ids"][None], "labels": llm["labels"][None]}
-        if "vision" in s:
-            kw.update(
-                pixel_values=s["vision"]["pixel_values"],
-                image_grid_thw=s["vision"]["image_grid_thw"],
-                mm_token_type_ids=(llm["input_ids"][None] == image_token_id).int(),
-            )
-        return kw
-
-    return kwargs
-
-
 @pytest.fixture(scope="module")
 def reference(ray_local, tiny, tmp_path_factory):
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -80,7 +66,7 @@ def reference(ray_local, tiny, tmp_path_factory):
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         tiny["models"]["qwen2_5_vl"], dtype=torch.float32
     )
-    kwargs = _hf_kwargs(model.config.image_token_id)
+    kwargs = qwen2_5_vl_kwargs(model.config.image_token_id)
     with capture_first_grads(model) as grads:  # read-only: what the lr-unit bound is derived from
         run = train_reference(model, batches, kwargs, cfg.train, eval_set=eval_set_of(cfg))
     return run, grads, cfg.train
@@ -227,7 +213,7 @@ def test_frozen_tower_trains_merger_like_hf_model(ray_local, tiny, tmp_path, lay
         rest = [p for p in m.parameters() if id(p) not in merger]
         return [{"params": rest}, {"params": list(m.model.visual.merger.parameters()), "lr": 3e-3}]
 
-    kwargs = _hf_kwargs(model.config.image_token_id)
+    kwargs = qwen2_5_vl_kwargs(model.config.image_token_id)
     with capture_first_grads(model) as grads:  # read-only: what the lr-unit bound is derived from
         want = train_reference(
             model, batches_of(cfg, STEPS), kwargs, cfg.train, groups, eval_set=eval_set_of(cfg)
