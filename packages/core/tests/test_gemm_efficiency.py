@@ -172,7 +172,8 @@ def test_calibrate_writes_the_fitted_curve(tmp_path, monkeypatch):
     assert c.peak_flops == pytest.approx(30e9, rel=1e-6) and c.mfu == 1.0
     assert c.mem_bw == 7e9 and (c.gemm_tile, c.compute_units) == (0, 0)
     assert 0 < c.gemm_ridge <= 12.0 + 1e-9
-    assert c.source.startswith("measured (matmul, layer, gloo, gemm curve, memory)")
+    # "ray call" joins the list when the session's Ray is already up (calibrate measures it then)
+    assert c.source.startswith("measured (matmul, layer, gloo, gemm curve, memory")
     assert cluster_from(str(out)) == c
     # plan.json: per group, the predicted busy seconds (metrics.jsonl's name) and their parts
     best = json.loads(plan_json.read_text())["ranked"][0]
