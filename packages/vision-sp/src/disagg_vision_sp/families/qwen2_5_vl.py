@@ -125,10 +125,10 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
 
     @classmethod
     def tiny_variants(cls) -> dict[str, Any]:
-        from disagg_vision_sp.families.tiny_qwen2_5_vl import make_tiny_qwen2_5_vl_deep
+        from disagg_vision_sp.families.tiny_qwen2_5_vl import VISION_DEEP, make_tiny_qwen2_5_vl
 
         # the benchmark's model (examples/bench/bench.yaml): an 8-block tower
-        return {"qwen2_5_vl_deep": lambda out: make_tiny_qwen2_5_vl_deep(Path(out))}
+        return {"qwen2_5_vl_deep": lambda out: make_tiny_qwen2_5_vl(Path(out), vision=VISION_DEEP)}
 
     # -- data -----------------------------------------------------------------------------------
     def preprocess(self, media: list[Any], **limits: int) -> dict[str, torch.Tensor]:

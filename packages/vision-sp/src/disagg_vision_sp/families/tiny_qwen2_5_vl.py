@@ -92,21 +92,14 @@ VISION_QWEN3_VL = dict(
 )
 
 
-def make_tiny_qwen2_5_vl(out_dir: Path, seed: int = 0) -> Path:
-    """Write config, safetensors weights, tokenizer and image processor; deterministic for ``seed``."""
+def make_tiny_qwen2_5_vl(out_dir: Path, seed: int = 0, vision: dict = VISION) -> Path:
+    """Write config, safetensors weights, tokenizer and image processor; deterministic for ``seed``.
+    ``vision``: the tower's config (:data:`VISION_DEEP`: the benchmark's 8-block tower)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     return _make_tiny(
-        Path(out_dir), Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "out_hidden_size", VISION, seed
+        Path(out_dir), Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "out_hidden_size", vision, seed
     )
-
-
-def make_tiny_qwen2_5_vl_deep(out_dir: Path, seed: int = 0) -> Path:
-    """:func:`make_tiny_qwen2_5_vl` with the benchmark's 8-block tower (:data:`VISION_DEEP`)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    model_cls = Qwen2_5_VLForConditionalGeneration
-    return _make_tiny(Path(out_dir), Qwen2_5_VLConfig, model_cls, "out_hidden_size", VISION_DEEP, seed)
 
 
 def make_tiny_qwen2_vl(out_dir: Path, seed: int = 0) -> Path:
