@@ -52,25 +52,29 @@ def reference(path: str, samples: list[dict], steps: int = STEPS) -> dict:
     return out
 
 
-def tp_lora_rank(rank: int, payload: bytes) -> bytes:
-    """``payload``: (family path, samples, [sequence_parallel per case]); one record per case."""
+def _tp_lora(rank: int, path: str, spec, optim, options: dict, train: bool = False):  # noqa: ANN001, ANN202
+    """``megatron_tp`` 2 on the tiny Qwen2 with ``spec``'s adapters applied after the build,
+    as core's worker applies them: ``(ctx, strategy)``."""
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
+
+    ctx = ranks.rank_context("llm", rank, 2, 1)
+    fam = Qwen2Family(path)
+    module = apply_lora(fam.build(torch.float32), spec, "llm", "train.modules.llm.lora")
+    opts = MegatronTPOptions(**options)
+    strat = ranks.strategy_rank(
+        MegatronTPStrategy, fam, ctx, options=opts, optim=optim, module=module, train=train
+    )
+    return ctx, strat
+
+
+def tp_lora_rank(rank: int, payload: bytes) -> bytes:
+    """``payload``: (family path, samples, [sequence_parallel per case]); one record per case."""
 
     path, samples, cases = loads(payload)
     outs = []
     for sp in cases:
-        ctx = ranks.rank_context("llm", rank, 2, 1)
-        fam = Qwen2Family(path)
-        module = apply_lora(fam.build(torch.float32), SPEC, "llm", "train.modules.llm.lora")
-        strat = ranks.strategy_rank(
-            MegatronTPStrategy,
-            fam,
-            ctx,
-            options=MegatronTPOptions(sequence_parallel=sp),
-            optim=OPTIM,
-            module=module,
-        )
+        ctx, strat = _tp_lora(rank, path, SPEC, OPTIM, {"sequence_parallel": sp})
         total = label_count(samples)
         rec: dict = {"loss": [], "grads": [], "norm_sq": []}
         for _ in range(STEPS):
@@ -92,26 +96,13 @@ def tp_lora_dropout_rank(rank: int, payload: bytes) -> bytes:
     from dataclasses import replace
 
     from disagg.testing.dropout import dropout_spy
-    from disagg_llm_tp.families.qwen2 import Qwen2Family
-    from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
     path, samples = loads(payload)
     spec = replace(SPEC, dropout=0.3)
     optim = replace(OPTIM, lora=spec)
     out = {}
     for mode in ("none", "full"):
-        ctx = ranks.rank_context("llm", rank, 2, 1)
-        fam = Qwen2Family(path)
-        module = apply_lora(fam.build(torch.float32), spec, "llm", "train.modules.llm.lora")
-        strat = ranks.strategy_rank(
-            MegatronTPStrategy,
-            fam,
-            ctx,
-            options=MegatronTPOptions(recompute=mode),
-            optim=optim,
-            module=module,
-            train=True,
-        )
+        _, strat = _tp_lora(rank, path, spec, optim, {"recompute": mode}, train=True)
         with dropout_spy() as masks:  # the kit's spy: a replay in backward would be recorded too
             ranks.loss_and_backward(strat, 0, samples, [{} for _ in samples], 1.0 / label_count(samples))
         ranks.reduce(strat)
