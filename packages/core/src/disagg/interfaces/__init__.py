@@ -13,7 +13,7 @@ from disagg.interfaces.family import (
 )
 from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, bucket_sizes, sum_of_squares
 from disagg.interfaces.parts import PartGroup
-from disagg.interfaces.precision import compute_dtype
+from disagg.interfaces.precision import PRECISIONS, RECIPES, Recipe, compute_dtype, resolve_precision
 from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
 from disagg.interfaces.shard import EmbeddingShard
@@ -35,6 +35,10 @@ __all__ = [
     "bucket_sizes",
     "sum_of_squares",
     "compute_dtype",
+    "PRECISIONS",
+    "RECIPES",
+    "Recipe",
+    "resolve_precision",
     "dropout_seed",
     "EmbeddingShard",
     "EncoderFamily",
