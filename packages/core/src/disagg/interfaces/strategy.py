@@ -116,6 +116,10 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
     #: linears its adapters may wrap (a strategy that rewrites linears builds its own
     #: adapters for those); False: refused at validation
     lora_support: ClassVar[bool | tuple[str, ...]] = True
+    #: values of ``train.precision`` (:data:`disagg.interfaces.precision.RECIPES`) this strategy
+    #: honours; a run whose recipe a module's strategy does not list is refused at validation,
+    #: naming the module, the strategy and these
+    precisions: ClassVar[tuple[str, ...]] = ("fp32",)
 
     # -- validation, before any actor starts -------------------------------------------------
     @classmethod
