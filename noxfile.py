@@ -51,7 +51,8 @@ def install(session: nox.Session, *paths: str) -> None:
 def pytest(session: nox.Session, *tests_dirs: str, marker: str = "not gpu") -> None:
     """One pytest process per tests dir: packages' test helpers have plain
     module names (conftest, fakes) that must not collide across packages.
-    Every dir runs even when an earlier one fails, so one run shows every failure.
+    Every dir runs even when an earlier one fails, so one run shows every failure; each prints its
+    15 slowest tests, so a CI log shows where the budget goes.
     ``marker``: the CUDA suite (pytest marker ``gpu``) runs only in ``nox -s gpu``."""
     failed = []
     for tests_dir in tests_dirs:
@@ -59,7 +60,7 @@ def pytest(session: nox.Session, *tests_dirs: str, marker: str = "not gpu") -> N
             session.log(f"{tests_dir}: no tests yet")
             continue
         try:
-            session.run("pytest", "-q", "-m", marker, tests_dir, *session.posargs, env=ENV)
+            session.run("pytest", "-q", "--durations=15", "-m", marker, tests_dir, *session.posargs, env=ENV)
         except nox.command.CommandFailed:
             failed.append(tests_dir)
     if failed:
