@@ -56,7 +56,7 @@ def _cfg(tiny, out: Path, vision: dict, llm: dict, device: str, transport: str =
     parallel = {"vision": vision, "llm": llm, "placement": "collocated", "transport": transport}
     cfg = e2e_config(tiny, out, families, parallel, STEPS)
     raw = cfg.model_dump(mode="json")
-    raw["train"].update(device=device, dtype="float32" if device == "cpu" else "bfloat16")
+    raw["train"].update(device=device, precision="fp32" if device == "cpu" else "bf16")
     for key, value in extra.items():
         section, name = key.split("__")
         raw[section][name] = value

@@ -1,4 +1,4 @@
-"""``disagg bench`` with ``train.dtype: auto`` picks the dtype from the Ray
+"""``disagg bench`` with ``train.precision: auto`` picks the dtype from the Ray
 cluster's GPUs (where the actors run), not from the driver's device."""
 
 from __future__ import annotations

@@ -292,3 +292,46 @@ def test_shard_modes_refused_by_name_where_they_cannot_run(reg, workdir):
     assert "'everything' is not allowed; allowed: none, optimizer, gradients, parameters" in got
     cfg["parallel"]["llm"].update(shard="optimizer")
     assert check(workdir, cfg).config.parallel.llm.shard == "optimizer"
+
+
+def test_train_dtype_is_refused_naming_train_precision_and_the_mapping(reg, workdir):
+    cfg = base()
+    cfg["train"]["dtype"] = "bfloat16"
+    got = problems(workdir, cfg)["train.dtype"]
+    assert "c.yaml" in got and "replaced by train.precision" in got
+    assert "float32 -> fp32" in got and "bfloat16 -> bf16" in got
+
+
+def test_a_recipe_a_strategy_does_not_honour_is_refused_before_any_actor(reg, workdir):
+    """``train.precision`` against ``Strategy.precisions`` (cfgtest_sp lists only fp32): the key,
+    the module, the strategy and what it honours; ``auto`` on a known device is resolved first."""
+
+    def refusals(cfg: dict) -> str:
+        with pytest.raises(ConfigError) as info:
+            check(workdir, cfg)
+        assert {p.key for p in info.value.problems} == {"train.precision"}, info.value.problems
+        return "\n".join(f"{p.where}: {p.message}" for p in info.value.problems)
+
+    cfg = base()
+    cfg["train"]["precision"] = "bf16-pure"
+    msg = refusals(cfg)
+    assert "c.yaml" in msg
+    assert "'bf16-pure' is not honoured by strategy 'cfgtest_sp' of module 'vision'" in msg
+    assert "(parallel.vision.strategy); it honours: fp32;" in msg
+    cfg["train"].update(precision="auto", device="cuda")
+    msg = refusals(cfg)
+    assert "auto (resolved to 'bf16' on cuda) is not honoured by strategy 'cfgtest_sp'" in msg
+    cfg["train"].update(precision="fp32", device="auto")
+    assert check(workdir, cfg).config.train.precision == "fp32"
+    cfg["train"]["precision"] = "half"
+    got = problems(workdir, cfg)["train.precision"]
+    assert "'half' is not allowed; allowed: auto, fp32, bf16, bf16-pure" in got
+
+
+def test_auto_precision_on_an_auto_device_is_checked_by_the_plan(reg, workdir):
+    from disagg.runtime.plan import make_plan
+
+    resolved = check(workdir, base())  # device and precision auto: validation cannot tell yet
+    with pytest.raises(ConfigError) as info:
+        make_plan(resolved, get_registry(), cluster_gpus=8)
+    assert "train.precision" in str(info.value) and "'cfgtest_sp'" in str(info.value)

@@ -95,7 +95,7 @@ def test_bfloat16_autocasts_the_forward_and_keeps_fp32_state(ray_local, toy_dirs
     optims = {"vision": OptimSpec(lr=1e-2), "llm": OptimSpec(lr=1e-2)}
     samples = toy_samples(4, seed=3)
     losses = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("fp32", "bf16"):
         enc, lm = toy_dirs
         orch = Orchestrator(
             [
@@ -104,15 +104,15 @@ def test_bfloat16_autocasts_the_forward_and_keeps_fp32_state(ray_local, toy_dirs
                 ),
                 GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, 2, optims["llm"]),
             ],
-            dtype=dtype,
+            precision=dtype,
         )
         try:
             losses[dtype] = orch.step(put_samples(samples)).loss
             assert {v.dtype for v in orch.full_state_dict("llm").values()} == {torch.float32}
         finally:
             orch.shutdown()
-    assert_scalar_close(losses["bfloat16"], losses["float32"], "bf16 loss", BF16)
-    assert losses["bfloat16"] != losses["float32"]
+    assert_scalar_close(losses["bf16"], losses["fp32"], "bf16 loss", BF16)
+    assert losses["bf16"] != losses["fp32"]
 
 
 def test_balanced_assignment_changes_where_samples_run_not_the_math(ray_local, toy_dirs):

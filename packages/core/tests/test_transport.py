@@ -49,16 +49,16 @@ def with_cupy(reg, monkeypatch):
 
 def _auto(cfg, reg, gpus):
     plan = make_plan(cfg, reg, cluster_gpus=gpus)
-    return plan.transport.name, plan.device, plan.dtype
+    return plan.transport.name, plan.device, plan.precision
 
 
 def test_auto_is_object_store_on_cpu_in_every_placement(with_cupy, tmp_path):
     for placement in ("collocated", "disaggregated"):
-        assert _auto(_cfg(tmp_path, placement=placement), with_cupy, 0) == ("object_store", "cpu", "float32")
+        assert _auto(_cfg(tmp_path, placement=placement), with_cupy, 0) == ("object_store", "cpu", "fp32")
 
 
 def test_auto_on_cuda_is_cuda_ipc_when_every_group_shares_one_gpu(reg, tmp_path):
-    assert _auto(_cfg(tmp_path), reg, 1) == ("cuda_ipc", "cuda", "bfloat16")
+    assert _auto(_cfg(tmp_path), reg, 1) == ("cuda_ipc", "cuda", "bf16")
 
 
 def test_auto_on_cuda_collocated_with_several_ranks_is_object_store(with_cupy, tmp_path):

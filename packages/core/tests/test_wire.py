@@ -18,7 +18,7 @@ from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, make_toy_dirs, put
 
 
 def _worker() -> ModuleWorker:
-    w = ModuleWorker("vision", 0, 1, 1, 1, None, DDPStrategy, StrategyOptions(), None, "cpu", "float32", 0)
+    w = ModuleWorker("vision", 0, 1, 1, 1, None, DDPStrategy, StrategyOptions(), None, "cpu", "fp32", 0)
     full = torch.randn(10, 4, requires_grad=True) * 2  # the encoder's whole output
     shard = EmbeddingShard(torch.arange(3, 7), full[3:7], 10)  # a view into it, as ulysses cuts one
     w.pending[0] = ([5], [shard])
@@ -104,7 +104,7 @@ def test_shard_and_gradient_refs_are_top_level_arguments(ray_local, tmp_path):
 def test_unplaceable_group_stops_with_a_named_timeout(ray_local, tmp_path):
     enc, lm = make_toy_dirs(tmp_path)
     spec = GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, 1, None, num_cpus=1000)
-    kw = dict(device="cpu", dtype="float32", seed=0, start_timeout_s=2)
+    kw = dict(device="cpu", precision="fp32", seed=0, start_timeout_s=2)
     with pytest.raises(StartTimeout, match=r"'llm'.*not placed within 2 s.*start_timeout_s.*CPU"):
         start_groups([spec], placement="collocated", **kw)
     with pytest.raises(StartTimeout, match=r"module 'llm'.*not placed within 2 s"):

@@ -61,7 +61,10 @@ def layout_config(
     raw["train"] = {
         **raw["train"],
         "steps": steps,
-        "dtype": dtype,
+        # the base's recipe; ``auto`` as decided once for every layout (``dtype``, the compute dtype)
+        "precision": raw["train"]["precision"]
+        if raw["train"]["precision"] != "auto"
+        else ("fp32" if dtype == "float32" else "bf16"),
         "microbatches": samples // vision_replicas,
     }
     raw["checkpoint"] = {"every": 0}

@@ -31,6 +31,7 @@ class DDPStrategy(ShardedReplicas, Strategy):
     name: ClassVar[str] = "ddp"
     max_degree: ClassVar[int | None] = 1
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
     options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
 
     @classmethod

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             (max_tokens,) = parse_tokens(args.max_vision_tokens)
         except ValueError as exc:
             raise ConfigError([Problem("--max-vision-tokens", f"one length, e.g. 8k: {exc}")]) from None
-    dtype = cfg.train.dtype
+    dtype = {"auto": "auto", "fp32": "float32"}.get(cfg.train.precision, "bfloat16")  # compute dtype
     if dtype == "auto":  # one dtype for every layout, decided once, by the cluster's devices
         dtype = _cluster_dtype(cfg, layouts)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "bench"
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cluster_dtype(cfg: Any, layouts: dict[str, dict[str, Any]]) -> str:
-    """``train.dtype: auto`` for every layout: what the *actors* will run on (the
+    """``train.precision: auto`` for every layout: what the *actors* will run on (the
     Ray cluster's GPUs, as ``disagg train`` decides), not the driver's device.
     Starts the run's Ray sized for the largest layout."""
     import ray

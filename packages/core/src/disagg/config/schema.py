@@ -15,6 +15,12 @@ from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 
 MODULES = ("vision", "audio", "llm")
 
+#: keys a config may still carry from an older release: (section, key) -> what replaces it
+RENAMED_KEYS: dict[tuple[str, str], str] = {
+    ("train", "dtype"): "replaced by train.precision (float32 -> fp32, bfloat16 -> bf16, "
+    "auto -> auto; bf16-pure is new: bf16 weights, gradients and AdamW state)",
+}
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -285,8 +291,14 @@ class TrainConfig(Strict):
     """Seeds data order and anything random in the run."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA when the actors see a GPU, else CPU."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """``auto``: float32 on CPU, bfloat16 on CUDA."""
+    precision: Literal["auto", "fp32", "bf16", "bf16-pure"] = "auto"
+    """The run's precision recipe, one for every module (each strategy lists the recipes it
+    honours; validation refuses the others). ``fp32``: weights, gradients and AdamW state in
+    float32 (16 B/param). ``bf16``: bf16 weights for compute (bf16 activations, no autocast)
+    with float32 master weights that AdamW steps, gradients accumulated, reduced and clipped in
+    float32 (18 B/param). ``bf16-pure``: weights, gradients and AdamW moments all bf16, no
+    master (8 B/param; updates under a weight's bf16 spacing are lost). ``auto``: ``fp32`` on
+    CPU, ``bf16`` on CUDA. Replaces ``train.dtype``."""
     modules: dict[str, ModuleTrainConfig] = Field(default_factory=dict)
     """Per-module overrides, keyed by ``vision`` / ``audio`` / ``llm``."""
 

@@ -61,6 +61,10 @@ def _problem(
     where = source.where(loc) if source else None
     kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
+        from disagg.config.schema import RENAMED_KEYS
+
+        if tuple(loc[-2:]) in RENAMED_KEYS:
+            return Problem(dotted(loc), RENAMED_KEYS[tuple(loc[-2:])], where)  # type: ignore[index]
         names = field_names(owner) if owner else []
         key = loc[-1]
         return Problem(dotted(loc), f"unknown key {key!r}; {allowed(names)}{did_you_mean(key, names)}", where)

@@ -94,6 +94,7 @@ class _Checker:
         self.ray(resolved)
         self.transport()
         self.devices()
+        self.precision(resolved)
         self.train(resolved)
         self.data(resolved)
         self.evaluation()
@@ -364,6 +365,15 @@ class _Checker:
         ):
             self.add(path, message)
 
+    def precision(self, resolved: ResolvedConfig) -> None:
+        """``train.precision`` against every module's strategy (``auto`` once the device is
+        known; on ``train.device: auto`` the plan checks it again, before any actor starts)."""
+        device = self.cfg.train.device
+        if self.cfg.train.precision == "auto" and device == "auto":
+            return
+        for path, message in precision_problems(resolved, device):
+            self.add(path, message)
+
     def train(self, resolved: ResolvedConfig) -> None:
         t = self.cfg.train
         configured = self.cfg.modules()
@@ -515,6 +525,31 @@ class _Checker:
                 self.problems += problems_from_errors(
                     exc.errors(), cls.options_model, self.source, prefix=("logging", "options", name)
                 )
+
+
+def precision_problems(resolved: ResolvedConfig, device: str) -> list[tuple[tuple[str, ...], str]]:
+    """``train.precision`` (``auto`` resolved for ``device``) for each module whose strategy
+    does not list it in :attr:`Strategy.precisions`: the key, the module, the strategy, and the
+    recipes it honours."""
+    from disagg.interfaces.precision import resolve_precision
+
+    name = resolved.config.train.precision
+    recipe = resolve_precision(name, device).name
+    said = repr(name) if name != "auto" else f"auto (resolved to {recipe!r} on {device})"
+    out = []
+    for m, module in resolved.modules.items():
+        allowed_here = tuple(module.strategy.precisions)
+        if recipe not in allowed_here:
+            strategy = getattr(resolved.config.parallel, m).strategy
+            out.append(
+                (
+                    ("train", "precision"),
+                    f"{said} is not honoured by strategy {strategy!r} of module {m!r} "
+                    f"(parallel.{m}.strategy); it honours: {', '.join(allowed_here)}; set "
+                    f"train.precision to one of those or pick another strategy for {m}",
+                )
+            )
+    return out
 
 
 def with_epoch_steps(cfg: Config) -> Config:

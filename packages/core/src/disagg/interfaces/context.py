@@ -11,6 +11,7 @@ import torch
 from disagg.interfaces.comm import CommCounter
 from disagg.interfaces.lora import LoraSpec
 from disagg.interfaces.parts import PartGroup
+from disagg.interfaces.precision import RECIPES, Recipe
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class GroupContext:
     degree: int
     replicas: int
     device: torch.device
+    #: the compute dtype: the recipe's ``weights`` (activations, tensors sent to other groups)
     dtype: torch.dtype
     #: ``train.seed``; the default RNG is reseeded per replica with
     #: :func:`dropout_seed` after set-up, so ranks of one replica share masks on
@@ -61,6 +63,15 @@ class GroupContext:
     collective_timeout: timedelta = timedelta(seconds=600)
     comm: CommCounter = field(default_factory=CommCounter)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: ``train.precision`` resolved (:mod:`disagg.interfaces.precision`); None: the recipe whose
+    #: compute dtype is ``dtype`` (float32 -> ``fp32``, bfloat16 -> ``bf16``)
+    recipe: Recipe | None = None
+
+    def __post_init__(self) -> None:
+        if self.recipe is None:
+            self.recipe = RECIPES["fp32" if self.dtype == torch.float32 else "bf16"]
+        if self.recipe.weights != self.dtype:
+            raise ValueError(f"dtype {self.dtype} is not recipe {self.recipe.name!r}'s {self.recipe.weights}")
 
     @property
     def shard(self) -> int:

@@ -55,7 +55,7 @@ def start_groups(
     *,
     placement: str,
     device: str,
-    dtype: str,
+    precision: str,
     seed: int,
     collective_timeout_s: float = 600.0,
     start_timeout_s: float = 900.0,
@@ -94,7 +94,7 @@ def start_groups(
                     spec.options,
                     spec.optim,
                     device,
-                    dtype,
+                    precision,
                     seed,
                     collective_timeout_s,
                 )

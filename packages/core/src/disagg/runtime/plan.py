@@ -19,7 +19,8 @@ class Plan:
     families: dict[str, Family]
     specs: list[GroupSpec]
     device: str
-    dtype: str
+    #: ``train.precision`` resolved: ``fp32``, ``bf16`` or ``bf16-pure``
+    precision: str
     transport: Transport
 
 
@@ -102,7 +103,15 @@ def make_plan(resolved: ResolvedConfig | Config, registry: Registry, cluster_gpu
 
         resolved = validate(resolved, registry)
     cfg = resolved.config
-    device, dtype = resolve_device_dtype(cfg.train.device, cfg.train.dtype, cluster_gpus)
+    device, precision = resolve_device_precision(cfg.train.device, cfg.train.precision, cluster_gpus)
+    if cfg.train.device == "auto" and cfg.train.precision == "auto":  # validation could not tell
+        from disagg.config.errors import ConfigError, Problem
+        from disagg.config.source import dotted
+        from disagg.config.validate import precision_problems
+
+        found = precision_problems(resolved, device)
+        if found:
+            raise ConfigError([Problem(dotted(path), message) for path, message in found])
     families = {m: r.family for m, r in resolved.modules.items()}
     specs = []
     for m in cfg.modules():
@@ -122,17 +131,26 @@ def make_plan(resolved: ResolvedConfig | Config, registry: Registry, cluster_gpu
             )
         )
     name = resolve_transport(cfg, registry, device)
-    return Plan(families, specs, device, dtype, registry.transports[name]())
+    return Plan(families, specs, device, precision, registry.transports[name]())
+
+
+def resolve_device_precision(device: str, precision: str, cluster_gpus: float) -> tuple[str, str]:
+    """``train.device`` and ``train.precision`` with ``auto`` resolved: CUDA when the
+    Ray cluster (not the driver) has GPUs; ``bf16`` on CUDA, ``fp32`` on CPU."""
+    from disagg.interfaces.precision import resolve_precision
+
+    if device == "auto":
+        device = "cuda" if cluster_gpus > 0 else "cpu"
+    return device, resolve_precision(precision, device).name
 
 
 def resolve_device_dtype(device: str, dtype: str, cluster_gpus: float) -> tuple[str, str]:
-    """``train.device`` and ``train.dtype`` with ``auto`` resolved: CUDA when the
-    Ray cluster (not the driver) has GPUs; bfloat16 on CUDA, float32 on CPU."""
-    if device == "auto":
-        device = "cuda" if cluster_gpus > 0 else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return device, dtype
+    """The compute dtype's name (``float32`` / ``bfloat16``) of ``train.precision: dtype``
+    resolved on ``device`` (``auto``: the cluster's), for ``disagg bench``'s cost figures."""
+    from disagg.interfaces.precision import resolve_precision
+
+    device, precision = resolve_device_precision(device, dtype, cluster_gpus)
+    return device, str(resolve_precision(precision, device).weights).removeprefix("torch.")
 
 
 def resolve_transport(cfg: Config, registry: Registry, device: str) -> str:

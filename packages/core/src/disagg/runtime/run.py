@@ -101,7 +101,7 @@ def _start_groups(cfg: Config, plan: Any, registry: Registry) -> Orchestrator:
         plan.specs,
         placement=cfg.parallel.placement,
         device=plan.device,
-        dtype=plan.dtype,
+        precision=plan.precision,
         seed=cfg.train.seed,
         microbatches=cfg.train.microbatches,
         clip_grad_norm=cfg.train.clip_grad_norm,

@@ -42,6 +42,7 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
     name: ClassVar[str] = "ulysses"
     distribution: ClassVar[str] = "disagg-vision-sp"
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full", "selective")
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
     #: every rank holds the whole tower: gradients summed by the default reduction (overlap
     #: optional), or its state sharded over the group (``shard``, disagg.interfaces.sharded)
     options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions

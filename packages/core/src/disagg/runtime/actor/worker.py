@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.interfaces import (
+    RECIPES,
     EmbeddingShard,
     Family,
     GroupContext,
@@ -86,7 +87,7 @@ class ModuleWorker:
         options: StrategyOptions,
         optim: OptimSpec | None,
         device: str,
-        dtype: str,
+        precision: str,
         seed: int,
         collective_timeout_s: float = 600.0,
     ) -> None:
@@ -95,7 +96,7 @@ class ModuleWorker:
         self.family, self.strategy_cls, self.options = family, strategy_cls, options
         self.optim, self.seed = optim, seed
         self.collective_timeout = timedelta(seconds=collective_timeout_s)
-        self.device_kind, self.dtype_name = device, dtype
+        self.device_kind, self.precision = device, precision
         self.strategy: Strategy | None = None
         # microbatch -> (sample ids, shards) kept until their gradients arrive
         self.pending: dict[int, tuple[list[int], list[EmbeddingShard]]] = {}
@@ -131,7 +132,7 @@ class ModuleWorker:
             self.device_kind, master_addr, master_port, self.rank, self.world_size, self.collective_timeout
         )
         torch.manual_seed(self.seed)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype_name]
+        recipe = RECIPES[self.precision]
         ctx = GroupContext(
             self.module,
             self.rank,
@@ -139,13 +140,15 @@ class ModuleWorker:
             self.degree,
             self.replicas,
             device,
-            dtype,
+            recipe.weights,
             seed=self.seed,
             collective_timeout=self.collective_timeout,
+            recipe=recipe,
         )
         self.strategy = self.strategy_cls(ctx, self.family, self.options)
         memory = host_memory.start()
-        # Weights load in fp32 (master weights); compute_dtype autocasts the forward.
+        # Weights load in fp32; the strategy's setup casts them to the recipe's (keeping fp32
+        # masters under bf16): no autocast anywhere.
         # the strategy builds: the whole module, or a partitioned or empty one
         module = self.strategy.build_module()
         if self.optim is not None and self.optim.lora is not None:
