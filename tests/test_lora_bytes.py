@@ -1,9 +1,11 @@
 """What LoRA saves, measured on the tiny Qwen2.5-VL under ``ddp`` (2 replicas), one step of
 each module trained in full and with LoRA (``examples/bench/lora_bytes.py``): every rank's
 state bytes (parameters + gradients + AdamW state) and the gradient bytes its collectives sent
-equal the analytic figures exactly (``cost_rules.state_bytes`` / ``grad_all_reduce`` of the
-trainable tensors, 4 bytes per frozen element): a frozen base weight holds no gradient and no
-optimizer state and is never all-reduced."""
+equal the cost model's figures exactly: ``ddp``'s ``Strategy.estimate`` for the same layout with
+``CostQuery.lora`` (the planning shape from ``config.json``, the targeted linears frozen with a
+lora_A/lora_B pair each, :mod:`disagg.interfaces.cost_training`): a frozen base weight holds its
+4 bytes, no gradient and no optimizer state, and is never all-reduced. So LoRA / full, measured,
+equals LoRA / full, analytic."""
 
 from __future__ import annotations
 
@@ -32,3 +34,8 @@ def test_lora_state_and_gradient_bytes_equal_the_analytic_ones(tmp_path):
         full, lora = rows[f"{m}/full"], rows[f"{m}/lora"]
         assert lora["frozen"] > 0 and full["frozen"] == 0, (m, full, lora)
         assert lora["state_bytes"] < full["state_bytes"] and lora["grad_bytes_sent"] < full["grad_bytes_sent"]
+        for measured, analytic in (
+            ("state_bytes", "state_bytes_analytic"),
+            ("grad_bytes_sent", "grad_bytes_analytic"),
+        ):
+            assert lora[measured] / full[measured] == lora[analytic] / full[analytic], (m, measured)

@@ -167,3 +167,30 @@ def test_plan_write_carries_every_recompute_the_prediction_assumed(tiny: Path, c
     assert {m: written[m].get("recompute", "none") for m in ("vision", "llm")} == {
         m: ranked[0]["groups"][m]["recompute"] for m in ("vision", "llm")
     }
+
+
+def test_plan_of_a_lora_config_fits_where_full_training_does_not(tiny: Path):
+    """``train.modules.llm.lora`` reaches the plan (``config_workload`` resolves it as the run
+    does): on 2 CPU devices of 2 MiB no layout of the tiny model trains in full, and with LoRA
+    on the LLM's linears one fits (its frozen base holds weights only)."""
+    from disagg.config.schema import Config
+    from disagg.plan.cluster import cluster_from
+    from disagg.plan.search import plan
+    from disagg.plan.workload import config_families, config_workload
+    from disagg.plugins import get_registry
+
+    reg = get_registry()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cluster = cluster_from("cpu", {"gpus": 2, "gpu_mem": "2MiB"})
+    best = {}
+    for lora in (False, True):
+        c = config(tiny, "{}")
+        if lora:
+            c["train"]["modules"] = {"llm": {"lora": {"r": 8, "targets": targets}}}
+        cfg = Config.model_validate(c)
+        work = config_workload(cfg, vision_tokens=256, text_tokens=32, registry=reg)
+        assert (work.lora["llm"].targets == tuple(targets)) if lora else not work.lora
+        result = plan(work, cluster, reg.strategies, config_families(cfg, reg))
+        best[lora] = result.ranked[0] if result.ranked else None
+    assert best[False] is None and best[True] is not None
+    assert best[True].memory_bytes <= cluster.memory_budget

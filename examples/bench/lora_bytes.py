@@ -8,9 +8,11 @@ first training every weight, then LoRA (the tower: ``attn.qkv`` and ``attn.proj`
 at r 8 with the merger in full; the LLM: its seven linears per layer at r 16), and
 report what ``Strategy.state_bytes`` holds (parameters + gradients + AdamW state)
 and what the step's collectives sent (``CommCounter``: the gradient all-reduce
-and its presence agreement), against ``cost_rules.state_bytes`` /
-``cost_rules.grad_all_reduce`` of the trainable tensors plus 4 bytes per frozen
-element (a frozen weight has no gradient and no AdamW state).
+and its presence agreement), against what the cost model predicts for the same
+layout from the model's ``config.json`` alone (``ddp``'s ``Strategy.estimate`` with
+``CostQuery.lora``: the family's planning shape, its targeted linears frozen with
+a ``lora_A``/``lora_B`` pair each, :mod:`disagg.interfaces.cost_training`): state
+bytes and gradient bytes sent per step.
 """
 
 from __future__ import annotations
@@ -44,9 +46,7 @@ LLM = LoraSpec(
 
 def _rank(rank: int, path: str) -> bytes:
     from disagg.builtin.ddp import DDPStrategy
-    from disagg.interfaces.cost_rules import grad_all_reduce, state_bytes
     from disagg.interfaces.lora import apply_lora
-    from disagg.interfaces.shapes import ParamTensor
     from disagg.plugins import get_registry
     from disagg.testing import ranks
     from disagg.testing.encoder import upstream_grads
@@ -81,27 +81,42 @@ def _rank(rank: int, path: str) -> bytes:
             sent = ctx.comm.total()
             held = ranks.state_bytes(strat)
             named = list(strat.module.named_parameters())
-            trainable = [p.numel() for _, p in named if p.requires_grad]
-            frozen = sum(p.numel() for _, p in named if not p.requires_grad)
-            tensors = [ParamTensor(n, tuple(p.shape)) for n, p in named if p.requires_grad]
-            # a frozen weight: its 4 bytes, no gradient, no AdamW moments or step
-            analytic_state = state_bytes(tensors) + 4 * frozen
             out[f"{m}/{mode}"] = {
                 "state_bytes": held,
-                "state_bytes_analytic": analytic_state,
                 "grad_bytes_sent": sent,
-                "grad_bytes_analytic": grad_all_reduce(trainable, 2),
-                "trainable": sum(trainable),
-                "frozen": frozen,
+                "trainable": sum(p.numel() for _, p in named if p.requires_grad),
+                "frozen": sum(p.numel() for _, p in named if not p.requires_grad),
             }
     return dumps(out)
+
+
+def analytic(path: str) -> dict:
+    """The cost model's figures for the same two ranks (``ddp``, 2 replicas), from ``config.json``."""
+    from disagg.cost import predict
+    from disagg.cost.shapes import shapes_for
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    shapes = shapes_for({"vision": config, "llm": config}, {"vision": "qwen2_5_vl", "llm": "qwen2_5_vl"})
+    out = {}
+    for m, spec in (("vision", VISION), ("llm", LLM)):
+        for mode in ("full", "lora"):
+            cost = predict(shapes[m], "ddp", 1, 2, 64, "float32", lora=spec if mode == "lora" else None)
+            out[f"{m}/{mode}"] = {
+                "state_bytes_analytic": cost.state_bytes,
+                # the group's own collectives: ddp's gradient reduction
+                "grad_bytes_analytic": sum(cost.comm_bytes_by_kind.values()),
+            }
+    return out
 
 
 def measure(path: str) -> dict:
     from disagg.testing.dist import run_ranks
     from disagg.testing.ranks import loads
 
-    return loads(run_ranks(_rank, 2, path)[0])
+    rows = loads(run_ranks(_rank, 2, path)[0])
+    for key, figures in analytic(path).items():
+        rows[key].update(figures)
+    return rows
 
 
 def table(rows: dict) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from disagg.interfaces import cost_training
 from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import (
     GRAD_BYTES,
@@ -40,7 +41,6 @@ from disagg.interfaces.cost_rules import (
     extra_flops,
     logits_bytes,
     recompute_mode,
-    state_bytes,
     train_flops,
     transfer_bytes,
     with_recompute,
@@ -52,7 +52,9 @@ OPTION_VARIANTS: list[dict[str, Any]] = [{}, {"sequence_parallel": True}]
 
 
 # -- bytes ---------------------------------------------------------------------------------------
-def encoder_comm(shape: EncoderShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
+def encoder_comm(
+    shape: EncoderShape, w: Workload, sequence_parallel: bool, tr: cost_training.Trained | None = None
+) -> dict[str, int]:
     """Without sequence parallelism, per block and sample: the column layers
     (qkv, gate, up) all-reduce their input gradient and the row layers (proj, down)
     their output: ``5 · ar(N·H·e)``; the merger adds ``ar(N·H·e)`` (mlp.0's input
@@ -81,15 +83,49 @@ def encoder_comm(shape: EncoderShape, w: Workload, sequence_parallel: bool) -> d
         out["all_gather"] = s * (6 * shape.depth + 3) * shard
         out["reduce_scatter"] = s * (4 * shape.depth + 1) * shard
         out["all_reduce"] = s * all_reduce(rows * shape.out_hidden * e, d)
-        partial = [t.numel for t in shape.tensors() if t.tp == "replicated" and "patch_embed" not in t.name]
+        partial = [t.numel for t in _warm(shape, tr) if t.tp == "replicated" and "patch_embed" not in t.name]
         out["all_reduce"] += all_reduce(GRAD_BYTES * sum(partial), w.world)
     if d > 1:
         out["broadcast"] = s * rows * shape.out_hidden * e
-    out["all_reduce"] = out.get("all_reduce", 0) + _grad_reduce(shape.tensors(), w)
+    out["all_reduce"] = out.get("all_reduce", 0) + _grad_reduce(_warm(shape, tr), w)
+    _add(out, _adapter_comm(tr, w, n, sequence_parallel))
     return out
 
 
-def decoder_comm(shape: DecoderShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
+def _warm(shape: Shape, tr: cost_training.Trained | None) -> list[ParamTensor]:
+    """The tensors that train (all of them without LoRA or frozen parts)."""
+    return shape.tensors() if tr is None else list(tr.trainable)
+
+
+def _add(out: dict[str, int], extra: dict[str, int]) -> None:
+    for k, v in extra.items():
+        out[k] = out.get(k, 0) + v
+
+
+def _adapter_comm(
+    tr: cost_training.Trained | None, w: Workload, n: int, sequence_parallel: bool
+) -> dict[str, int]:
+    """LoRA's own collectives per sample (``disagg_llm_tp.lora``): a column adapter's ``lora_B``
+    all-reduces its input gradient, a row adapter's ``lora_A`` its output (``r`` wide; under
+    sequence parallelism a reduce-scatter of the ``r``-wide rows, an estimate)."""
+    if tr is None or not tr.adapters or w.degree == 1:
+        return {}
+    sites = cost_training.adapter_sites(tr)
+    r = tr.adapters[0].shape[0]
+    rows = n * r * w.act_bytes
+    s = w.samples_per_replica
+    if sequence_parallel:
+        shard = (w.degree - 1) * -(-n // w.degree) * r * w.act_bytes
+        return {
+            "all_reduce": s * sites["column"] * all_reduce(rows, w.degree),
+            "reduce_scatter": s * sites["row"] * shard,
+        }
+    return {"all_reduce": s * (sites["column"] + sites["row"]) * all_reduce(rows, w.degree)}
+
+
+def decoder_comm(
+    shape: DecoderShape, w: Workload, sequence_parallel: bool, tr: cost_training.Trained | None = None
+) -> dict[str, int]:
     """Per layer and sample of ``N`` tokens: q, k, v, gate, up all-reduce their input
     gradient, o and down their output (``7 · ar(N·H·e)``); the vocabulary-parallel
     embedding all-reduces its output and the output layer its input gradient; the
@@ -109,9 +145,10 @@ def decoder_comm(shape: DecoderShape, w: Workload, sequence_parallel: bool) -> d
         shard = (d - 1) * c * h * e
         out["all_gather"] = s * (6 * shape.layers + 3) * shard
         out["reduce_scatter"] = s * (4 * shape.layers + 1) * shard
-        norms = [t.numel for t in shape.tensors() if t.tp == "replicated"]
+        norms = [t.numel for t in _warm(shape, tr) if t.tp == "replicated"]
         partial = all_reduce(GRAD_BYTES * sum(norms), w.world)
-    out["all_reduce"] = s * per + partial + _grad_reduce(shape.tensors(), w)
+    out["all_reduce"] = s * per + partial + _grad_reduce(_warm(shape, tr), w)
+    _add(out, _adapter_comm(tr, w, n, sequence_parallel))
     return out
 
 
@@ -233,8 +270,18 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
     w = workload(query)
     d = w.degree
     enc = isinstance(shape, EncoderShape)
-    comm = encoder_comm(shape, w, sp) if enc else decoder_comm(shape, w, sp)  # type: ignore[arg-type]
+    tr = query.trained
+    comm = encoder_comm(shape, w, sp, tr) if enc else decoder_comm(shape, w, sp, tr)  # type: ignore[arg-type]
     calls = encoder_calls(shape, w, sp) if enc else decoder_calls(shape, w, sp)  # type: ignore[arg-type]
+    if tr.adapters and d > 1:  # one call per adapter and forward (microbatch; an encoder's image)
+        sites = cost_training.adapter_sites(tr)
+        m = max(w.samples_per_replica, w.microbatches) if enc else w.microbatches
+        kinds = (
+            {"all_reduce": sites["column"], "reduce_scatter": sites["row"]}
+            if sp
+            else {"all_reduce": sites["column"] + sites["row"]}
+        )
+        _add(calls, {k: m * v for k, v in kinds.items() if v})
     tokens = held_tokens(query, w)
     act = with_recompute(
         shape,
@@ -245,11 +292,15 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
         selective_held=tokens,
         layer_bytes=lambda one: activation_bytes(one, tokens, d, w.act_bytes, sp, chunk),
     )
-    work = train_flops(shape, query.seq_len)
+    if mode != "full":  # under full recompute a block's adapters save only while it replays
+        act += cost_training.adapter_activation_bytes(tr, tokens, w.act_bytes)
+    work = train_flops(shape, query.seq_len) + cost_training.flops_delta(tr, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)
+    split = Split(tp=d, sequence_parallel=sp)
+    base = strategy_compute(shape, query.seq_len, split, w.act_bytes, "none")
     return assemble(
         w,
-        state_bytes=state_bytes(shape.tensors(), d),
+        state_bytes=cost_training.state_bytes(tr, d),
         activation_bytes=act,
         comm=comm,
         calls=calls,
@@ -258,7 +309,8 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
         sent_bytes=transfer_bytes(w),
         # every token through 1/d of each split weight; without sequence parallelism the norms and
         # residual adds are repeated on every rank for all tokens
-        compute=strategy_compute(shape, query.seq_len, Split(tp=d, sequence_parallel=sp), w.act_bytes, mode),
-        exact=("state_bytes", "comm_bytes") if enc and not sp else ("state_bytes",),
+        compute=cost_training.compute_delta(base, tr, query.seq_len, split).with_recompute(mode),
+        # with LoRA an encoder's activation collectives depend on which inputs need a gradient
+        exact=("state_bytes", "comm_bytes") if enc and not sp and tr.full else ("state_bytes",),
         replay=replay(shape, w, sp, mode),
     )

@@ -7,7 +7,7 @@ Exact (equal to what :class:`disagg.interfaces.CommCounter` and
 
 from __future__ import annotations
 
-from disagg.interfaces import sharded
+from disagg.interfaces import cost_training, sharded
 from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import Cost, CostQuery, assemble, held_tokens, workload
 from disagg.interfaces.cost_rules import (
@@ -32,26 +32,36 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: 
     mode = recompute_mode(query.recompute)
     w = workload(query)
     shape = query.shape
-    numels = [t.numel for t in shape.tensors()]
+    tr = query.trained
+    numels = cost_training.numels(tr)  # only trained tensors are reduced (LoRA: the adapters)
     tokens = held_tokens(query, w)
     act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk)
-    shapes = [t.shape for t in shape.tensors()]
+    if mode != "full":  # under full recompute a block's adapters save only while it replays
+        act += cost_training.adapter_activation_bytes(tr, tokens, w.act_bytes)
     per_mb = -(-w.samples_per_replica // w.microbatches)  # one forward per sample
     units = getattr(shape, "depth", 0) + 1
     comm, calls = sharded.step_comm(
-        shapes, shard, w, units, replicated_comm(numels, w), grad_reduce_calls(numels, w.world), per_mb
+        cost_training.shard_shapes(tr, shard),
+        shard,
+        w,
+        units,
+        replicated_comm(numels, w),
+        grad_reduce_calls(numels, w.world),
+        per_mb,
     )
-    work = train_flops(shape, query.seq_len)
+    work = train_flops(shape, query.seq_len) + cost_training.flops_delta(tr, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)
+    base = strategy_compute(shape, query.seq_len, Split(), w.act_bytes, "none")
+    compute = cost_training.compute_delta(base, tr, query.seq_len, Split()).with_recompute(mode)
     return assemble(
         w,
-        state_bytes=sharded.state_bytes(shapes, shard, w.world),
+        state_bytes=cost_training.replicated_state_bytes(tr, shard, w.world),
         activation_bytes=act,
         comm=comm,
         calls=calls,
         flops_per_sample=work,
         share=1,
         sent_bytes=transfer_bytes(w),
-        compute=strategy_compute(shape, query.seq_len, Split(), w.act_bytes, mode),
+        compute=compute,
         exact=("state_bytes", "comm_bytes") if query.encoder and shard == "none" else ("state_bytes",),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.interfaces.cost import Cost, CostQuery, Shape
+from disagg.interfaces.lora import LoraSpec
 
 
 def predict(
@@ -23,15 +24,18 @@ def predict(
     exchanged_width: int | None = None,
     recompute: str | bool = "none",
     strategies: dict[str, Any] | None = None,
+    lora: LoraSpec | None = None,
+    frozen: tuple[str, ...] = (),
 ) -> Cost:
     """Cost of ``module`` under ``strategy`` on ``degree x replicas`` ranks, for a
     global batch of ``samples`` (default: one per replica) sequences of
     ``seq_len`` tokens in ``microbatches``, as the strategy's ``estimate`` states it.
 
     ``options``: the strategy's ``parallel.<module>`` keys; ``recompute``:
-    ``parallel.<module>.recompute``; ``strategies``: name -> class (default: the
-    installed plugins'). An unknown strategy, or one that states no cost for this
-    module, is a clear error."""
+    ``parallel.<module>.recompute``; ``lora`` / ``frozen``: ``train.modules.<module>.lora``
+    resolved and the frozen parts' patterns (:mod:`disagg.interfaces.cost_training`);
+    ``strategies``: name -> class (default: the installed plugins'). An unknown strategy,
+    or one that states no cost for this module, is a clear error."""
     if strategies is None:
         from disagg.plugins import get_registry
 
@@ -51,6 +55,8 @@ def predict(
         exchanged_rows=exchanged_rows,
         exchanged_width=exchanged_width,
         recompute=recompute,
+        lora=lora,
+        frozen=tuple(frozen),
     )
     cost = cls.estimate(query, cls.options_model(**(options or {})))
     if cost is None:

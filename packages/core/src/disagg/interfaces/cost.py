@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.interfaces.gemms import Compute
+from disagg.interfaces.lora import LoraSpec
 from disagg.interfaces.shapes import DecoderShape, EncoderShape, ParamTensor, Shape, VisionShape
 
 #: bytes per activation element of a compute dtype
@@ -101,10 +102,22 @@ class CostQuery:
     #: ``parallel.<module>.recompute``: ``none``, ``full`` (each block keeps only its
     #: input) or ``selective`` (the attention core); ``True`` is the old spelling of ``full``
     recompute: str | bool = "none"
+    #: ``train.modules.<module>.lora`` resolved (:class:`~disagg.interfaces.lora.LoraSpec`): the
+    #: base frozen, adapters trained (:mod:`disagg.interfaces.cost_training`); None: no LoRA
+    lora: LoraSpec | None = None
+    #: ``train.modules.<module>.freeze``: the frozen parts' parameter-name patterns
+    frozen: tuple[str, ...] = ()
 
     @property
     def encoder(self) -> bool:
         return isinstance(self.shape, EncoderShape)
+
+    @property
+    def trained(self) -> Any:
+        """The module's tensors split by what trains (:class:`disagg.interfaces.cost_training.Trained`)."""
+        from disagg.interfaces.cost_training import trained
+
+        return trained(self.shape, self.lora, self.frozen)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from typing import Any
 
 from disagg.interfaces import Cost, CostQuery, EncoderShape, Strategy, StrategyOptions
 from disagg.interfaces.cost import Shape
+from disagg.interfaces.lora import LoraSpec
 from disagg.plan.cluster import Cluster
 from disagg.plan.efficiency import compute_seconds
 
@@ -74,6 +75,10 @@ class Workload:
     max_inflight: int = 2
     #: encoder positions per sample entering an ``audio`` module (default: ``vision_tokens``)
     audio_tokens: int | None = None
+    #: module -> ``train.modules.<m>.lora`` resolved (:class:`~disagg.interfaces.lora.LoraSpec`)
+    lora: dict[str, LoraSpec] = field(default_factory=dict)
+    #: module -> ``train.modules.<m>.freeze``'s parameter-name patterns
+    frozen: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def seq_len(self, module: str) -> int:
         if module == "llm":
@@ -190,6 +195,8 @@ def module_cost(
         exchanged_width=None if vision else _encoder_width(work),
         # what the group's own options apply: nothing plans memory the run does not save
         recompute=getattr(options, "recompute", "none"),
+        lora=work.lora.get(group.module),
+        frozen=work.frozen.get(group.module, ()),
     )
     return strategy_cls.estimate(query, options)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from disagg.interfaces.lora import LoraSpec
 from disagg.plan.cluster import Cluster, cluster_from
 from disagg.plan.model import Layout, Workload
 from disagg.plan.search import PlanResult, plan
@@ -21,8 +22,14 @@ def published_shapes(config: dict[str, Any], registry: Registry | None = None) -
     return shapes_for({"vision": config, "llm": config}, {"vision": FAMILY, "llm": FAMILY}, registry)
 
 
-def plan_published(vision_tokens: int, registry: Registry, cluster: Cluster | None = None) -> PlanResult:
-    """The plan on ``cluster`` (default the ``h100x8`` preset)."""
+def plan_published(
+    vision_tokens: int,
+    registry: Registry,
+    cluster: Cluster | None = None,
+    lora: dict[str, LoraSpec] | None = None,
+) -> PlanResult:
+    """The plan on ``cluster`` (default the ``h100x8`` preset); ``lora``: module -> adapters
+    (``train.modules.<m>.lora`` resolved), the rest of each module frozen."""
     from disagg.bench.published import QWEN2_5_VL_32B, SAMPLES, TEXT_TOKENS
 
     work = Workload(
@@ -31,6 +38,7 @@ def plan_published(vision_tokens: int, registry: Registry, cluster: Cluster | No
         text_tokens=TEXT_TOKENS,
         samples=SAMPLES,
         recompute=True,
+        lora=dict(lora or {}),
     )
     return plan(work, cluster or cluster_from("h100x8"), registry.strategies, placements=("collocated",))
 

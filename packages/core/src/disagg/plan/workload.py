@@ -11,6 +11,7 @@ from disagg.cost.shapes import shapes_for
 from disagg.interfaces import Family
 from disagg.interfaces.cost import Shape
 from disagg.interfaces.family import link_to_llm
+from disagg.interfaces.lora import LoraSpec
 from disagg.plan.model import Workload
 from disagg.plugins import Registry
 
@@ -54,6 +55,36 @@ def config_families(cfg: Config, registry: Registry) -> dict[str, Family]:
     return out
 
 
+def config_training(
+    cfg: Config, registry: Registry | None = None
+) -> tuple[dict[str, LoraSpec], dict[str, tuple[str, ...]]]:
+    """Per module, ``train.modules.<m>.lora`` resolved and the frozen parts' patterns
+    (``freeze: true``: every parameter), as the run resolves them (``optim_for``)."""
+    from disagg.runtime.plan import optim_for
+
+    if registry is None:
+        from disagg.plugins import get_registry
+
+        registry = get_registry()
+    families = config_families(cfg, registry)
+    lora: dict[str, LoraSpec] = {}
+    frozen: dict[str, tuple[str, ...]] = {}
+    for m in cfg.modules():
+        o = cfg.train.modules.get(m)
+        if o is None:
+            continue
+        spec = optim_for(cfg, m, families.get(m))
+        if spec is None:
+            frozen[m] = ("*",)
+            continue
+        if spec.lora is not None:
+            lora[m] = spec.lora
+        patterns = tuple(p for _, ps in spec.frozen for p in ps)
+        if patterns:
+            frozen[m] = patterns
+    return lora, frozen
+
+
 def config_workload(
     cfg: Config,
     *,
@@ -64,8 +95,11 @@ def config_workload(
     registry: Registry | None = None,
     **extra: Any,
 ) -> Workload:
+    lora, frozen = config_training(cfg, registry)
     return Workload(
         shapes=config_shapes(cfg, registry),
+        lora=lora,
+        frozen=frozen,
         vision_tokens=vision_tokens,
         text_tokens=text_tokens,
         samples=samples or (cfg.data.batch_size if cfg.data else 1),

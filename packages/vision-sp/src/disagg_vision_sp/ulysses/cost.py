@@ -10,7 +10,7 @@ and call for call; saved activations of a Qwen2.5-VL tower in fp32.
 
 from __future__ import annotations
 
-from disagg.interfaces import sharded
+from disagg.interfaces import cost_training, sharded
 from disagg.interfaces.cost import Cost, CostQuery, EncoderShape, Workload, assemble, held_tokens, workload
 from disagg.interfaces.cost_rules import (
     block_elems,
@@ -69,10 +69,15 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
     mode = recompute_mode(query.recompute)
     w = workload(query)
     d = w.degree
-    numels = [t.numel for t in shape.tensors()]
-    shapes = [t.shape for t in shape.tensors()]
+    tr = query.trained
+    numels = cost_training.numels(tr)  # only trained tensors are reduced (LoRA: the adapters)
     comm, calls = sharded.step_comm(
-        shapes, shard, w, shape.depth + 1, replicated_comm(numels, w), grad_reduce_calls(numels, w.world)
+        cost_training.shard_shapes(tr, shard),
+        shard,
+        w,
+        shape.depth + 1,
+        replicated_comm(numels, w),
+        grad_reduce_calls(numels, w.world),
     )
     a2a = all_to_all_bytes(shape, w)
     if a2a:
@@ -90,11 +95,15 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
         selective_held=held,
         layer_bytes=lambda one: activation_bytes(one, tokens, d, w.act_bytes),  # type: ignore[arg-type]
     )
-    work = train_flops(shape, query.seq_len)
+    if mode != "full":  # under full recompute a block's adapters save only while it replays
+        act += cost_training.adapter_activation_bytes(tr, held, w.act_bytes)
+    work = train_flops(shape, query.seq_len) + cost_training.flops_delta(tr, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)
+    split = Split(tokens=d)
+    base = strategy_compute(shape, query.seq_len, split, w.act_bytes, "none")
     return assemble(
         w,
-        state_bytes=sharded.state_bytes(shapes, shard, w.world),
+        state_bytes=cost_training.replicated_state_bytes(tr, shard, w.world),
         activation_bytes=act,
         comm=comm,
         calls=calls,
@@ -102,7 +111,7 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
         share=d,
         sent_bytes=transfer_bytes(w, split=d),
         # dense layers on 1/d of the tokens at full width, attention on all of them for 1/d of the heads
-        compute=strategy_compute(shape, query.seq_len, Split(tokens=d), w.act_bytes, mode),
+        compute=cost_training.compute_delta(base, tr, query.seq_len, split).with_recompute(mode),
         exact=("state_bytes", "comm_bytes") if shard == "none" else ("state_bytes",),
         replay=replay(shape, w, mode),
     )

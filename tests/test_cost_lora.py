@@ -1,0 +1,102 @@
+"""The cost model and the planner know LoRA (``train.modules.<m>.lora``, issue 27 item 5):
+the base frozen (its weights only: no gradient, no optimizer state, no gradient reduction, no
+weight-gradient products), the adapters trained in full. Analytic, no ranks: what
+``examples/bench/lora_bytes.py`` measures equal to these terms is ``test_lora_bytes``."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("disagg_vision_sp")
+pytest.importorskip("disagg_llm_tp")
+
+LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora(targets=LLM_TARGETS, r=16, saved=()):
+    from disagg.interfaces.lora import LoraSpec
+
+    return LoraSpec(r=r, alpha=2 * r, dropout=0.0, targets=targets, save_patterns=saved)
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    from disagg.bench.published import QWEN2_5_VL_32B
+    from disagg.plan.published import published_shapes
+
+    return published_shapes(QWEN2_5_VL_32B)
+
+
+def test_lora_state_reduction_and_flops_on_the_32b_llm(shapes):
+    """megatron_tp 8 x 2 on the 32B LLM: state = 16 B per adapter element this rank holds (lora_A
+    whole / lora_B split behind a column base, the reverse behind a row base) + 4 B per AdamW step
+    + 4 B per frozen base element; the replicas all-reduce only the adapters' gradients; the
+    weight-gradient products of the base are gone."""
+    from disagg.cost import predict
+    from disagg.interfaces import CostQuery
+
+    llm, spec = shapes["llm"], _lora()
+    kw = dict(samples=8, exchanged_rows=1024, exchanged_width=5120)
+    full = predict(llm, "megatron_tp", 8, 2, 1536, "bfloat16", **kw)
+    lora = predict(llm, "megatron_tp", 8, 2, 1536, "bfloat16", lora=spec, **kw)
+    tr = CostQuery(shape=llm, degree=8, replicas=2, seq_len=1536, lora=spec).trained
+    assert len(tr.adapters) == 2 * 7 * llm.layers and len(tr.frozen) == len(llm.tensors())
+    h, r = llm.hidden, spec.r
+    q = llm.layers * ((r * h) + (h * r) // 8)  # q_proj: column base -> lora_A [r, h] whole, lora_B split
+    o = llm.layers * ((r * h) // 8 + h * r)  # o_proj: row base -> lora_A split, lora_B [h, r] whole
+    assert q == sum(t.local_numel(8) for t in tr.adapters if ".q_proj." in t.name)
+    assert o == sum(t.local_numel(8) for t in tr.adapters if ".o_proj." in t.name)
+    adapters = sum(t.local_numel(8) for t in tr.adapters)
+    base = sum(t.local_numel(8) for t in llm.tensors())
+    assert lora.state_bytes == 16 * adapters + 4 * len(tr.adapters) + 4 * base
+    assert lora.state_bytes < 0.3 * full.state_bytes
+    # the data-parallel reduction: one flat all-reduce of the local trained gradients
+    from disagg.interfaces.cost_rules import all_reduce
+
+    dp_full = all_reduce(4 * base, 2)
+    dp_lora = all_reduce(4 * adapters, 2)
+    assert full.comm_bytes_by_kind["all_reduce"] - lora.comm_bytes_by_kind["all_reduce"] > 0.99 * (
+        dp_full - dp_lora
+    )
+    # no weight-gradient GEMM for the frozen base (~1/3 of its dense work), the adapters' few
+    assert 0.6 * full.flops < lora.flops < 0.8 * full.flops
+    # the shapes the planner times by lose the same work
+    assert lora.compute is not None and full.compute is not None
+    assert abs(lora.compute.flops / full.compute.flops - lora.flops / full.flops) < 0.01
+
+
+def test_lora_on_the_tower_keeps_the_saved_parts_training(shapes):
+    """ulysses: the merger in ``modules_to_save`` trains in full, qkv/proj get adapters, the rest
+    of the tower is frozen; its gradient all-reduce carries only what trains."""
+    from disagg.cost import predict
+    from disagg.interfaces import CostQuery
+    from disagg.interfaces.cost_rules import grad_all_reduce
+
+    vision = shapes["vision"]
+    spec = _lora(("attn.qkv", "attn.proj"), 8, ("merger.*",))
+    cost = predict(vision, "ulysses", 4, 2, 4096, "bfloat16", lora=spec)
+    tr = CostQuery(shape=vision, degree=4, replicas=2, seq_len=4096, lora=spec).trained
+    merger = [t for t in vision.tensors() if t.name.startswith("merger.")]
+    assert set(merger) <= set(tr.trainable) and not set(merger) & set(tr.frozen)
+    assert len(tr.adapters) == 2 * 2 * vision.depth
+    assert cost.comm_bytes_by_kind["all_reduce"] == grad_all_reduce([t.numel for t in tr.trainable], 8)
+    warm = sum(t.numel for t in tr.trainable)
+    cold = sum(t.numel for t in tr.frozen)
+    assert cost.state_bytes == 16 * warm + 4 * len(tr.trainable) + 4 * cold
+
+
+def test_plan_with_lora_prefers_a_smaller_tp_degree():
+    """The published 32B at 16k vision tokens on 8 x 80 GB: trained in full the LLM's state only
+    fits split 8 ways; with LoRA on its seven linears the frozen base fits split 2 ways and the plan
+    takes TP 2 x 4 replicas (fewer ranks per sample, less TP traffic), faster."""
+    from disagg.plan.published import plan_published
+    from disagg.plugins import get_registry
+
+    reg = get_registry()
+    planned = plan_published(16 * 1024, reg)
+    full = planned.best
+    lora = plan_published(16 * 1024, reg, lora={"llm": _lora()}).best
+    assert full.groups["llm"].strategy == "megatron_tp" and full.groups["llm"].degree == 8
+    assert lora.groups["llm"].degree < full.groups["llm"].degree
+    assert not [x for x in planned.ranked if x.groups["llm"].degree == lora.groups["llm"].degree]
+    assert lora.step_time_s < full.step_time_s
