@@ -54,14 +54,18 @@ def reference(path: str, samples: list[dict], steps: int = STEPS) -> dict:
 
 def _tp_lora(rank: int, path: str, spec, optim, options: dict, train: bool = False):  # noqa: ANN001, ANN202
     """``megatron_tp`` 2 on the tiny Qwen2 with ``spec``'s adapters applied after the build,
-    as core's worker applies them: ``(ctx, strategy)``."""
+    as core's worker applies them: to the module the strategy built empty (meta device, no
+    base weight allocated), whose ranks then load their own slices. ``(ctx, strategy)``."""
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
     ctx = ranks.rank_context("llm", rank, 2, 1)
     fam = Qwen2Family(path)
-    module = apply_lora(fam.build(torch.float32), spec, "llm", "train.modules.llm.lora")
     opts = MegatronTPOptions(**options)
+    empty = MegatronTPStrategy(ctx, fam, opts).build_module()
+    assert all(p.is_meta for p in empty.parameters()), "megatron_tp builds the module empty"
+    module = apply_lora(empty, spec, "llm", "train.modules.llm.lora")
+    assert all(p.is_meta != (".lora_" in n) for n, p in module.named_parameters()), "only adapters exist"
     strat = ranks.strategy_rank(
         MegatronTPStrategy, fam, ctx, options=opts, optim=optim, module=module, train=train
     )

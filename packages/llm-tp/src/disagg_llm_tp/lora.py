@@ -1,8 +1,12 @@
 """LoRA adapters on megatron_tp's column- and row-parallel linears.
 
-Core injects PEFT's ``lora.Linear`` layers into the unpartitioned module
-(:mod:`disagg.interfaces.lora`); tensor parallelism then replaces the linears
-they wrap. Before :func:`~disagg_llm_tp.parallelize.parallelize_module` runs,
+Core injects PEFT's ``lora.Linear`` layers into the module as the strategy
+built it: empty, on the meta device (:mod:`disagg.interfaces.lora`; the
+adapters' full ``[r, in]``/``[out, r]`` values are drawn on the CPU, a few MB
+at most, the base is never allocated whole); tensor parallelism then replaces
+the linears they wrap, each rank loads its own slices of the base
+(:mod:`disagg_llm_tp.load`) and cuts the adapters for itself. Before
+:func:`~disagg_llm_tp.parallelize.parallelize_module` runs,
 :func:`unwrap` puts each wrapped base ``nn.Linear`` back and keeps the
 adapter's full weights; after it, :func:`rewrap` puts a :class:`TPLoraLinear`
 around the new parallel base. The split is PEFT's ``LoraParallelLinear`` for

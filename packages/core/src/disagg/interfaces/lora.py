@@ -1,6 +1,8 @@
 """LoRA adapters per module (``train.modules.<m>.lora``), built on PEFT.
 
-Core injects PEFT's LoRA layers into the module ``Family.build`` returned, in
+Core injects PEFT's LoRA layers into the module the strategy's ``build_module``
+returned (loaded, partitioned, or empty on the meta device: the adapters are
+drawn on the CPU all the same and no base weight is allocated for them), in
 the actor, before the strategy parallelizes it: the base weights get
 ``requires_grad = False`` (no gradient, no optimizer state, no gradient
 all-reduce), the adapters and the ``modules_to_save`` parts train. Strategies
@@ -23,6 +25,8 @@ after ``torch.manual_seed(lora_seed(...))``) start from the same adapters.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -153,14 +157,38 @@ def apply_lora(module: nn.Module, spec: LoraSpec, module_name: str, where: str) 
     state = torch.random.get_rng_state()
     torch.manual_seed(lora_seed(spec.seed, module_name))
     try:
-        module = peft.inject_adapter_in_model(
-            peft_config(spec, with_saved=False), module, adapter_name=ADAPTER
-        )
+        with _real_looking_bases(module):
+            module = peft.inject_adapter_in_model(
+                peft_config(spec, with_saved=False), module, adapter_name=ADAPTER
+            )
     finally:
         # the adapters' draws must not move the RNG stream that dropout reads later
         torch.random.set_rng_state(state)
     freeze_base(module, spec)
     return module
+
+
+@contextmanager
+def _real_looking_bases(module: nn.Module) -> Iterator[None]:
+    """On a module built empty (meta device, ``Family.build_empty``: the strategy loads its
+    own slices later), PEFT would move each new adapter onto its base weight's device, the
+    meta device, losing the values it just drew. Each meta linear weight is replaced, for the
+    injection only, by a zero-storage CPU stand-in of its shape and dtype (an expanded
+    scalar): PEFT then draws and keeps its adapters on the CPU, exactly as on a loaded module
+    (the same draws in the same order), and no base weight is ever allocated."""
+    swapped = []
+    for lin in module.modules():
+        w = getattr(lin, "weight", None)
+        if isinstance(lin, nn.Linear) and isinstance(w, torch.Tensor) and w.is_meta:
+            stand_in = torch.zeros((), dtype=w.dtype).expand(w.shape)
+            lin.weight = nn.Parameter(stand_in, requires_grad=False)
+            swapped.append((lin, w))
+    try:
+        yield
+    finally:
+        # PEFT keeps each wrapped nn.Linear object as its ``base_layer``: restore in place
+        for lin, w in swapped:
+            lin.weight = w
 
 
 def freeze_base(module: nn.Module, spec: LoraSpec) -> None:

@@ -152,9 +152,8 @@ class ModuleWorker:
         # the strategy builds: the whole module, or a partitioned or empty one
         module = self.strategy.build_module()
         if self.optim is not None and self.optim.lora is not None:
-            if any(p.is_meta for p in module.parameters()):
-                module = self.family.build(torch.float32)  # PEFT wraps loaded weights, not empty ones
-            # adapters before parallelization: the strategy sees which weights train
+            # adapters before parallelization: the strategy sees which weights train; on a
+            # module built empty they are drawn on the CPU and its base stays empty (lora.py)
             module = apply_lora(module, self.optim.lora, self.module, f"train.modules.{self.module}.lora")
         self.strategy.setup(module, self.optim)
         #: this rank's host memory over the set-up (``host_memory.finish``)
