@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disagg.interfaces import GroupContext
+from disagg.interfaces.rng import ShardRNG
 from disagg.interfaces.roles.state import Layout
 from disagg_llm_tp.layers import ShardSpec, local_slice, merge
 from disagg_llm_tp.load import local_pieces
@@ -105,6 +106,22 @@ class TPFullState:
                     .clone(memory_format=torch.contiguous_format)
                     for k, v in optim_state[name].items()
                 }
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """The TP stream (the default's) and, with adapter dropout, the stream every TP rank
+        of a replica shares for the column adapters' masks: a same-layout resume continues
+        both."""
+        out = super().rng_state()  # type: ignore[misc]
+        lora_rng: ShardRNG | None = getattr(self, "lora_rng", None)
+        if lora_rng is not None:
+            out["lora_dropout"] = lora_rng.state.cpu()
+        return out
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        super().set_rng_state(state)  # type: ignore[misc]
+        lora_rng: ShardRNG | None = getattr(self, "lora_rng", None)
+        if lora_rng is not None and "lora_dropout" in state:
+            lora_rng.state = state["lora_dropout"].clone()
 
     def tensor_layout(self, param: torch.Tensor) -> Layout:
         """Where this rank's piece of ``param`` lies in the full tensor (sharded

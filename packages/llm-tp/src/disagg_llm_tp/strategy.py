@@ -202,6 +202,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
             if any(s.dropout > 0 for s in sites):
                 # a stream every TP rank of the replica shares, apart from the default one
                 replica_rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.degree), ctx.device)
+        self.lora_rng = replica_rng  # checkpointed with the rest of the rank's streams (fullstate.py)
         if sites:
             rows = lmap.sequence_parallel.reduce_scatter if sp is not None and lmap.sequence_parallel else ()
             sp_rows = {n for n, _ in module.named_modules() if n and any(fnmatchcase(n, p) for p in rows)}
