@@ -5,7 +5,8 @@ On 4 ranks: ``megatron_tp`` 2 x 2 replicas trains a step, saves it sharded
 (``torch.distributed.checkpoint``, each rank its own pieces) and trains another;
 then fresh groups of other layouts on the same 4 ranks resume from the save:
 the same layout, ``megatron_tp`` 4 and ``ddp`` x 4, each compared after the load
-and after the same second step."""
+and after the same second step; the TP 4 group saves in turn and TP 2 loads it.
+Then the same with LoRA adapters (:func:`_lora`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 from tp_cases import LR, MAX_NORM, label_count, replica_slice
 
 from disagg.interfaces import OptimSpec
-from disagg.runtime.actor.state import load_full, save_sharded
+from disagg.interfaces.lora import LoraSpec, apply_lora
+from disagg.runtime.actor.state import load_full, save_full, save_sharded
 from disagg.testing import ranks
 from disagg.testing.ranks import dumps, loads
 
@@ -68,4 +70,57 @@ def ckpt_rank(rank: int, payload: bytes) -> bytes:
         out[f"{kind}/loaded"] = _state(strat)
         _step(strat, samples, embeds)
         out[f"{kind}/stepped"] = _state(strat)
+        if kind == "tp4":  # a save from TP 4 (vocabulary padded, key/value heads copied)
+            out["tp4/files"] = save_sharded(strat, rank, ckpt / "tp4", "llm")
+    back = _build("tp2", rank, path)
+    load_full(back, rank, ckpt / "tp4", "llm", restore_rng=False)
+    out["tp4->tp2/loaded"] = _state(back)
+    out["lora"] = _lora(rank, path, ckpt / "lora", samples, embeds)
     return dumps(out)
+
+
+#: column (q, k, v: key/value heads copied under TP 4) and row (o, down) adapters, dropout on
+LORA = LoraSpec(r=4, alpha=8.0, dropout=0.1, targets=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
+
+
+def _build_lora(kind: str, rank: int, path: str) -> Any:
+    """As core's worker sets a LoRA module up: the strategy's own build (empty under
+    megatron_tp), PEFT's adapters injected, then the strategy's set-up; train mode."""
+    from disagg_llm_tp.families.qwen2 import Qwen2Family
+
+    fam = Qwen2Family(path)
+    if kind == "ddp":
+        from disagg.builtin.ddp import DDPStrategy as cls
+
+        ctx = ranks.rank_context("llm", rank, 1, 4)
+    else:
+        from disagg_llm_tp.strategy import MegatronTPStrategy as cls
+
+        ctx = ranks.rank_context("llm", rank, int(kind[2:]), 4 // int(kind[2:]))
+    module = apply_lora(cls(ctx, fam, cls.options_model()).build_module(), LORA, "llm", "lora")
+    optim = OptimSpec(lr=LR, weight_decay=0.1, lora=LORA)
+    return ranks.strategy_rank(cls, fam, ctx, optim=optim, module=module, train=True)
+
+
+def _lora(rank: int, path: str, ckpt: Path, samples: list[dict], embeds: list[dict]) -> dict[str, Any]:
+    """LoRA under megatron_tp 2 x 2: a step, a sharded save (trained tensors only), another
+    step; resumed in the same layout (random streams too: the adapters' dropout), in TP 4
+    and in ddp x 4; and the same state saved in the full form and loaded back, for the bytes
+    each resume reads."""
+    first = _build_lora("tp2", rank, path)
+    _step(first, samples, embeds)
+    out: dict[str, Any] = {"files": save_sharded(first, rank, ckpt, "llm", LORA), "saved": _state(first)}
+    save_full(first, rank, ckpt / "full", "llm", LORA)
+    _step(first, samples, embeds)
+    out["uninterrupted"] = _state(first)
+    for kind in ("tp2", "tp4", "ddp"):
+        strat = _build_lora(kind, rank, path)
+        out[f"{kind}/read"] = load_full(strat, rank, ckpt, "llm", kind == "tp2", LORA)
+        out[f"{kind}/loaded"] = _state(strat)
+        if kind == "tp2":
+            _step(strat, samples, embeds)
+            out["tp2/stepped"] = _state(strat)
+    strat = _build_lora("tp2", rank, path)
+    out["full/read"] = load_full(strat, rank, ckpt / "full", "llm", True, LORA)
+    out["full/loaded"] = _state(strat)
+    return out

@@ -58,6 +58,54 @@ def test_sharded_save_resumes_in_any_layout(tmp_path):
             params = {k: v for k, v in r[f"{kind}/stepped"].items() if k.startswith("param/")}
             want = {k: v for k, v in uninterrupted.items() if k.startswith("param/")}
             assert_tensors_close(params, want, f"tp2 -> {kind}, rank {rank}, resumed step: ")
+        # TP 4 saves its own pieces too; TP 2 loads them exactly
+        assert [f for f in r["tp4/files"] if f.endswith(".distcp")] == [f"llm/dcp/__{rank}_0.distcp"]
+        assert_exact(r["tp4->tp2/loaded"], out[0]["tp4/stepped"], f"tp4 -> tp2, rank {rank}, loaded: ")
+    tp4 = _payload_by_file(Path(tmp_path) / "tp4" / "llm" / "dcp")
+    for name, n in tp4.items():
+        assert 0.2 < n / sum(tp4.values()) < 0.3, (name, tp4)
+    _assert_lora(out, Path(tmp_path) / "lora")
+
+
+def _assert_lora(out: list[dict], root: Path) -> None:
+    """LoRA under megatron_tp 2 x 2 (adapter dropout on): the sharded checkpoint holds the
+    adapters' pieces and their AdamW state only, spread over the ranks' files; the same layout
+    resumes bit for bit (random streams included), TP 4 and ddp x 4 load it exactly (the base
+    from the model dir, unchanged); a resume reads only its own pieces of the trained tensors,
+    where the full form's resume read them whole and gathered the whole base."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    lora = [r["lora"] for r in out]
+    saved = lora[0]["saved"]
+    stored = FileSystemReader(str(root / "llm" / "dcp")).read_metadata().state_dict_metadata
+    trained = {k for k in stored if k.startswith("param/")}
+    assert trained and all(".lora_A." in k or ".lora_B." in k for k in trained), sorted(trained)[:4]
+    assert trained == {k for k in saved if k.startswith("param/") and ".lora_" in k}
+    assert {
+        k.rpartition("/")[0].replace("optim/", "param/", 1) for k in stored if k.startswith("optim/")
+    } == trained
+    payload = _payload_by_file(root / "llm" / "dcp")
+    assert len(payload) == 4, payload
+    trained_bytes = sum(
+        saved[k].numel() * saved[k].element_size()
+        for k in saved
+        if k in trained or (k.startswith("optim/") and k.rpartition("/")[2] != "step")
+    )
+    for rank, r in enumerate(lora):
+        assert_exact(r["tp2/loaded"], saved, f"LoRA same layout, rank {rank}, loaded: ")
+        assert_exact(
+            r["tp2/stepped"], lora[0]["uninterrupted"], f"LoRA same layout, rank {rank}, resumed step: "
+        )
+        for kind in ("tp4", "ddp", "full"):
+            assert_exact(r[f"{kind}/loaded"], saved, f"LoRA tp2 -> {kind}, rank {rank}, loaded: ")
+        # bytes read by a resume: its own pieces of the trained state, never the base
+        assert r["tp2/read"] < trained_bytes < r["full/read"], (r["tp2/read"], trained_bytes, r["full/read"])
+    print(
+        "LoRA resume bytes read per rank, sharded / full form:",
+        [round(r["tp2/read"] / r["full/read"], 4) for r in lora],
+        "per-rank file fraction:",
+        [round(n / sum(payload.values()), 3) for n in payload.values()],
+    )
 
 
 def _payload_by_file(dcp_dir: Path) -> dict[str, int]:

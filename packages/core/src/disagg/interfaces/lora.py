@@ -211,13 +211,15 @@ def layer_kinds(layer_map: Any) -> dict[str, tuple[str, ...]]:
     }
 
 
+def is_trained(name: str, spec: LoraSpec) -> bool:
+    """Whether the module's tensor ``name`` trains under ``spec`` (an adapter or a
+    ``modules_to_save`` part): what a LoRA checkpoint holds."""
+    return is_adapter_param(name) or any(fnmatchcase(name, s) for s in spec.save_patterns)
+
+
 def adapter_state(state: dict[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
     """The trained part of a full state dict: adapters and the ``modules_to_save`` parts."""
-    return {
-        k: v
-        for k, v in state.items()
-        if is_adapter_param(k) or any(fnmatchcase(k, s) for s in spec.save_patterns)
-    }
+    return {k: v for k, v in state.items() if is_trained(k, spec)}
 
 
 def base_name(name: str) -> str:

@@ -1,7 +1,7 @@
 """``disagg export`` of modules trained with LoRA (``train.modules.<m>.lora``).
 
 A LoRA module's checkpoint holds its adapters and ``modules_to_save`` parts
-only. Exported, it becomes either
+only (in the full form or as sharded pieces). Exported, it becomes either
 
 - a PEFT adapter dir, ``OUT_DIR/adapters/<module>/`` (``adapter_config.json``
   and ``adapter_model.safetensors``), whose base is the exported HF dir (which
@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from disagg.config.schema import Config
 from disagg.interfaces import Family
@@ -88,9 +88,18 @@ def _full_name(local: str, names: list[str], hf_dir: Path) -> str:
     return hits[0]
 
 
+def trained_state(full: Path) -> dict[str, torch.Tensor]:
+    """A LoRA module's trained tensors (small: adapters and ``modules_to_save`` parts) from
+    its checkpoint, ``full`` (``<module>/full.safetensors``) or the sharded pieces beside
+    where it would be, each tensor whole."""
+    from disagg.runtime.actor.state import read_module_state
+
+    return read_module_state(full.parent.parent, full.parent.name)[0]
+
+
 def write_adapter_dir(family: Family, full: Path, spec: LoraSpec, dest: Path, base_dir: Path) -> Path:
     """``dest``: a PEFT adapter dir of the module's trained tensors (``full``) over ``base_dir``."""
-    state = load_file(str(full))
+    state = trained_state(full)
     names = hf_module_names(base_dir)
     adapted = {m: _full_name(m, names, base_dir) for m in _adapted(state)}
     saved = {m: _full_name(m, names, base_dir) for m in spec.modules_to_save}
@@ -123,7 +132,7 @@ def merged_entries(family: Family, full: Path, spec: LoraSpec, source: dict[str,
 
     from disagg.runtime.hf_shards import TensorRef
 
-    state = load_file(str(full))
+    state = trained_state(full)
     adapted = _adapted(state)
     names = _mapped(family, [f"{m}.weight" for m in adapted] + [k for k in state if not is_adapter_param(k)])
     scaling = spec.alpha / spec.r

@@ -15,6 +15,7 @@ live parameters and optimizer state.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -74,6 +75,8 @@ class PieceLoadPlanner(DefaultLoadPlanner):
     def __init__(self, pieces: Pieces, where: str) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces, self.where = pieces, where
+        #: tensor bytes this rank's plan reads (the stored regions overlapping its pieces)
+        self.bytes_read = 0
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
@@ -89,7 +92,9 @@ class PieceLoadPlanner(DefaultLoadPlanner):
                     f"{tuple(size)} in this module"
                 )
             chunks = [ChunkStorageMetadata(torch.Size(o), t.size()) for o, t in parts]
-            items += create_read_items_for_chunk_list(fqn, md, chunks)
+            mine = create_read_items_for_chunk_list(fqn, md, chunks)
+            self.bytes_read += sum(math.prod(i.lengths) for i in mine) * md.properties.dtype.itemsize
+            items += mine
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:

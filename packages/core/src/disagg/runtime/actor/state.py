@@ -16,7 +16,9 @@ module's own process group is its world): ``__K_0.distcp`` holds the pieces
 rank K was picked to write (about 1/d of the group's parameters and optimizer
 state), ``.metadata`` (rank 0) where every piece lies in the full tensors.
 :func:`load_full` takes either form; from a sharded one each rank reads only
-the stored regions that overlap its own pieces.
+the stored regions that overlap its own pieces. A LoRA module's checkpoint
+(either form) holds only its trained tensors (adapters, ``modules_to_save``
+parts) and their optimizer state; the frozen base is read from the model dir.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from disagg.interfaces import Strategy
-from disagg.interfaces.lora import LoraSpec, adapter_state
+from disagg.interfaces.lora import LoraSpec, adapter_state, is_trained
+from disagg.interfaces.roles.state import Pieces
 
 SEP = "::"
 
@@ -71,16 +74,18 @@ def save_sharded(
 ) -> dict[str, dict[str, Any]]:
     """Write this rank's pieces of the module's state under ``ckpt/module/dcp`` (with
     the schedule and random streams as :func:`save_full` does); a strategy that states
-    no layout (``sharded_state`` is None) writes the full form instead, and so does a
-    LoRA module (its adapters only: small, and the form ``disagg export`` reads for
-    them). Collective."""
+    no layout (``sharded_state`` is None) writes the full form instead. With ``lora``
+    only the trained tensors' pieces (adapters, ``modules_to_save`` parts) and their
+    optimizer state are written: the frozen base is the model dir's. Collective."""
     import torch.distributed.checkpoint as dcp
 
     from disagg.runtime.actor.dcp_pieces import PieceSavePlanner
 
-    pieces = strategy.sharded_state() if lora is None else None
+    pieces = strategy.sharded_state()
     if pieces is None:
         return save_full(strategy, rank, ckpt, module, lora)
+    if lora is not None:
+        pieces = trained_pieces(pieces, lora)
     root = Path(ckpt) / module
     (root / "rng").mkdir(parents=True, exist_ok=True)
     dcp.save({}, checkpoint_id=str(root / "dcp"), planner=PieceSavePlanner(pieces))
@@ -95,7 +100,14 @@ def save_sharded(
     return {str(f.relative_to(ckpt)): file_digest(f, sync=True) for f in written}
 
 
-def _load_sharded(strategy: Strategy, root: Path) -> None:
+def trained_pieces(pieces: Pieces, lora: LoraSpec) -> Pieces:
+    """A LoRA module's pieces that a checkpoint holds: the trained parameters and every
+    optimizer state (only trained parameters have any), never the frozen base."""
+    return {k: v for k, v in pieces.items() if not k.startswith("param/") or is_trained(k[6:], lora)}
+
+
+def _load_sharded(strategy: Strategy, root: Path, lora: LoraSpec | None) -> int:
+    """Returns the tensor bytes this rank read."""
     import torch.distributed.checkpoint as dcp
 
     from disagg.runtime.actor.dcp_pieces import PieceLoadPlanner
@@ -104,39 +116,79 @@ def _load_sharded(strategy: Strategy, root: Path) -> None:
     saved = reader.read_metadata().state_dict_metadata
     pieces = strategy.sharded_state(saved)
     if pieces is not None:
-        dcp.load({}, storage_reader=reader, planner=PieceLoadPlanner(pieces, str(root)))
-        return
+        if lora is not None:  # the base stays as the model dir built it
+            pieces = trained_pieces(pieces, lora)
+        planner = PieceLoadPlanner(pieces, str(root))
+        dcp.load({}, storage_reader=reader, planner=planner)
+        return planner.bytes_read
     # a strategy without a stated layout slices the full form itself: every tensor whole
     full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
     dcp.load(full, storage_reader=reader)
-    params = {k[len("param/") :]: v for k, v in full.items() if k.startswith("param/")}
+    params, optim = _split(full)
+    read = sum(t.numel() * t.element_size() for t in full.values())
+    if lora is not None:  # the checkpoint holds the trained tensors only: the base, merged
+        base = strategy.full_state_dict()
+        read += sum(t.numel() * t.element_size() for k, t in base.items() if k not in params)
+        params = {**base, **params}
+    strategy.load_full_state(params, optim)
+    return read
+
+
+Optim = dict[str, dict[str, torch.Tensor]]
+
+
+def _split(flat: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Optim]:
+    """A sharded checkpoint's names (``param/<name>``, ``optim/<name>/<state>``) as the full form's."""
+    params = {k[len("param/") :]: v for k, v in flat.items() if k.startswith("param/")}
     optim: dict[str, dict[str, torch.Tensor]] = {}
-    for key, v in full.items():
+    for key, v in flat.items():
         if key.startswith("optim/"):
             name, _, k = key[len("optim/") :].rpartition("/")
             optim.setdefault(name, {})[k] = v
-    strategy.load_full_state(params, optim)
+    return params, optim
+
+
+def read_module_state(ckpt: Path, module: str) -> tuple[dict[str, torch.Tensor], Optim]:
+    """A module's parameters and optimizer state from a checkpoint of either form, every
+    tensor whole, in one process (no group): for what is small (a LoRA module's trained
+    tensors, which ``disagg export`` writes as an adapter dir) and for tests."""
+    root = Path(ckpt) / module
+    if (root / "dcp" / ".metadata").is_file():
+        import torch.distributed.checkpoint as dcp
+
+        reader = dcp.FileSystemReader(str(root / "dcp"))
+        saved = reader.read_metadata().state_dict_metadata
+        flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
+        dcp.load(flat, storage_reader=reader, no_dist=True)
+        return _split(flat)
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    if (root / "optim.safetensors").is_file():
+        for key, v in load_file(str(root / "optim.safetensors")).items():
+            name, _, k = key.rpartition(SEP)
+            optim.setdefault(name, {})[k] = v
+    return load_file(str(root / "full.safetensors")), optim
 
 
 def load_full(
     strategy: Strategy, rank: int, ckpt: Path, module: str, restore_rng: bool, lora: LoraSpec | None = None
-) -> None:
+) -> int:
     """Take this rank's part of the module's state, saved full or sharded by any
     layout; with ``restore_rng`` (same layout as the save) continue its random
     streams too. With ``lora`` the checkpoint holds the trained tensors only; the
     frozen base is the module's own, as built from the model dir (it never changes).
-    Collective."""
+    Collective. Returns the tensor bytes this rank read or gathered (from a sharded
+    checkpoint, under a strategy that states its layout: its own pieces only)."""
     root = Path(ckpt) / module
     if (root / "dcp" / ".metadata").is_file():
-        _load_sharded(strategy, root)
+        read = _load_sharded(strategy, root, lora)
     else:
-        params = load_file(str(root / "full.safetensors"))
-        if lora is not None:
-            params = {**strategy.full_state_dict(), **params}
-        optim: dict[str, dict[str, torch.Tensor]] = {}
-        for key, v in load_file(str(root / "optim.safetensors")).items():
-            name, _, k = key.rpartition(SEP)
-            optim.setdefault(name, {})[k] = v
+        params, optim = read_module_state(ckpt, module)
+        read = sum(t.numel() * t.element_size() for t in params.values())
+        read += sum(t.numel() * t.element_size() for st in optim.values() for t in st.values())
+        if lora is not None:  # the base, merged from the ranks' own (every rank gets it whole)
+            base = strategy.full_state_dict()
+            read += sum(t.numel() * t.element_size() for k, t in base.items() if k not in params)
+            params = {**base, **params}
         strategy.load_full_state(params, optim)
     set_schedule_state(strategy, json.loads((root / "schedule.json").read_text()))
     if restore_rng:
@@ -144,6 +196,7 @@ def load_full(
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})["state"])
         set_rng_state(strategy, load_file(str(path)), meta)
+    return read
 
 
 # -- scheduler and optimizer hyper-parameters ----------------------------------------------------
