@@ -5,7 +5,10 @@ before the cost formulas moved from core into the plugins (issue 24);
 ``test_cost_fixture.py`` recomputes the same dict with the code at hand and asserts
 it equals the file exactly (re-recorded when a decoder's logits term became one loss chunk,
 ``parallel.llm.loss_chunk_tokens``, and when ``ddp``/``ulysses`` got ``parallel.<m>.shard``:
-its variants estimated and searched by the plans): every strategy's ``estimate`` on a grid of queries
+its variants estimated and searched by the plans; when ``CostQuery.dtype`` became the
+precision recipe, ``CostQuery.precision``: the published grid under ``bf16``, 18 bytes per
+trained element with its fp32 master, where the compute dtype ``bfloat16`` had meant fp32
+state at 16): every strategy's ``estimate`` on a grid of queries
 (published Qwen2.5-VL-32B and the tiny Qwen2.5-VL), ``disagg bench --predict``'s rows
 and ``disagg plan``'s full ranking on both, on clusters without the efficiency curve
 (every FLOP at the MFU, the time model before issue 24 item 2).
@@ -66,7 +69,7 @@ def estimates(
     cfg: dict[str, Any],
     vision_tokens: int,
     text_tokens: int,
-    dtype: str,
+    precision: str,
     keep: list[Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The grid's rows; ``keep`` collects each row's ``Cost`` (None where there is none)."""
@@ -104,7 +107,7 @@ def estimates(
                         degree=degree,
                         replicas=replicas,
                         seq_len=seq,
-                        dtype=dtype,
+                        precision=precision,
                         samples=2 * replicas * micro,
                         microbatches=micro,
                         inflight=inflight,
@@ -210,8 +213,8 @@ def dump(tiny: dict[str, Any]) -> dict[str, Any]:
     return {
         "tiny_config": tiny,
         "estimates": (
-            estimates("published", QWEN2_5_VL_32B, 16384, 512, "bfloat16", kept)
-            + estimates("tiny", tiny, 256, 32, "float32", kept)
+            estimates("published", QWEN2_5_VL_32B, 16384, 512, "bf16", kept)
+            + estimates("tiny", tiny, 256, 32, "fp32", kept)
         ),
         "bench_predict": {"rows": rows, "ratios": ratios(rows), "ratios_none": ratios(rows, "none")},
         "plans": plans(tiny),

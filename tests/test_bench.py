@@ -51,7 +51,7 @@ def bench(ray_local, tmp_path_factory) -> Path:
 
 def test_outputs_are_complete(bench: Path):
     result = json.loads((bench / "bench.json").read_text())
-    assert result["config"]["dtype"] == "float32" and result["config"]["vision_tokens"] == LENGTHS
+    assert result["config"]["precision"] == "fp32" and result["config"]["vision_tokens"] == LENGTHS
     points = {(p["layout"], p["vision_tokens"]): p for p in result["points"]}
     assert set(points) == {(name, n) for name in ("uniform_tp", "dhp_ulysses_tp") for n in LENGTHS}
     for p in points.values():

@@ -28,17 +28,17 @@ def shapes():
 
 
 def test_lora_state_reduction_and_flops_on_the_32b_llm(shapes):
-    """megatron_tp 8 x 2 on the 32B LLM: state = 16 B per adapter element this rank holds (lora_A
-    whole / lora_B split behind a column base, the reverse behind a row base) + 4 B per AdamW step
-    + 4 B per frozen base element; the replicas all-reduce only the adapters' gradients; the
-    weight-gradient products of the base are gone."""
+    """megatron_tp 8 x 2 on the 32B LLM under ``bf16``: state = 18 B per adapter element this rank
+    holds (lora_A whole / lora_B split behind a column base, the reverse behind a row base) + 4 B
+    per AdamW step + 2 B per frozen base element (its bf16 weight, no master); the replicas
+    all-reduce only the adapters' gradients; the weight-gradient products of the base are gone."""
     from disagg.cost import predict
     from disagg.interfaces import CostQuery
 
     llm, spec = shapes["llm"], _lora()
     kw = dict(samples=8, exchanged_rows=1024, exchanged_width=5120)
-    full = predict(llm, "megatron_tp", 8, 2, 1536, "bfloat16", **kw)
-    lora = predict(llm, "megatron_tp", 8, 2, 1536, "bfloat16", lora=spec, **kw)
+    full = predict(llm, "megatron_tp", 8, 2, 1536, "bf16", **kw)
+    lora = predict(llm, "megatron_tp", 8, 2, 1536, "bf16", lora=spec, **kw)
     tr = CostQuery(shape=llm, degree=8, replicas=2, seq_len=1536, lora=spec).trained
     assert len(tr.adapters) == 2 * 7 * llm.layers and len(tr.frozen) == len(llm.tensors())
     h, r = llm.hidden, spec.r
@@ -48,7 +48,7 @@ def test_lora_state_reduction_and_flops_on_the_32b_llm(shapes):
     assert o == sum(t.local_numel(8) for t in tr.adapters if ".o_proj." in t.name)
     adapters = sum(t.local_numel(8) for t in tr.adapters)
     base = sum(t.local_numel(8) for t in llm.tensors())
-    assert lora.state_bytes == 16 * adapters + 4 * len(tr.adapters) + 4 * base
+    assert lora.state_bytes == 18 * adapters + 4 * len(tr.adapters) + 2 * base
     assert lora.state_bytes < 0.3 * full.state_bytes
     # the data-parallel reduction: one flat all-reduce of the local trained gradients
     from disagg.interfaces.cost_rules import all_reduce
@@ -66,15 +66,16 @@ def test_lora_state_reduction_and_flops_on_the_32b_llm(shapes):
 
 
 def test_lora_on_the_tower_keeps_the_saved_parts_training(shapes):
-    """ulysses: the merger in ``modules_to_save`` trains in full, qkv/proj get adapters, the rest
-    of the tower is frozen; its gradient all-reduce carries only what trains."""
+    """ulysses under ``bf16`` and ``bf16-pure``: the merger in ``modules_to_save`` trains in full,
+    qkv/proj get adapters, the rest of the tower is frozen; its gradient all-reduce carries only
+    what trains."""
     from disagg.cost import predict
     from disagg.interfaces import CostQuery
     from disagg.interfaces.cost_rules import grad_all_reduce
 
     vision = shapes["vision"]
     spec = _lora(("attn.qkv", "attn.proj"), 8, ("merger.*",))
-    cost = predict(vision, "ulysses", 4, 2, 4096, "bfloat16", lora=spec)
+    cost = predict(vision, "ulysses", 4, 2, 4096, "bf16", lora=spec)
     tr = CostQuery(shape=vision, degree=4, replicas=2, seq_len=4096, lora=spec).trained
     merger = [t for t in vision.tensors() if t.name.startswith("merger.")]
     assert set(merger) <= set(tr.trainable) and not set(merger) & set(tr.frozen)
@@ -82,13 +83,18 @@ def test_lora_on_the_tower_keeps_the_saved_parts_training(shapes):
     assert cost.comm_bytes_by_kind["all_reduce"] == grad_all_reduce([t.numel for t in tr.trainable], 8)
     warm = sum(t.numel for t in tr.trainable)
     cold = sum(t.numel for t in tr.frozen)
-    assert cost.state_bytes == 16 * warm + 4 * len(tr.trainable) + 4 * cold
+    assert cost.state_bytes == 18 * warm + 4 * len(tr.trainable) + 2 * cold
+    pure = predict(vision, "ulysses", 4, 2, 4096, "bf16-pure", lora=spec)
+    assert pure.state_bytes == 8 * warm + 4 * len(tr.trainable) + 2 * cold
+    # bf16-pure reduces bf16 gradients
+    assert pure.comm_bytes_by_kind["all_reduce"] == grad_all_reduce([t.numel for t in tr.trainable], 8, 2)
 
 
 def test_plan_with_lora_prefers_a_smaller_tp_degree():
-    """The published 32B at 16k vision tokens on 8 x 80 GB: trained in full the LLM's state only
-    fits split 8 ways; with LoRA on its seven linears the frozen base fits split 2 ways and the plan
-    takes TP 2 x 4 replicas (fewer ranks per sample, less TP traffic), faster."""
+    """The published 32B at 16k vision tokens on 8 x 80 GB under ``bf16``: trained in full the
+    LLM's state (18 B per parameter) only fits split 8 ways; with LoRA on its seven linears the
+    frozen bf16 base (2 B per parameter) fits on fewer ranks per sample and the plan takes such a
+    layout (today 8 replicas of the whole LLM), faster: no layout at that degree fits in full."""
     from disagg.plan.published import plan_published
     from disagg.plugins import get_registry
 

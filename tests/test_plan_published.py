@@ -1,12 +1,12 @@
 """``disagg plan`` on the published setting: Qwen2.5-VL-32B config values, 8 x
 H100 (80 GB), the paper's vision lengths, compute time by GEMM shape on the ``h100x8``
-preset's efficiency curve. The plan must put TP 8 on the LLM, rank Ulysses SP for the
-vision encoder ahead of uniform TP and ZeRO-3 (first at 32k; at 16k within 2% of a
-data-parallel ZeRO-1 tower, see below),
+preset's efficiency curve, the ``bf16`` recipe (bf16 weights, fp32 masters, gradients and
+AdamW state: 18 B per parameter). The plan must put TP 8 on the LLM, rank Ulysses SP for the
+vision encoder (with a sharded state) first, ahead of uniform TP and ZeRO-3,
 predict ZeRO-3 out of memory at 16k vision tokens (where the paper saw it), charge the
 TP-split tower more compute time than the Ulysses one for the same FLOPs, and
-predict DHP faster than uniform TP by the step times docs/benchmarks.md records (1.14x
-at 16k, 1.13x at 32k), which is below the paper's measured 1.26-1.37x (the page
+predict DHP faster than uniform TP by the step times docs/benchmarks.md records (1.10x
+at 16k, 1.11x at 32k), which is below the paper's measured 1.26-1.37x (the page
 says why). Pure computation from each strategy's cost hook."""
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def results():
 
 
 #: uniform TP and DHP predicted step seconds, as docs/benchmarks.md records them
-RECORDED_STEP_S = {16 * 1024: (3.144, 2.757), 32 * 1024: (6.052, 5.362)}
+RECORDED_STEP_S = {16 * 1024: (3.144, 2.855), 32 * 1024: (6.052, 5.441)}
 #: their ratio, rounded
-RECORDED_SPEEDUP = {16 * 1024: 1.14, 32 * 1024: 1.13}
+RECORDED_SPEEDUP = {16 * 1024: 1.10, 32 * 1024: 1.11}
 
 
 @pytest.mark.parametrize("n", [16 * 1024, 32 * 1024])
@@ -42,29 +42,20 @@ def test_plan_prefers_ulysses_vision_with_tp_llm(results, n):
     assert best.groups["llm"].degree == 8  # the 32B LLM's state only fits split 8 ways
     ulysses = next(x for x in result.ranked if x.groups["vision"].strategy == "ulysses")
     assert ulysses.groups["llm"].strategy == "megatron_tp"
-    if n == 32 * 1024:
-        assert best is ulysses and best.groups["vision"].degree > 1
-    else:
-        # With parallel.vision.shard searched (ZeRO-1/2/3 over the group), a data-parallel tower
-        # with sharded gradients and AdamW state (ulysses at degree 1, 8 replicas; ddp ties) fits
-        # beside TP 8 at 16k and is predicted 0.8% faster than any ulysses degree > 1 (2.705 vs
-        # 2.726 s, ulysses 2 x 4 with ZeRO-1): at 16k the tower's replicas cost less than its all-to-alls.
-        assert best.groups["vision"].degree == 1
-        assert dict(best.groups["vision"].options).get("shard", "none") != "none"
-        sp = next(
-            x
-            for x in result.ranked
-            if x.groups["vision"].strategy == "ulysses" and x.groups["vision"].degree > 1
-        )
-        assert sp.step_time_s <= 1.02 * best.step_time_s
+    # Under bf16 the LLM's TP-8 state is 73.7 GB per GPU (18 B per parameter), so the tower's
+    # state must be sharded beside it: the data-parallel tower with ZeRO-2 that led at 16k under
+    # the old 16 B rule no longer fits; ulysses 2 x 4 (16k) / 4 x 2 (32k) with shard: parameters do.
+    assert best is ulysses and best.groups["vision"].degree > 1
+    assert dict(best.groups["vision"].options).get("shard", "none") != "none"
     tp, dhp, z3 = (named(result, k) for k in ("uniform_tp", "dhp_ulysses_tp", "uniform_zero3"))
     assert tp.fits and dhp.fits and not z3.fits
     assert result.ranked.index(dhp) < result.ranked.index(tp)
     assert z3 in result.oom
-    # where DHP wins: the vision group's collectives (TP all-reduces every block's activations)
+    # where DHP wins: the vision group's collectives (TP gathers and reduces every block's
+    # activations; ulysses's all-to-alls plus its sharded state's FSDP2 gathers move ~1/3 of that)
     assert (
         sum(dhp.costs["vision"].comm_bytes_by_kind.values())
-        < sum(tp.costs["vision"].comm_bytes_by_kind.values()) / 5
+        < sum(tp.costs["vision"].comm_bytes_by_kind.values()) / 2
     )
     from disagg.bench.published import PAPER
 

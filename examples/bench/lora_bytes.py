@@ -100,7 +100,7 @@ def analytic(path: str) -> dict:
     out = {}
     for m, spec in (("vision", VISION), ("llm", LLM)):
         for mode in ("full", "lora"):
-            cost = predict(shapes[m], "ddp", 1, 2, 64, "float32", lora=spec if mode == "lora" else None)
+            cost = predict(shapes[m], "ddp", 1, 2, 64, "fp32", lora=spec if mode == "lora" else None)
             out[f"{m}/{mode}"] = {
                 "state_bytes_analytic": cost.state_bytes,
                 # the group's own collectives: ddp's gradient reduction

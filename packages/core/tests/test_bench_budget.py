@@ -81,7 +81,7 @@ def make(tmp_path: Path, lengths: list[int]) -> FakeBench:
             "output_dir": str(tmp_path / "out"),
         }
     )
-    b = FakeBench(base, LAYOUTS, lengths, 2, 2, "float32", tmp_path / "out", registry=None, budget=BUDGET)  # type: ignore[arg-type]
+    b = FakeBench(base, LAYOUTS, lengths, 2, 2, "fp32", tmp_path / "out", registry=None, budget=BUDGET)  # type: ignore[arg-type]
     b.runs = []
     return b
 

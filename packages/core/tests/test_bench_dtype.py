@@ -6,7 +6,7 @@ from __future__ import annotations
 import ray
 
 import disagg.runtime.run as run
-from disagg.cli.bench import _cluster_dtype
+from disagg.cli.bench import _cluster_precision
 from disagg.config.schema import Config
 
 
@@ -24,8 +24,8 @@ def test_dtype_follows_the_cluster_not_the_driver(monkeypatch):
     monkeypatch.setattr(run, "ensure_ray", lambda address, n, reserved=0: seen.update(reserved=reserved))
     layouts = {"a": {"vision": {"degree": 2}, "llm": {"degree": 4, "replicas": 2}}, "b": {}}
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
-    assert _cluster_dtype(_cfg(), layouts) == "bfloat16"  # the driver here has no GPU
+    assert _cluster_precision(_cfg(), layouts) == "bf16"  # the driver here has no GPU
     assert seen["reserved"] == 10  # the largest layout: 2 + 8 ranks of 1 CPU
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
-    assert _cluster_dtype(_cfg(), layouts) == "float32"
-    assert _cluster_dtype(_cfg("cpu"), {"a": {}}) == "float32"
+    assert _cluster_precision(_cfg(), layouts) == "fp32"
+    assert _cluster_precision(_cfg("cpu"), {"a": {}}) == "fp32"

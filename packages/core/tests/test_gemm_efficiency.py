@@ -80,14 +80,14 @@ def test_shape_lists_add_up_to_the_flops_and_split_elementwise_by_layout():
     vision, llm = shapes["vision"], shapes["llm"]
     n = 16384
     kw = {"samples": 2, "microbatches": 2}
-    ddp_v = predict(vision, "ddp", 1, 1, n, "bfloat16", **kw)
-    ddp_l = predict(llm, "ddp", 1, 1, n // 4 + 512, "bfloat16", **kw)
+    ddp_v = predict(vision, "ddp", 1, 1, n, "bf16", **kw)
+    ddp_l = predict(llm, "ddp", 1, 1, n // 4 + 512, "bf16", **kw)
     # a whole replica: the shapes' FLOPs are the module's FLOPs (every weight, every attention window)
     for c in (ddp_v, ddp_l):
         assert c.compute is not None and c.compute.flops == pytest.approx(c.flops, rel=1e-9)
-    uly = predict(vision, "ulysses", 8, 1, n, "bfloat16", **kw)
-    tp = predict(vision, "megatron_tp", 8, 1, n, "bfloat16", **kw)
-    sp = predict(vision, "megatron_tp", 8, 1, n, "bfloat16", options={"sequence_parallel": True}, **kw)
+    uly = predict(vision, "ulysses", 8, 1, n, "bf16", **kw)
+    tp = predict(vision, "megatron_tp", 8, 1, n, "bf16", **kw)
+    sp = predict(vision, "megatron_tp", 8, 1, n, "bf16", options={"sequence_parallel": True}, **kw)
     assert uly.compute.flops == pytest.approx(ddp_v.flops / 8, rel=1e-9)
     # TP keeps the replicated patch embedding whole on every rank: a little more than 1/8
     assert ddp_v.flops / 8 < tp.compute.flops < 1.02 * ddp_v.flops / 8
@@ -97,9 +97,9 @@ def test_shape_lists_add_up_to_the_flops_and_split_elementwise_by_layout():
     assert ew["uly"] == pytest.approx(ew["ddp"] / 8) and ew["sp"] == pytest.approx(ew["ddp"] / 8)
     assert ew["tp"] > 3 * ew["uly"]
     # recompute: full replays the forward (4/3 of everything), selective the attention cores
-    full = predict(vision, "ulysses", 8, 1, n, "bfloat16", recompute="full", **kw)
+    full = predict(vision, "ulysses", 8, 1, n, "bf16", recompute="full", **kw)
     assert full.compute.flops == pytest.approx(4 / 3 * uly.compute.flops)
-    sel = predict(vision, "ulysses", 8, 1, n, "bfloat16", recompute="selective", **kw)
+    sel = predict(vision, "ulysses", 8, 1, n, "bf16", recompute="selective", **kw)
     assert sel.compute.flops == pytest.approx(sel.flops, rel=1e-9)
     assert sel.compute.elementwise_bytes == uly.compute.elementwise_bytes
     # compute time: the TP tower takes longer than the ulysses one for the same FLOPs per rank

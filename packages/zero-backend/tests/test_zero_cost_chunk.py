@@ -18,7 +18,7 @@ from disagg_zero.strategy import ZeroStrategy  # noqa: E402
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_counts_the_configured_loss_chunk(stage: int) -> None:
     shapes = published_shapes(QWEN2_5_VL_32B)
-    q = CostQuery(shape=shapes["llm"], degree=1, replicas=8, seq_len=16384, dtype="bfloat16", samples=8)
+    q = CostQuery(shape=shapes["llm"], degree=1, replicas=8, seq_len=16384, precision="bf16", samples=8)
 
     def act(cls, **opts) -> int:
         return cls.estimate(q, cls.options_model(**opts)).activation_bytes

@@ -9,8 +9,8 @@ With sequence parallelism and for a decoder, communication is an estimate.
 
 Notation: ``W = degree x replicas`` ranks; a replica gets ``s = ceil(samples /
 replicas)`` samples of ``N`` tokens; ``e`` bytes per activation element;
-gradients are fp32 (4 bytes); ``H`` hidden, ``I`` MLP width, ``O`` the
-merger's output width, ``U`` tokens per merged row, ``L`` blocks / layers.
+gradients in the recipe's gradient dtype (4 bytes but under ``bf16-pure``); ``H``
+hidden, ``I`` MLP width, ``O`` the merger's output width, ``U`` tokens per merged row, ``L`` blocks / layers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 from disagg.interfaces import cost_training
 from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import (
-    GRAD_BYTES,
     Cost,
     CostQuery,
     DecoderShape,
@@ -84,7 +83,7 @@ def encoder_comm(
         out["reduce_scatter"] = s * (4 * shape.depth + 1) * shard
         out["all_reduce"] = s * all_reduce(rows * shape.out_hidden * e, d)
         partial = [t.numel for t in _warm(shape, tr) if t.tp == "replicated" and "patch_embed" not in t.name]
-        out["all_reduce"] += all_reduce(GRAD_BYTES * sum(partial), w.world)
+        out["all_reduce"] += all_reduce(w.grad_bytes * sum(partial), w.world)
     if d > 1:
         out["broadcast"] = s * rows * shape.out_hidden * e
     out["all_reduce"] = out.get("all_reduce", 0) + _grad_reduce(_warm(shape, tr), w)
@@ -146,7 +145,7 @@ def decoder_comm(
         out["all_gather"] = s * (6 * shape.layers + 3) * shard
         out["reduce_scatter"] = s * (4 * shape.layers + 1) * shard
         norms = [t.numel for t in _warm(shape, tr) if t.tp == "replicated"]
-        partial = all_reduce(GRAD_BYTES * sum(norms), w.world)
+        partial = all_reduce(w.grad_bytes * sum(norms), w.world)
     out["all_reduce"] = s * per + partial + _grad_reduce(_warm(shape, tr), w)
     _add(out, _adapter_comm(tr, w, n, sequence_parallel))
     return out
@@ -157,7 +156,7 @@ def _grad_reduce(tensors: list[ParamTensor], w: Workload) -> int:
     their local gradients (one flat buffer), the global grad norm is one float64
     scalar all-reduced over the group."""
     agree = all_reduce(4 * len(tensors), w.world)
-    dp = all_reduce(GRAD_BYTES * sum(t.local_numel(w.degree) for t in tensors), w.replicas)
+    dp = all_reduce(w.grad_bytes * sum(t.local_numel(w.degree) for t in tensors), w.replicas)
     return agree + dp + all_reduce(8, w.world)
 
 
@@ -300,7 +299,7 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
     base = strategy_compute(shape, query.seq_len, split, w.act_bytes, "none")
     return assemble(
         w,
-        state_bytes=cost_training.state_bytes(tr, d),
+        state_bytes=cost_training.state_bytes(tr, d, w.state_element, w.weight_bytes),
         activation_bytes=act,
         comm=comm,
         calls=calls,

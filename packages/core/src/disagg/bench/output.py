@@ -24,7 +24,7 @@ def write_outputs(
     probes = [p for s in (search or {}).values() for p in s["probes"]]
     result: dict[str, Any] = {
         "config": {
-            "dtype": bench.dtype,
+            "precision": bench.precision,
             "samples_per_step": bench.samples,
             "steps": bench.steps,
             "seed": bench.base.train.seed,
@@ -46,7 +46,7 @@ def write_outputs(
     md = [
         "# disagg bench",
         "",
-        f"dtype {bench.dtype}, {bench.samples} samples/step (one image each), {bench.steps} steps/point "
+        f"precision {bench.precision}, {bench.samples} samples/step (one image each), {bench.steps} steps/point "
         f"(median after the first), seed {bench.base.train.seed}, placement {bench.placement}.",
         "Measured figures, analytic prediction in parentheses with the relative error.",
         "",

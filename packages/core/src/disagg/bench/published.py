@@ -117,13 +117,15 @@ def predict_published(
     recompute: tuple[str, ...] = ("none", "full"),
     strategies: dict[str, Any] | None = None,
     flat: bool = False,
+    precision: str = "bf16",
 ) -> list[dict[str, Any]]:
     """One row per recompute mode, layout and vision length: predicted step time,
     tokens/s, memory per GPU (and whether it fits 80 GB), bytes per GPU. Every strategy
     is asked for its own cost (``strategies``: name -> class, default the installed
     ones); a third party's appears as ``uniform_<name>`` (:func:`third_party_layouts`),
     left out where its hook states no cost for a module. ``flat``: every FLOP at ``MFU``
-    (the time model before GEMM shapes were counted)."""
+    (the time model before GEMM shapes were counted); ``precision``: the ``train.precision``
+    recipe every layout runs."""
     from disagg.plan.cluster import PRESETS
     from disagg.plan.efficiency import compute_seconds
     from disagg.plan.efficiency import flat as flat_curve
@@ -163,7 +165,7 @@ def predict_published(
                         degree,
                         replicas,
                         seq,
-                        "bfloat16",
+                        precision,
                         samples=SAMPLES,
                         microbatches=SAMPLES // replicas,  # one sample per replica per microbatch
                         options={k: v for k, v in g.items() if k not in ("strategy", "degree", "replicas")},

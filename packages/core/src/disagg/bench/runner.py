@@ -1,6 +1,6 @@
 """Run one layout at one vision length for a few real steps; summarize it.
 
-Every point of a bench uses the same model, data files, dtype, seed and steps;
+Every point of a bench uses the same model, data files, precision, seed and steps;
 only ``parallel`` (and the microbatch count it implies) differs. One run per
 layout covers all its lengths (the actors start once), ``steps`` steps each. Each vision
 replica gets one sample per microbatch, so a rank holds one image's
@@ -35,7 +35,7 @@ def layout_config(
     model_dirs: dict[str, str],
     samples: int,
     steps: int,
-    dtype: str,
+    precision: str,
     out_dir: Path,
 ) -> Config:
     """The train config of one layout's run: ``base`` with this layout, data and steps."""
@@ -61,10 +61,8 @@ def layout_config(
     raw["train"] = {
         **raw["train"],
         "steps": steps,
-        # the base's recipe; ``auto`` as decided once for every layout (``dtype``, the compute dtype)
-        "precision": raw["train"]["precision"]
-        if raw["train"]["precision"] != "auto"
-        else ("fp32" if dtype == "float32" else "bf16"),
+        # the recipe decided once for every layout (``auto`` resolved by the bench)
+        "precision": precision,
         "microbatches": samples // vision_replicas,
     }
     raw["checkpoint"] = {"every": 0}

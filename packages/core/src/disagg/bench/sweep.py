@@ -22,7 +22,8 @@ class Bench:
     vision_tokens: list[int]
     samples: int
     steps: int
-    dtype: str
+    #: ``train.precision`` every layout runs, resolved (``auto`` decided once for all of them)
+    precision: str
     out_dir: Path
     registry: Registry
     budget: int | None = None
@@ -96,7 +97,7 @@ class Bench:
             model_dirs=self.model_dirs(max(lengths)),
             samples=self.samples,
             steps=steps * len(lengths),
-            dtype=self.dtype,
+            precision=self.precision,
             out_dir=self.out_dir
             / "runs"
             / f"{name}{tag.strip().replace(' ', '-')}-{'-'.join(map(str, lengths))}",
@@ -155,7 +156,7 @@ class Bench:
                 int(group.get("degree", 1)),
                 int(group.get("replicas", 1)),
                 n if module == "vision" else llm_tokens,
-                self.dtype,
+                self.precision,
                 samples=self.samples,
                 microbatches=mb,
                 options=opts,

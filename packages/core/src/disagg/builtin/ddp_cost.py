@@ -46,7 +46,7 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: 
         w,
         units,
         replicated_comm(numels, w),
-        grad_reduce_calls(numels, w.world),
+        grad_reduce_calls(numels, w.world, w.grad_bytes),
         per_mb,
     )
     work = train_flops(shape, query.seq_len) + cost_training.flops_delta(tr, query.seq_len)
@@ -55,7 +55,7 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: 
     compute = cost_training.compute_delta(base, tr, query.seq_len, Split()).with_recompute(mode)
     return assemble(
         w,
-        state_bytes=cost_training.replicated_state_bytes(tr, shard, w.world),
+        state_bytes=cost_training.replicated_state_bytes(tr, shard, w.world, w),
         activation_bytes=act,
         comm=comm,
         calls=calls,

@@ -113,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
             (max_tokens,) = parse_tokens(args.max_vision_tokens)
         except ValueError as exc:
             raise ConfigError([Problem("--max-vision-tokens", f"one length, e.g. 8k: {exc}")]) from None
-    dtype = {"auto": "auto", "fp32": "float32"}.get(cfg.train.precision, "bfloat16")  # compute dtype
-    if dtype == "auto":  # one dtype for every layout, decided once, by the cluster's devices
-        dtype = _cluster_dtype(cfg, layouts)
+    precision = cfg.train.precision
+    if precision == "auto":  # one recipe for every layout, decided once, by the cluster's devices
+        precision = _cluster_precision(cfg, layouts)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "bench"
     out.mkdir(parents=True, exist_ok=True)
     extra = 0
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             vision_tokens=lengths,
             samples=args.samples or degree,
             steps=args.steps,
-            dtype=dtype,
+            precision=precision,
             out_dir=out,
             registry=get_registry(),
             budget=args.mem_budget,
@@ -149,13 +149,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_dtype(cfg: Any, layouts: dict[str, dict[str, Any]]) -> str:
+def _cluster_precision(cfg: Any, layouts: dict[str, dict[str, Any]]) -> str:
     """``train.precision: auto`` for every layout: what the *actors* will run on (the
     Ray cluster's GPUs, as ``disagg train`` decides), not the driver's device.
     Starts the run's Ray sized for the largest layout."""
     import ray
 
-    from disagg.runtime.plan import resolve_device_dtype
+    from disagg.runtime.plan import resolve_device_precision
     from disagg.runtime.run import ensure_ray
 
     def reserved(layout: dict[str, Any]) -> float:
@@ -168,4 +168,4 @@ def _cluster_dtype(cfg: Any, layouts: dict[str, dict[str, Any]]) -> str:
 
     ensure_ray(cfg.ray.address, cfg.ray.num_cpus, reserved=max(reserved(lay) for lay in layouts.values()))
     gpus = ray.cluster_resources().get("GPU", 0.0)
-    return resolve_device_dtype(cfg.train.device, "auto", gpus)[1]
+    return resolve_device_precision(cfg.train.device, "auto", gpus)[1]

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             top=args.top,
             steps=args.profile_steps,
             out_dir=Path(cfg.output_dir) / "plan-profile",
-            dtype=cluster.dtype,
+            precision=result.workload.precision or cluster.precision,
         )
         result.ranked = measured + result.ranked[len(measured) :]
         agree = agreement(measured)

@@ -14,7 +14,7 @@ def predict(
     degree: int,
     replicas: int,
     seq_len: int,
-    dtype: str = "float32",
+    precision: str = "fp32",
     *,
     samples: int | None = None,
     microbatches: int = 1,
@@ -29,7 +29,8 @@ def predict(
 ) -> Cost:
     """Cost of ``module`` under ``strategy`` on ``degree x replicas`` ranks, for a
     global batch of ``samples`` (default: one per replica) sequences of
-    ``seq_len`` tokens in ``microbatches``, as the strategy's ``estimate`` states it.
+    ``seq_len`` tokens in ``microbatches``, as the strategy's ``estimate`` states it, under the
+    ``precision`` recipe (``train.precision`` resolved: ``fp32``, ``bf16``, ``bf16-pure``).
 
     ``options``: the strategy's ``parallel.<module>`` keys; ``recompute``:
     ``parallel.<module>.recompute``; ``lora`` / ``frozen``: ``train.modules.<module>.lora``
@@ -48,7 +49,7 @@ def predict(
         degree=degree,
         replicas=replicas,
         seq_len=seq_len,
-        dtype=dtype,
+        precision=precision,
         samples=samples,
         microbatches=microbatches,
         inflight=inflight,

@@ -17,11 +17,13 @@ from typing import Any
 
 from disagg.interfaces.gemms import Compute
 from disagg.interfaces.lora import LoraSpec
+from disagg.interfaces.precision import RECIPES, Recipe
 from disagg.interfaces.shapes import DecoderShape, EncoderShape, ParamTensor, Shape, VisionShape
 
 #: bytes per activation element of a compute dtype
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: parameters, gradients and optimizer state stay fp32 (disagg.interfaces.compute_dtype)
+#: bytes per gradient element under ``fp32`` and ``bf16`` (gradients reduced in fp32); a cost
+#: file reads the recipe's own from :attr:`Workload.grad_bytes`
 GRAD_BYTES = 4
 
 
@@ -88,8 +90,10 @@ class CostQuery:
     replicas: int
     #: tokens per sample entering the module (vision: patches per image; audio: frames)
     seq_len: int
-    #: compute dtype: ``float32`` or ``bfloat16`` (state stays fp32 either way)
-    dtype: str = "bfloat16"
+    #: ``train.precision``, resolved: one of :data:`disagg.interfaces.precision.RECIPES`
+    #: (``fp32``, ``bf16`` with fp32 masters, ``bf16-pure``): the state's bytes per element, the
+    #: gradients' and the activations' (the compute dtype)
+    precision: str = "bf16"
     #: samples in the global batch (default: one per replica)
     samples: int | None = None
     #: microbatches per step (``train.microbatches``)
@@ -132,12 +136,33 @@ class Workload:
     samples: int
     #: microbatches per step (each replica gets ceil(samples / (microbatches x replicas)) per microbatch)
     microbatches: int = 1
-    #: bytes per activation element (2 under bf16 autocast, 4 in fp32)
+    #: bytes per activation element (the recipe's compute dtype: 4 in fp32, 2 in bf16)
     act_bytes: int = 4
     #: rows per sample the module exchanges with the other group (vision: N / merge²; llm: vision rows)
     exchanged_rows: int = 0
     #: width of those rows
     exchanged_width: int = 0
+    #: the precision recipe (:data:`disagg.interfaces.precision.RECIPES`)
+    precision: str = "fp32"
+
+    @property
+    def recipe(self) -> Recipe:
+        return RECIPES[self.precision]
+
+    @property
+    def state_element(self) -> int:
+        """Bytes a trained parameter element holds: weight, master copy, gradient, AdamW moments."""
+        return self.recipe.state_bytes_per_element(True)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a frozen parameter element holds (its weight only)."""
+        return self.recipe.state_bytes_per_element(False)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element as accumulated and reduced."""
+        return self.recipe.grads.itemsize
 
     @property
     def world(self) -> int:
@@ -155,8 +180,10 @@ class Workload:
 def workload(query: CostQuery) -> Workload:
     """``query`` with its defaults filled: one sample per replica; an encoder ships
     ``seq_len / unit`` rows of ``out_hidden``, a decoder receives none."""
-    if query.dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {query.dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    if query.precision not in RECIPES:
+        raise ValueError(
+            f"unknown precision {query.precision!r} (train.precision, resolved); allowed: {', '.join(RECIPES)}"
+        )
     shape = query.shape
     rows, width = query.exchanged_rows, query.exchanged_width
     if rows is None:
@@ -169,7 +196,8 @@ def workload(query: CostQuery) -> Workload:
         seq_len=query.seq_len,
         samples=query.replicas if query.samples is None else query.samples,
         microbatches=query.microbatches,
-        act_bytes=DTYPE_BYTES[query.dtype],
+        act_bytes=RECIPES[query.precision].activation_bytes,
+        precision=query.precision,
         exchanged_rows=rows,
         exchanged_width=width,
     )

@@ -7,9 +7,14 @@ reduce-scatter of shards of ``b`` bytes send ``(n-1)b``, an all-to-all sends
 everything but its own chunk, a broadcast is counted on its source. Gradients
 reduced by the base class go in 25 MiB buckets (:mod:`disagg.interfaces.buckets`).
 
-**State** is parameters + gradients + AdamW's two moments, all fp32 under the
-dtype rule (16 bytes per element), plus AdamW's 4-byte ``step`` tensor per
-parameter tensor: what :meth:`Strategy.state_bytes` counts after a step.
+**State** is parameters + gradients + AdamW's two moments in the precision recipe's
+dtypes (:data:`disagg.interfaces.precision.RECIPES`, ``Recipe.state_bytes_per_element``:
+``fp32`` 16 bytes per element, ``bf16`` 18 — bf16 weight, fp32 master, gradient and
+moments —, ``bf16-pure`` 8), plus AdamW's 4-byte ``step`` tensor per parameter tensor:
+what :meth:`Strategy.state_bytes` counts after a step. A frozen element holds its weight
+only (:mod:`disagg.interfaces.cost_training`). Gradients are reduced in the recipe's
+gradient dtype (fp32 under ``fp32`` and ``bf16``). Activations and the residual stream are in
+the recipe's compute dtype; the recipes do not autocast, so no bf16 copy of a weight is saved.
 
 **Saved activations** are counted per saved tensor as
 :func:`disagg.interfaces.activations.saved_bytes_hooks` counts them. Per token of
@@ -72,27 +77,27 @@ def reduce(nbytes: int, n: int) -> int:
     return (n - 1) * nbytes // n
 
 
-def grad_all_reduce(tensors: list[int], n: int) -> int:
+def grad_all_reduce(tensors: list[int], n: int, grad_bytes: int = GRAD_BYTES) -> int:
     """``Strategy.reduce_gradients`` of the base class: ``agree_on_grads`` (one int32
     per tensor) then one all-reduce per 25 MiB bucket of gradients (torch DDP's
-    bucketing, :func:`disagg.interfaces.bucket_sizes`)."""
+    bucketing, :func:`disagg.interfaces.bucket_sizes`) of ``grad_bytes`` per element."""
     if n == 1:
         return 0
-    buckets = bucket_sizes(tensors, GRAD_BYTES)
+    buckets = bucket_sizes(tensors, grad_bytes)
     return all_reduce(4 * len(tensors), n) + sum(
-        all_reduce(GRAD_BYTES * sum(tensors[i] for i in b), n) for b in buckets
+        all_reduce(grad_bytes * sum(tensors[i] for i in b), n) for b in buckets
     )
 
 
-def grad_reduce_calls(tensors: list[int], n: int) -> dict[str, int]:
+def grad_reduce_calls(tensors: list[int], n: int, grad_bytes: int = GRAD_BYTES) -> dict[str, int]:
     """Calls of the base class's reduction: ``agree_on_grads`` then one all-reduce
     per bucket, ``1 + buckets``."""
-    return {"all_reduce": 1 + len(bucket_sizes(tensors, GRAD_BYTES))} if n > 1 else {}
+    return {"all_reduce": 1 + len(bucket_sizes(tensors, grad_bytes))} if n > 1 else {}
 
 
 def replicated_comm(numels: list[int], w: Workload) -> dict[str, int]:
     """Every rank holds every parameter; gradients are summed over the whole group."""
-    return {"all_reduce": grad_all_reduce(numels, w.world)}
+    return {"all_reduce": grad_all_reduce(numels, w.world, w.grad_bytes)}
 
 
 def transfer_bytes(w: Workload, split: int = 1) -> int:
@@ -105,11 +110,14 @@ def transfer_bytes(w: Workload, split: int = 1) -> int:
 
 
 # -- state ---------------------------------------------------------------------------------------
-def state_bytes(tensors: list[ParamTensor], tp_degree: int = 1) -> int:
+def state_bytes(
+    tensors: list[ParamTensor], tp_degree: int = 1, per_element: int = STATE_BYTES_PER_ELEMENT
+) -> int:
     """Parameter + gradient + AdamW bytes on one rank that holds each tensor whole
-    (``tp_degree`` 1) or its tensor-parallel slice."""
+    (``tp_degree`` 1) or its tensor-parallel slice, ``per_element`` bytes per element
+    (the recipe's, :attr:`disagg.interfaces.cost.Workload.state_element`)."""
     elems = sum(t.local_numel(tp_degree) for t in tensors)
-    return STATE_BYTES_PER_ELEMENT * elems + STEP_TENSOR_BYTES * len(tensors)
+    return per_element * elems + STEP_TENSOR_BYTES * len(tensors)
 
 
 # -- saved activations ---------------------------------------------------------------------------

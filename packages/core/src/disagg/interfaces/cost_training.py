@@ -27,6 +27,7 @@ import functools
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+from disagg.interfaces.cost import Workload
 from disagg.interfaces.gemms import Compute, Gemm, Split, tensor_gemm
 from disagg.interfaces.lora import LoraSpec, target_matches
 from disagg.interfaces.shapes import EncoderShape, ParamTensor, Shape
@@ -159,22 +160,24 @@ def shard_shapes(tr: Trained, shard: str) -> list[tuple[int, ...]]:
     return [t.shape for t in tensors]
 
 
-def replicated_state_bytes(tr: Trained, shard: str, world: int) -> int:
-    """The state term of a replicated strategy (``ddp``, ``ulysses``) under ``parallel.<m>.shard``:
-    the trained tensors by :func:`disagg.interfaces.sharded.state_bytes`, each frozen weight's 4
-    bytes (FSDP2 shards it like any parameter). Exact without ``shard``; with it and frozen
-    tensors an estimate."""
+def replicated_state_bytes(tr: Trained, shard: str, world: int, w: Workload | None = None) -> int:
+    """The state term of a replicated strategy (``ddp``, ``ulysses``) under ``parallel.<m>.shard``
+    in ``w``'s precision recipe (default ``fp32``): the trained tensors by
+    :func:`disagg.interfaces.sharded.state_bytes`, each frozen element its weight's bytes (FSDP2
+    shards it like any parameter). Exact without ``shard``; with it and frozen tensors an estimate."""
     from disagg.interfaces import sharded
 
+    recipe = w.recipe if w is not None else None
+    weight = w.weight_bytes if w is not None else 4
     if tr.full:
-        return sharded.state_bytes([t.shape for t in tr.trainable], shard, world)
+        return sharded.state_bytes([t.shape for t in tr.trainable], shard, world, recipe)
     if shard == "none" or world == 1:
-        return state_bytes(tr)
-    warm = sharded.state_bytes([t.shape for t in tr.trainable], shard, world) if tr.trainable else 0
+        per = w.state_element if w is not None else 16
+        return state_bytes(tr, 1, per, weight)
+    warm = sharded.state_bytes([t.shape for t in tr.trainable], shard, world, recipe) if tr.trainable else 0
     if shard in sharded.FSDP_MODES:
-        return warm + 4 * sum(sharded.shard_rows(t.shape, world) for t in tr.frozen)
-    return warm + 4 * sum(t.numel for t in tr.frozen)
-
+        return warm + weight * sum(sharded.shard_rows(t.shape, world) for t in tr.frozen)
+    return warm + weight * sum(t.numel for t in tr.frozen)
 
 def numels(tr: Trained) -> list[int]:
     """Elements of each trained tensor: what the gradient reduction sums."""

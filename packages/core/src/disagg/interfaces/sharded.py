@@ -31,6 +31,7 @@ from disagg.interfaces import fsdp
 from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.family import Family
 from disagg.interfaces.grads import sum_of_squares
+from disagg.interfaces.precision import RECIPES, Recipe
 from disagg.interfaces.roles.optimizer import adamw
 
 ShardMode = Literal["none", "optimizer", "gradients", "parameters"]
@@ -318,20 +319,28 @@ def shard_rows(shape: tuple[int, ...], world: int) -> int:
     return min(shape[0], -(-shape[0] // world)) * rest
 
 
-def state_bytes(shapes: list[tuple[int, ...]], mode: str, world: int) -> int:
-    """Parameter + gradient + AdamW bytes (fp32) on the busiest rank of an ``N``-rank group under
+def state_bytes(shapes: list[tuple[int, ...]], mode: str, world: int, recipe: Recipe | None = None) -> int:
+    """Parameter + gradient + AdamW bytes on the busiest rank of an ``N``-rank group under
     ``parallel.<module>.shard`` (equal to :meth:`ShardedReplicas.state_bytes` measured at a step's
-    end; ``gradients`` adds the whole parameters held from a forward to its backward)."""
+    end in fp32; ``gradients`` adds the whole parameters held from a forward to its backward), in
+    ``recipe``'s dtypes (default ``fp32``): ZeRO-1 keeps the weights and gradients whole and
+    partitions the master copy and moments; FSDP2 shards what the optimizer steps (the master, or
+    the weights without one), the gradients and the moments, and ``gradients`` holds the whole
+    weights in the compute dtype."""
+    r = recipe or RECIPES["fp32"]
+    weight, grad = r.weights.itemsize, r.grads.itemsize
+    stepped = (r.master.itemsize if r.master is not None else 0) + 2 * r.moments.itemsize
     numels = [_numel(s) for s in shapes]
     whole = sum(numels)
     if mode == "none" or world == 1:
-        return 16 * whole + 4 * len(shapes)
+        return r.state_bytes_per_element(True) * whole + 4 * len(shapes)
     if mode == "optimizer":
         part = zero1_partition(numels, world)
-        return 8 * whole + 8 * max(part) + 4 * zero1_tensors(numels, world)
+        return (weight + grad) * whole + stepped * max(part) + 4 * zero1_tensors(numels, world)
     local = sum(shard_rows(s, world) for s in shapes)
-    held = 16 * local + 4 * len(shapes)
-    return held + 4 * whole if mode == "gradients" else held
+    sharded_element = (r.master or r.weights).itemsize + grad + 2 * r.moments.itemsize
+    held = sharded_element * local + 4 * len(shapes)
+    return held + weight * whole if mode == "gradients" else held
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -342,7 +351,14 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def comm(
-    shapes: list[tuple[int, ...]], mode: str, world: int, microbatches: int, units: int, act_bytes: int
+    shapes: list[tuple[int, ...]],
+    mode: str,
+    world: int,
+    microbatches: int,
+    units: int,
+    act_bytes: int,
+    grad_bytes: int = 4,
+    stepped_bytes: int = 4,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes a rank sends per step, and calls, for the state's own collectives (neither seen by
     the collective counter: the library issues them), as :class:`~disagg.interfaces.CommCounter`
@@ -350,19 +366,21 @@ def comm(
     the input). ``optimizer``: the default gradient all-reduce (the caller's) plus each owner's
     broadcast of its partition after the step. FSDP2: per microbatch, one all-gather of every
     unit for the forward and (``parameters``) one more for the backward, in the compute dtype,
-    and one reduce-scatter of the whole gradient in fp32; ``units``: the FSDP units (blocks + 1)."""
+    and one reduce-scatter of the whole gradient (``grad_bytes`` per element: fp32 but under
+    ``bf16-pure``); ``units``: the FSDP units (blocks + 1)."""
     if world == 1 or mode == "none":
         return {}, {}
     numels = [_numel(s) for s in shapes]
     if mode == "optimizer":
-        return {"broadcast": 4 * max(zero1_partition(numels, world))}, {"broadcast": world}
+        # the owners broadcast what they stepped (the fp32 master, or bf16-pure's bf16 weights)
+        return {"broadcast": stepped_bytes * max(zero1_partition(numels, world))}, {"broadcast": world}
     local = sum(shard_rows(s, world) for s in shapes)
     gathers = (2 if mode == "parameters" else 1) * microbatches
     padded = local * world  # FSDP2 reduce-scatters the padded flat gradient
     return (
         {
             "all_gather": gathers * (world - 1) * local * act_bytes,
-            "reduce_scatter": microbatches * (world - 1) * padded * 4 // world,
+            "reduce_scatter": microbatches * (world - 1) * padded * grad_bytes // world,
         },
         {"all_gather": gathers * units, "reduce_scatter": microbatches * units},
     )
@@ -381,7 +399,15 @@ def step_comm(
     under ``mode`` for the :class:`~disagg.interfaces.cost.Workload` ``w``: FSDP2 replaces the
     all-reduce; ZeRO-1 adds its broadcasts. ``forwards_per_mb``: module forwards per
     microbatch on the busiest rank (``ddp`` runs one per sample; each gathers and reduces)."""
-    extra, extra_calls = comm(shapes, mode, w.world, w.microbatches * forwards_per_mb, units, w.act_bytes)
+    extra, extra_calls = comm(
+        shapes,
+        mode,
+        w.world,
+        w.microbatches * forwards_per_mb,
+        units,
+        w.act_bytes,
+        getattr(w, "grad_bytes", 4),
+    )
     comm_bytes, calls = dict(comm_bytes), dict(calls)
     if mode in FSDP_MODES and w.world > 1:
         comm_bytes.pop("all_reduce", None)

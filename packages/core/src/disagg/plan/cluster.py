@@ -42,8 +42,9 @@ class Cluster:
     #: fraction of ``device_memory`` a plan may fill (the rest: CUDA context,
     #: communicator buffers, allocator fragmentation)
     usable: float = 1.0
-    #: compute dtype the plan assumes
-    dtype: str = "bfloat16"
+    #: the precision recipe a plan assumes where the config's ``train.precision`` is ``auto``
+    #: (``bf16`` on GPUs, ``fp32`` on CPUs, as ``auto`` resolves; :data:`disagg.interfaces.precision.RECIPES`)
+    precision: str = "bf16"
     #: α of the α-β model: seconds per message step of a collective inside a node
     #: and across nodes (a ring all-reduce over ``p`` ranks takes ``2(p-1)`` steps;
     #: :func:`disagg.plan.model.collective_seconds`)
@@ -97,7 +98,7 @@ class Cluster:
             "per step, "
             f"{self.layer_overhead * 1e3:.3g} ms per layer pass, {self.call_latency * 1e3:.3g} ms per call, "
             + self._curve()
-            + f"{self.dtype} ({self.source})"
+            + f"precision {self.precision} ({self.source})"
         )
 
     def _curve(self) -> str:
@@ -158,7 +159,7 @@ PRESETS: dict[str, Cluster] = {
         0.5,
         1e9,
         1e9,
-        dtype="float32",
+        precision="fp32",
         intra_latency=5e-5,
         inter_latency=5e-5,
         layer_overhead=6e-4,
@@ -269,6 +270,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raw = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"--cluster: cannot read {path}: {exc}") from None
+    if "dtype" in raw and "precision" not in raw:  # written before the precision recipes
+        raw["precision"] = "fp32" if raw.pop("dtype") == "float32" else "bf16"
     known = {f.name for f in fields(Cluster)}
     unknown = sorted(set(raw) - known)
     if unknown:

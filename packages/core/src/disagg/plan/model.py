@@ -75,6 +75,8 @@ class Workload:
     max_inflight: int = 2
     #: encoder positions per sample entering an ``audio`` module (default: ``vision_tokens``)
     audio_tokens: int | None = None
+    #: ``train.precision`` (a recipe name); None: the cluster's (``auto``)
+    precision: str | None = None
     #: module -> ``train.modules.<m>.lora`` resolved (:class:`~disagg.interfaces.lora.LoraSpec`)
     lora: dict[str, LoraSpec] = field(default_factory=dict)
     #: module -> ``train.modules.<m>.freeze``'s parameter-name patterns
@@ -174,7 +176,7 @@ def module_cost(
     options: StrategyOptions,
     work: Workload,
     layout: Layout,
-    dtype: str,
+    precision: str,
 ) -> Cost | None:
     """The group's cost per rank from its strategy's own hook."""
     shape = work.shapes[group.module]
@@ -187,7 +189,7 @@ def module_cost(
         degree=group.degree,
         replicas=group.replicas,
         seq_len=work.seq_len(group.module),
-        dtype=dtype,
+        precision=precision,
         samples=work.samples,
         microbatches=layout.microbatches,
         inflight=inflight,

@@ -20,7 +20,7 @@ def profile(
     top: int,
     steps: int,
     out_dir: Path,
-    dtype: str,
+    precision: str,
 ) -> list[Layout]:
     """Measure the ``top`` fitting layouts (``steps`` steps each, the first a
     warm-up) on the workload's vision length; return them fastest-measured
@@ -41,7 +41,7 @@ def profile(
             vision_tokens=[n],
             samples=result.workload.samples,
             steps=steps,
-            dtype=dtype,
+            precision=precision,
             out_dir=out_dir,
             registry=registry,
             progress=progress,

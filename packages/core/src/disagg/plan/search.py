@@ -115,7 +115,9 @@ def plan(
                 inflight = schedule == "encoders_ahead" and g.module != "llm"
                 key = (g, micro, inflight)
                 if key not in cache:
-                    cache[key] = module_cost(strategies[g.strategy], g, options, work, layout, cluster.dtype)
+                    cache[key] = module_cost(
+                        strategies[g.strategy], g, options, work, layout, work.precision or cluster.precision
+                    )
                 costs[g.module] = cache[key]
             if any(c is None for c in costs.values()):
                 continue
@@ -160,7 +162,7 @@ def _probe(
     layout = Layout(
         groups={group.module: group}, placement="collocated", microbatches=1, schedule="sequential"
     )
-    return module_cost(cls, group, options, work, layout, cluster.dtype)
+    return module_cost(cls, group, options, work, layout, work.precision or cluster.precision)
 
 
 def _valid(

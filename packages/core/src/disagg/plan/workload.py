@@ -100,6 +100,7 @@ def config_workload(
         shapes=config_shapes(cfg, registry),
         lora=lora,
         frozen=frozen,
+        precision=None if cfg.train.precision == "auto" else cfg.train.precision,
         vision_tokens=vision_tokens,
         text_tokens=text_tokens,
         samples=samples or (cfg.data.batch_size if cfg.data else 1),

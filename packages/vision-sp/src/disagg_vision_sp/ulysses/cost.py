@@ -77,7 +77,7 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
         w,
         shape.depth + 1,
         replicated_comm(numels, w),
-        grad_reduce_calls(numels, w.world),
+        grad_reduce_calls(numels, w.world, w.grad_bytes),
     )
     a2a = all_to_all_bytes(shape, w)
     if a2a:
@@ -103,7 +103,7 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
     base = strategy_compute(shape, query.seq_len, split, w.act_bytes, "none")
     return assemble(
         w,
-        state_bytes=cost_training.replicated_state_bytes(tr, shard, w.world),
+        state_bytes=cost_training.replicated_state_bytes(tr, shard, w.world, w),
         activation_bytes=act,
         comm=comm,
         calls=calls,
