@@ -67,7 +67,7 @@ def measure(config: str, steps: int) -> None:
     res.ranked = sorted(chosen, key=lambda x: x.step_time_s)
     load_before, t = os.getloadavg(), time.time()
     measured = profile(
-        res, cfg, reg, top=len(chosen), steps=steps, out_dir=Path("runs/rank_correlation"), dtype="float32"
+        res, cfg, reg, top=len(chosen), steps=steps, out_dir=Path("runs/rank_correlation"), precision="fp32"
     )
     rows = [
         {"layout": x.name(), "key": repr(key(x)), **x.measured}  # type: ignore[dict-item]
