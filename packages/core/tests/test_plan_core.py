@@ -207,7 +207,10 @@ def test_collective_calls_follow_the_strategies_collectives():
     # gradient reduction once per step
     tp1, tp2 = (collective_calls(vision, "megatron_tp", w) for w in (one, two))
     assert tp1["all_reduce"] == tp2["all_reduce"] == 2 * (5 * vision.depth + 2) + 2
-    assert collective_calls(llm, "megatron_tp", one)["all_reduce"] == 7 * llm.layers + 5 + 2
+    # the LLM: 7 per layer + the output layer's, the embedding's, the cross entropy's three per
+    # loss chunk (2 x 1023 shifted rows: two chunks of 1024 tokens, each replayed in backward),
+    # and the reduction's two
+    assert collective_calls(llm, "megatron_tp", one)["all_reduce"] == 7 * llm.layers + 1 + 1 + 3 * 2 * 2 + 2
     # one rank talks to nobody
     assert collective_calls(vision, "ddp", replace(one, degree=1)) == {}
     # ZeRO-3: a whole-module gather per call (an encoder: encode + backward; the

@@ -123,32 +123,54 @@ def _adapter_comm(
 
 
 def decoder_comm(
-    shape: DecoderShape, w: Workload, sequence_parallel: bool, tr: cost_training.Trained | None = None
+    shape: DecoderShape,
+    w: Workload,
+    sequence_parallel: bool,
+    tr: cost_training.Trained | None = None,
+    chunk: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> dict[str, int]:
     """Per layer and sample of ``N`` tokens: q, k, v, gate, up all-reduce their input
     gradient, o and down their output (``7 · ar(N·H·e)``); the vocabulary-parallel
     embedding all-reduces its output and the output layer its input gradient; the
-    vocabulary-parallel cross entropy all-reduces three fp32 values per token. With
-    sequence parallelism the layer all-reduces become all-gathers/reduce-scatters of
-    ``ceil(N/d)`` tokens. An estimate (the exact figure depends on which tokens
-    require a gradient)."""
+    vocabulary-parallel cross entropy all-reduces three fp32 values per row of the shifted
+    hidden states (``N - 1`` per sample) in each loss chunk, and again when a chunk is replayed
+    in backward (:func:`loss_chunks`). With sequence parallelism the layer all-reduces become
+    ``6·L + 2`` all-gathers and ``4·L + 1`` reduce-scatters of ``ceil(N/d)`` tokens (under the
+    chunked loss the output layer's input is gathered once and kept whole, so no backward
+    re-gather: ``6·L + 3`` without it). Exact with sequence parallelism, one sample per
+    microbatch and every token needing a gradient; otherwise an estimate."""
     d, s, n = w.degree, w.samples_per_replica, w.seq_len
     h, e = shape.hidden, w.act_bytes
     out: dict[str, int] = {}
-    per = all_reduce(n * h * e, d) + 3 * 2 * (d - 1) * 4 * n // max(d, 1)
+    per = all_reduce(n * h * e, d)
     partial = 0
     if not sequence_parallel:
         per += (7 * shape.layers + 1) * all_reduce(n * h * e, d)
     else:
         c = -(-n // d)
         shard = (d - 1) * c * h * e
-        out["all_gather"] = s * (6 * shape.layers + 3) * shard
+        out["all_gather"] = s * (6 * shape.layers + (2 if chunk else 3)) * shard
         out["reduce_scatter"] = s * (4 * shape.layers + 1) * shard
         norms = [t.numel for t in _warm(shape, tr) if t.tp == "replicated"]
         partial = all_reduce(w.grad_bytes * sum(norms), w.world)
-    out["all_reduce"] = s * per + partial + _grad_reduce(_warm(shape, tr), w)
+    per_mb = -(-s // w.microbatches)
+    ce = 0
+    if d > 1:
+        chunks = loss_chunks(per_mb * (n - 1), chunk)
+        ce = (2 if len(chunks) > 1 else 1) * sum(3 * all_reduce(4 * r, d) for r in chunks)
+    out["all_reduce"] = s * per + -(-s // per_mb) * ce + partial + _grad_reduce(_warm(shape, tr), w)
     _add(out, _adapter_comm(tr, w, n, sequence_parallel))
     return out
+
+
+def loss_chunks(rows: int, chunk: int | None) -> list[int]:
+    """Rows of each loss chunk over ``rows`` shifted hidden states (core's chunked loss,
+    ``parallel.llm.loss_chunk_tokens``); one chunk of all of them without it. With several
+    chunks each is checkpointed: its head and loss run again in backward."""
+    if not chunk or rows <= chunk:
+        return [rows]
+    k, rest = divmod(rows, chunk)
+    return [chunk] * k + ([rest] if rest else [])
 
 
 def _grad_reduce(tensors: list[ParamTensor], w: Workload) -> int:
@@ -188,18 +210,24 @@ def encoder_calls(shape: EncoderShape, w: Workload, sequence_parallel: bool) -> 
     return out
 
 
-def decoder_calls(shape: DecoderShape, w: Workload, sequence_parallel: bool) -> dict[str, int]:
+def decoder_calls(
+    shape: DecoderShape, w: Workload, sequence_parallel: bool, chunk: int | None = DEFAULT_CHUNK_TOKENS
+) -> dict[str, int]:
     """Per microbatch, as :func:`decoder_comm` sums bytes: the vocabulary-parallel
     embedding's output all-reduce, the cross entropy's three (max, sum of
-    exponentials, target logit), and without sequence parallelism ``7·L + 1``
-    layer all-reduces (with it ``6·L + 3`` all-gathers and ``4·L + 1``
-    reduce-scatters, and one all-reduce of the norms' partial gradients per step)."""
+    exponentials, target logit) per loss chunk (twice per chunk when there are several:
+    each is replayed in backward), and without sequence parallelism ``7·L + 1``
+    layer all-reduces (with it ``6·L + 2`` all-gathers, ``6·L + 3`` without the chunked
+    loss, and ``4·L + 1`` reduce-scatters, and one all-reduce of the norms' partial
+    gradients per step)."""
     d, m = w.degree, w.microbatches
     out = _grad_calls(w)
     if d > 1:
-        per = 1 + 3
+        per_mb = -(-w.samples_per_replica // m)
+        chunks = len(loss_chunks(per_mb * (w.seq_len - 1), chunk))
+        per = 1 + 3 * chunks * (2 if chunks > 1 else 1)
         if sequence_parallel:
-            out["all_gather"] = m * (6 * shape.layers + 3)
+            out["all_gather"] = m * (6 * shape.layers + (2 if chunk else 3))
             out["reduce_scatter"] = m * (4 * shape.layers + 1)
             out["all_reduce"] = out.get("all_reduce", 0) + 1
         else:
@@ -216,10 +244,14 @@ def activation_bytes(
     act_bytes: int,
     sequence_parallel: bool,
     chunk: int | None = DEFAULT_CHUNK_TOKENS,
+    samples: int = 1,
+    rows_in: bool = False,
 ) -> int:
-    """Saved bytes on one rank for ``tokens`` tokens: the column outputs and what
+    """Saved bytes on one rank for ``tokens`` tokens (of ``samples`` sequences; ``rows_in``:
+    encoder rows are scattered into the decoder's embeddings): the column outputs and what
     follows them are split ``1/d``, the rest is a full replica; sequence parallelism
-    also splits the norms and saves the column inputs as shards. A decoder's logits:
+    also splits the norms and saves the column inputs as shards
+    (:func:`sp_decoder_activation_bytes`, exact for a decoder). A decoder's logits:
     ``1/d`` of the vocabulary for one loss chunk (``chunk`` tokens)."""
     d = degree
     if d == 1:
@@ -236,13 +268,56 @@ def activation_bytes(
         per_token = shape.input_elems + shape.depth * block_tp + merger_tp
         return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens)
     if sequence_parallel:
-        layer = (14 * h + heads + 4 + 4 * i) / d + 4 * hd
-        head = (4 * h) / d
-    else:
-        layer = 9 * h + 4 + 4 * hd + (5 * h + heads + 4 * i) / d
-        head = 4 * h
+        return sp_decoder_activation_bytes(shape, tokens, d, act_bytes, chunk, samples, rows_in)
+    layer = 9 * h + 4 + 4 * hd + (5 * h + heads + 4 * i) / d
+    head = 4 * h
     logits = logits_bytes(-(-shape.vocab // d), tokens, chunk)  # this rank's vocabulary slice
     return int(tokens * (shape.layers * layer + head) * act_bytes) + logits
+
+
+def sp_decoder_activation_bytes(
+    shape: DecoderShape,
+    tokens: int,
+    degree: int,
+    e: int,
+    chunk: int | None = DEFAULT_CHUNK_TOKENS,
+    samples: int = 1,
+    rows_in: bool = False,
+) -> int:
+    """Saved bytes of a decoder under sequence parallelism on the busiest rank, for ``tokens``
+    tokens of ``samples`` sequences, as the hooks count them (HF's Qwen2/Llama code, megatron_tp's
+    layers, core's chunked loss): per layer, on this rank's ``c = ceil(T/d)`` tokens at full width
+    the two RMSNorms (input twice, rsqrt twice, output: ``2·(3H + 2)``) and the five column
+    linears' inputs (``5H``, gathered again in backward); on all ``T`` tokens at the local width
+    rotary's cos/sin (``4·hd``), q and the attention output (``2·H/d``), this rank's key/value
+    heads (``2·kv``), the log-sum-exp (``heads/d``), o_proj's input (``H/d``) and the SwiGLU MLP
+    (``4·I/d``); the final norm (``3H + 2`` on ``c``); the vocabulary-parallel embedding's masks
+    (10 bytes per token: int64 ids, two bools; 1 more with encoder rows scattered in,
+    ``rows_in``). The loss over ``R = T - samples`` shifted rows: one chunk keeps the output
+    layer's whole input (``R·H``), this rank's fp32 logits (``4·R·ceil(V/d)`` bytes), 10 bytes
+    per row of masks and targets, the padded vocabulary's mask where ``V % d``, and the loss
+    sum's 12 bytes per row + 4; several chunks keep each chunk's input and int64 targets and
+    the loss sum, and one chunk's saves while it is replayed (the peak). Exact in fp32."""
+    d = degree
+    h, i, hd = shape.hidden, shape.intermediate, shape.head_dim
+    kv_heads = shape.kv_heads
+    kv = (kv_heads // d if kv_heads % d == 0 else 1) * hd
+    c, t = -(-tokens // d), tokens
+    layer = c * (11 * h + 4) + t * ((3 * h + shape.heads + 4 * i) // d + 2 * kv + 4 * hd)
+    floats = shape.layers * layer + c * (3 * h + 2)
+    held = e * floats + 10 * t + (t if rows_in else 0)
+    rows = tokens - samples
+    vocab = -(-shape.vocab // d)
+    pad = vocab if shape.vocab % d else 0
+    chunks = loss_chunks(rows, chunk)
+
+    def replayed(r: int) -> int:  # one chunk's head input, logits, masks and targets
+        return e * r * h + 4 * r * vocab + 10 * r + pad
+
+    total = 12 * rows + 4
+    if len(chunks) == 1:
+        return held + replayed(rows) + total
+    return held + sum(e * r * h + 8 * r for r in chunks) + total + replayed(chunks[0])
 
 
 def replay(
@@ -270,8 +345,8 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
     d = w.degree
     enc = isinstance(shape, EncoderShape)
     tr = query.trained
-    comm = encoder_comm(shape, w, sp, tr) if enc else decoder_comm(shape, w, sp, tr)  # type: ignore[arg-type]
-    calls = encoder_calls(shape, w, sp) if enc else decoder_calls(shape, w, sp)  # type: ignore[arg-type]
+    comm = encoder_comm(shape, w, sp, tr) if enc else decoder_comm(shape, w, sp, tr, chunk)  # type: ignore[arg-type]
+    calls = encoder_calls(shape, w, sp) if enc else decoder_calls(shape, w, sp, chunk)  # type: ignore[arg-type]
     if tr.adapters and d > 1:  # one call per adapter and forward (microbatch; an encoder's image)
         sites = cost_training.adapter_sites(tr)
         m = max(w.samples_per_replica, w.microbatches) if enc else w.microbatches
@@ -282,14 +357,17 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
         )
         _add(calls, {k: m * v for k, v in kinds.items() if v})
     tokens = held_tokens(query, w)
+    held_samples, rows_in = max(1, tokens // max(w.seq_len, 1)), w.exchanged_rows > 0
     act = with_recompute(
         shape,
         mode,
-        activation_bytes(shape, tokens, d, w.act_bytes, sp, chunk),
+        activation_bytes(shape, tokens, d, w.act_bytes, sp, chunk, held_samples, rows_in),
         w.act_bytes,
         full_held=-(-tokens // d) if sp else tokens,
         selective_held=tokens,
-        layer_bytes=lambda one: activation_bytes(one, tokens, d, w.act_bytes, sp, chunk),
+        layer_bytes=lambda one: activation_bytes(
+            one, tokens, d, w.act_bytes, sp, chunk, held_samples, rows_in
+        ),
     )
     if mode != "full":  # under full recompute a block's adapters save only while it replays
         act += cost_training.adapter_activation_bytes(tr, tokens, w.act_bytes)
