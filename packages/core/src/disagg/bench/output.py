@@ -46,7 +46,8 @@ def write_outputs(
     md = [
         "# disagg bench",
         "",
-        f"precision {bench.precision}, {bench.samples} samples/step (one image each), {bench.steps} steps/point "
+        f"precision {bench.precision}, {bench.samples} samples/step (one image each), "
+        f"{bench.steps} steps/point "
         f"(median after the first), seed {bench.base.train.seed}, placement {bench.placement}.",
         "Measured figures, analytic prediction in parentheses with the relative error.",
         "",

@@ -182,7 +182,8 @@ def workload(query: CostQuery) -> Workload:
     ``seq_len / unit`` rows of ``out_hidden``, a decoder receives none."""
     if query.precision not in RECIPES:
         raise ValueError(
-            f"unknown precision {query.precision!r} (train.precision, resolved); allowed: {', '.join(RECIPES)}"
+            f"unknown precision {query.precision!r} (train.precision, resolved); "
+            f"allowed: {', '.join(RECIPES)}"
         )
     shape = query.shape
     rows, width = query.exchanged_rows, query.exchanged_width
