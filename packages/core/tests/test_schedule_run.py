@@ -88,14 +88,15 @@ def test_frozen_encoder_keeps_no_activations(ray_local, toy_dirs):
     assert res.groups["llm"]["activation_bytes_per_rank"] > 0
 
 
-def test_bfloat16_autocasts_the_forward_and_keeps_fp32_state(ray_local, toy_dirs):
-    """The one dtype rule through the orchestrator: under ``bfloat16`` the loss
-    is close to float32's (not equal: the forward ran in bf16), and the
-    parameters stay float32 master weights."""
+def test_precision_recipes_through_the_orchestrator(ray_local, toy_dirs):
+    """``train.precision`` through the orchestrator and the worker: under ``bf16`` and
+    ``bf16-pure`` the loss is close to float32's (not equal: the forward ran on bf16 weights);
+    the full form holds the float32 masters under ``bf16`` and the bf16 weights under
+    ``bf16-pure``."""
     optims = {"vision": OptimSpec(lr=1e-2), "llm": OptimSpec(lr=1e-2)}
     samples = toy_samples(4, seed=3)
-    losses = {}
-    for dtype in ("fp32", "bf16"):
+    losses, dtypes = {}, {}
+    for precision in ("fp32", "bf16", "bf16-pure"):
         enc, lm = toy_dirs
         orch = Orchestrator(
             [
@@ -104,15 +105,17 @@ def test_bfloat16_autocasts_the_forward_and_keeps_fp32_state(ray_local, toy_dirs
                 ),
                 GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, 2, optims["llm"]),
             ],
-            precision=dtype,
+            precision=precision,
         )
         try:
-            losses[dtype] = orch.step(put_samples(samples)).loss
-            assert {v.dtype for v in orch.full_state_dict("llm").values()} == {torch.float32}
+            losses[precision] = orch.step(put_samples(samples)).loss
+            dtypes[precision] = {v.dtype for v in orch.full_state_dict("llm").values()}
         finally:
             orch.shutdown()
-    assert_scalar_close(losses["bf16"], losses["fp32"], "bf16 loss", BF16)
-    assert losses["bf16"] != losses["fp32"]
+    for precision in ("bf16", "bf16-pure"):
+        assert_scalar_close(losses[precision], losses["fp32"], f"{precision} loss", BF16)
+        assert losses[precision] != losses["fp32"]
+    assert dtypes == {"fp32": {torch.float32}, "bf16": {torch.float32}, "bf16-pure": {torch.bfloat16}}
 
 
 def test_balanced_assignment_changes_where_samples_run_not_the_math(ray_local, toy_dirs):

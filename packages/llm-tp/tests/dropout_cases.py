@@ -1,4 +1,4 @@
-"""Rank functions for the dropout and bf16 tests (importable by spawned ranks).
+"""Rank functions for the dropout tests (and the recipe tests' AdamW settings) (importable by spawned ranks).
 
 Dropout masks are observed with core's dropout spy (``disagg.testing.dropout``)
 on ``torch.nn.functional.dropout``, which HF's eager attention calls on the
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from disagg.interfaces import OptimSpec, compute_dtype
+from disagg.interfaces import OptimSpec
 from disagg.testing import ranks
 from disagg.testing.dropout import dropout_spy
 from disagg.testing.ranks import dumps
 
-__all__ = ["P", "SEED", "dropout_spy", "tp_bf16_rank", "tp_dropout_rank"]
+__all__ = ["BF16_OPTIM", "P", "SEED", "dropout_spy", "tp_dropout_rank"]
 
 SEED = 7
 P = 0.25  # attention_dropout of the tiny model
@@ -55,26 +55,4 @@ def tp_dropout_rank(rank: int, path: str, degree: int, replicas: int, samples, e
     if degree == 1:
         ranks.reduce_gradients(strat)
         out["grads"] = ranks.full_grads(strat)
-    return dumps(out)
-
-
-def tp_bf16_rank(rank: int, path: str, degree: int, samples, embeds) -> bytes:
-    """One step in fp32 and one under core's bf16 autocast, from the same weights."""
-    total = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
-    out: dict = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        strat = _strategy(rank, path, degree, 1, BF16_OPTIM)
-        strat.module.eval()  # compare arithmetic, not dropout masks
-        leaves = ranks.leaves(embeds)
-        with compute_dtype(torch.device("cpu"), dtype):
-            loss = ranks.loss_and_backward(strat, 0, samples, leaves, 1.0 / total)
-        norm_sq, grads = ranks.finish_step(strat, zero_grad=False)  # unclipped; grads kept for dtypes
-        out[name] = {
-            "loss": loss,
-            "norm_sq": norm_sq,
-            "grads": grads,
-            "embed_grads": [{k: v.grad for k, v in e.items()} for e in leaves],
-            **ranks.state_dtypes(strat),
-            "params": ranks.full_state(strat),
-        }
     return dumps(out)

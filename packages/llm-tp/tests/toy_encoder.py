@@ -65,17 +65,15 @@ class ToyEncoderFamily(EncoderFamily):
         return state
 
 
-def encoder_rank(rank: int, degree: int, xs: list, gs: list, dtype: torch.dtype = torch.float32) -> dict:
-    """Encode under core's ``compute_dtype(dtype)`` and backward outside it, as core's worker does."""
-    from disagg.interfaces import compute_dtype
+def encoder_rank(rank: int, degree: int, xs: list, gs: list) -> dict:
+    """Encode, then backward from the shard-0 gradients, as core's worker does."""
     from disagg.testing import ranks
     from disagg_llm_tp.strategy import MegatronTPStrategy
 
-    ctx = ranks.rank_context("vision", rank, degree, 1, dtype=dtype)
+    ctx = ranks.rank_context("vision", rank, degree, 1)
     fam = ToyEncoderFamily(".")
     strat = ranks.strategy_rank(MegatronTPStrategy, fam, ctx)
-    with compute_dtype(ctx.device, dtype):
-        shards = ranks.encode(strat, 0, [{"x": x} for x in xs])
+    shards = ranks.encode(strat, 0, [{"x": x} for x in xs])
     grads = [g if ctx.shard == 0 else torch.zeros(0, g.shape[1]) for g in gs]
     ranks.backward(strat, 0, shards, grads)
     ranks.reduce_gradients(strat)

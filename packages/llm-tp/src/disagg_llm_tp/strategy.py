@@ -76,7 +76,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
     # selective would checkpoint Hugging Face's attention function inside the TP
     # attention module; not wired yet, so it is refused at validation
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
-    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "bf16-pure")
     #: adapters on the column and row linears it splits (lora.py: column/row-parallel adapters)
     lora_support: ClassVar[tuple[str, ...]] = ("column", "row")
 

@@ -31,7 +31,7 @@ class DDPStrategy(ShardedReplicas, Strategy):
     name: ClassVar[str] = "ddp"
     max_degree: ClassVar[int | None] = 1
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
-    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "bf16-pure")
     options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
 
     @classmethod
@@ -57,7 +57,7 @@ class DDPStrategy(ShardedReplicas, Strategy):
         assert self.module is not None
         n = self.max_count(len(inputs))
         if n > len(inputs) and self._placeholder is None:
-            self._placeholder = placeholder_input(self.family)
+            self._placeholder = placeholder_input(self.family, self.ctx.dtype)
         items = list(inputs) + [self._placeholder] * (n - len(inputs))  # type: ignore[list-item]
         outs = [self.sharded_call(self.family.encode, x) for x in items]  # type: ignore[attr-defined]
         if torch.is_grad_enabled():

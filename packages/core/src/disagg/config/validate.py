@@ -538,6 +538,15 @@ def precision_problems(resolved: ResolvedConfig, device: str) -> list[tuple[tupl
     said = repr(name) if name != "auto" else f"auto (resolved to {recipe!r} on {device})"
     out = []
     for m, module in resolved.modules.items():
+        if recipe == "bf16" and getattr(module.options, "overlap_grad_reduce", False):
+            out.append(
+                (
+                    ("parallel", m, "overlap_grad_reduce"),
+                    f"true cannot be combined with train.precision: {said} (its buckets would sum "
+                    "the bf16 gradients, not the float32 ones the recipe reduces); set "
+                    "overlap_grad_reduce: false or train.precision: fp32 / bf16-pure",
+                )
+            )
         allowed_here = tuple(module.strategy.precisions)
         if recipe not in allowed_here:
             strategy = getattr(resolved.config.parallel, m).strategy

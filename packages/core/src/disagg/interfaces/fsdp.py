@@ -70,14 +70,26 @@ def shard_module(module: nn.Module, ctx: GroupContext, mode: str) -> Root:
         )
     group = dist.new_group(list(range(ctx.world_size)), timeout=ctx.collective_timeout)
     mesh = DeviceMesh.from_group(group, ctx.device.type)
-    # bf16 compute from fp32 masters, gradients reduced in fp32 (the Megatron/FSDP standard).
-    mp = None if ctx.dtype == torch.float32 else MixedPrecisionPolicy(ctx.dtype, torch.float32)
+    recipe = ctx.recipe
+    mp = None
+    if recipe is not None and recipe.master is not None:
+        # bf16: the fp32 shards are the masters; blocks gathered in bf16 for compute, gradients
+        # reduce-scattered in fp32 onto the fp32 shards (the Megatron/FSDP standard)
+        mp = MixedPrecisionPolicy(param_dtype=recipe.weights, reduce_dtype=recipe.grads)
+    elif recipe is not None and recipe.weights != torch.float32:
+        from disagg.interfaces.master_weights import cast_floating
+
+        cast_floating(module, recipe.weights)  # bf16-pure: the shards themselves are bf16
     kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": mode == "parameters"}
     if mp is not None:
         kw["mp_policy"] = mp
     for unit in units:
         fully_shard(unit, **kw)
     root = Root(module)
+    if mp is not None:
+        # the root's arguments are the strategy's own objects (a ulysses runtime, a layout), which
+        # FSDP's input cast would rebuild as copies; the worker already cast the inputs
+        kw["mp_policy"] = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype, cast_forward_inputs=False)
     fully_shard(root, **kw)
     for m in root.modules():
         if isinstance(m, FSDPModule):

@@ -71,11 +71,14 @@ def shard_problems(family: Family, options: Any) -> list[str]:
     return problems
 
 
-def placeholder_input(family: Any) -> dict[str, torch.Tensor]:
-    """One black image, preprocessed by the family (what a rank without samples forwards)."""
+def placeholder_input(family: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """One black image, preprocessed by the family (what a rank without samples forwards), its
+    pixels in the compute dtype ``dtype`` as the worker casts real inputs."""
     from PIL import Image
 
-    return family.preprocess([Image.new("RGB", (28, 28))])
+    from disagg.interfaces.master_weights import cast_inputs
+
+    return cast_inputs(family.preprocess([Image.new("RGB", (28, 28))]), dtype)
 
 
 def build_optimizer(
@@ -135,7 +138,10 @@ class ShardedReplicas:
     def shard_state(self, module: nn.Module) -> nn.Module:
         """The end of ``parallelize``: FSDP2 units under ``gradients``/``parameters``."""
         if self.fsdp:
+            # FSDP2 applies train.precision itself: its policy casts the fp32 shards (bf16), or
+            # the shards are bf16 (bf16-pure)
             self.fsdp_root = fsdp.shard_module(module, self.ctx, self.shard_mode)
+            self.precision_applied = True
         return module
 
     def sharded_call(self, fn: Any, *args: Any) -> Any:
@@ -203,7 +209,7 @@ class ShardedReplicas:
         if self.optimizer is not None:
             states = self.optimizer.optim.state if self.shard_mode == "optimizer" else self.optimizer.state
             total += _state_bytes(states.values())
-        return total + self._whole_bytes
+        return total + self._whole_bytes + self.precision_bytes()  # type: ignore[attr-defined]
 
     # -- the full form (checkpoints, export, tests) ---------------------------------------------------
     def sharded_state(self, saved: Any = None) -> Any:

@@ -19,6 +19,8 @@ from torch import nn
 
 from disagg.interfaces import EmbeddingShard, Family, GroupContext, OptimSpec, Strategy, StrategyOptions
 from disagg.interfaces.context import dropout_seed
+from disagg.interfaces.master_weights import cast_inputs
+from disagg.interfaces.precision import RECIPES
 from disagg.interfaces.strategy import clip_coefficient
 
 #: what the harnesses train with unless they say otherwise
@@ -34,8 +36,13 @@ def rank_context(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
+    precision: str | None = None,
 ) -> GroupContext:
-    """The :class:`GroupContext` core gives rank ``rank`` of a ``degree x replicas`` group."""
+    """The :class:`GroupContext` core gives rank ``rank`` of a ``degree x replicas`` group;
+    ``precision``: a ``train.precision`` recipe (its compute dtype replaces ``dtype``)."""
+    recipe = RECIPES[precision] if precision is not None else None
+    if recipe is not None:
+        dtype = recipe.weights
     return GroupContext(
         module=module,
         rank=rank,
@@ -45,6 +52,7 @@ def rank_context(
         device=device or torch.device("cpu"),
         dtype=dtype,
         seed=seed,
+        recipe=recipe,
     )
 
 
@@ -78,8 +86,9 @@ def strategy_rank(
 
 # -- the step sequence: encoder role -------------------------------------------------------------
 def encode(strat: Strategy, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
-    """This rank's shard of each sample of microbatch ``mb``."""
-    return strat.encode(mb, inputs)
+    """This rank's shard of each sample of microbatch ``mb`` (floating inputs in the compute
+    dtype, as the worker casts them)."""
+    return strat.encode(mb, [cast_inputs(x, strat.ctx.dtype) for x in inputs])
 
 
 def backward(strat: Strategy, mb: int, shards: list[EmbeddingShard], grads: list[torch.Tensor]) -> None:
@@ -183,15 +192,46 @@ def finish_step(
 
 
 def state_dtypes(strat: Strategy) -> dict[str, set[torch.dtype]]:
-    """Dtypes of parameters, gradients and (non-scalar) optimizer state, for precision tests."""
+    """Dtypes of parameters, gradients and (non-scalar) optimizer state as the optimizer sees
+    them (``train.precision: bf16``: the float32 masters), and of the weights the forward uses."""
     assert strat.module is not None and strat.optimizer is not None
-    return {
-        "param_dtypes": {p.dtype for p in strat.module.parameters()},
-        "grad_dtypes": {p.grad.dtype for p in strat.module.parameters() if p.grad is not None},
-        "state_dtypes": {
-            v.dtype for st in strat.optimizer.state.values() for v in st.values() if v.dim() > 0
-        },
-    }
+    weights = {p.dtype for p in strat.module.parameters()}
+    with strat.masters():
+        return {
+            "weight_dtypes": weights,
+            "param_dtypes": {p.dtype for p in strat.module.parameters()},
+            "grad_dtypes": {p.grad.dtype for p in strat.module.parameters() if p.grad is not None},
+            "state_dtypes": {
+                v.dtype for st in strat.optimizer.state.values() for v in st.values() if v.dim() > 0
+            },
+        }
+
+
+def state_census(strat: Strategy) -> dict[str, int]:
+    """This rank's ``state_bytes`` with what it should be made of: the parameter elements it
+    holds, those AdamW stepped (they have moments and, after a backward, a gradient), trainable
+    ones that never got a gradient (no moments), frozen ones; and AdamW's scalar step counts."""
+    from disagg.interfaces import fsdp
+
+    assert strat.module is not None
+    with strat.masters():
+        opt = getattr(strat.optimizer, "optim", strat.optimizer)  # ZeRO-1: this rank's partition
+        state = opt.state if opt is not None else {}
+        params = list(strat.module.parameters())
+        return {
+            "state_bytes": strat.state_bytes(),
+            "stepped_elements": sum(fsdp.local(p).numel() for p in params if state.get(p)),
+            "idle_elements": sum(
+                fsdp.local(p).numel() for p in params if p.requires_grad and not state.get(p)
+            ),
+            "frozen_elements": sum(fsdp.local(p).numel() for p in params if not p.requires_grad),
+            "scalar_bytes": sum(
+                v.element_size()
+                for st in state.values()
+                for v in st.values()
+                if torch.is_tensor(v) and v.dim() == 0
+            ),
+        }
 
 
 # -- results across the process boundary ----------------------------------------------------------

@@ -150,6 +150,15 @@ BF16 = Precision("bf16", rtol=8 * BF16_EPS, param_unit=2 * BF16_EPS)
 # bf16 compute with fp32 master weights (core's bf16 rule): bf16 resolution for computed values,
 # fp32 rounding for the stored parameters.
 BF16_COMPUTE = Precision("bf16 compute, fp32 master weights", rtol=BF16.rtol, param_unit=FP32.param_unit)
+#: the bounds of each ``train.precision`` recipe: ``bf16`` computes in bf16 and stores fp32 masters;
+#: ``bf16-pure`` also stores bf16 parameters (half an ulp per rounding, as :data:`BF16`)
+RECIPE_PRECISION = {"fp32": FP32, "bf16": BF16_COMPUTE, "bf16-pure": BF16}
+# A loss (a sum of positive per-token cross-entropies) of two bf16 layouts, at each of a few
+# steps: the issue's 2e-2 relative, i.e. 5 bf16 epsilons (2^-8 each). Each token's loss depends on
+# logits computed in bf16 whose per-element bound is BF16.rtol of the logits' own scale; summed
+# over tokens with no cancellation, the loss's relative error is that of a typical term, and
+# later steps add the difference of the parameters (a few lr-units, lr 1e-3): within 5 epsilons.
+BF16_LOSS = Precision("bf16 loss over steps", rtol=5 * BF16_EPS, param_unit=BF16.param_unit)
 
 
 def _log(what: str, kind: str, margin: float, n: int) -> None:

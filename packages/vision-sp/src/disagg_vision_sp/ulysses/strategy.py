@@ -42,7 +42,7 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
     name: ClassVar[str] = "ulysses"
     distribution: ClassVar[str] = "disagg-vision-sp"
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full", "selective")
-    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "bf16-pure")
     #: every rank holds the whole tower: gradients summed by the default reduction (overlap
     #: optional), or its state sharded over the group (``shard``, disagg.interfaces.sharded)
     options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
@@ -124,7 +124,7 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
                 return []  # a replica without images this microbatch: its ranks all skip together
             # FSDP2 gathers over every replica: this one forwards a placeholder image (zero
             # gradient in backward) so that its ranks issue the same all-gathers as the others
-            inputs = [placeholder_input(fam)]
+            inputs = [placeholder_input(fam, self.ctx.dtype)]
         layout = fam.ulysses_layout(inputs)
         bounds = plan_bounds(layout.cuts, layout.n_tokens, self.ctx.degree)
         if any(b % layout.unit for b in bounds):

@@ -10,13 +10,20 @@ group, exactly once per element. The defaults keep a whole replica of every
 parameter on every rank (``ddp``, ``ulysses``); a strategy that shards
 parameters, gradients or optimizer state overrides the reduction, norm and
 step, and usually ``module_call``/``backprop``/``finish_setup`` (see ``zero``).
+
+Precision (``train.precision``, ``ctx.recipe``): :meth:`Parallelizer.setup` puts the
+parallelized module in the recipe's weights (:func:`~disagg.interfaces.master_weights.apply_recipe`);
+under ``bf16`` every method of :data:`~disagg.interfaces.master_weights.MASTER_VIEW` (a
+subclass's overrides included) runs with the parameters seen as their float32 masters, so the
+reduction, norm, clipping, step and state of every strategy work on float32 unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -26,6 +33,7 @@ from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.family import Family
 from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
 from disagg.interfaces.lora import freeze_base
+from disagg.interfaces.master_weights import MASTER_VIEW, MasterWeights, apply_recipe
 from disagg.interfaces.overlap import OverlappedReducer
 from disagg.interfaces.parts import freeze_parts, optimizer_groups
 from disagg.interfaces.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
@@ -45,6 +53,18 @@ class Parallelizer(ABC):
     scheduler: Any
     #: set up when ``overlap_grad_reduce`` is on: sums gradients while the last backward runs
     reducer: OverlappedReducer | None = None
+    #: the float32 masters under ``train.precision: bf16`` (None under the other recipes)
+    master_weights: MasterWeights | None = None
+    #: set by a strategy whose ``parallelize`` applied the recipe itself (FSDP2's policy)
+    precision_applied: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # every override too: a strategy's own reduction or state code sees float32 masters
+        for name in MASTER_VIEW:
+            fn = getattr(cls, name, None)
+            if fn is not None and not getattr(fn, "_in_master_view", False):
+                setattr(cls, name, _in_master_view(fn))
 
     def build_module(self) -> nn.Module:
         """This rank's module before :meth:`setup`, in fp32 (master weights): the family's
@@ -72,11 +92,21 @@ class Parallelizer(ABC):
             if optim.lora is not None:  # the base stays frozen whatever layers replaced it
                 freeze_base(self.module, optim.lora)
             self.freeze_parts(optim)
-            self.optimizer = type(self).build_optimizer(
-                self.param_groups(optim), optim, self.ctx, self.options
-            )
+        recipe = self.ctx.recipe
+        if recipe is not None and not self.precision_applied:
+            self.master_weights = apply_recipe(self.module, recipe)
+        if optim is not None:
+            with self.masters():  # AdamW and ZeRO-1 take the float32 masters
+                self.optimizer = type(self).build_optimizer(
+                    self.param_groups(optim), optim, self.ctx, self.options
+                )
             self.scheduler = make_scheduler(self.optimizer, optim)
             if getattr(self.options, "overlap_grad_reduce", False) and self.ctx.world_size > 1:
+                if self.master_weights is not None:  # validation refuses it (precision_problems)
+                    raise ValueError(
+                        f"parallel.{self.ctx.module}.overlap_grad_reduce cannot be combined with "
+                        "train.precision: bf16 (its buckets would sum the bf16 gradients)"
+                    )
                 # every rank of the group builds it (a new process group is collective)
                 self.reducer = OverlappedReducer(
                     self.trainable_parameters(), self.ctx.comm, timeout=self.ctx.collective_timeout
@@ -87,6 +117,16 @@ class Parallelizer(ABC):
         """After the optimizer exists (none when frozen): e.g. wrap module and
         optimizer in an engine. Nothing by default."""
         return None
+
+    def masters(self) -> contextlib.AbstractContextManager[None]:
+        """The parameters seen as their float32 masters (``bf16``); nothing under other recipes."""
+        mw = self.master_weights
+        return mw.view() if mw is not None else contextlib.nullcontext()
+
+    def refresh_weights(self) -> None:
+        """After a checkpoint's reader filled the masters in place: copy them into the weights."""
+        if self.master_weights is not None:
+            self.master_weights.refresh()
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         assert self.module is not None
@@ -181,7 +221,22 @@ class Parallelizer(ABC):
         if self.optimizer is not None:
             for st in self.optimizer.state.values():
                 total += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
-        return total
+        return total + self.precision_bytes()
+
+    def precision_bytes(self) -> int:
+        """State the recipe adds beyond parameters, gradients and optimizer state as seen in the
+        master view: the bf16 weights of the trainable parameters under ``bf16``."""
+        return self.master_weights.weight_bytes() if self.master_weights is not None else 0
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+
+def _in_master_view(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(self: Parallelizer, *args: Any, **kwargs: Any) -> Any:
+        with self.masters():
+            return fn(self, *args, **kwargs)
+
+    call._in_master_view = True  # type: ignore[attr-defined]
+    return call

@@ -10,6 +10,7 @@ gathered by :meth:`StateAdapter.sharded_state` into :data:`Pieces`), and
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -120,7 +121,8 @@ class StateAdapter:
         strategy states no layout (it changed the full form but not
         :meth:`tensor_layout`); its checkpoints then hold the full form."""
         if (
-            type(self).full_state_dict is not StateAdapter.full_state_dict
+            # unwrapped: the parallelizer runs it inside the master-weight view (master_weights.py)
+            inspect.unwrap(type(self).full_state_dict) is not StateAdapter.full_state_dict
             and type(self).tensor_layout is StateAdapter.tensor_layout
         ):
             return None

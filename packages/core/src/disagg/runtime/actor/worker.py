@@ -31,10 +31,10 @@ from disagg.interfaces import (
     OptimSpec,
     Strategy,
     StrategyOptions,
-    compute_dtype,
     dropout_seed,
 )
 from disagg.interfaces.lora import apply_lora
+from disagg.interfaces.master_weights import cast_inputs
 from disagg.metrics.record import RankRecord
 from disagg.runtime.actor import host_memory
 from disagg.runtime.actor.accounting import Accounting
@@ -177,12 +177,14 @@ class ModuleWorker:
         """Forward this rank's shard of each sample; outputs stay here until
         fetched. ``grad=False`` (evaluation, a frozen encoder) keeps no graph;
         ``evaluating`` runs the module in eval mode (no dropout)."""
-        inputs = ray.get(input_refs)
+        # pixels / audio features in the compute dtype (the recipe's weights; nothing autocasts)
+        dtype = self.strategy.ctx.dtype  # type: ignore[union-attr]
+        inputs = [cast_inputs(x, dtype) for x in ray.get(input_refs)]
         module = self.strategy.module  # type: ignore[union-attr]
         if evaluating:
             module.eval()
         try:
-            with self._count_saved(mb), self._compute(), torch.set_grad_enabled(grad):
+            with self._count_saved(mb), torch.set_grad_enabled(grad):
                 shards = self.strategy.encode(mb, inputs)  # type: ignore[union-attr]
         finally:
             if evaluating:
@@ -281,7 +283,7 @@ class ModuleWorker:
                 t.requires_grad_(module in needs_grad)
         if last:  # this rank's last backward of the step: gradients may be reduced while it runs
             self.strategy.arm_last_backward()  # type: ignore[union-attr]
-        with self._count_saved(mb), self._compute():
+        with self._count_saved(mb):
             loss_sum = self.strategy.loss_and_backward(mb, inputs, embeds, loss_scale)  # type: ignore[union-attr]
         self.acct.freed(mb)  # backward has run: nothing stays saved
         self.llm_leaves[mb] = (list(sample_ids), embeds, layout)
@@ -326,7 +328,7 @@ class ModuleWorker:
         module = self.strategy.module  # type: ignore[union-attr]
         module.eval()  # no dropout when measuring
         try:
-            with torch.no_grad(), self._compute():
+            with torch.no_grad():
                 return self.strategy.evaluate(inputs, embeds)  # type: ignore[union-attr]
         finally:
             module.train()
@@ -356,10 +358,6 @@ class ModuleWorker:
         start = self.acct.timer.start()
         self.strategy.step(clip_coef)  # type: ignore[union-attr]
         return self.acct.finish_step(self.strategy, lr, start)
-
-    def _compute(self) -> Any:
-        ctx = self.strategy.ctx  # type: ignore[union-attr]
-        return compute_dtype(ctx.device, ctx.dtype)
 
     def _count_saved(self, mb: int) -> Any:
         return self.acct.count_saved(self.strategy.module, mb)  # type: ignore[union-attr]
@@ -391,6 +389,7 @@ class ModuleWorker:
 
         lora = self.optim.lora if self.optim is not None else None
         load_full(self.strategy, self.rank, Path(ckpt), self.module, restore_rng, lora)  # type: ignore[arg-type]
+        self.strategy.refresh_weights()  # type: ignore[union-attr]  # masters a reader filled in place
 
     def shutdown(self) -> None:
         if dist.is_initialized():

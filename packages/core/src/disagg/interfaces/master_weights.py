@@ -1,0 +1,157 @@
+"""The ``bf16`` and ``bf16-pure`` recipes on a rank's module (:mod:`disagg.interfaces.precision`).
+
+``bf16-pure``: every floating parameter becomes bf16 and stays so; AdamW (which follows the
+parameter's dtype) keeps bf16 moments, gradients accumulate and are summed in bf16.
+
+``bf16``: every floating parameter becomes bf16 for compute, and each *trainable* one keeps a
+float32 master. Nothing autocasts: the forward runs on the bf16 weights (bf16 activations and
+residual stream, no weight copies saved for backward). Each microbatch's bf16 gradient is added
+into a float32 buffer as soon as autograd has accumulated it (a post-accumulate-grad hook) and
+freed, so gradients accumulate over microbatches in float32.
+
+The masters are not separate parameters: they are the *same* ``nn.Parameter`` objects seen in
+float32. :meth:`MasterWeights.view` points every trainable parameter's ``.data`` at its float32
+master and its ``.grad`` at the float32 buffer (as FSDP1's mixed precision swaps ``.data``), and
+back to the bf16 weight afterwards. Inside the view the module *is* the float32 module: the
+group's reduction, the global grad norm, clipping, AdamW (float32 moments), ZeRO-1's broadcasts,
+the checkpoint's full form (float32 masters) and a load all run unchanged on the parameter
+objects they already know, with their names and the attributes strategies set on them
+(``tp_spec``, megatron's ``sequence_parallel``, ...). The parallelizer enters the view around
+every method of the step and state (:data:`MASTER_VIEW`); leaving it, any master written in the
+view (its version counter moved: a step, a load) is copied into its bf16 weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from disagg.interfaces.precision import Recipe
+
+#: the parallelizer / state-adapter methods that run inside :meth:`MasterWeights.view`
+MASTER_VIEW: tuple[str, ...] = (
+    "reduce_gradients",
+    "grad_norm_sq",
+    "step",
+    "zero_grad",
+    "state_bytes",
+    "full_state_dict",
+    "full_grads",
+    "full_optimizer_state",
+    "load_full_state",
+    "sharded_state",
+)
+
+
+def cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter of ``module`` in ``dtype``, in place (buffers keep theirs: Hugging
+    Face computes e.g. rotary frequencies in float32 whatever the weights' dtype)."""
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+class MasterWeights:
+    """Float32 masters and gradient buffers of a bf16 module's trainable parameters."""
+
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+        self.params = [p for p in params if p.is_floating_point()]
+        #: float32, what AdamW steps; the parameters hold these inside :meth:`view`
+        self.masters = [p.detach().float() for p in self.params]
+        #: the bf16 weights the forward and backward use; the parameters hold these outside it
+        self.weights = [m.to(dtype) for m in self.masters]
+        #: float32 gradient sums of this step (None: no gradient yet)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.params)
+        self._depth = 0
+        self._versions = [p._version for p in self.params]
+        for i, p in enumerate(self.params):
+            p.data = self.weights[i]
+            p.register_post_accumulate_grad_hook(self._accumulate(i))
+
+    def _accumulate(self, i: int):  # type: ignore[no-untyped-def]
+        def hook(p: torch.Tensor) -> None:
+            if self._depth:  # a backward inside the view (none in a step): float32 already
+                return
+            g = p.grad
+            if g is None:
+                return
+            if self.grads[i] is None:
+                self.grads[i] = g.float() if g.dtype != torch.float32 else g.clone()
+            else:
+                self.grads[i].add_(g)  # type: ignore[union-attr]
+            p.grad = None  # the bf16 gradient lives only until it is added here
+
+        return hook
+
+    @contextlib.contextmanager
+    def view(self) -> Iterator[None]:
+        """The parameters as their float32 masters with the float32 gradient sums (reentrant)."""
+        if self._depth == 0:
+            for i, p in enumerate(self.params):
+                if p.grad is not None:  # a bf16 gradient the hook did not see: never drop it
+                    self._accumulate(i)(p)
+                p.data = self.masters[i]
+                p.grad = self.grads[i]
+            self._versions = [p._version for p in self.params]
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._leave()
+
+    def _leave(self) -> None:
+        written = []
+        for i, p in enumerate(self.params):
+            g = p.grad  # the view may have replaced, scaled or dropped it (zero_grad)
+            self.grads[i] = g
+            p.grad = None
+            if p.data is not self.masters[i]:  # e.g. a load that assigned a new tensor
+                self.masters[i] = p.data
+            p.data = self.weights[i]
+            if p._version != self._versions[i]:
+                written.append(i)
+        if written:
+            self._sync(written)
+
+    def _sync(self, which: list[int]) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_([self.weights[i] for i in which], [self.masters[i] for i in which])
+        self._versions = [p._version for p in self.params]
+
+    def refresh(self) -> None:
+        """Copy into the bf16 weights any master written outside :meth:`view` (a sharded
+        checkpoint's reader fills the masters in place after ``sharded_state`` returned)."""
+        changed = [i for i, p in enumerate(self.params) if p._version != self._versions[i]]
+        if changed:
+            self._sync(changed)
+
+    def weight_bytes(self) -> int:
+        """The bf16 weights' bytes (inside :meth:`view` the parameters count as the masters)."""
+        return sum(w.numel() * w.element_size() for w in self.weights)
+
+
+def apply_recipe(module: nn.Module, recipe: Recipe) -> MasterWeights | None:
+    """``module`` (parallelized, trainable parameters decided) in ``recipe``'s weights; under a
+    recipe with masters, the :class:`MasterWeights` of its trainable parameters."""
+    if recipe.weights == torch.float32:
+        return None
+    trainable = [p for p in module.parameters() if p.requires_grad] if recipe.master is not None else []
+    masters = MasterWeights(trainable, recipe.weights) if trainable else None
+    cast_floating(module, recipe.weights)  # frozen parameters too: no master, bf16 weights only
+    return masters
+
+
+def cast_inputs(inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """An encoder's preprocessed inputs with floating tensors (pixels, audio features) in the
+    compute dtype, as a module with ``dtype`` weights needs them; ids, grids, masks unchanged."""
+    if dtype == torch.float32:
+        return inputs
+    return {
+        k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and v.dtype != dtype else v
+        for k, v in inputs.items()
+    }
