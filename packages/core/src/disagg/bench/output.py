@@ -18,8 +18,9 @@ MEMORY_NOTE = (
 
 
 def write_outputs(
-    bench: Any, search: dict[str, Any] | None, degree: int, predict_lengths: list[int]
+    bench: Any, search: dict[str, Any] | None, degree: int, predict_lengths: list[int], usable: float = 1.0
 ) -> dict[str, Any]:
+    """``usable``: the fraction of the published setting's 80 GB a predicted layout may fill."""
     out: Path = bench.out_dir
     probes = [p for s in (search or {}).values() for p in s["probes"]]
     result: dict[str, Any] = {
@@ -62,20 +63,28 @@ def write_outputs(
     if probes:
         md += ["", "## Budget probes", "", points_table(probes, bench.budget)]
     if predict_lengths:
-        rows = published.predict_published(predict_lengths)
+        from disagg.bench.published_fit import fit_md, fit_table
+
+        rows = published.predict_published(predict_lengths, usable=usable)
         ratios = published.ratios(rows)
+        budget = published.usable_bytes(usable)
+        fits = fit_table(budget, bench.registry.strategies if bench.registry is not None else None)
         result["published_prediction"] = {
             "model": "Qwen2.5-VL-32B (config values)",
             "assumptions": published.__doc__,
             "paper": published.PAPER,
+            "usable_bytes_per_gpu": budget,
             "rows": rows,
             "ratios": ratios,
+            "longest_fit": [f.to_dict() for f in fits],
         }
         md += [
             "",
             "## Predicted: Qwen2.5-VL-32B on 8 x H100 80 GB (paper's figures beside)",
             "",
             published_md(rows, ratios, published.PAPER),
+            "",
+            fit_md(fits, budget, published.PAPER),
         ]
     pngs = plot(bench.points, out, bench.budget, probes)
     json_path, md_path = out / "bench.json", out / "bench.md"

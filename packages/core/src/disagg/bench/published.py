@@ -118,6 +118,7 @@ def predict_published(
     strategies: dict[str, Any] | None = None,
     flat: bool = False,
     precision: str = "bf16",
+    usable: float = 1.0,
 ) -> list[dict[str, Any]]:
     """One row per recompute mode, layout and vision length: predicted step time,
     tokens/s, memory per GPU (and whether it fits 80 GB), bytes per GPU. Every strategy
@@ -125,7 +126,7 @@ def predict_published(
     ones); a third party's appears as ``uniform_<name>`` (:func:`third_party_layouts`),
     left out where its hook states no cost for a module. ``flat``: every FLOP at ``MFU``
     (the time model before GEMM shapes were counted); ``precision``: the ``train.precision``
-    recipe every layout runs."""
+    recipe every layout runs; ``usable``: the fraction of each GPU's 80 GB a row may fill."""
     from disagg.plan.cluster import PRESETS
     from disagg.plan.efficiency import compute_seconds
     from disagg.plan.efficiency import flat as flat_curve
@@ -142,41 +143,19 @@ def predict_published(
         strategies = get_registry().strategies
     layouts = {**LAYOUTS_32B, **third_party_layouts(strategies)}
 
-    shapes = published_shapes(QWEN2_5_VL_32B)
-    vision, llm = shapes["vision"], shapes["llm"]
-    assert isinstance(vision, EncoderShape) and isinstance(llm, DecoderShape)
+    vision = published_shapes(QWEN2_5_VL_32B)["vision"]
     rows = []
     for mode, n in ((m, n) for m in recompute for n in vision_tokens):
         llm_len = n // vision.unit + TEXT_TOKENS
         for name, layout in layouts.items():
             costs, seconds, memory = {}, 0.0, 0
-            for module, shape, seq in (("vision", vision, n), ("llm", llm, llm_len)):
-                g = layout[module]
-                degree, replicas = int(g.get("degree", 1)), int(g.get("replicas", 1))
-                kw = (
-                    {}
-                    if module == "vision"
-                    else {"exchanged_rows": n // vision.unit, "exchanged_width": vision.out_hidden}
-                )
-                try:
-                    cost = predict(
-                        shape,
-                        g["strategy"],
-                        degree,
-                        replicas,
-                        seq,
-                        precision,
-                        samples=SAMPLES,
-                        microbatches=SAMPLES // replicas,  # one sample per replica per microbatch
-                        options={k: v for k, v in g.items() if k not in ("strategy", "degree", "replicas")},
-                        recompute=mode,
-                        strategies=strategies,
-                        **kw,
-                    )
-                except ValueError:
-                    if name in LAYOUTS_32B:
-                        raise
-                    break  # a third party's strategy that states no cost for this module
+            try:
+                predicted = predict_layout(layout, n, mode, precision, strategies)
+            except ValueError:
+                if name in LAYOUTS_32B:
+                    raise
+                continue  # a third party's strategy that states no cost for this module
+            for module, cost in predicted.items():
                 costs[module] = cost.to_dict()
                 seconds += compute_seconds(cost, machine) + cost.comm_bytes / LINK_BYTES_PER_S
                 memory += cost.memory_bytes
@@ -191,11 +170,62 @@ def predict_published(
                     "step_time_s": seconds,
                     "tokens_per_s": tokens / seconds,
                     "memory_per_gpu": memory,
-                    "fits": memory <= PAPER["gpu_memory_bytes"],
+                    "fits": memory <= usable_bytes(usable),
                     "groups": costs,
                 }
             )
     return rows
+
+
+def usable_bytes(usable: float = 1.0) -> int:
+    """What a GPU of the published setting may fill: its 80 GB times ``usable`` (the fraction
+    left after the CUDA context, communicator buffers and allocator fragmentation, which the
+    cost model does not count; 1.0: all of it)."""
+    if not 0 < usable <= 1:
+        raise ValueError(f"--usable {usable}: a fraction of device memory in (0, 1]")
+    return int(PAPER["gpu_memory_bytes"] * usable)
+
+
+def predict_layout(
+    layout: dict[str, dict[str, Any]],
+    n: int,
+    recompute: str,
+    precision: str,
+    strategies: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Each module's :class:`~disagg.interfaces.Cost` under ``layout`` (module -> its
+    ``parallel.<module>`` keys) at ``n`` vision tokens per image, as the published rows ask
+    (8 samples, one per replica per microbatch, ``recompute`` in both modules); a strategy
+    that states no cost for a module is a ``ValueError``."""
+    from disagg.plan.published import published_shapes
+
+    shapes = published_shapes(QWEN2_5_VL_32B)
+    vision, llm = shapes["vision"], shapes["llm"]
+    assert isinstance(vision, EncoderShape) and isinstance(llm, DecoderShape)
+    out = {}
+    for module, shape, seq in (("vision", vision, n), ("llm", llm, n // vision.unit + TEXT_TOKENS)):
+        g = layout[module]
+        degree, replicas = int(g.get("degree", 1)), int(g.get("replicas", 1))
+        kw = (
+            {}
+            if module == "vision"
+            else {"exchanged_rows": n // vision.unit, "exchanged_width": vision.out_hidden}
+        )
+        out[module] = predict(
+            shape,
+            g["strategy"],
+            degree,
+            replicas,
+            seq,
+            precision,
+            samples=SAMPLES,
+            microbatches=SAMPLES // replicas,  # one sample per replica per microbatch
+            options={k: v for k, v in g.items() if k not in ("strategy", "degree", "replicas")},
+            recompute=recompute,
+            strategies=strategies,
+            **kw,
+        )
+    return out
 
 
 def ratios(rows: list[dict[str, Any]], recompute: str = "full") -> list[dict[str, Any]]:
@@ -217,21 +247,35 @@ def ratios(rows: list[dict[str, Any]], recompute: str = "full") -> list[dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m disagg.bench.published [LENGTHS] [--flat]``: the published prediction's
-    tables (``disagg bench --predict``'s, without a bench run), ratios under both recompute modes."""
+    """``python -m disagg.bench.published [LENGTHS] [--flat] [--precision P] [--usable F]``: the
+    published prediction's tables (``disagg bench --predict``'s, without a bench run), ratios under
+    both recompute modes in ``--precision`` (default ``bf16``), then the longest vision sequence that
+    fits per layout and recipe (:mod:`disagg.bench.published_fit`) within ``--usable`` of 80 GB."""
     import argparse
 
     from disagg.bench.data import parse_tokens
+    from disagg.bench.published_fit import FIT_RECIPES, fit_md, fit_table
     from disagg.bench.report import published_md
 
     p = argparse.ArgumentParser(prog="python -m disagg.bench.published", description=main.__doc__)
     p.add_argument("lengths", nargs="?", default="4k,16k,64k", help="vision tokens per image")
     p.add_argument("--flat", action="store_true", help="every FLOP at MFU (the model before GEMM shapes)")
+    p.add_argument("--precision", default="bf16", help="train.precision of the throughput rows")
+    p.add_argument(
+        "--usable", type=float, default=1.0, help="fraction of each GPU's memory a layout may fill (0, 1]"
+    )
+    p.add_argument("--fit-precisions", default=",".join(FIT_RECIPES), help="recipes of the longest-fit table")
     args = p.parse_args(argv)
-    rows = predict_published(parse_tokens(args.lengths), flat=args.flat)
+    budget = usable_bytes(args.usable)
+    rows = predict_published(
+        parse_tokens(args.lengths), flat=args.flat, precision=args.precision, usable=args.usable
+    )
     print(f"compute: {'every FLOP at MFU ' + str(MFU) if args.flat else 'by GEMM shape on ' + CLUSTER}")
+    print(f"precision {args.precision}, {budget / 1e9:.1f} GB usable per GPU")
     for mode in ("full", "none"):
         print(published_md([r for r in rows if r["recompute"] == mode], ratios(rows, mode), PAPER), "\n")
+    fits = fit_table(budget, precisions=tuple(x.strip() for x in args.fit_precisions.split(",") if x.strip()))
+    print(fit_md(fits, budget, PAPER))
     return 0
 
 

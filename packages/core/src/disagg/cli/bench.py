@@ -70,6 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="vision lengths for the published Qwen2.5-VL-32B / 8-GPU prediction ('none' skips it)",
     )
+    parser.add_argument(
+        "--usable",
+        type=float,
+        default=1.0,
+        metavar="FRACTION",
+        help="fraction of each GPU's memory a predicted layout of the published setting may fill, "
+        "e.g. 0.9 (default 1.0: the cost model's bytes against all 80 GB)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=None, help="output dir (default: OUTPUT_DIR/bench)")
 
@@ -107,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
         predict_lengths = [] if args.predict.strip().lower() == "none" else parse_tokens(args.predict)
     except ValueError as exc:
         raise ConfigError([Problem("--vision-tokens", str(exc))]) from None
+    if not 0 < args.usable <= 1:
+        problem = f"{args.usable} is not a fraction of device memory in (0, 1]"
+        raise ConfigError([Problem("--usable", problem)])
     max_tokens = None
     if args.max_vision_tokens is not None:  # same spelling as --vision-tokens: 8k, 16384
         try:
@@ -142,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     search = (
         {name: bench.largest_under_budget(name) for name in layouts} if args.mem_budget is not None else None
     )
-    files = write_outputs(bench, search, degree, predict_lengths)
+    files = write_outputs(bench, search, degree, predict_lengths, args.usable)
     print(files["table_text"])
     for key in ("json", "markdown", "throughput_png", "memory_png"):
         print(f"{key}: {files[key]}")

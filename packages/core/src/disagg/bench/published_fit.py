@@ -1,0 +1,198 @@
+"""The published setting's longest trainable vision sequence, per layout and precision recipe.
+
+Qwen2.5-VL-32B on 8 GPUs of 80 GB (:mod:`disagg.bench.published`), 8 samples of one image +
+512 text tokens, ``recompute: full`` in every module, like for like:
+
+- ``dhp_sp``: DHP with sequence parallelism, ``ulysses`` 8 for the tower with its state sharded
+  (``shard: parameters``) + ``megatron_tp`` 8 with sequence parallelism for the LLM;
+- ``tp_sp``: uniform ``megatron_tp`` 8 with sequence parallelism in both (its like-for-like baseline);
+- ``dhp``: ``ulysses`` 8 (``shard: parameters``) + ``megatron_tp`` 8 without sequence parallelism;
+- ``tp``: uniform ``megatron_tp`` 8 without it;
+- ``zero3``: uniform ``zero`` stage 3 over 8 data-parallel ranks.
+
+For each recipe (``train.precision``: ``fp32``, ``bf16`` with fp32 masters, ``bf16-pure``) the longest
+vision length, in steps of 1k tokens, whose memory per GPU (every group's state + gathered
+parameters + saved activations, :attr:`disagg.interfaces.Cost.memory_bytes`) fits the usable
+memory (``device memory x usable``). Only what training does is predicted: where a layout's
+strategy does not honour the recipe (:attr:`Strategy.precisions`, refused at validation) the cell
+says so instead of a length. A layout that fits no length says why: its memory at the shortest
+length and the largest terms of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.interfaces import Cost
+
+#: the paper's layouts, like for like (module docstring)
+FIT_LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
+    "dhp_sp": {
+        "vision": {"strategy": "ulysses", "degree": 8, "shard": "parameters"},
+        "llm": {"strategy": "megatron_tp", "degree": 8, "sequence_parallel": True},
+    },
+    "tp_sp": {
+        "vision": {"strategy": "megatron_tp", "degree": 8, "sequence_parallel": True},
+        "llm": {"strategy": "megatron_tp", "degree": 8, "sequence_parallel": True},
+    },
+    "dhp": {
+        "vision": {"strategy": "ulysses", "degree": 8, "shard": "parameters"},
+        "llm": {"strategy": "megatron_tp", "degree": 8},
+    },
+    "tp": {
+        "vision": {"strategy": "megatron_tp", "degree": 8},
+        "llm": {"strategy": "megatron_tp", "degree": 8},
+    },
+    "zero3": {
+        "vision": {"strategy": "zero", "stage": 3, "replicas": 8},
+        "llm": {"strategy": "zero", "stage": 3, "replicas": 8},
+    },
+}
+FIT_RECIPES = ("fp32", "bf16", "bf16-pure")
+#: the search's step and ceiling, vision tokens per image
+STEP, CEILING = 1024, 1024 * 1024
+
+
+@dataclass
+class Fit:
+    """One layout under one recipe."""
+
+    layout: str
+    precision: str
+    #: the longest vision length that fits (0: none; None: not predicted, see ``reason``)
+    longest: int | None
+    #: memory per GPU at ``longest`` (or, where nothing fits, at the shortest length)
+    memory_bytes: int = 0
+    #: why nothing longer (or nothing at all) fits, or why the recipe is not predicted
+    reason: str = ""
+    #: every group's cost at the length ``memory_bytes`` is for
+    costs: dict[str, Cost] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout,
+            "precision": self.precision,
+            "longest_vision_tokens": self.longest,
+            "memory_bytes": self.memory_bytes,
+            "reason": self.reason,
+        }
+
+
+def refusal(layout: dict[str, dict[str, Any]], precision: str, strategies: dict[str, Any]) -> str:
+    """Why ``layout`` cannot run ``precision`` ('' when every strategy honours it)."""
+    for module, group in layout.items():
+        cls = strategies.get(group["strategy"])
+        if cls is None:
+            return f"strategy {group['strategy']!r} ({module}) is not installed"
+        honoured = tuple(getattr(cls, "precisions", ("fp32",)))
+        if precision not in honoured:
+            return (
+                f"{group['strategy']} ({module}) does not honour train.precision {precision} "
+                f"(it honours {', '.join(honoured)}): not predicted"
+            )
+    return ""
+
+
+def memory(
+    layout: dict[str, dict[str, Any]], n: int, precision: str, strategies: dict[str, Any]
+) -> tuple[int, dict[str, Cost]]:
+    """Memory per GPU of the collocated ``layout`` at ``n`` vision tokens, and each group's cost."""
+    from disagg.bench.published import predict_layout
+
+    costs = predict_layout(layout, n, "full", precision, strategies)
+    return sum(c.memory_bytes for c in costs.values()), costs
+
+
+def terms(costs: dict[str, Cost]) -> list[tuple[str, int]]:
+    """A layout's memory per GPU by module and kind, largest first."""
+    out = []
+    for m, c in costs.items():
+        for kind, v in (
+            ("state", c.state_bytes),
+            ("gathered", c.gathered_bytes),
+            ("activations", c.activation_bytes),
+        ):
+            if v:
+                out.append((f"{m} {kind}", v))
+    return sorted(out, key=lambda kv: -kv[1])
+
+
+def _why(total: int, budget: int, costs: dict[str, Cost], n: int) -> str:
+    parts = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in terms(costs)[:3])
+    return f"at {n // 1024}k: {total / 1e9:.1f} GB per GPU > {budget / 1e9:.1f} GB usable ({parts})"
+
+
+def longest_fit(
+    name: str, precision: str, budget: int, strategies: dict[str, Any], ceiling: int = CEILING
+) -> Fit:
+    """The longest vision length of ``FIT_LAYOUTS[name]`` under ``precision`` within ``budget``
+    bytes per GPU, in steps of :data:`STEP` (memory grows with the length: a doubling search, then
+    bisection)."""
+    layout = FIT_LAYOUTS[name]
+    refused = refusal(layout, precision, strategies)
+    if refused:
+        return Fit(name, precision, None, reason=refused)
+    total, costs = memory(layout, STEP, precision, strategies)
+    if total > budget:
+        return Fit(name, precision, 0, total, "out of memory " + _why(total, budget, costs, STEP), costs)
+    lo, hi = 1, 2  # in steps: lo fits
+    while hi * STEP <= ceiling and memory(layout, hi * STEP, precision, strategies)[0] <= budget:
+        lo, hi = hi, hi * 2
+    if hi * STEP > ceiling:
+        total, costs = memory(layout, lo * STEP, precision, strategies)
+        return Fit(
+            name, precision, lo * STEP, total, f"fits up to the search's ceiling ({ceiling // 1024}k)", costs
+        )
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if memory(layout, mid * STEP, precision, strategies)[0] <= budget:
+            lo = mid
+        else:
+            hi = mid
+    over, over_costs = memory(layout, hi * STEP, precision, strategies)
+    total, costs = memory(layout, lo * STEP, precision, strategies)
+    return Fit(
+        name, precision, lo * STEP, total, "next step " + _why(over, budget, over_costs, hi * STEP), costs
+    )
+
+
+def fit_table(
+    budget: int,
+    strategies: dict[str, Any] | None = None,
+    precisions: tuple[str, ...] = FIT_RECIPES,
+    layouts: tuple[str, ...] = tuple(FIT_LAYOUTS),
+) -> list[Fit]:
+    """:func:`longest_fit` for every layout and recipe (``strategies``: default the installed)."""
+    if strategies is None:
+        from disagg.plugins import get_registry
+
+        strategies = get_registry().strategies
+    return [longest_fit(name, p, budget, strategies) for name in layouts for p in precisions]
+
+
+def fit_md(fits: list[Fit], budget: int, paper: dict[str, Any]) -> str:
+    """The table: a row per layout, a column per recipe; then each cell's reason."""
+    precisions = list(dict.fromkeys(f.precision for f in fits))
+    by = {(f.layout, f.precision): f for f in fits}
+
+    def cell(f: Fit) -> str:
+        if f.longest is None:
+            return "not predicted"
+        if f.longest == 0:
+            return "OOM at 1k"
+        return f"{f.longest // 1024}k ({f.memory_bytes / 1e9:.1f} GB)"
+
+    lines = [
+        f"Longest vision sequence per image that fits {budget / 1e9:.1f} GB per GPU (Qwen2.5-VL-32B, 8 GPUs, "
+        f"recompute: full; the paper: DHP {paper['dhp_max_vision_tokens'] // 1024}k, ZeRO-3 out of memory "
+        f"at {paper['zero3_oom_vision_tokens'] // 1024}k)",
+        "",
+        "| layout | " + " | ".join(f"`{p}`" for p in precisions) + " |",
+        "|---|" + "---|" * len(precisions),
+    ]
+    for name in dict.fromkeys(f.layout for f in fits):
+        lines.append(f"| {name} | " + " | ".join(cell(by[(name, p)]) for p in precisions) + " |")
+    lines.append("")
+    lines += [f"- {f.layout} / `{f.precision}`: {f.reason}" for f in fits if f.reason]
+    return "\n".join(lines)
