@@ -1,6 +1,7 @@
 """Rank function of the precision-recipe tests (importable by spawned ranks): the tiny LLaVA
 tower under each ``train.precision`` recipe as ``ulysses`` at degree 2, ``ulysses`` at degree 2
-with its state sharded by FSDP2 (``shard: parameters``) and ``ddp`` over 2 replicas (uneven: 2
+with its state sharded by FSDP2 (``shard: parameters``; ``bf16`` also with ZeRO-1,
+``shard: optimizer``) and ``ddp`` over 2 replicas (uneven: 2
 samples and 1), then each strategy at degree 1 on rank 0 alone (``disagg.testing.recipes``):
 one spawn for all of it."""
 
@@ -31,6 +32,7 @@ def _run(
     cls, options = {
         "ulysses": (UlyssesStrategy, {}),
         "ulysses-fsdp": (UlyssesStrategy, {"shard": "parameters"}),
+        "ulysses-zero1": (UlyssesStrategy, {"shard": "optimizer"}),
         "ddp": (DDPStrategy, {}),
     }[strategy]
     strat = ranks.strategy_rank(cls, family, ctx, options=options, optim=OPTIM)
@@ -52,14 +54,19 @@ def _run(
 
 def recipe_rank(rank: int, path: str, inputs, grads) -> bytes:
     out: dict = {("ulysses", 2, "fp32"): _run(rank, "ulysses", 2, 1, "fp32", path, inputs, grads, 1)}
-    for precision in RECIPES:
-        for strategy, degree, replicas in (("ulysses", 2, 1), ("ulysses-fsdp", 2, 1), ("ddp", 1, 2)):
-            key = (strategy, degree * replicas, precision)
-            out[key] = _run(rank, strategy, degree, replicas, precision, path, inputs, grads, STEPS)
+    layouts = [
+        (r, s, d, n)
+        for r in RECIPES
+        for s, d, n in (("ulysses", 2, 1), ("ulysses-fsdp", 2, 1), ("ddp", 1, 2))
+    ]
+    # ZeroRedundancyOptimizer over the fp32 masters (bf16 only: under bf16-pure it steps the weights)
+    layouts.append(("bf16", "ulysses-zero1", 2, 1))
+    for precision, strategy, degree, replicas in layouts:
+        key = (strategy, degree * replicas, precision)
+        out[key] = _run(rank, strategy, degree, replicas, precision, path, inputs, grads, STEPS)
     if rank == 0:
         single_rank_group()
         for precision in RECIPES:
             for strategy in ("ulysses", "ddp"):
                 out[(strategy, 1, precision)] = _run(0, strategy, 1, 1, precision, path, inputs, grads, STEPS)
     return ranks.dumps(out)
-

@@ -1,5 +1,6 @@
 """The vision tower under the ``train.precision`` recipes: ``ulysses`` at degree 2, ``ulysses``
-with FSDP2-sharded state (``shard: parameters``) at degree 2 and ``ddp`` over 2 uneven replicas
+with FSDP2-sharded state (``shard: parameters``) at degree 2 (``bf16``: also ZeRO-1,
+``shard: optimizer``, over the fp32 masters) and ``ddp`` over 2 uneven replicas
 each equal the same strategy at degree 1 (one process) under the same recipe over 5 steps
 (``disagg.testing.recipes``: the loss proxy sum <output, upstream grad> within 5 bf16 epsilons,
 first-step gradients per element within the recipe's bound, parameters in learning-rate units;
@@ -40,8 +41,10 @@ def _compare(got: dict, want: dict, precision: str, what: str) -> None:
     assert_same_recipe(got, want, precision, lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps, what=what)
 
 
-@pytest.mark.parametrize("precision", RECIPES)
-@pytest.mark.parametrize("layout,single", LAYOUTS)
+CASES = [(lay, one, p) for p in RECIPES for lay, one in LAYOUTS] + [("ulysses-zero1", "ulysses", "bf16")]
+
+
+@pytest.mark.parametrize("layout,single,precision", CASES)
 def test_degree_2_equals_degree_1_under_the_recipe(recipe_case, layout, single, precision):
     got, want = recipe_case[0][(layout, 2, precision)], recipe_case[0][(single, 1, precision)]
     weights = TABLE[precision].weights
@@ -80,4 +83,3 @@ def test_ulysses_state_bytes_per_element_equal_the_recipe(recipe_case, precision
         if not res["idle_elements"]:  # every element stepped: bytes per element are the recipe's
             per = (res["state_bytes"] - res["scalar_bytes"]) / res["stepped_elements"]
             assert per == TABLE[precision].state_bytes_per_element()
-

@@ -17,8 +17,10 @@ group's reduction, the global grad norm, clipping, AdamW (float32 moments), ZeRO
 the checkpoint's full form (float32 masters) and a load all run unchanged on the parameter
 objects they already know, with their names and the attributes strategies set on them
 (``tp_spec``, megatron's ``sequence_parallel``, ...). The parallelizer enters the view around
-every method of the step and state (:data:`MASTER_VIEW`); leaving it, any master written in the
-view (its version counter moved: a step, a load) is copied into its bf16 weight.
+every method of the step and state (:data:`MASTER_VIEW`); leaving it after a method that writes
+the masters (:data:`MASTER_WRITES`: a step, a load) every master is copied into its bf16 weight,
+and after any other, those whose version counter moved. (The version counter alone would miss
+writes through ``.data``: ``ZeroRedundancyOptimizer`` broadcasts into ``param.data``.)
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ MASTER_VIEW: tuple[str, ...] = (
     "load_full_state",
     "sharded_state",
 )
+#: those of :data:`MASTER_VIEW` that write the masters
+MASTER_WRITES: tuple[str, ...] = ("step", "load_full_state")
 
 
 def cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
@@ -66,6 +70,7 @@ class MasterWeights:
         #: float32 gradient sums of this step (None: no gradient yet)
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
         self._depth = 0
+        self._write = False
         self._versions = [p._version for p in self.params]
         for i, p in enumerate(self.params):
             p.data = self.weights[i]
@@ -87,8 +92,10 @@ class MasterWeights:
         return hook
 
     @contextlib.contextmanager
-    def view(self) -> Iterator[None]:
-        """The parameters as their float32 masters with the float32 gradient sums (reentrant)."""
+    def view(self, write: bool = False) -> Iterator[None]:
+        """The parameters as their float32 masters with the float32 gradient sums (reentrant);
+        ``write``: the masters will be written (all are copied into the weights on leaving)."""
+        self._write = self._write or write
         if self._depth == 0:
             for i, p in enumerate(self.params):
                 if p.grad is not None:  # a bf16 gradient the hook did not see: never drop it
@@ -113,8 +120,9 @@ class MasterWeights:
             if p.data is not self.masters[i]:  # e.g. a load that assigned a new tensor
                 self.masters[i] = p.data
             p.data = self.weights[i]
-            if p._version != self._versions[i]:
+            if self._write or p._version != self._versions[i]:
                 written.append(i)
+        self._write = False
         if written:
             self._sync(written)
 

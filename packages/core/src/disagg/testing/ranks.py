@@ -196,14 +196,13 @@ def state_dtypes(strat: Strategy) -> dict[str, set[torch.dtype]]:
     them (``train.precision: bf16``: the float32 masters), and of the weights the forward uses."""
     assert strat.module is not None and strat.optimizer is not None
     weights = {p.dtype for p in strat.module.parameters()}
+    opt = getattr(strat.optimizer, "optim", strat.optimizer)  # ZeRO-1: this rank's partition
     with strat.masters():
         return {
             "weight_dtypes": weights,
             "param_dtypes": {p.dtype for p in strat.module.parameters()},
             "grad_dtypes": {p.grad.dtype for p in strat.module.parameters() if p.grad is not None},
-            "state_dtypes": {
-                v.dtype for st in strat.optimizer.state.values() for v in st.values() if v.dim() > 0
-            },
+            "state_dtypes": {v.dtype for st in opt.state.values() for v in st.values() if v.dim() > 0},
         }
 
 

@@ -33,7 +33,7 @@ from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.family import Family
 from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
 from disagg.interfaces.lora import freeze_base
-from disagg.interfaces.master_weights import MASTER_VIEW, MasterWeights, apply_recipe
+from disagg.interfaces.master_weights import MASTER_VIEW, MASTER_WRITES, MasterWeights, apply_recipe
 from disagg.interfaces.overlap import OverlappedReducer
 from disagg.interfaces.parts import freeze_parts, optimizer_groups
 from disagg.interfaces.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
@@ -118,10 +118,11 @@ class Parallelizer(ABC):
         optimizer in an engine. Nothing by default."""
         return None
 
-    def masters(self) -> contextlib.AbstractContextManager[None]:
-        """The parameters seen as their float32 masters (``bf16``); nothing under other recipes."""
+    def masters(self, write: bool = False) -> contextlib.AbstractContextManager[None]:
+        """The parameters seen as their float32 masters (``bf16``); nothing under other recipes.
+        ``write``: the call writes the masters (the bf16 weights are refreshed afterwards)."""
         mw = self.master_weights
-        return mw.view() if mw is not None else contextlib.nullcontext()
+        return mw.view(write) if mw is not None else contextlib.nullcontext()
 
     def refresh_weights(self) -> None:
         """After a checkpoint's reader filled the masters in place: copy them into the weights."""
@@ -233,9 +234,11 @@ class Parallelizer(ABC):
 
 
 def _in_master_view(fn: Callable[..., Any]) -> Callable[..., Any]:
+    write = fn.__name__ in MASTER_WRITES
+
     @functools.wraps(fn)
     def call(self: Parallelizer, *args: Any, **kwargs: Any) -> Any:
-        with self.masters():
+        with self.masters(write):
             return fn(self, *args, **kwargs)
 
     call._in_master_view = True  # type: ignore[attr-defined]
