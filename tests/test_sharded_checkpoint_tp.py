@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "llm-t
 from ckpt_cases import ckpt_rank  # noqa: E402
 from tp_cases import make_batch  # noqa: E402
 
+from disagg.interfaces.dcp_pieces import payload_by_file  # noqa: E402
 from disagg.testing.dist import run_ranks  # noqa: E402
 from disagg.testing.ranks import dumps, loads  # noqa: E402
 from disagg.testing.tolerance import assert_exact, assert_tensors_close  # noqa: E402
@@ -41,7 +42,7 @@ def test_sharded_save_resumes_in_any_layout(tmp_path):
         assert mine == [f"llm/dcp/__{rank}_0.distcp"], r["files"]
         assert (Path(tmp_path) / mine[0]).stat().st_size == r["files"][mine[0]]["bytes"]
     assert "llm/dcp/.metadata" in out[0]["files"]
-    payload = _payload_by_file(Path(tmp_path) / "llm" / "dcp")
+    payload = payload_by_file(Path(tmp_path) / "llm" / "dcp")
     unique = {k: v for k, v in saved.items() if k != "param/lm_head.weight"}  # tied: one tensor, two names
     state_bytes = sum(v.numel() * v.element_size() for v in unique.values())
     tied = saved["param/lm_head.weight"]
@@ -61,7 +62,7 @@ def test_sharded_save_resumes_in_any_layout(tmp_path):
         # TP 4 saves its own pieces too; TP 2 loads them exactly
         assert [f for f in r["tp4/files"] if f.endswith(".distcp")] == [f"llm/dcp/__{rank}_0.distcp"]
         assert_exact(r["tp4->tp2/loaded"], out[0]["tp4/stepped"], f"tp4 -> tp2, rank {rank}, loaded: ")
-    tp4 = _payload_by_file(Path(tmp_path) / "tp4" / "llm" / "dcp")
+    tp4 = payload_by_file(Path(tmp_path) / "tp4" / "llm" / "dcp")
     for name, n in tp4.items():
         assert 0.2 < n / sum(tp4.values()) < 0.3, (name, tp4)
     _assert_lora(out, Path(tmp_path) / "lora")
@@ -84,7 +85,7 @@ def _assert_lora(out: list[dict], root: Path) -> None:
     assert {
         k.rpartition("/")[0].replace("optim/", "param/", 1) for k in stored if k.startswith("optim/")
     } == trained
-    payload = _payload_by_file(root / "llm" / "dcp")
+    payload = payload_by_file(root / "llm" / "dcp")
     assert len(payload) == 4, payload
     trained_bytes = sum(
         saved[k].numel() * saved[k].element_size()
@@ -106,19 +107,3 @@ def _assert_lora(out: list[dict], root: Path) -> None:
         "per-rank file fraction:",
         [round(n / sum(payload.values()), 3) for n in payload.values()],
     )
-
-
-def _payload_by_file(dcp_dir: Path) -> dict[str, int]:
-    """Tensor bytes each file of a DCP checkpoint holds (its metadata's chunks, headers aside)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(str(dcp_dir)).read_metadata()
-    out: dict[str, int] = {}
-    for index, info in md.storage_data.items():
-        tensor = md.state_dict_metadata[index.fqn]
-        chunk = next(c for c in tensor.chunks if tuple(c.offsets) == tuple(index.offset))
-        n = 1
-        for s in chunk.sizes:
-            n *= s
-        out[info.relative_path] = out.get(info.relative_path, 0) + n * tensor.properties.dtype.itemsize
-    return out

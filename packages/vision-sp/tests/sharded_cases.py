@@ -29,9 +29,12 @@ def strategy_class(name: str) -> Any:
     return DDPStrategy
 
 
-def steps_rank(rank: int, runs: list[tuple[str, int, int, dict]], path: str, inputs, grads, plans) -> bytes:
+def steps_rank(
+    rank: int, runs: list[tuple[str, int, int, dict]], path: str, inputs, grads, plans, ckpt: str
+) -> bytes:
     """``runs``: (strategy, degree, replicas, options) in turn on the same ranks; ``plans``:
-    replicas -> the plan of that many replicas (the same samples per step)."""
+    replicas -> the plan of that many replicas (the same samples per step); ``ckpt``: a dir
+    the ranks share, for the sharded checkpoints' round trips."""
     from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
 
     family = Qwen2_5_VLVision(Path(path))
@@ -73,5 +76,31 @@ def steps_rank(rank: int, runs: list[tuple[str, int, int, dict]], path: str, inp
         inner.state.clear()
         strat.load_full_state(*payload)
         res["reloaded"] = (ranks.full_state(strat), strat.full_optimizer_state())
+        res.update(_sharded_round_trip(strat, Path(ckpt) / f"{len(out)}", name, ctx, family, options))
         out.append(res)
     return ranks.dumps(out)
+
+
+def _sharded_round_trip(strat, where: Path, name: str, ctx, family, options: dict) -> dict[str, Any]:  # noqa: ANN001
+    """A sharded checkpoint's round trip, as the actor's: every rank writes its own pieces
+    (``sharded_state``, through DCP), then reads them back into the same set-up wiped, and
+    into a fresh unsharded one (``shard: none``) of the same layout."""
+    import torch
+
+    from disagg.interfaces import fsdp
+    from disagg.interfaces.dcp_pieces import load_pieces, payload_by_file, save_pieces
+
+    save_pieces(strat.sharded_state(), where)
+    with torch.no_grad():
+        for p in strat.module.parameters():
+            fsdp.local(p).zero_()
+    getattr(strat.optimizer, "optim", strat.optimizer).state.clear()
+    load_pieces(strat.sharded_state, where, str(where))
+    out: dict[str, Any] = {"dcp_reloaded": (ranks.full_state(strat), strat.full_optimizer_state())}
+    plain = ranks.strategy_rank(
+        strategy_class(name), family, ctx, options={**options, "shard": "none"}, optim=OPTIM
+    )
+    load_pieces(plain.sharded_state, where, str(where))
+    out["dcp_unsharded"] = (ranks.full_state(plain), plain.full_optimizer_state())
+    out["dcp_files"] = payload_by_file(where)
+    return out

@@ -5,12 +5,17 @@ and the single-process Hugging Face encoder, for 3 AdamW steps (weight decay and
 Samples are split unevenly over the replicas, one step leaves a replica empty, one runs two
 microbatches (one of them empty for a replica), and some rank of a ulysses replica holds none
 of a small image: under FSDP2 every rank still issues the group's all-gathers (a placeholder
-forward with a zero gradient). Every mode runs in one spawn of the ranks per mesh.
+forward with a zero gradient). Every mode runs in one spawn of the ranks per mesh. Each
+sharded mode's state also round-trips through a checkpoint: the full form
+(``load_full_state``) and a sharded one (every rank writing its own pieces through
+``torch.distributed.checkpoint``, read back bit for bit into the same set-up and exactly into
+the unsharded one; under FSDP2 each rank's file holds about 1/N of the state).
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 
 import pytest
 import sharded_cases
@@ -99,7 +104,8 @@ def _flat(optim: dict) -> dict:
 
 def _run(case, world: int, runs: list[tuple[str, int, int, dict]]) -> list[list[dict]]:
     family, inputs, grads, _ = case
-    raw = run_ranks(sharded_cases.steps_rank, world, runs, str(family.path), inputs, grads, PLANS)
+    with tempfile.TemporaryDirectory() as ckpt:
+        raw = run_ranks(sharded_cases.steps_rank, world, runs, str(family.path), inputs, grads, PLANS, ckpt)
     return [ranks.loads(r) for r in raw]  # [rank][run]
 
 
@@ -121,6 +127,18 @@ def _check_all(case, world: int, runs: list[tuple[str, int, int, dict]]) -> list
             params, optim = res[0][i]["reloaded"]
             assert_exact(params, res[0][i]["params"], f"{what} reloaded ")
             assert_exact(_flat(optim), _flat(res[0][i]["optim"]), f"{what} reloaded AdamW ")
+            # a sharded checkpoint (every rank its own pieces): the same set-up resumes bit for
+            # bit, the unsharded one (shard: none) takes exactly the same state
+            for key in ("dcp_reloaded", "dcp_unsharded"):  # the full form is complete on rank 0
+                params, optim = res[0][i][key]
+                assert_exact(params, res[0][i]["params"], f"{what} {key} ")
+                assert_exact(_flat(optim), _flat(res[0][i]["optim"]), f"{what} {key} AdamW ")
+            files = res[0][i]["dcp_files"]
+            share = [n / sum(files.values()) for n in files.values()]
+            assert len(files) == world, files
+            if opts["shard"] in sharded.FSDP_MODES:  # each rank wrote about 1/world of the state
+                assert all(abs(f * world - 1) < 0.25 for f in share), (what, share)
+            print(what, "per-rank file fraction", [round(f, 3) for f in share])
         for r in range(world):  # every rank reports the group's norm
             assert res[r][i]["norms"] == pytest.approx(res[0][i]["norms"], rel=1e-12)
     return res

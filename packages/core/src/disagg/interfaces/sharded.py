@@ -213,11 +213,39 @@ class ShardedReplicas:
 
     # -- the full form (checkpoints, export, tests) ---------------------------------------------------
     def sharded_state(self, saved: Any = None) -> Any:
-        """Whole replicas (``shard: none``) give sharded checkpoints the default layout;
-        FSDP2 / ZeRO-1 shards write the full form there until their layout is stated."""
-        if self.shard_mode != "none" and self.ctx.world_size > 1:
-            return None
+        """Sharded checkpoints: whole replicas (``shard: none``) hold every tensor whole (one
+        of them writes it); FSDP2 ranks their rows of each parameter and AdamW moment
+        (:meth:`tensor_layout`); ZeRO-1 ranks whole parameters and the AdamW state of their
+        own partition (the inner optimizer's)."""
+        if self.shard_mode == "optimizer" and self.ctx.world_size > 1 and self.optimizer is not None:
+            inner = self.optimizer.optim
+            owned = {id(p) for g in inner.param_groups for p in g["params"]}
+            return self.layout_pieces(saved, optimizer=inner, owned=owned)  # type: ignore[attr-defined]
         return self.layout_pieces(saved)  # type: ignore[attr-defined]
+
+    def tensor_layout(self, param: torch.Tensor) -> Any:
+        """A FSDP2 parameter (a ``Shard(0)`` DTensor over the group) and its AdamW moments:
+        this rank's rows, ``torch.chunk``'s ``ceil(D / N)`` per rank (FSDP2's split; a rank
+        past the end holds none); any other tensor whole."""
+        if not fsdp.is_sharded(param):
+            return super().tensor_layout(param)  # type: ignore[misc]
+        from torch.distributed.tensor import Shard
+
+        full = tuple(param.shape)
+        placements, mesh = param.placements, param.device_mesh  # type: ignore[attr-defined]
+        if tuple(placements) != (Shard(0),):
+            raise ValueError(f"a sharded checkpoint expects FSDP2's Shard(0), got {placements}")
+        rows = -(-full[0] // mesh.size())
+        start = min(mesh.get_local_rank() * rows, full[0])
+        held = fsdp.local(param).shape[0]
+        if held != min(full[0], start + rows) - start:
+            raise ValueError(f"FSDP2 shard of {held} rows at row {start} of {full}: not torch.chunk's split")
+        if held == 0:
+            return full, []
+        return full, [((start,) + (0,) * (len(full) - 1), ())]
+
+    def local_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return fsdp.local(t)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if not self.fsdp:

@@ -128,30 +128,43 @@ class StateAdapter:
             return None
         return self.layout_pieces(saved)
 
-    def layout_pieces(self, saved: Mapping[str, Any] | None = None) -> Pieces:
+    def layout_pieces(
+        self, saved: Mapping[str, Any] | None = None, optimizer: Any = None, owned: set[int] | None = None
+    ) -> Pieces:
         """:meth:`sharded_state` by :meth:`tensor_layout`, whatever the full form is (for a
-        strategy whose own ``sharded_state`` decides when its layout holds)."""
+        strategy whose own ``sharded_state`` decides when its layout holds). ``optimizer``:
+        the one that holds this rank's state (default ``self.optimizer``; ZeRO-1's inner
+        one); ``owned``: ids of the parameters whose state this rank keeps (default all)."""
         assert self.module is not None
         out: Pieces = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             if isinstance(t, torch.Tensor) and not name.endswith("_extra_state"):
                 out[f"param/{name}"] = self._pieces(t, t.detach())
-        if self.optimizer is None:
+        opt = self.optimizer if optimizer is None else optimizer
+        if opt is None:
             return out
         for name, p in self.module.named_parameters():
+            if owned is not None and id(p) not in owned:
+                continue
             if saved is not None:
                 wanted = {k.rpartition("/")[2]: m for k, m in saved.items() if k.startswith(f"optim/{name}/")}
                 if wanted:
-                    self.optimizer.state[p] = {
+                    opt.state[p] = {
                         # torch AdamW keeps its (non-capturable) step count on the CPU
                         k: torch.zeros((), dtype=m.properties.dtype) if not m.size else torch.zeros_like(p)
                         for k, m in wanted.items()
                     }
-            for k, v in (self.optimizer.state.get(p) or {}).items():
+            for k, v in (opt.state.get(p) or {}).items():
                 if torch.is_tensor(v):
                     out[f"optim/{name}/{k}"] = self._pieces(p, v) if v.dim() else ((), [((), v)])
         return out
 
+    def local_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The elements of ``t`` this rank stores, as :meth:`tensor_layout`'s indices index
+        them: ``t`` itself by default (a DTensor's local shard under FSDP2)."""
+        return t
+
     def _pieces(self, param: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], list]:
         size, where = self.tensor_layout(param)
-        return size, [(offsets, t[index]) for offsets, index in where]
+        local = self.local_tensor(t)
+        return size, [(offsets, local[index]) for offsets, index in where]

@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from disagg.interfaces import Strategy
+from disagg.interfaces.dcp_pieces import load_pieces, save_pieces
 from disagg.interfaces.lora import LoraSpec, adapter_state, is_trained
 from disagg.interfaces.roles.state import Pieces
 
@@ -77,10 +78,6 @@ def save_sharded(
     no layout (``sharded_state`` is None) writes the full form instead. With ``lora``
     only the trained tensors' pieces (adapters, ``modules_to_save`` parts) and their
     optimizer state are written: the frozen base is the model dir's. Collective."""
-    import torch.distributed.checkpoint as dcp
-
-    from disagg.runtime.actor.dcp_pieces import PieceSavePlanner
-
     pieces = strategy.sharded_state()
     if pieces is None:
         return save_full(strategy, rank, ckpt, module, lora)
@@ -88,7 +85,7 @@ def save_sharded(
         pieces = trained_pieces(pieces, lora)
     root = Path(ckpt) / module
     (root / "rng").mkdir(parents=True, exist_ok=True)
-    dcp.save({}, checkpoint_id=str(root / "dcp"), planner=PieceSavePlanner(pieces))
+    save_pieces(pieces, root / "dcp")
     written = sorted((root / "dcp").glob(f"__{rank}_*.distcp"))
     if rank == 0:
         (root / "schedule.json").write_text(json.dumps(schedule_state(strategy), indent=1))
@@ -110,17 +107,16 @@ def _load_sharded(strategy: Strategy, root: Path, lora: LoraSpec | None) -> int:
     """Returns the tensor bytes this rank read."""
     import torch.distributed.checkpoint as dcp
 
-    from disagg.runtime.actor.dcp_pieces import PieceLoadPlanner
+    def pieces_for(saved: Any) -> Pieces | None:
+        pieces = strategy.sharded_state(saved)
+        # a LoRA module's base stays as the model dir built it
+        return trained_pieces(pieces, lora) if pieces is not None and lora is not None else pieces
 
+    read = load_pieces(pieces_for, root / "dcp", str(root))
+    if read is not None:
+        return read
     reader = dcp.FileSystemReader(str(root / "dcp"))
     saved = reader.read_metadata().state_dict_metadata
-    pieces = strategy.sharded_state(saved)
-    if pieces is not None:
-        if lora is not None:  # the base stays as the model dir built it
-            pieces = trained_pieces(pieces, lora)
-        planner = PieceLoadPlanner(pieces, str(root))
-        dcp.load({}, storage_reader=reader, planner=planner)
-        return planner.bytes_read
     # a strategy without a stated layout slices the full form itself: every tensor whole
     full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
     dcp.load(full, storage_reader=reader)

@@ -11,11 +11,17 @@ the ranks); loading, DCP's resharding (``create_read_items_for_chunk_list``)
 reads exactly the stored regions that overlap this rank's pieces, whatever
 layout wrote them. DCP fills the pieces in place, so a load's pieces alias the
 live parameters and optimizer state.
+
+Here in the contract layer (not the runtime) so that a strategy's tests can
+round-trip its :meth:`~disagg.interfaces.roles.state.StateAdapter.sharded_state`
+through DCP as the actor's checkpoint does (:func:`save_pieces`, :func:`load_pieces`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,3 +105,44 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _find(self.pieces, index)
+
+
+def save_pieces(pieces: Pieces, where: str | Path) -> None:
+    """Write this rank's ``pieces`` into the DCP dir ``where`` (collective over the default
+    process group: every rank of the module's group calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({}, checkpoint_id=str(where), planner=PieceSavePlanner(pieces))
+
+
+def load_pieces(
+    pieces_for: Callable[[Mapping[str, Any]], Pieces | None], where: str | Path, label: str
+) -> int | None:
+    """Fill the pieces ``pieces_for(stored tensor metadata)`` gives from the DCP dir ``where``
+    (collective); ``label`` names the checkpoint in errors. Returns the tensor bytes this rank
+    read, or ``None`` (nothing read) when ``pieces_for`` gives ``None``."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(where))
+    pieces = pieces_for(reader.read_metadata().state_dict_metadata)
+    if pieces is None:
+        return None
+    planner = PieceLoadPlanner(pieces, label)
+    dcp.load({}, storage_reader=reader, planner=planner)
+    return planner.bytes_read
+
+
+def payload_by_file(where: str | Path) -> dict[str, int]:
+    """Tensor bytes each file of the DCP dir ``where`` holds (by its metadata's chunks,
+    headers aside): how evenly a sharded checkpoint spread over the ranks."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(where)).read_metadata()
+    out: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        tensor = md.state_dict_metadata[index.fqn]
+        assert isinstance(tensor, TensorStorageMetadata)
+        chunk = next(c for c in tensor.chunks if tuple(c.offsets) == tuple(index.offset))
+        n = math.prod(chunk.sizes) * tensor.properties.dtype.itemsize
+        out[info.relative_path] = out.get(info.relative_path, 0) + n
+    return out
