@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from disagg.config.schema import Config
 from disagg.config.validate import validate
 from disagg.plugins import get_registry
+from disagg.runtime.actor.state import read_module_state
 
 DDP = {"strategy": "ddp", "degree": 1, "replicas": 1}
 
@@ -48,4 +47,4 @@ def train(cfg: Config) -> tuple[list[float], dict[str, dict]]:
     out = Path(cfg.output_dir)
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     ckpt = out / "checkpoints" / f"step-{cfg.train.steps}"
-    return losses, {m: load_file(str(ckpt / m / "full.safetensors")) for m in cfg.modules()}
+    return losses, {m: read_module_state(ckpt, m)[0] for m in cfg.modules()}

@@ -34,8 +34,7 @@ def _config(tiny: dict, train: str, out: Path, **data):
 
 
 def test_llama_factory_file_trains_exactly_as_its_llava_twin(ray_local, tiny, tmp_path):
-    from safetensors.torch import load_file
-
+    from disagg.runtime.actor.state import read_module_state
     from disagg.runtime.run import run_training
 
     runs = {}
@@ -44,7 +43,7 @@ def test_llama_factory_file_trains_exactly_as_its_llava_twin(ray_local, tiny, tm
         run_training(_config(tiny, tiny[name], out), progress=False)
         losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
         ckpt = out / "checkpoints" / f"step-{STEPS}"
-        runs[name] = losses, {m: load_file(str(ckpt / m / "full.safetensors")) for m in ("vision", "llm")}
+        runs[name] = losses, {m: read_module_state(ckpt, m)[0] for m in ("vision", "llm")}
     (lv_losses, lv_state), (lf_losses, lf_state) = runs["train"], runs["sharegpt"]
     assert len(lv_losses) == STEPS and lf_losses == lv_losses  # exactly: the same tensors in
     for m in lv_state:

@@ -103,15 +103,15 @@ def reference(ray_local, tiny, tmp_path_factory):
     return run, grads, cfg.train, initial, trained, (kwargs(sample), logits)
 
 
-def _ckpt(run_dir: Path, step: int, what: str = "full") -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors (``full``: parameters; ``optim``: their names), named as the whole
-    HF model names them."""
-    from safetensors.torch import load_file
+def _ckpt(run_dir: Path, step: int, what: str = "full") -> dict:
+    """A checkpoint's tensors (``full``: parameters; ``optim``: their optimizer states), named
+    as the whole HF model names them, from either form (sharded, the default, or zero's full)."""
+    from disagg.runtime.actor.state import read_module_state
 
     out = {}
     for m, prefix in PREFIX.items():
-        sd = load_file(str(run_dir / "checkpoints" / f"step-{step}" / m / f"{what}.safetensors"))
-        out.update({prefix + k: v for k, v in sd.items()})
+        params, optim = read_module_state(run_dir / "checkpoints" / f"step-{step}", m)
+        out.update({prefix + k: v for k, v in (params if what == "full" else optim).items()})
     return out
 
 
@@ -138,7 +138,7 @@ def _assert_steps(run_dir: Path, reference, steps: range, what: str) -> None:
             eps=train.eps,
             betas=tuple(train.betas),
         )
-        optim = {k.split("::")[0] for k in _ckpt(run_dir, step, "optim")}
+        optim = set(_ckpt(run_dir, step, "optim"))
         assert optim == trained, sorted(optim ^ trained)[:6]
 
 

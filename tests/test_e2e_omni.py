@@ -211,13 +211,12 @@ def test_three_modules_match_single_process(ray_local, omni, reference, tmp_path
     cfg = _config(omni, tmp_path / "run", {"vision": vision, "audio": audio, "llm": llm})
     run_training(cfg, progress=False)
     from hf_reference import assert_run_matches
-    from safetensors.torch import load_file
+
+    from disagg.runtime.actor.state import read_module_state
 
     def state_after(step: int) -> dict:
         ckpt = tmp_path / "run" / "checkpoints" / f"step-{step}"
-        return {
-            f"{m}/{k}": v for m in MODULES for k, v in load_file(str(ckpt / m / "full.safetensors")).items()
-        }
+        return {f"{m}/{k}": v for m in MODULES for k, v in read_module_state(ckpt, m)[0].items()}
 
     assert_run_matches(tmp_path / "run", reference, state_after, cfg.train)
     ckpt = tmp_path / "run" / "checkpoints" / f"step-{STEPS}"

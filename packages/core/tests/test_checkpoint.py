@@ -77,7 +77,7 @@ def _train(cfg: Config, registry) -> dict:
 def undisturbed(ray_local, toy_registry, tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     dirs = make_toy_dirs(root / "models")
-    cfg = _cfg(root, dirs, "plain")
+    cfg = _cfg(root, dirs, "plain", checkpoint={"format": "full"})  # the merged form (the default shards)
     _train(cfg, toy_registry)
     return root, dirs, _losses(root / "plain")
 
@@ -149,12 +149,14 @@ def test_driver_killed_mid_save_leaves_the_previous_checkpoint(
 
     stale = run / "checkpoints" / "step-4.tmp"
     assert not (stale / ckpt.MANIFEST).exists(), "killed before the manifest"
-    for part in ("vision/full.safetensors", "vision/optim.safetensors", "llm/full.safetensors", "meta.json"):
+    # the default, sharded: every rank's own file
+    parts = ("vision/dcp/__0_0.distcp", "vision/dcp/__1_0.distcp", "vision/dcp/.metadata")
+    for part in (*parts, "llm/dcp/.metadata", "meta.json"):
         assert (stale / part).is_file(), f"killed after the shards were written: {part} is missing"
     assert ckpt.latest_checkpoint(run) == run / "checkpoints" / "step-2", "the .tmp is not a checkpoint"
     manifest = ckpt.verify_checkpoint(run / "checkpoints" / "step-2")  # every checksum holds
     assert manifest["layout"]["vision"] == {"strategy": "ddp", "degree": 1, "replicas": 2}
-    for part in ("vision/full.safetensors", "vision/optim.safetensors", "llm/schedule.json"):
+    for part in ("vision/dcp/__1_0.distcp", "vision/dcp/.metadata", "llm/schedule.json"):
         assert part in manifest["files"]
     assert "vision/rng/rank-1.safetensors" in manifest["files"]
     assert sorted(_losses(run)) == [1, 2, 3, 4], "the killed run logged steps 1-4"
@@ -193,17 +195,19 @@ def test_truncated_file_is_refused_and_keep_last_prunes(undisturbed, toy_registr
 
 
 def test_sharded_checkpoints_resume_and_export(undisturbed, toy_registry, tmp_path):
-    """``checkpoint.format: sharded``: each rank writes its own ``torch.distributed.checkpoint``
-    file (the vision group's two replicas about half of its state each, nothing merged),
-    ``keep_last`` prunes, training is unchanged, a run resumed from it (saving the full form)
-    continues the undisturbed losses bit for bit, and ``disagg export`` reads it without
-    actors: the same tensors as the export of the full-form checkpoint of the same step."""
+    """``checkpoint.format: sharded`` (the default): each rank writes its own
+    ``torch.distributed.checkpoint`` file (the vision group's two replicas about half of its
+    state each, nothing merged), ``keep_last`` prunes, training is unchanged, a run resumed
+    from it (saving the full form) continues the undisturbed losses bit for bit, and
+    ``disagg export`` reads it without actors: the same tensors as the export of the
+    full-form checkpoint of the same step."""
     from safetensors.torch import load_file
 
     from disagg.runtime.export import export_checkpoint
 
     root, dirs, losses = undisturbed
-    cfg = _cfg(root, dirs, "sharded", checkpoint={"every": 2, "format": "sharded", "keep_last": 2})
+    cfg = _cfg(root, dirs, "sharded", checkpoint={"every": 2, "keep_last": 2})
+    assert cfg.checkpoint.format == "sharded"
     _train(cfg, toy_registry)
     assert _losses(root / "sharded") == losses
     assert [p.name for p in ckpt.complete_checkpoints(root / "sharded")] == ["step-4", "step-5"]
@@ -215,7 +219,9 @@ def test_sharded_checkpoints_resume_and_export(undisturbed, toy_registry, tmp_pa
     halves = [files[f"vision/dcp/__{r}_0.distcp"]["bytes"] for r in (0, 1)]
     assert 0.3 < halves[0] / sum(halves) < 0.7, halves
 
-    resumed = _cfg(root, dirs, "from-sharded", checkpoint={"every": 2, "resume_from": str(step4)})
+    resumed = _cfg(
+        root, dirs, "from-sharded", checkpoint={"every": 2, "format": "full", "resume_from": str(step4)}
+    )
     _train(resumed, toy_registry)
     assert _losses(root / "from-sharded")[STEPS] == losses[STEPS]
 

@@ -132,7 +132,7 @@ def test_first_party_trackers_pass_when_installed(reg, workdir):
 class FakeOrch:
     """What ``save_checkpoint`` asks of an orchestrator: each group's files."""
 
-    def save_full(self, path: str) -> dict:
+    def save_full(self, path: str, sharded: bool = True) -> dict:
         from disagg.runtime.actor.state import file_digest
 
         f = Path(path) / "llm" / "full.safetensors"

@@ -320,13 +320,13 @@ class CheckpointConfig(Strict):
     resume_from: str | None = None
     """A ``checkpoints/step-N`` dir to resume from (``disagg train --resume auto`` picks the
     run dir's newest complete one)."""
-    format: Literal["full", "sharded"] = "full"
-    """``full``: each module's merged parameters and optimizer state in one file each
-    (``<module>/full.safetensors``, ``optim.safetensors``; ``disagg export`` reads them).
-    ``sharded``: every rank writes only its own pieces through ``torch.distributed.checkpoint``
-    (``<module>/dcp/``, about 1/degree of the module each); a resume in any layout reads
-    only what its ranks need. Resuming takes either form. ``zero``, and ``ddp``/``ulysses`` with a
-    ``shard`` other than ``none``, write the full form there."""
+    format: Literal["full", "sharded"] = "sharded"
+    """``sharded`` (default): every rank writes only its own pieces through
+    ``torch.distributed.checkpoint`` (``<module>/dcp/``, about 1/world of the module's state
+    each); a resume in any layout reads only what its ranks need. ``zero`` states no layout
+    yet and writes the full form there. ``full``: each module's merged parameters and
+    optimizer state in one file each (``<module>/full.safetensors``, ``optim.safetensors``),
+    gathered on one rank. Resuming and ``disagg export`` take either form."""
     keep_last: int | None = Field(None, ge=1)
     """Keep only the newest K complete checkpoints (``null``: keep all)."""
     keep_best: Literal["eval_loss"] | None = None

@@ -1,7 +1,8 @@
 """Checkpoints: complete, atomic, layout-free.
 
-``checkpoints/step-N/`` holds, per module, the merged (unpartitioned)
-parameters, the merged AdamW state per parameter, the scheduler and every
+``checkpoints/step-N/`` holds, per module, its parameters and AdamW state
+(sharded, the default: each rank's own pieces, see below; ``checkpoint.format:
+full``: merged, unpartitioned), the scheduler and every
 rank's random streams (written by the actors: :mod:`disagg.runtime.actor.state`),
 then ``data.json`` (the data stream's position), ``meta.json`` (step, resolved
 config, run fingerprint) and last ``manifest.json`` (layout, package versions,
@@ -11,7 +12,7 @@ leaves the previous checkpoint as it was; a dir without a manifest is not a
 checkpoint. Any layout resumes from any other's (the full form is sliced by
 each strategy); ``disagg export`` reads it without starting actors.
 
-With ``checkpoint.format: sharded`` nothing is merged: each rank writes only its
+With ``checkpoint.format: sharded`` (the default) nothing is merged: each rank writes only its
 own pieces of parameters and optimizer state through ``torch.distributed.checkpoint``
 (``<module>/dcp/``, :mod:`disagg.runtime.actor.state`), under the same atomic
 rename, checksums and manifest; a resume into any layout reads only what its
@@ -70,9 +71,7 @@ def save_checkpoint(
     if tmp.exists():  # a save that died before its rename
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    # the full form's call stays as it was (test doubles of the orchestrator take only the path)
-    sharded = cfg.checkpoint.format == "sharded"
-    files = orch.save_full(str(tmp), sharded=True) if sharded else orch.save_full(str(tmp))
+    files = orch.save_full(str(tmp), sharded=cfg.checkpoint.format == "sharded")
     meta = {"step": step, "config": cfg.model_dump(mode="json"), "fingerprint": run_fingerprint(cfg)}
     _write(tmp / "meta.json", json.dumps(meta, indent=2))
     files["meta.json"] = file_digest(tmp / "meta.json")
