@@ -3,10 +3,12 @@ full form (every tensor unpartitioned, named as in ``family.build()``'s
 module), which checkpoints hold so that any layout resumes from any other's,
 and the rank's own random streams (same layout only).
 
-Sharded checkpoints (``checkpoint.format: sharded``) never merge: each rank
-states where its tensors lie in the full form (:meth:`StateAdapter.tensor_layout`,
-gathered by :meth:`StateAdapter.sharded_state` into :data:`Pieces`), and
-``torch.distributed.checkpoint`` writes and reshards them."""
+Sharded checkpoints (``checkpoint.format: sharded``, the default) never merge: each
+rank states where its tensors lie in the full form (:meth:`StateAdapter.tensor_layout`,
+of the local elements :meth:`StateAdapter.local_tensor` gives, gathered by
+:meth:`StateAdapter.sharded_state` into :data:`Pieces`), and
+``torch.distributed.checkpoint`` writes and reshards them
+(:mod:`disagg.interfaces.dcp_pieces`)."""
 
 from __future__ import annotations
 
