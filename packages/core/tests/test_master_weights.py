@@ -99,3 +99,23 @@ def test_same_layout_resume_from_the_full_form_is_bit_exact(lm_dir, precision):
         assert_exact(b.detach(), a.detach(), f"bf16 weight {n}")
     assert _step(resumed, other, microbatches=2) == _step(run, other, microbatches=2)
     assert_exact(resumed.full_state_dict(), run.full_state_dict(), "after the next step ")
+
+
+def test_same_layout_resume_from_a_sharded_checkpoint_is_bit_exact(lm_dir, tmp_path):
+    """``checkpoint.format: sharded`` under ``bf16``: the pieces are the fp32 masters and their
+    AdamW state; the reader fills the masters in place and the worker's ``refresh_weights``
+    rounds them into the bf16 weights."""
+    from disagg.runtime.actor.state import load_full, save_sharded
+
+    batch, other = _batch(2), _batch(3)
+    run = _lm(lm_dir, "bf16")
+    _step(run, batch, microbatches=2)
+    save_sharded(run, 0, tmp_path, "llm")
+    resumed = _lm(lm_dir, "bf16")
+    load_full(resumed, 0, tmp_path, "llm", restore_rng=False)
+    resumed.refresh_weights()  # as ModuleWorker.load_full does
+    assert_exact(resumed.full_state_dict(), run.full_state_dict(), "resumed ")
+    for (n, a), b in zip(run.module.named_parameters(), resumed.module.parameters()):
+        assert_exact(b.detach(), a.detach(), f"bf16 weight {n}")
+    assert _step(resumed, other, microbatches=2) == _step(run, other, microbatches=2)
+    assert_exact(resumed.full_state_dict(), run.full_state_dict(), "after the next step ")

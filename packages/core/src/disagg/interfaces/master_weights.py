@@ -132,11 +132,9 @@ class MasterWeights:
         self._versions = [p._version for p in self.params]
 
     def refresh(self) -> None:
-        """Copy into the bf16 weights any master written outside :meth:`view` (a sharded
-        checkpoint's reader fills the masters in place after ``sharded_state`` returned)."""
-        changed = [i for i, p in enumerate(self.params) if p._version != self._versions[i]]
-        if changed:
-            self._sync(changed)
+        """Copy every master into its bf16 weight: after a sharded checkpoint's reader filled
+        the masters in place, once ``sharded_state`` had returned (through whatever alias)."""
+        self._sync(list(range(len(self.params))))
 
     def weight_bytes(self) -> int:
         """The bf16 weights' bytes (inside :meth:`view` the parameters count as the masters)."""
