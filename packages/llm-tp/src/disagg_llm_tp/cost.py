@@ -38,6 +38,7 @@ from disagg.interfaces.cost_rules import (
     all_reduce,
     blocks_of,
     extra_flops,
+    fp32_internal_bytes,
     logits_bytes,
     recompute_mode,
     train_flops,
@@ -266,13 +267,16 @@ def activation_bytes(
             block_tp = (7 + mlp_in) * h + 4 + 4 * hd + (5 * h + heads + mlp_mid * i) / d
             merger_tp = 4 * h + 2 + 2 * h / d
         per_token = shape.input_elems + shape.depth * block_tp + merger_tp
-        return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens)
+        norm_tokens = tokens / d if sequence_parallel else tokens
+        extra = fp32_internal_bytes(shape, norm_tokens, tokens, act_bytes)
+        return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens) + extra
     if sequence_parallel:
         return sp_decoder_activation_bytes(shape, tokens, d, act_bytes, chunk, samples, rows_in)
     layer = 9 * h + 4 + 4 * hd + (5 * h + heads + 4 * i) / d
     head = 4 * h
     logits = logits_bytes(-(-shape.vocab // d), tokens, chunk)  # this rank's vocabulary slice
-    return int(tokens * (shape.layers * layer + head) * act_bytes) + logits
+    extra = fp32_internal_bytes(shape, tokens, 0, act_bytes)
+    return int(tokens * (shape.layers * layer + head) * act_bytes) + logits + extra
 
 
 def sp_decoder_activation_bytes(
@@ -305,7 +309,7 @@ def sp_decoder_activation_bytes(
     c, t = -(-tokens // d), tokens
     layer = c * (11 * h + 4) + t * ((3 * h + shape.heads + 4 * i) // d + 2 * kv + 4 * hd)
     floats = shape.layers * layer + c * (3 * h + 2)
-    held = e * floats + 10 * t + (t if rows_in else 0)
+    held = e * floats + 10 * t + (t if rows_in else 0) + fp32_internal_bytes(shape, c, 0, e)
     rows = tokens - samples
     vocab = -(-shape.vocab // d)
     pad = vocab if shape.vocab % d else 0

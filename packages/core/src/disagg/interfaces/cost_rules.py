@@ -128,10 +128,35 @@ def block_elems(shape: Shape) -> int:
     return (12 + mlp_in) * h + 4 * hd + heads + 4 + mlp_mid * i
 
 
+#: towers whose HF code computes RMSNorm and the vision rotary in fp32 whatever the compute dtype
+FP32_INTERNALS = ("qwen2_5_vl",)
+
+
+def fp32_internal_bytes(shape: Shape, norm_tokens: float, rope_tokens: float, act_bytes: int) -> int:
+    """What HF's code saves in fp32 beyond the compute dtype's bytes (0 in fp32): Qwen2's
+    RMSNorm upcasts its input, so of its ``3H + 2`` saves per token the input (twice) and the
+    rsqrt are fp32 (``2H + 2``, for each of the two norms per block and the final or merger norm,
+    on ``norm_tokens``); Qwen2.5-VL's vision rotary upcasts cos/sin (``4·hd`` per token and block,
+    on ``rope_tokens``). Decoders (Qwen2/Llama RMSNorm) and the Qwen2.5-VL tower; measured equal
+    within the tiny model's few int64 tensors (``examples/bench/recipe_activations.py``)."""
+    if act_bytes >= 4:
+        return 0
+    up = 4 - act_bytes
+    if isinstance(shape, EncoderShape):
+        if shape.family not in FP32_INTERNALS:
+            return 0
+        norms = 2 * shape.depth + 1
+        rope = shape.depth * rope_tokens * 4 * shape.head_dim * up
+    else:
+        norms, rope = 2 * shape.layers + 1, 0
+    return int(norms * norm_tokens * (2 * shape.hidden + 2) * up + rope)
+
+
 def encoder_activation_bytes(shape: EncoderShape, tokens: int, act_bytes: int) -> int:
     """Saved bytes of a whole tower on a rank holding ``tokens`` tokens of it."""
     per_token = shape.input_elems + shape.depth * block_elems(shape) + shape.head_act
-    return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens)
+    extra = fp32_internal_bytes(shape, tokens, tokens, act_bytes)
+    return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens) + extra
 
 
 def loss_tokens(tokens: int, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> int:
@@ -151,7 +176,8 @@ def decoder_activation_bytes(
     """Saved bytes of a whole decoder for ``tokens`` tokens in one forward (an estimate):
     every layer's and the head's input for every token, the logits of one loss chunk."""
     per_token = shape.layers * block_elems(shape) + 4 * shape.hidden
-    return int(tokens * per_token * act_bytes) + logits_bytes(shape.vocab, tokens, chunk)
+    extra = fp32_internal_bytes(shape, tokens, 0, act_bytes)
+    return int(tokens * per_token * act_bytes) + logits_bytes(shape.vocab, tokens, chunk) + extra
 
 
 def activation_bytes(

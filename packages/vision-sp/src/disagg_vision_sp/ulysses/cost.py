@@ -15,6 +15,7 @@ from disagg.interfaces.cost import Cost, CostQuery, EncoderShape, Workload, asse
 from disagg.interfaces.cost_rules import (
     block_elems,
     extra_flops,
+    fp32_internal_bytes,
     grad_reduce_calls,
     recompute_mode,
     replicated_comm,
@@ -43,7 +44,9 @@ def activation_bytes(shape: EncoderShape, tokens: int, degree: int, act_bytes: i
     """Saved bytes on one rank while ``tokens`` tokens of the whole sequence are in
     flight (it holds ``tokens / degree``; it permutes pixels, not an index)."""
     per_token = (shape.input_elems + shape.depth * block_elems(shape) + shape.head_act) / degree
-    return int(tokens * per_token * act_bytes)
+    return int(tokens * per_token * act_bytes) + fp32_internal_bytes(
+        shape, tokens / degree, tokens / degree, act_bytes
+    )
 
 
 def replay(shape: EncoderShape, w: Workload, mode: str) -> tuple[dict[str, int], dict[str, int]]:
