@@ -65,12 +65,15 @@ class ToyEncoderFamily(EncoderFamily):
         return state
 
 
-def encoder_rank(rank: int, degree: int, xs: list, gs: list) -> dict:
-    """Encode, then backward from the shard-0 gradients, as core's worker does."""
+def encoder_rank(rank: int, degree: int, xs: list, gs: list, precisions: tuple[str, ...] = ("fp32",)) -> dict:
+    """Encode, then backward from the shard-0 gradients, as core's worker does; one result per
+    ``train.precision`` recipe in ``precisions`` (a dict by recipe when there are several)."""
+    if len(precisions) > 1:
+        return {p: encoder_rank(rank, degree, xs, gs, (p,)) for p in precisions}
     from disagg.testing import ranks
     from disagg_llm_tp.strategy import MegatronTPStrategy
 
-    ctx = ranks.rank_context("vision", rank, degree, 1)
+    ctx = ranks.rank_context("vision", rank, degree, 1, precision=precisions[0])
     fam = ToyEncoderFamily(".")
     strat = ranks.strategy_rank(MegatronTPStrategy, fam, ctx)
     shards = ranks.encode(strat, 0, [{"x": x} for x in xs])
@@ -80,7 +83,7 @@ def encoder_rank(rank: int, degree: int, xs: list, gs: list) -> dict:
     return {
         "rows": [int(s.value.shape[0]) for s in shards],
         "values": [s.value.detach().float().numpy().copy() for s in shards],
-        "dtypes": {str(s.value.dtype) for s in shards}
-        | {str(p.grad.dtype) for p in strat.module.parameters()},
+        "dtypes": {str(s.value.dtype) for s in shards},
+        "grad_dtypes": {str(g.dtype) for g in ranks.full_grads(strat).values()},
         "grads": {k: v.numpy() for k, v in ranks.full_grads(strat).items()},
     }
