@@ -77,7 +77,7 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
       ``evaluate``, ``loss_sum``, ``correct_predictions``, ``returns_input_grads``;
     - :class:`~disagg.interfaces.roles.StateAdapter`: the full form
       (``full_state_dict``, ``full_grads``, ``full_optimizer_state``,
-      ``load_full_state``), sharded checkpoints (``tensor_layout``, ``sharded_state``)
+      ``load_full_state``), sharded checkpoints (``tensor_layout``, ``local_tensor``, ``sharded_state``)
       and ``rng_state``/``set_rng_state``;
     - ``build_optimizer``: a callable (:mod:`disagg.interfaces.roles.optimizer`);
     - class level, before any actor starts: ``check``, ``estimate``,
