@@ -357,20 +357,25 @@ def state_bytes(shapes: list[tuple[int, ...]], mode: str, world: int, recipe: Re
     """Parameter + gradient + AdamW bytes on the busiest rank of an ``N``-rank group under
     ``parallel.<module>.shard`` (equal to :meth:`ShardedReplicas.state_bytes` measured at a step's
     end in fp32; ``gradients`` adds the whole parameters held from a forward to its backward), in
-    ``recipe``'s dtypes (default ``fp32``): ZeRO-1 keeps the weights and gradients whole and
-    partitions the master copy and moments; FSDP2 shards what the optimizer steps (the master, or
-    the weights without one), the gradients and the moments, and ``gradients`` holds the whole
-    weights in the compute dtype."""
+    ``recipe``'s dtypes (default ``fp32``). ZeRO-1 keeps the weights, gradients and (``bf16``) the
+    fp32 masters whole and partitions the moments: torch's ZeroRedundancyOptimizer steps each
+    master on its owner and broadcasts it into every rank's whole master. FSDP2 shards what the
+    optimizer steps (the master, or the weights without one), the gradients and the moments, and
+    ``gradients`` holds the whole weights in the compute dtype."""
     r = recipe or RECIPES["fp32"]
     weight, grad = r.weights.itemsize, r.grads.itemsize
-    stepped = (r.master.itemsize if r.master is not None else 0) + 2 * r.moments.itemsize
     numels = [_numel(s) for s in shapes]
     whole = sum(numels)
     if mode == "none" or world == 1:
         return r.state_bytes_per_element(True) * whole + 4 * len(shapes)
     if mode == "optimizer":
         part = zero1_partition(numels, world)
-        return (weight + grad) * whole + stepped * max(part) + 4 * zero1_tensors(numels, world)
+        master = r.master.itemsize if r.master is not None else 0
+        return (
+            (weight + grad + master) * whole
+            + 2 * r.moments.itemsize * max(part)
+            + 4 * zero1_tensors(numels, world)
+        )
     local = sum(shard_rows(s, world) for s in shapes)
     sharded_element = (r.master or r.weights).itemsize + grad + 2 * r.moments.itemsize
     held = sharded_element * local + 4 * len(shapes)

@@ -144,15 +144,6 @@ def resolve_device_precision(device: str, precision: str, cluster_gpus: float) -
     return device, resolve_precision(precision, device).name
 
 
-def resolve_device_dtype(device: str, dtype: str, cluster_gpus: float) -> tuple[str, str]:
-    """The compute dtype's name (``float32`` / ``bfloat16``) of ``train.precision: dtype``
-    resolved on ``device`` (``auto``: the cluster's), for ``disagg bench``'s cost figures."""
-    from disagg.interfaces.precision import resolve_precision
-
-    device, precision = resolve_device_precision(device, dtype, cluster_gpus)
-    return device, str(resolve_precision(precision, device).weights).removeprefix("torch.")
-
-
 def resolve_transport(cfg: Config, registry: Registry, device: str) -> str:
     """The transport's name (``auto`` resolved for ``device`` and the layout),
     after the checks that need the device: GPU shares and the transport's fit
