@@ -3,8 +3,8 @@
 Save at step 3, resume to step 6: the resumed run's per-step losses equal the
 uninterrupted 6-step run's bit for bit (same layout: the checkpoint, sharded by
 default (each rank its own pieces), restores every parameter, AdamW moment, step
-count, scheduler position, random stream and the data position exactly; CPU fp32 kernels are deterministic). Under a
-different layout (resharding from the ranks' pieces: ``megatron_tp`` 2 -> 4,
+count, scheduler position, random stream and the data position exactly; CPU fp32 kernels are
+deterministic). Under a different layout (resharding from the ranks' pieces: ``megatron_tp`` 2 -> 4,
 ``ulysses`` -> ``zero`` 2 reading every tensor whole) the losses equal the
 unsharded run's within 1e-5: only the summation order of the collectives
 changes, and the exports of the LLM ``megatron_tp`` 4 and ``ddp`` resumes hold
