@@ -326,7 +326,8 @@ class CheckpointConfig(Strict):
     each; a LoRA module: of its trained tensors only); a resume in any layout reads only what
     its ranks need. ``zero`` states no layout yet and writes the full form there. ``full``:
     each module's merged parameters and optimizer state in one file each
-    (``<module>/full.safetensors``, ``optim.safetensors``), gathered on one rank. Resuming and ``disagg export`` take either form."""
+    (``<module>/full.safetensors``, ``optim.safetensors``), gathered on one rank. Resuming
+    and ``disagg export`` take either form."""
     keep_last: int | None = Field(None, ge=1)
     """Keep only the newest K complete checkpoints (``null``: keep all)."""
     keep_best: Literal["eval_loss"] | None = None
