@@ -8,7 +8,6 @@ AdamW state in the recipe's dtypes, and the state bytes each rank measures equal
 from __future__ import annotations
 
 import pytest
-import torch
 from dropout_cases import BF16_OPTIM
 from recipe_cases import RECIPES, tp_recipe_rank
 from tp_cases import make_batch
@@ -16,14 +15,8 @@ from tp_cases import make_batch
 from disagg.interfaces import RECIPES as TABLE
 from disagg.testing.dist import run_ranks
 from disagg.testing.ranks import loads
-from disagg.testing.recipes import assert_same_recipe, expected_state_bytes
+from disagg.testing.recipes import assert_same_recipe, expected_state_bytes, held_dtypes
 from disagg_llm_tp.families.qwen2 import Qwen2Family
-
-DTYPES = {  # weights, masters (as the optimizer sees them), gradients, AdamW moments
-    "fp32": (torch.float32,) * 4,
-    "bf16": (torch.bfloat16, torch.float32, torch.float32, torch.float32),
-    "bf16-pure": (torch.bfloat16,) * 4,
-}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +37,7 @@ def test_tp2_sp_equals_tp1_under_the_recipe(recipe_case, precision):
     got, want = recipe_case[0][("tp2", precision)], recipe_case[0][("tp1", precision)]
     for res in (got, want, recipe_case[1][("tp2", precision)]):
         held = tuple(res[k] for k in ("weight_dtypes", "param_dtypes", "grad_dtypes", "state_dtypes"))
-        assert held == tuple({d} for d in DTYPES[precision]), held
+        assert held == held_dtypes(precision), held
         assert res["embed_grad_dtypes"] == {TABLE[precision].weights}  # sent back in the compute dtype
     _compare(got, want, precision)
 
@@ -72,4 +65,3 @@ def test_state_bytes_per_element_equal_the_recipe(recipe_case, precision):
         assert res["state_bytes"] == expected_state_bytes(res, precision), (precision, res["state_bytes"])
         per = (res["state_bytes"] - res["scalar_bytes"]) / res["stepped_elements"]
         assert per == TABLE[precision].state_bytes_per_element()
-

@@ -16,17 +16,12 @@ from recipe_cases import OPTIM, RECIPES, recipe_rank
 from disagg.interfaces import RECIPES as TABLE
 from disagg.testing.dist import run_ranks
 from disagg.testing.ranks import loads
-from disagg.testing.recipes import assert_same_recipe, expected_state_bytes
+from disagg.testing.recipes import assert_same_recipe, expected_state_bytes, held_dtypes
 from disagg_vision_sp.families.llava import LlavaVision
 from disagg_vision_sp.testing import random_images, upstream_grads
 
 SAMPLES = [[(42, 28), (28, 28)], [(56, 42)], [(28, 42)]]
 LAYOUTS = [("ulysses", "ulysses"), ("ulysses-fsdp", "ulysses"), ("ddp", "ddp")]  # (degree 2, degree 1)
-DTYPES = {  # weights, masters (as the optimizer sees them), gradients, AdamW moments
-    "fp32": (torch.float32,) * 4,
-    "bf16": (torch.bfloat16, torch.float32, torch.float32, torch.float32),
-    "bf16-pure": (torch.bfloat16,) * 4,
-}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +50,7 @@ def test_degree_2_equals_degree_1_under_the_recipe(recipe_case, layout, single, 
             # FSDP2's policy: fp32 shards gathered in bf16 for compute, no separate bf16 copy held
             assert held == ({torch.float32},) * 4, held
         else:
-            assert held == tuple({d} for d in DTYPES[precision]), held
+            assert held == held_dtypes(precision), held
     _compare(got, want, precision, f"{layout} x2 ")
 
 

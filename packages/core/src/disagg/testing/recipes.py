@@ -78,6 +78,15 @@ def recipe_steps(
     return out
 
 
+def held_dtypes(precision: str) -> tuple[set[torch.dtype], ...]:
+    """The dtypes a rank must hold under ``precision``, as :func:`recipe_steps`' census reports
+    them: weights, what the optimizer steps (the master, or the weights without one), gradients
+    as the optimizer sees them and AdamW moments, each a set of one."""
+    r = RECIPES[precision]
+    stepped = r.master or r.weights
+    return ({r.weights}, {stepped}, {r.grads}, {r.moments})
+
+
 def expected_state_bytes(result: dict[str, Any], precision: str) -> int:
     """What :meth:`~disagg.interfaces.Parallelizer.state_bytes` must measure (``result``: a
     :func:`recipe_steps` census): every stepped element at ``Recipe.state_bytes_per_element``, a
