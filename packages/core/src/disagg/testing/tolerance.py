@@ -260,13 +260,19 @@ def assert_tensors_close(
     want: Mapping[str, torch.Tensor],
     what: str = "",
     precision: Precision = FP32,
+    partials: Mapping[str, float] | None = None,
 ) -> float:
     """The same names (a reference ``None`` gradient is absent and must stay absent, never zeros),
     each tensor per element, its floor from its module's scale (:func:`module_scales`: a dict of
-    parameter gradients; a name without a dot, e.g. a modality, is its own). Returns the largest
-    margin."""
+    parameter gradients; a name without a dot, e.g. a modality, is its own). ``partials``: per
+    name, the largest element of the per-rank partial sums a gradient was summed from (rounded
+    each at its own scale, which cancellation can put above the sum's); a module's floor is then
+    the larger of the two scales. Returns the largest margin."""
     _same_keys(got, want, what)
     scales = module_scales(want)
+    if partials:
+        peaks = module_scales({k: torch.tensor([partials.get(k, 0.0)]) for k in want})
+        scales = {k: max(scales[k], peaks[k]) for k in want}
     return max(
         (assert_tensor_close(got[k], want[k], f"{what}{k}", precision, scales[k]) for k in want), default=0.0
     )
