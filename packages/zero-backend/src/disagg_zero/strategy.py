@@ -3,23 +3,29 @@
 Every rank of a group makes the same collectives in the same order whatever
 its share of a microbatch (any split, including none), by construction:
 
-* ZeRO-3 parameters are gathered **per layer** by DeepSpeed's own hooks, with its
-  prefetch, live-parameter and reuse limits (:mod:`disagg_zero.perlayer`), and gradients are
-  reduce-scattered by its hooks during the one backward of each call. Those hooks are
-  collectives in the order of the submodule calls, which follow the data; so the ranks agree
-  on their calls first (:mod:`disagg_zero.lockstep`: the encoder votes before each root call,
-  the LLM on its sample and loss-chunk counts) and the short ones make placeholder calls whose
-  gradient is exactly zero. Only ``full_state_dict``, ``load_full_state`` and the full
-  gradients gather the whole module (``GatheredParameters``).
+* ZeRO-3 parameters are gathered **whole**, once per ``encode``, ``backward``,
+  ``loss_and_backward`` and ``evaluate`` call (core's roles run each inside
+  :meth:`ZeroStrategy.module_call`, here :func:`runtime.gathered`), and
+  DeepSpeed's per-submodule gather/release hooks are removed: their number of
+  all-gathers follows the number of module calls, which the family's code
+  makes per sample or per item. Parameters stay partitioned between calls
+  (with gradients and optimizer states); the price is that a call holds the
+  whole module's parameters, not one layer's. DeepSpeed's per-layer gathering
+  needs every rank to make the same sequence of submodule calls: its fetches,
+  prefetches (from a recorded trace) and trace checks at each root forward are
+  collectives in that order, and here the order follows the data (an encoder
+  called per item, the LLM's embedding per sample and its head per loss chunk, a
+  rank without samples calling nothing), so it is not used yet.
 * Stage 3 builds the module partitioned (:meth:`ZeroStrategy.build_module`,
   :mod:`disagg_zero.build`): no rank ever holds the whole module at set-up.
-* Stages 1-2: parameter gradients are computed locally with ``torch.autograd.grad`` and
-  handed to DeepSpeed (:meth:`ZeroStrategy.backprop`) through one engine backward whose graph
-  is the same on every rank (:mod:`disagg_zero.inject`), so stage 2's reduction hooks fire
-  for the same parameters in the same order everywhere; a rank with no samples hands zeros.
+* Parameter gradients are computed locally with ``torch.autograd.grad`` and
+  handed to DeepSpeed (:meth:`ZeroStrategy.backprop`) through one engine backward whose graph is the same on
+  every rank (:mod:`disagg_zero.inject`), so stage 2-3 reduction hooks fire
+  for the same parameters in the same order everywhere; a rank with no
+  samples hands zeros.
 * Which parameters really got a gradient is recorded per rank (``autograd.grad``
-  returns ``None`` for the others; stage 3: a tensor hook per parameter) and agreed
-  across the group with one small all-reduce in :meth:`ZeroStrategy.reduce_gradients`; the optimizer
+  returns ``None`` for the others) and agreed across the group with one small
+  all-reduce in :meth:`ZeroStrategy.reduce_gradients`; the optimizer
   (:class:`disagg_zero.optim.MaskedAdamW`) leaves the rest alone, as torch
   AdamW leaves a ``grad=None`` parameter. A step with no gradient anywhere
   skips the engine step and only advances the scheduler.
@@ -42,21 +48,14 @@ from disagg.interfaces import Family, OptimSpec, Strategy
 from disagg_zero import runtime
 from disagg_zero.build import build_partitioned
 from disagg_zero.comm import counted
-from disagg_zero.dsconfig import (
-    backward_scale,
-    build_ds_config,
-    gather_settings,
-    persistence_threshold,
-    zero_section_problems,
-)
+from disagg_zero.dsconfig import backward_scale, build_ds_config, persistence_threshold, zero_section_problems
 from disagg_zero.fullstate import ZeroFullState
 from disagg_zero.inject import injector, local_grads
 from disagg_zero.optim import masked_adamw
 from disagg_zero.options import ZeroOptions
-from disagg_zero.perlayer import PerLayer
 
 
-class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
+class ZeroStrategy(ZeroFullState, Strategy):
     """Data parallelism with ZeRO-partitioned optimizer states (1), gradients (2)
     and parameters (3), through ``deepspeed.initialize``."""
 
@@ -91,7 +90,6 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         self._got: list[bool] = []  # per trainable parameter: a gradient on this rank this step
         self._present: list[bool] | None = None  # ... on some rank (after reduce_gradients)
         self._backwards = 0
-        self._per_layer_init()
 
     # -- setup ------------------------------------------------------------------------------------
     def build_module(self) -> nn.Module:
@@ -106,7 +104,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
     def parallelize(self, module: nn.Module) -> nn.Module:
         runtime.prepare(self.ctx)
         # core's recompute (``activation_checkpointing: true`` is its deprecated spelling):
-        # under ZeRO-3 the replay's forward gathers each submodule again through DeepSpeed's hooks
+        # the replay runs inside the strategy call that gathers the whole module (ZeRO-3)
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
         # The engine (finish_setup, once the optimizer exists) does the wrapping.
         return module
@@ -129,9 +127,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
                 dist_init_required=False,
             )
         if self.options.stage == 3:
-            self._arm_call_release()
-            if self.optimizer is not None:
-                self._arm_grad_hooks()
+            runtime.remove_module_hooks(self.engine)
         self._map_fragments()
 
     def _map_fragments(self) -> None:
@@ -142,10 +138,13 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
 
     @contextlib.contextmanager
     def module_call(self) -> Iterator[None]:
-        """DeepSpeed's collectives inside one call counted; ZeRO-3 gathers per submodule in
-        its own hooks (:mod:`disagg_zero.perlayer`), nothing is gathered here."""
+        """The module's full parameters for one call (ZeRO-3: one all-gather),
+        and DeepSpeed's collectives inside it counted."""
         assert self.module is not None
-        with counted(self.ctx.comm):
+        with (
+            counted(self.ctx.comm),
+            runtime.gathered(self.module, self.options.stage, self.engine is not None),
+        ):
             yield
 
     def state_bytes(self) -> int:
@@ -178,11 +177,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         """Gradients computed locally (``autograd.grad``: ``None`` where a
         parameter is not reached) and handed to DeepSpeed; even with nothing to
         back-propagate, since the gather and the reduction are collectives.
-        The LLM's embedding leaves accumulate theirs as ``.grad`` would. ZeRO-3: one
-        backward through DeepSpeed's hooks (:meth:`PerLayer._backward_per_layer`)."""
-        if self.per_layer:
-            self._backward_per_layer(tensors, grads, leaves)
-            return
+        The LLM's embedding leaves accumulate theirs as ``.grad`` would."""
         got = local_grads(tensors, grads, self._params + leaves)
         for t, g in zip(leaves, got[len(self._params) :]):
             if g is not None:
@@ -209,9 +204,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
             return  # nothing to reduce: a step in which this group got no sample
         self.engine.set_gradient_accumulation_boundary(True)
         with counted(self.ctx.comm):
-            if self.per_layer and not self._engine_backwards:
-                pass  # no pass anywhere in the group this step (the ranks' passes agree)
-            elif self.options.stage >= 2:
+            if self.options.stage >= 2:
                 # Reduced in backward already; only the boundary bookkeeping is left
                 # (DeepSpeed's own entry point for caller-owned accumulation).
                 self.engine.optimizer.finalize_gradient_accumulation_boundary()
@@ -248,7 +241,6 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         self._got = [False] * len(self._params)
         self._present = None
         self._backwards = 0
-        self._engine_backwards = 0
 
     @classmethod
     def estimate(cls, query: Any, options: Any) -> Any:
@@ -264,7 +256,6 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
             recompute=options.recompute,
             offload_optimizer=bool(options.offload_optimizer),
             chunk=getattr(options, "loss_chunk_tokens", None),
-            gather=gather_settings(options),
         )
 
     @classmethod
