@@ -49,19 +49,19 @@ class Recipe:
     @property
     def activation_bytes(self) -> int:
         """Bytes per saved activation element (the compute dtype's)."""
-        return _size(self.weights)
+        return self.weights.itemsize
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of an element's master copy (0 without one)."""
+        return self.master.itemsize if self.master is not None else 0
 
     def state_bytes_per_element(self, trainable: bool = True) -> int:
         """Bytes one parameter element costs on the rank that holds it: its weight, and if it
         trains, its master copy, gradient and two AdamW moments (a frozen one: weight only)."""
         if not trainable:
-            return _size(self.weights)
-        master = _size(self.master) if self.master is not None else 0
-        return _size(self.weights) + master + _size(self.grads) + 2 * _size(self.moments)
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+            return self.weights.itemsize
+        return self.weights.itemsize + self.master_bytes + self.grads.itemsize + 2 * self.moments.itemsize
 
 
 RECIPES: dict[str, Recipe] = {

@@ -370,9 +370,8 @@ def state_bytes(shapes: list[tuple[int, ...]], mode: str, world: int, recipe: Re
         return r.state_bytes_per_element(True) * whole + 4 * len(shapes)
     if mode == "optimizer":
         part = zero1_partition(numels, world)
-        master = r.master.itemsize if r.master is not None else 0
         return (
-            (weight + grad + master) * whole
+            (weight + grad + r.master_bytes) * whole
             + 2 * r.moments.itemsize * max(part)
             + 4 * zero1_tensors(numels, world)
         )

@@ -106,7 +106,7 @@ def expected_state_bytes(result: dict[str, Any], precision: str) -> int:
     weight, plus AdamW's scalar step counts."""
     recipe = RECIPES[precision]
     weight = recipe.state_bytes_per_element(trainable=False)
-    master = torch.empty((), dtype=recipe.master).element_size() if recipe.master is not None else 0
+    master = recipe.master_bytes
     return (
         result["stepped_elements"] * recipe.state_bytes_per_element(trainable=True)
         + result["idle_elements"] * (weight + master)
