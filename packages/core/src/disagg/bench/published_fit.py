@@ -22,8 +22,10 @@ length and the largest terms of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
+from disagg.bench.fit_search import longest_fitting
 from disagg.interfaces import Cost
 
 #: the paper's layouts, like for like (module docstring)
@@ -127,33 +129,30 @@ def longest_fit(
     name: str, precision: str, budget: int, strategies: dict[str, Any], ceiling: int = CEILING
 ) -> Fit:
     """The longest vision length of ``FIT_LAYOUTS[name]`` under ``precision`` within ``budget``
-    bytes per GPU, in steps of :data:`STEP` (memory grows with the length: a doubling search, then
-    bisection)."""
+    bytes per GPU, in steps of :data:`STEP` up to ``ceiling`` (memory grows with the length:
+    :func:`~disagg.bench.fit_search.longest_fitting`; a layout that fits at the ceiling says so)."""
     layout = FIT_LAYOUTS[name]
     refused = refusal(layout, precision, strategies)
     if refused:
         return Fit(name, precision, None, reason=refused)
-    total, costs = memory(layout, STEP, precision, strategies)
-    if total > budget:
+
+    @cache  # the search and the reasons below ask for the same lengths
+    def at(k: int) -> tuple[int, dict[str, Cost]]:
+        return memory(layout, k * STEP, precision, strategies)
+
+    cap = ceiling // STEP
+    k = longest_fitting(lambda k: at(k)[0] <= budget, cap)
+    if k == 0:
+        total, costs = at(1)
         return Fit(name, precision, 0, total, "out of memory " + _why(total, budget, costs, STEP), costs)
-    lo, hi = 1, 2  # in steps: lo fits
-    while hi * STEP <= ceiling and memory(layout, hi * STEP, precision, strategies)[0] <= budget:
-        lo, hi = hi, hi * 2
-    if hi * STEP > ceiling:
-        total, costs = memory(layout, lo * STEP, precision, strategies)
+    total, costs = at(k)
+    if k == cap:
         return Fit(
-            name, precision, lo * STEP, total, f"fits up to the search's ceiling ({ceiling // 1024}k)", costs
+            name, precision, k * STEP, total, f"fits up to the search's ceiling ({ceiling // 1024}k)", costs
         )
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if memory(layout, mid * STEP, precision, strategies)[0] <= budget:
-            lo = mid
-        else:
-            hi = mid
-    over, over_costs = memory(layout, hi * STEP, precision, strategies)
-    total, costs = memory(layout, lo * STEP, precision, strategies)
+    over, over_costs = at(k + 1)
     return Fit(
-        name, precision, lo * STEP, total, "next step " + _why(over, budget, over_costs, hi * STEP), costs
+        name, precision, k * STEP, total, "next step " + _why(over, budget, over_costs, (k + 1) * STEP), costs
     )
 
 

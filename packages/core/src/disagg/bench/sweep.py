@@ -9,10 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from disagg.bench.data import grid_for, private_model_dir, snap_length, write_sweep_data
+from disagg.bench.fit_search import longest_fitting
 from disagg.bench.runner import Progress, layout_config, memory_per_rank, run_layout, summarize
 from disagg.config.schema import Config
 from disagg.cost import EncoderShape, predict
 from disagg.plugins import Registry
+
+#: windows the analytic guess may reach: far past any device (a guess only places probes)
+PREDICTED_CAP = 2**22
 
 
 @dataclass
@@ -175,7 +179,8 @@ class Bench:
         return self.points
 
     def predicted_limit(self, name: str) -> int:
-        """The longest length (whole windows) the analytic model says fits the budget."""
+        """The longest length (whole windows, at most :data:`PREDICTED_CAP` of them) the analytic
+        model says fits the budget (:func:`~disagg.bench.fit_search.longest_fitting`)."""
         assert self.budget is not None
         unit = self.window_side**2
         text = self._text_tokens()
@@ -187,13 +192,7 @@ class Bench:
                 <= self.budget
             )
 
-        lo, hi = 0, 1
-        while fits(hi) and hi < 2**22:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo * unit
+        return longest_fitting(fits, PREDICTED_CAP) * unit
 
     def _text_tokens(self) -> int:
         for p in self.points:
