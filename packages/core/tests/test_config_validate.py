@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from disagg.config import ConfigError, load_config_and_source
-from disagg.config.validate import ResolvedConfig, validate
+from disagg.config.resolved import ResolvedConfig
+from disagg.config.validate import validate
 from disagg.plugins import get_registry, register_plugin
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -211,7 +212,7 @@ def test_resume_with_other_batch_size_or_data_is_refused_before_any_actor(reg, w
 def test_the_local_ray_is_sized_by_the_cpus_the_ranks_reserve(reg, workdir, monkeypatch):
     """Ranks reserving 2 logical CPUs each (``resources.num_cpus``) need twice the
     CPUs, or the embedded Ray would hold every one and starve Ray Data."""
-    from disagg.config.validate import reserved_cpus
+    from disagg.config.resolved import reserved_cpus
     from disagg.runtime import run
 
     cfg = base()

@@ -97,7 +97,8 @@ def run_layout(
     one did: the lengths it reached keep their records)."""
     import ray
 
-    from disagg.config.validate import reserved_cpus, validate
+    from disagg.config.resolved import reserved_cpus
+    from disagg.config.validate import validate
     from disagg.data import build_data_source
     from disagg.runtime.plan import make_plan
     from disagg.runtime.run import ensure_ray, run_training

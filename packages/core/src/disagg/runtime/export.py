@@ -25,8 +25,8 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from disagg.config.resolved import role_of
 from disagg.config.schema import Config
-from disagg.config.validate import role_of
 from disagg.interfaces import EncoderFamily, Family
 from disagg.plugins import Registry
 from disagg.runtime.export_lora import ADAPTERS, lora_specs, merged_entries, write_adapter_dir

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from disagg.config.resolved import ResolvedConfig, role_of
 from disagg.config.schema import Config
-from disagg.config.validate import ResolvedConfig, role_of
 from disagg.interfaces import Family, OptimSpec, PartGroup, Transport
 from disagg.interfaces.family import link_to_llm
 from disagg.plugins import Registry
@@ -107,7 +107,7 @@ def make_plan(resolved: ResolvedConfig | Config, registry: Registry, cluster_gpu
     if cfg.train.device == "auto" and cfg.train.precision == "auto":  # validation could not tell
         from disagg.config.errors import ConfigError, Problem
         from disagg.config.source import dotted
-        from disagg.config.validate import precision_problems
+        from disagg.config.train_checks import precision_problems
 
         found = precision_problems(resolved, device)
         if found:

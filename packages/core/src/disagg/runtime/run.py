@@ -11,8 +11,9 @@ from typing import Any
 import ray
 
 from disagg.config.dump import dump_resolved
+from disagg.config.resolved import ResolvedConfig, reserved_cpus
 from disagg.config.schema import Config
-from disagg.config.validate import ResolvedConfig, reserved_cpus, validate
+from disagg.config.validate import validate
 from disagg.data.balance import balance
 from disagg.metrics.scalars import scalars
 from disagg.metrics.step import step_record, summarize
@@ -187,7 +188,7 @@ SPARE_CPUS = 2
 def ensure_ray(address: str | None, num_cpus: int | None, reserved: float = 0) -> None:
     """Join ``address`` or start an embedded local Ray (once per process);
     ``reserved``: the logical CPUs the training ranks will hold
-    (:func:`disagg.config.validate.reserved_cpus`)."""
+    (:func:`disagg.config.resolved.reserved_cpus`)."""
     if ray.is_initialized():
         return
     if address:

@@ -1,0 +1,98 @@
+"""The ``data`` section's files and batch, and what ``train``/``checkpoint`` ask of it:
+``train.epochs`` (counted into ``train.steps`` from the samples), ``train.eval_every`` and
+``checkpoint.keep_best`` (a held-out set). The checks the families make of it are
+:mod:`disagg.data.checks`'."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from disagg.config.problems import Problems
+from disagg.config.resolved import ResolvedConfig
+from disagg.config.schema import Config
+
+
+def check_data(cfg: Config, resolved: ResolvedConfig, out: Problems) -> None:
+    d = cfg.data
+    if d is None:
+        return
+    from disagg.data.checks import data_problems
+
+    out.add_all(data_problems(cfg, {m: r.family for m, r in resolved.modules.items()}))
+    entries = (
+        [(("data", "train"), d.train, None)]
+        if isinstance(d.train, str)
+        else [(("data", "train", i, "path"), e.path, e.media_root) for i, e in enumerate(d.train)]
+    )
+    if d.eval:
+        entries.append((("data", "eval"), d.eval, None))
+    for path, file, media_root in entries:
+        # a Hugging Face dataset (data.format: hf) is a dir
+        if not (Path(file).is_file() or Path(file).is_dir()):
+            out.add(path, f"data file {file!r} does not exist (relative paths are from {Path.cwd()})")
+        if media_root and not Path(media_root).is_dir():
+            out.add((*path[:-1], "media_root"), f"{media_root!r} is not a directory")
+    if not Path(d.media_root).is_dir():
+        out.add(("data", "media_root"), f"{d.media_root!r} is not a directory")
+    if d.batch_size < cfg.train.microbatches:
+        out.add(
+            ("data", "batch_size"),
+            f"{d.batch_size} is smaller than train.microbatches = {cfg.train.microbatches}; "
+            f"every microbatch needs a sample: use batch_size >= {cfg.train.microbatches}",
+        )
+
+
+def check_evaluation(cfg: Config, out: Problems) -> None:
+    """``train.epochs`` (instead of steps), ``train.eval_every`` and
+    ``checkpoint.keep_best`` against what the data section provides. A
+    config without ``data`` runs only with a data source given in code:
+    the run checks it then."""
+    t, d = cfg.train, cfg.data
+    if t.epochs is not None:
+        if "steps" in t.model_fields_set:
+            out.add(
+                ("train", "epochs"),
+                f"{t.epochs:g} is set together with train.steps = {t.steps}; set exactly one of them",
+            )
+        if d is None:
+            out.add(("train", "epochs"), "needs data.train to count the samples of an epoch")
+    if d is None:
+        return
+    if t.eval_every and not d.eval:
+        out.add(("train", "eval_every"), f"{t.eval_every} needs data.eval (a held-out dataset file)")
+    if cfg.checkpoint.keep_best and not d.eval:
+        out.add(
+            ("checkpoint", "keep_best"),
+            f"{cfg.checkpoint.keep_best!r} needs data.eval (a held-out dataset file)",
+        )
+
+
+def steps_from_epochs(cfg: Config, out: Problems) -> Config:
+    """:func:`with_epoch_steps`, or ``cfg`` as it is with the problem added when the samples
+    cannot be counted."""
+    try:
+        return with_epoch_steps(cfg)
+    except Exception as exc:  # e.g. a row of unknown format: named with its file and line
+        out.add(("train", "epochs"), f"cannot count the samples of data.train: {exc}")
+        return cfg
+
+
+def with_epoch_steps(cfg: Config) -> Config:
+    """``cfg`` with ``train.steps`` derived from ``train.epochs``:
+    ceil(epochs x samples in data.train / data.batch_size); ``epochs`` is
+    then cleared, so the resolved config runs as written."""
+    from disagg.data.index import index_dataset
+    from disagg.data.source import dataset_entries
+
+    assert cfg.data is not None and cfg.train.epochs is not None
+    data = cfg.data
+    samples = sum(
+        index_dataset(
+            e.path, e.media_root if e.media_root is not None else data.media_root, e.format or data.format
+        ).size
+        for e in dataset_entries(cfg, "train")
+    )
+    steps = max(1, math.ceil(cfg.train.epochs * samples / cfg.data.batch_size))
+    train = cfg.train.model_copy(update={"steps": steps, "epochs": None})
+    return cfg.model_copy(update={"train": train})
