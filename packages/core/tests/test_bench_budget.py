@@ -150,6 +150,23 @@ def test_targets_judge_the_best_dhp_variant_against_zero3():
     assert "dhp_ulysses_tp 3.00" in md and "best dhp_ulysses_tp_sp 3.50 (target ≥ 3.40)" in md
     # no ZeRO-3 limit: no ratio, rather than a division by nothing
     assert "largest_dhp_vs_zero3" not in targets([], 4, {**search, "uniform_zero3": {"largest_fitting": 0}})
+    assert "largest_dhp_vs_zero3_recompute" not in t  # no ZeRO-3 with recompute in the search
+
+
+def test_targets_judge_dhp_with_recompute_against_zero3_with_recompute():
+    from disagg.bench.report import targets, targets_md
+
+    search = {
+        "dhp_ulysses_tp_sp": {"largest_fitting": 2816},
+        "dhp_ulysses_tp_sp_recompute": {"largest_fitting": 6336},
+        "uniform_zero3": {"largest_fitting": 1024},
+        "uniform_zero3_recompute": {"largest_fitting": 2112},
+    }
+    t = targets([], 2, search)
+    assert t["largest_dhp_vs_zero3"]["measured"] == 6336 / 1024  # the preset's ZeRO-3
+    # only the DHP layouts that recompute, against the ZeRO-3 that does
+    assert t["largest_dhp_vs_zero3_recompute"] == {"dhp_ulysses_tp_sp_recompute": 3.0}
+    assert "DHP with recompute ÷ ZeRO-3 with recompute: dhp_ulysses_tp_sp_recompute 3.00." in targets_md(t)
 
 
 def test_targets_report_recompute_against_its_base_layout():

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import LayerMap
-from disagg.interfaces.hf import checkpoint_keys, find_prefix, quiet_transformers
+from disagg.interfaces.hf import checkpoint_keys, empty_from_config, find_prefix, quiet_transformers
 from disagg_audio.families.encoder import WhisperStyleEncoder
 
 _PREFIXES = ("", "model.")
@@ -82,6 +82,19 @@ class Qwen2AudioFamily(WhisperStyleEncoder):
                 attn_implementation=self.options.get("attn_implementation", "sdpa"),
             )
 
+    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """``build()``'s tower and projector on the meta device: ``megatron_tp`` reads only
+        its own slices."""
+        attn = self.options.get("attn_implementation", "sdpa")
+        return empty_from_config(_encoder_class(), self.config(), dtype=dtype, attn_implementation=attn)
+
+    def checkpoint_name(self, name: str) -> str:
+        # the inverse of build()'s key_mapping: the dir's own prefix (transformers 5 adds "model.")
+        if getattr(self, "_prefix", None) is None:
+            probe = "multi_modal_projector.linear.weight"
+            self._prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)
+        return self._prefix + name
+
     def tower(self, module: nn.Module) -> nn.Module:
         return module.audio_tower
 
@@ -120,8 +133,7 @@ class Qwen2AudioFamily(WhisperStyleEncoder):
         )
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        prefix = find_prefix(checkpoint_keys(self.path), "multi_modal_projector.linear.weight", _PREFIXES)
-        return {prefix + k: v for k, v in state.items()}
+        return {self.checkpoint_name(k): v for k, v in state.items()}
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:

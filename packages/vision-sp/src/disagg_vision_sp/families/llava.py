@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from disagg.interfaces import AttentionScope, EncoderFamily, LayerMap, SeqLayout, UlyssesFamily
-from disagg.interfaces.hf import check_attn_implementation, checkpoint_keys, find_prefix, quiet_transformers
+from disagg.interfaces.hf import (
+    check_attn_implementation,
+    checkpoint_keys,
+    empty_from_config,
+    find_prefix,
+    quiet_transformers,
+)
 from disagg_vision_sp.families.common import image_processor, load_image
 
 _PREFIXES = ("", "model.")
@@ -118,6 +124,19 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
                 attn_implementation=self.options.get("attn_implementation", "sdpa"),
             )
 
+    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """``build()``'s tower and projector on the meta device: ``megatron_tp`` reads only
+        its own slices."""
+        attn = self.options.get("attn_implementation", "sdpa")
+        return empty_from_config(_encoder_class(), self.config(), dtype=dtype, attn_implementation=attn)
+
+    def checkpoint_name(self, name: str) -> str:
+        # the inverse of build()'s key_mapping: the dir's own prefix (transformers 5 adds "model.")
+        if getattr(self, "_prefix", None) is None:
+            probe = "multi_modal_projector.linear_1.weight"
+            self._prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)
+        return self._prefix + name
+
     def layer_map(self) -> LayerMap:
         layers = "vision_tower.encoder.layers.*"
         return LayerMap(
@@ -146,9 +165,7 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
         return {"tower": ("vision_tower.*",), "projector": ("multi_modal_projector.*",)}
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        probe = "multi_modal_projector.linear_1.weight"
-        prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)
-        return {prefix + k: v for k, v in state.items()}
+        return {self.checkpoint_name(k): v for k, v in state.items()}
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:

@@ -23,7 +23,13 @@ from disagg.interfaces import (
     SequenceParallelRegions,
     UlyssesFamily,
 )
-from disagg.interfaces.hf import check_attn_implementation, checkpoint_keys, find_prefix, quiet_transformers
+from disagg.interfaces.hf import (
+    check_attn_implementation,
+    checkpoint_keys,
+    empty_from_config,
+    find_prefix,
+    quiet_transformers,
+)
 from disagg_vision_sp.families.common import check_model_type, image_processor, load_image
 from disagg_vision_sp.ulysses.attention import LENGTHS_KWARG
 
@@ -81,6 +87,19 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
                 attn_implementation=self.options.get("attn_implementation", "sdpa"),
             )
 
+    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """``build()``'s tower on the meta device: ``megatron_tp`` reads only its own slices."""
+        attn = self.options.get("attn_implementation", "sdpa")
+        return empty_from_config(
+            self.tower_class(), self.vision_config(), dtype=dtype, attn_implementation=attn
+        )
+
+    def checkpoint_name(self, name: str) -> str:
+        # the inverse of build()'s key_mapping: the dir's own prefix for the tower
+        if getattr(self, "_prefix", None) is None:
+            self._prefix = find_prefix(checkpoint_keys(self.path), "patch_embed.proj.weight", _PREFIXES)
+        return self._prefix + name
+
     #: the blocks' MLP linears split along output / input features (Qwen2-VL names them fc1/fc2)
     mlp_column: ClassVar[tuple[str, ...]] = ("gate_proj", "up_proj")
     mlp_row: ClassVar[str] = "down_proj"
@@ -114,8 +133,7 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
         }
 
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        prefix = find_prefix(checkpoint_keys(self.path), "patch_embed.proj.weight", _PREFIXES)
-        return {prefix + k: v for k, v in state.items()}
+        return {self.checkpoint_name(k): v for k, v in state.items()}
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:

@@ -1,0 +1,38 @@
+"""Sharded build and load of the encoder towers under ``megatron_tp`` (issue 26 item 1):
+each rank builds its tower on the meta device (the family's ``build_empty``), parallelizes
+it and reads only its own slices of the dir's safetensors, as the LLM families do
+(``packages/llm-tp/tests/test_sliced_load.py``); the result equals the whole tower loaded
+and cut by the strategy, bit for bit, and no rank reads more than its share.
+
+Towers, degree 2, one spawn: Qwen2.5-VL (window attention, fused qkv, the merger's MLP;
+Qwen2-VL's family is it with other linear names), Qwen3-VL (learned position embedding,
+DeepStack mergers), LLaVA with a CLIP tower (class embedding, pre-norm; SigLIP's goes through
+the same family code), Qwen2-Audio (tower and projector); each from its whole-model dir,
+whose other tensors stay unread. Host memory on a larger tower: examples/bench/setup_memory.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg_audio.families.qwen2_audio import Qwen2AudioFamily
+from disagg_llm_tp.testing import check_sliced_load
+from disagg_vision_sp.families.llava import LlavaVision
+from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+from disagg_vision_sp.families.qwen3_vl import Qwen3VLVision
+
+
+@pytest.fixture(scope="module")
+def towers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("towers")
+    llava_clip = LlavaVision.tiny_variants()["llava_clip"]
+    return [
+        ("vision", Qwen2_5_VLVision(Qwen2_5_VLVision.make_tiny(root / "qwen2_5_vl"))),
+        ("vision", Qwen3VLVision(Qwen3VLVision.make_tiny(root / "qwen3_vl"))),
+        ("vision", LlavaVision(llava_clip(root / "llava_clip"))),
+        ("audio", Qwen2AudioFamily(Qwen2AudioFamily.make_tiny(root / "qwen2_audio"))),
+    ]
+
+
+def test_towers_sliced_load_equals_whole_and_reads_only_own_slices(towers):
+    # the attention's q/k/v (or fused qkv) and output, the MLP's column and row linears
+    check_sliced_load(towers, degree=2, min_split=4)
