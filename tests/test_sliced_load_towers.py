@@ -7,14 +7,20 @@ and cut by the strategy, bit for bit, and no rank reads more than its share.
 Towers, degree 2, one spawn: Qwen2.5-VL (window attention, fused qkv, the merger's MLP;
 Qwen2-VL's family is it with other linear names), Qwen3-VL (learned position embedding,
 DeepStack mergers), LLaVA with a CLIP tower (class embedding, pre-norm; SigLIP's goes through
-the same family code), Qwen2-Audio (tower and projector); each from its whole-model dir,
-whose other tensors stay unread. Host memory on a larger tower: examples/bench/setup_memory.py."""
+the same family code), Qwen2-Audio (tower and projector), each from its whole-model dir,
+whose other tensors stay unread; and Whisper from an exported dir (the encoder with its
+trained projector: a plain Whisper dir has none to read, and builds whole).
+Host memory on a larger tower: examples/bench/setup_memory.py."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from disagg_audio.families.qwen2_audio import Qwen2AudioFamily
+from disagg_audio.families.whisper import WhisperAudioFamily
+from disagg_llm_tp.families.base import write_hf_dir
 from disagg_llm_tp.testing import check_sliced_load
 from disagg_vision_sp.families.llava import LlavaVision
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
@@ -30,7 +36,16 @@ def towers(tmp_path_factory):
         ("vision", Qwen3VLVision(Qwen3VLVision.make_tiny(root / "qwen3_vl"))),
         ("vision", LlavaVision(llava_clip(root / "llava_clip"))),
         ("audio", Qwen2AudioFamily(Qwen2AudioFamily.make_tiny(root / "qwen2_audio"))),
+        ("audio", _exported_whisper(root)),
     ]
+
+
+def _exported_whisper(root: Path) -> WhisperAudioFamily:
+    options = {"hidden_size": 48}
+    plain = WhisperAudioFamily(WhisperAudioFamily.make_tiny(root / "whisper"), options)
+    assert plain.build_empty() is None  # no projector stored: build() draws it from its seed
+    tensors = plain.export_state(plain.build().state_dict())
+    return WhisperAudioFamily(write_hf_dir(plain.path, root / "whisper_exported", tensors), options)
 
 
 def test_towers_sliced_load_equals_whole_and_reads_only_own_slices(towers):

@@ -25,9 +25,10 @@ __all__ = ["check_sliced_load", "sliced_rank"]
 
 def check_sliced_load(cases: list[tuple[str, Family]], degree: int = 2, min_split: int = 1) -> None:
     """For each ``(module name, family)``: every rank's sliced build equals the whole build
-    cut by the strategy, nothing stays on the meta device, a replicated tensor is read whole
-    by each rank, a split one only in part, every element once per copy; and at least
-    ``min_split`` stored tensors are split (the family's layer map is really applied)."""
+    cut by the strategy (values, and which parameters train), nothing stays on the meta
+    device, a replicated tensor is read whole by each rank, a split one only in part, every
+    element once per copy; and at least ``min_split`` stored tensors are split (the family's
+    layer map is really applied)."""
     ranks = [loads(b) for b in run_ranks(sliced_rank, degree, dumps(cases))]
     for i, (module, family) in enumerate(cases):
         name = f"{module} family {family.name!r} ({family.path})"
@@ -37,6 +38,7 @@ def check_sliced_load(cases: list[tuple[str, Family]], degree: int = 2, min_spli
         for rank, got in enumerate(per_rank):
             assert not got["meta"], f"{name} rank {rank}: left on the meta device: {got['meta']}"
             assert_exact(got["sliced"], got["whole"], f"{name} rank {rank}: ")
+            assert got["frozen"] == got["whole_frozen"], f"{name} rank {rank}: frozen parameters differ"
             for key, nbytes in got["reads"]:
                 read_by_key.setdefault(key, [0] * degree)[rank] += nbytes
         specs = per_rank[0]["specs"]
@@ -91,6 +93,8 @@ def sliced_rank(rank: int, payload: bytes) -> bytes:
                 "sliced": _tensors(sliced.module),
                 "whole": _tensors(cut.module),
                 "meta": [n for n, t in _tensors(sliced.module, clone=False).items() if t.is_meta],
+                "frozen": [n for n, p in sliced.module.named_parameters() if not p.requires_grad],
+                "whole_frozen": [n for n, p in cut.module.named_parameters() if not p.requires_grad],
                 "reads": reads,
                 "specs": specs,
             }

@@ -32,7 +32,14 @@ import torch
 from torch import nn
 
 from disagg.interfaces import LayerMap
-from disagg.interfaces.hf import checkpoint_keys, find_prefix, load_tensors, quiet_transformers
+from disagg.interfaces.hf import (
+    StoredTensors,
+    checkpoint_keys,
+    empty_from_config,
+    find_prefix,
+    load_tensors,
+    quiet_transformers,
+)
 from disagg_audio.families.encoder import WhisperStyleEncoder
 
 POOLINGS = ("avg", "stack")
@@ -141,14 +148,7 @@ class WhisperAudioFamily(WhisperStyleEncoder):
         projector = AudioProjector(self._projector_in(), self.hidden_size())
         stored = load_tensors(self.path, PROJECTOR_PREFIX)
         if stored:
-            shapes = {k: tuple(v.shape) for k, v in projector.state_dict().items()}
-            got = {k: tuple(v.shape) for k, v in stored.items()}
-            if shapes != got:
-                raise ValueError(
-                    f"{self.path}: the stored projector has shapes {got}, but model.audio.options "
-                    f"(hidden_size={self.hidden_size()}, pooling={self.pooling()!r}, stride={self.stride()}) "
-                    f"need {shapes}"
-                )
+            self._check_projector(projector, {k: tuple(v.shape) for k, v in stored.items()})
             projector.load_state_dict(stored)
         else:
             # A plain Whisper dir: the same seeded init on every rank (and in the reference).
@@ -159,6 +159,44 @@ class WhisperAudioFamily(WhisperStyleEncoder):
                     lin.weight.copy_(torch.empty_like(lin.weight).uniform_(-bound, bound, generator=g))
                     lin.bias.zero_()
         return WhisperAudio(encoder, projector.to(dtype))
+
+    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module | None:
+        """``build()``'s module on the meta device when the dir stores the projector (an
+        exported one): ``megatron_tp`` reads only its own slices. ``None`` for a plain
+        Whisper dir, whose projector ``build`` draws whole from ``projector_seed``."""
+        stored = StoredTensors(self.path)
+        keys = [k for k in stored.files if k.startswith(PROJECTOR_PREFIX)]
+        if not keys:
+            return None
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+        attn = self.options.get("attn_implementation", "sdpa")
+        encoder = empty_from_config(
+            WhisperEncoder, self.encoder_config(), dtype=dtype, attn_implementation=attn
+        )
+        with torch.device("meta"):
+            projector = AudioProjector(self._projector_in(), self.hidden_size()).to(dtype)
+        self._check_projector(projector, {k[len(PROJECTOR_PREFIX) :]: tuple(stored.shape(k)) for k in keys})
+        return WhisperAudio(encoder, projector)
+
+    def _check_projector(self, projector: nn.Module, got: dict[str, tuple[int, ...]]) -> None:
+        shapes = {k: tuple(v.shape) for k, v in projector.state_dict().items()}
+        if shapes != got:
+            raise ValueError(
+                f"{self.path}: the stored projector has shapes {got}, but model.audio.options "
+                f"(hidden_size={self.hidden_size()}, pooling={self.pooling()!r}, stride={self.stride()}) "
+                f"need {shapes}"
+            )
+
+    def checkpoint_name(self, name: str) -> str:
+        # build()'s key_mapping for the encoder, the projector under its own prefix
+        if name.startswith("encoder."):
+            if getattr(self, "_prefix", None) is None:
+                self._prefix = find_prefix(checkpoint_keys(self.path), "conv1.weight", _ENCODER_PREFIXES)
+            return self._prefix + name[len("encoder.") :]
+        if name.startswith("projector."):
+            return PROJECTOR_PREFIX + name[len("projector.") :]
+        raise KeyError(f"family 'whisper' cannot place tensor {name!r} in {self.path}")
 
     def tower(self, module: nn.Module) -> nn.Module:
         return module.encoder
@@ -202,16 +240,7 @@ class WhisperAudioFamily(WhisperStyleEncoder):
 
     # -- export ---------------------------------------------------------------------------------
     def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        prefix = find_prefix(checkpoint_keys(self.path), "conv1.weight", _ENCODER_PREFIXES)
-        out = {}
-        for k, v in state.items():
-            if k.startswith("encoder."):
-                out[prefix + k[len("encoder.") :]] = v
-            elif k.startswith("projector."):
-                out[PROJECTOR_PREFIX + k[len("projector.") :]] = v
-            else:
-                raise KeyError(f"family 'whisper' cannot place tensor {k!r} in {self.path}")
-        return out
+        return {self.checkpoint_name(k): v for k, v in state.items()}
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:

@@ -112,6 +112,10 @@ def empty_from_config(cls: type, config: Any, **kwargs: Any) -> nn.Module:
         model = cls._from_config(config, **kwargs)
     for t in (*model.parameters(), *model.buffers()):
         t._is_hf_initialized = True  # transformers' init functions skip flagged tensors
+    for p in model.parameters():
+        # from_pretrained makes every loaded float parameter trainable, whatever __init__ set
+        # (Whisper's frozen embed_positions trains once loaded): the loaded module's flags
+        p.requires_grad_(p.is_floating_point())
     for name, buf in list(model.named_non_persistent_buffers()):
         owner, _, leaf = name.rpartition(".")
         value = torch.empty_like(buf, device="cpu")
