@@ -16,8 +16,10 @@ import contextlib
 import importlib
 import io
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -201,10 +203,21 @@ def _microbatches(items: list, replica: int, replicas: int) -> list[list]:
     return [mine[:half], mine[half:]]
 
 
-def rank(rank: int, cases_bytes: bytes) -> bytes:
-    """Every case (all on this world), every mode of each: ``[{mode: record}]``."""
+def rank(rank: int, cases_bytes: bytes, out_dir: str, first: int = 0) -> None:
+    """Cases ``first`` on in turn (all on this world), every mode of each: ``{mode: record}``
+    written to ``out_dir/<case index>-<rank>.pt`` as soon as the case ends, so that a case that
+    fails leaves the records of those before it (``result_path``)."""
     cases: list[Case] = loads(cases_bytes)
-    return dumps([{mode: _run(rank, case, mode) for mode in case.modes} for case in cases])
+    for i in range(first, len(cases)):
+        record = dumps({mode: _run(rank, cases[i], mode) for mode in cases[i].modes})
+        path = result_path(out_dir, i, rank)
+        tmp = path.with_suffix(".tmp")  # whole or absent: the parent may kill this rank at any time
+        tmp.write_bytes(record)
+        os.replace(tmp, path)
+
+
+def result_path(out_dir: str | os.PathLike, case: int, rank: int) -> Path:
+    return Path(out_dir) / f"{case}-{rank}.pt"
 
 
 def _run(rank: int, case: Case, mode: str) -> dict[str, Any]:
