@@ -4,19 +4,35 @@ Three optimizer steps of a strategy on this rank's replica's samples (``plans[re
 [microbatch][replica]``: sample indices, uneven, some replica empty), from a fixed upstream gradient per
 sample: the group's squared norm and merged gradients per step, then the merged parameters and
 AdamW state and this rank's measured state bytes. Every shard mode runs in the same spawn.
+A run whose options name ``lora`` (a key of :data:`LORA`) trains PEFT adapters on the tower, as
+core's worker sets them up: injected after the strategy's build, before its set-up.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from disagg.interfaces import OptimSpec
+from disagg.interfaces.lora import LoraSpec
 from disagg.testing import ranks
 
 #: weight decay on: a zero-filled gradient would move a parameter the reference leaves alone
 OPTIM = OptimSpec(lr=1e-3, weight_decay=0.1, eps=1e-3)
 MAX_NORM = 1.0
+#: the tower's fused qkv and its output projection adapted, the merger trained in full
+#: (``modules_to_save``, resolved as core resolves the family's ``merger`` part)
+LORA = {
+    "lora": LoraSpec(
+        r=4,
+        alpha=8.0,
+        dropout=0.0,
+        targets=("attn.qkv", "attn.proj"),
+        modules_to_save=("merger",),
+        save_patterns=("merger.*",),
+    )
+}
 
 
 def strategy_class(name: str) -> Any:
@@ -41,7 +57,9 @@ def steps_rank(
     out = []
     for name, degree, replicas, options in runs:
         ctx = ranks.rank_context("vision", rank, degree, replicas)
-        strat = ranks.strategy_rank(strategy_class(name), family, ctx, options=options, optim=OPTIM)
+        options = dict(options)
+        lora = LORA[options.pop("lora")] if "lora" in options else None
+        strat = _strategy(name, family, ctx, options, lora)
         res: dict[str, Any] = {"norms": [], "grads": []}
         for step, microbatches in enumerate(plans[replicas]):
             for k, per_replica in enumerate(microbatches):
@@ -76,12 +94,27 @@ def steps_rank(
         inner.state.clear()
         strat.load_full_state(*payload)
         res["reloaded"] = (ranks.full_state(strat), strat.full_optimizer_state())
-        res.update(_sharded_round_trip(strat, Path(ckpt) / f"{len(out)}", name, ctx, family, options))
+        res.update(_sharded_round_trip(strat, Path(ckpt) / f"{len(out)}", name, ctx, family, options, lora))
         out.append(res)
     return ranks.dumps(out)
 
 
-def _sharded_round_trip(strat, where: Path, name: str, ctx, family, options: dict) -> dict[str, Any]:  # noqa: ANN001
+def _strategy(name: str, family: Any, ctx: Any, options: dict, lora: LoraSpec | None) -> Any:
+    """The strategy set up on this rank; with ``lora``, on its own build with the adapters in."""
+    if lora is None:
+        return ranks.strategy_rank(strategy_class(name), family, ctx, options=options, optim=OPTIM)
+    from disagg.interfaces.lora import apply_lora
+
+    cls = strategy_class(name)
+    module = apply_lora(cls(ctx, family, cls.options_model(**options)).build_module(), lora, "vision", "lora")
+    return ranks.strategy_rank(
+        cls, family, ctx, options=options, optim=replace(OPTIM, lora=lora), module=module
+    )
+
+
+def _sharded_round_trip(  # noqa: ANN001
+    strat, where: Path, name: str, ctx, family, options: dict, lora: LoraSpec | None
+) -> dict[str, Any]:
     """A sharded checkpoint's round trip, as the actor's: every rank writes its own pieces
     (``sharded_state``, through DCP), then reads them back into the same set-up wiped, and
     into a fresh unsharded one (``shard: none``) of the same layout."""
@@ -97,9 +130,7 @@ def _sharded_round_trip(strat, where: Path, name: str, ctx, family, options: dic
     getattr(strat.optimizer, "optim", strat.optimizer).state.clear()
     load_pieces(strat.sharded_state, where, str(where))
     out: dict[str, Any] = {"dcp_reloaded": (ranks.full_state(strat), strat.full_optimizer_state())}
-    plain = ranks.strategy_rank(
-        strategy_class(name), family, ctx, options={**options, "shard": "none"}, optim=OPTIM
-    )
+    plain = _strategy(name, family, ctx, {**options, "shard": "none"}, lora)
     load_pieces(plain.sharded_state, where, str(where))
     out["dcp_unsharded"] = (ranks.full_state(plain), plain.full_optimizer_state())
     out["dcp_files"] = payload_by_file(where)

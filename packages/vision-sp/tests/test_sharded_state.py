@@ -10,10 +10,16 @@ sharded mode's state also round-trips through a checkpoint: the full form
 (``load_full_state``) and a sharded one (every rank writing its own pieces through
 ``torch.distributed.checkpoint``, read back bit for bit into the same set-up and exactly into
 the unsharded one; under FSDP2 each rank's file holds about 1/N of the state).
+
+With LoRA (PEFT's adapters on the tower's qkv and proj, the merger trained in full) every shard
+mode under ``ulysses`` 2, with recompute, equals the single-process PEFT-injected encoder (same
+``LoraConfig``, same seed) within 1e-6 in every adapter and merger gradient, the norm and the
+trained parameters; the base weights stay bit-identical to their initial values.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import tempfile
 
@@ -35,6 +41,15 @@ from disagg.testing.tolerance import (
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
 from disagg_vision_sp.testing import random_images, upstream_grads
 
+#: LoRA is core's optional extra (``disagg-core[lora]``): without peft its runs are left out
+PEFT = importlib.util.find_spec("peft") is not None
+#: LoRA under ulysses 2: every shard mode, each with recompute (window and full-attention blocks
+#: replayed), against the PEFT model (unsharded without recompute: tests/test_e2e_lora.py)
+LORA_RUNS = [
+    ("ulysses", 2, 1, {"lora": "lora", "shard": "optimizer", "recompute": "selective"}),
+    ("ulysses", 2, 1, {"lora": "lora", "shard": "gradients", "recompute": "full"}),
+    ("ulysses", 2, 1, {"lora": "lora", "shard": "parameters", "recompute": "selective"}),
+]
 #: the issue's bar: 1e-6 relative, in fp32
 TIGHT = Precision("fp32, 1e-6", rtol=1e-6, param_unit=FP32.param_unit)
 SAMPLES = [[(48, 32), (16, 16)], [(40, 24)], [(16, 16)], [(64, 40), (32, 32)]]
@@ -56,9 +71,36 @@ def case(tiny_qwen):
     return family, inputs, grads, _hf_steps(family, inputs, grads)
 
 
-def _hf_steps(family, inputs, grads) -> dict:
-    """The single-process encoder, every step's samples at once, torch AdamW, clipped as core clips."""
+@pytest.fixture(scope="module")
+def lora_hf(case):
+    if not PEFT:
+        return {}
+    family, inputs, grads, _ = case
+    return {name: _hf_steps(family, inputs, grads, spec) for name, spec in sharded_cases.LORA.items()}
+
+
+def _peft_tower(family, spec):  # noqa: ANN001
+    """The HF tower with PEFT's own LoRA injected under the seed core draws it with; PEFT
+    freezes the base, the merger (``modules_to_save``) trains in full as core trains it."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from disagg.interfaces.lora import lora_seed
+
     module = family.build(torch.float32)
+    torch.manual_seed(lora_seed(spec.seed, "vision"))
+    config = LoraConfig(
+        r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=list(spec.targets)
+    )
+    module = inject_adapter_in_model(config, module)
+    module.merger.requires_grad_(True)
+    return module
+
+
+def _hf_steps(family, inputs, grads, lora=None) -> dict:  # noqa: ANN001
+    """The single-process encoder, every step's samples at once, torch AdamW, clipped as core
+    clips; with ``lora`` (a ``LoraSpec``), PEFT's adapters in it."""
+    module = family.build(torch.float32) if lora is None else _peft_tower(family, lora)
+    initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
     o = sharded_cases.OPTIM
     opt = torch.optim.AdamW(
         module.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, foreach=False
@@ -77,10 +119,18 @@ def _hf_steps(family, inputs, grads) -> dict:
         norms.append(norm_sq)
         step_grads.append(g)
     params = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {"norms": norms, "grads": step_grads, "params": params}
+    trained = sorted(n for n, p in module.named_parameters() if p.requires_grad)
+    return {"norms": norms, "grads": step_grads, "params": params, "initial": initial, "trained": trained}
 
 
 def _assert_run(got: dict, want: dict, what: str) -> None:
+    if "trained" in want and len(want["trained"]) < len(want["params"]):  # LoRA: the base never trains
+        trained = set(want["trained"])
+        assert trained and all(".lora_" in n or n.startswith("merger.") for n in trained), sorted(trained)[:4]
+        for step, g in enumerate(got["grads"], 1):
+            assert set(g) == trained, (what, step, sorted(set(g) ^ trained)[:6])
+        base = {k: v for k, v in got["params"].items() if k not in trained}
+        assert_exact(base, {k: want["initial"][k] for k in base}, f"{what} base after training ")
     for step, (n, ref) in enumerate(zip(got["norms"], want["norms"]), 1):
         assert_scalar_close(n, ref, f"{what} step {step} squared grad norm", TIGHT)
     for step, (g, ref) in enumerate(zip(got["grads"], want["grads"]), 1):
@@ -109,15 +159,25 @@ def _run(case, world: int, runs: list[tuple[str, int, int, dict]]) -> list[list[
     return [ranks.loads(r) for r in raw]  # [rank][run]
 
 
-def _check_all(case, world: int, runs: list[tuple[str, int, int, dict]]) -> list[list[dict]]:
-    hf = case[3]
+def _check_all(
+    case, world: int, runs: list[tuple[str, int, int, dict]], lora_hf: dict | None = None
+) -> list[list[dict]]:
     res = _run(case, world, runs)
-    base = {name: i for i, (name, _, _, opts) in enumerate(runs) if opts.get("shard", "none") == "none"}
+    # the unsharded run of each strategy (and LoRA set-up): what the sharded ones must equal
+    base = {
+        (name, opts.get("lora")): i
+        for i, (name, _, _, opts) in enumerate(runs)
+        if opts.get("shard", "none") == "none"
+    }
     for i, (name, degree, replicas, opts) in enumerate(runs):
         what = f"{name} {degree}x{replicas} shard={opts.get('shard', 'none')}"
+        if "lora" in opts:
+            what += f" lora={opts['lora']} recompute={opts.get('recompute', 'none')}"
+        hf = case[3] if "lora" not in opts else (lora_hf or {})[opts["lora"]]
         _assert_run(res[0][i], hf, f"{what} vs HF:")
-        if name in base and base[name] != i:
-            unsharded = res[0][base[name]]
+        key = (name, opts.get("lora"))
+        if key in base and base[key] != i:
+            unsharded = res[0][base[key]]
             _assert_run(res[0][i], unsharded, f"{what} vs unsharded:")
             # the full AdamW state too: checkpoints hold it whole, whatever the layout
             assert_tensors_close(
@@ -144,7 +204,7 @@ def _check_all(case, world: int, runs: list[tuple[str, int, int, dict]]) -> list
     return res
 
 
-def test_two_ranks_every_mode_equals_unsharded_and_hf(case, tiny_qwen):
+def test_two_ranks_every_mode_equals_unsharded_and_hf(case, tiny_qwen, lora_hf):
     runs = [
         ("ulysses", 2, 1, {}),
         ("ulysses", 2, 1, {"shard": "optimizer"}),
@@ -152,12 +212,15 @@ def test_two_ranks_every_mode_equals_unsharded_and_hf(case, tiny_qwen):
         ("ddp", 1, 2, {}),
         ("ddp", 1, 2, {"shard": "gradients"}),
         ("ddp", 1, 2, {"shard": "parameters", "recompute": "full"}),
+        *(LORA_RUNS if PEFT else []),  # in this spawn: no ranks of their own to start
     ]
-    res = _check_all(case, 2, runs)
+    res = _check_all(case, 2, runs, lora_hf)
     # measured on the tiny tower: state bytes per rank under shard: parameters at d = 2 vs whole
     family = case[0]
     shapes = [tuple(p.shape) for p in family.build(torch.float32).parameters()]
     for i, (name, _, _, opts) in enumerate(runs):
+        if "lora" in opts:
+            continue  # the rule counts every parameter trained
         mode = opts.get("shard", "none")
         measured = max(res[r][i]["state_bytes"] for r in range(2))
         assert measured == sharded.state_bytes(shapes, mode, 2), (name, mode)  # the cost files' term
