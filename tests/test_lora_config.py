@@ -169,3 +169,34 @@ def test_lora_without_peft_is_refused_with_the_install_line(tiny, tmp_path, monk
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(ImportError, match=r"disagg-core\[lora\]"):
         require_peft()
+
+
+@pytest.mark.parametrize(
+    "patch,key,needles",
+    [
+        (
+            # a strategy that states it cannot train adapters (a third party's, say)
+            ("disagg.builtin.ddp:DDPStrategy", "lora_support", False),
+            "train.modules.llm.lora",
+            ["strategy 'ddp' (parallel.llm.strategy) cannot train LoRA adapters", "remove lora"],
+        ),
+        (
+            # a family whose layer map names no linear: its targets cannot be checked
+            ("disagg_llm_tp.families.qwen2_5_vl:Qwen25VLLanguageFamily", "layer_map", lambda self: None),
+            "train.modules.llm.lora.targets",
+            ["family 'qwen2_5_vl' documents no linear layers"],
+        ),
+    ],
+)
+def test_lora_on_a_strategy_or_family_that_cannot_adapt_is_refused(
+    tiny, tmp_path, monkeypatch, patch, key, needles
+):
+    import importlib
+
+    where, attr, value = patch
+    mod, _, cls = where.partition(":")
+    monkeypatch.setattr(getattr(importlib.import_module(mod), cls), attr, value)
+    found = _problems(tmp_path, _cfg(tiny, {}, GOOD_LLM))
+    assert key in found, found
+    for needle in needles:
+        assert needle in found[key], found[key]
