@@ -1,74 +1,20 @@
-"""``parallel.<module>.shard``: a replicated strategy's state sharded over its group
-(``ddp``, ``ulysses``), ZeRO semantics over all ``degree x replicas`` ranks.
-
-- ``optimizer`` (ZeRO-1): torch's ``ZeroRedundancyOptimizer`` around AdamW. Each rank keeps
-  the AdamW moments of its partition (whole parameters, balanced by size) and steps them;
-  the updated parameters are broadcast from their owners. Parameters and gradients stay
-  whole on every rank (gradients summed by the default reduction, norm of whole gradients).
-- ``gradients`` (ZeRO-2) and ``parameters`` (ZeRO-3): torch FSDP2, one unit per block
-  (:mod:`disagg.interfaces.fsdp`); gradients reduce-scattered (summed) in backward, AdamW
-  on the shards, the norm summed over the shards (each element once).
-
-Per rank, with P elements of fp32 state and N ranks: ``none`` 16P; ``optimizer`` 8P + 8P/N
-(the moments of its partition); ``gradients`` 4P + 12P/N (the whole parameters are held from
-a forward to its backward); ``parameters`` 16P/N plus one block gathered at a time.
-
-FSDP's all-gathers follow the module's forwards, so every rank of the group must run the same
-forwards: a rank with fewer samples than another in a microbatch (none included) runs
-:func:`placeholder_input` forwards whose output gradient is zero (they add exact zeros). The
-group's ranks agree on the count with one small all-reduce (``ddp``); ``ulysses`` runs one
-forward per replica and microbatch, so only an empty replica needs one.
-"""
+"""The mixin a replicated strategy (``ddp``, ``ulysses``) takes for ``parallel.<module>.shard``:
+its state sharded at set-up, the reduction, norm and step of the shards, and the full form of
+the sharded state (checkpoints, export, tests); the placeholder forward a rank without samples
+runs so that every rank makes the same FSDP2 all-gathers."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from disagg.interfaces import fsdp
-from disagg.interfaces.context import GroupContext, OptimSpec
-from disagg.interfaces.family import Family
+from disagg.interfaces.context import GroupContext
 from disagg.interfaces.grads import sum_of_squares
-from disagg.interfaces.precision import RECIPES, Recipe
-from disagg.interfaces.roles.optimizer import adamw
-
-ShardMode = Literal["none", "optimizer", "gradients", "parameters"]
-MODES: tuple[str, ...] = ("none", "optimizer", "gradients", "parameters")
-FSDP_MODES: tuple[str, ...] = ("gradients", "parameters")
-
-
-def module_key(family: Family) -> str:
-    if family.role == "llm":
-        return "llm"
-    return "audio" if getattr(family, "modality", "image") == "audio" else "vision"
-
-
-def shard_problems(family: Family, options: Any) -> list[str]:
-    """What ``parallel.<module>.shard`` cannot do with this family and these options."""
-    mode = getattr(options, "shard", "none")
-    if mode == "none":
-        return []
-    key = f"parallel.{module_key(family)}"
-    problems = []
-    if getattr(options, "overlap_grad_reduce", False):
-        problems.append(
-            f"{key}.overlap_grad_reduce: true cannot be combined with {key}.shard: {mode} "
-            "(the sharded state is reduced by ZeroRedundancyOptimizer/FSDP2 itself); "
-            "set overlap_grad_reduce: false, or shard: none"
-        )
-    if mode in FSDP_MODES and family.role == "llm":
-        problems.append(
-            f"{key}.shard: {mode} shards encoder state only; allowed for the LLM: none, optimizer "
-            "(strategy 'zero' or 'megatron_tp' shard an LLM)"
-        )
-    elif mode in FSDP_MODES and getattr(family, "modality", "image") != "image":
-        problems.append(
-            f"{key}.shard: {mode}: a rank without samples runs a placeholder image forward, which "
-            f"family {family.name!r} ({family.modality}) has none of; allowed: none, optimizer"
-        )
-    return problems
+from disagg.interfaces.sharded.modes import FSDP_MODES
+from disagg.interfaces.sharded.optimizer import build_optimizer
 
 
 def placeholder_input(family: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -79,30 +25,6 @@ def placeholder_input(family: Any, dtype: torch.dtype = torch.float32) -> dict[s
     from disagg.interfaces.master_weights import cast_inputs
 
     return cast_inputs(family.preprocess([Image.new("RGB", (28, 28))]), dtype)
-
-
-def build_optimizer(
-    param_groups: list[dict[str, Any]], optim: OptimSpec, ctx: GroupContext, options: Any = None
-) -> torch.optim.Optimizer:
-    """AdamW; under ``shard: optimizer`` inside ``ZeroRedundancyOptimizer`` (ZeRO-1)."""
-    if getattr(options, "shard", "none") != "optimizer" or ctx.world_size == 1:
-        return adamw(param_groups, optim, ctx, options)
-    import torch.distributed as dist
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    kernel = {"fused": True} if ctx.device.type == "cuda" else {"foreach": False}
-    # its broadcasts on a group of their own (collective: every rank builds it)
-    group = dist.new_group(list(range(ctx.world_size)), timeout=ctx.collective_timeout)
-    return ZeroRedundancyOptimizer(
-        param_groups,
-        optimizer_class=torch.optim.AdamW,
-        process_group=group,
-        lr=optim.lr,
-        weight_decay=optim.weight_decay,
-        betas=optim.betas,
-        eps=optim.eps,
-        **kernel,
-    )
 
 
 def _state_bytes(states: Any) -> int:
@@ -319,139 +241,3 @@ class ShardedReplicas:
                     k: v.clone() if k == "step" else v.to(p.device, p.dtype).clone()
                     for k, v in optim_state[name].items()
                 }
-
-
-# -- the analytic figure (the cost files' state term) --------------------------------------------------
-def zero1_partition(numels: list[int], world: int) -> list[int]:
-    """Elements of each rank's ZeRO-1 partition: ``ZeroRedundancyOptimizer``'s greedy rule
-    (largest tensor first, to the rank with the fewest elements so far; one param group)."""
-    sizes = [0] * world
-    for n in sorted(numels, reverse=True):
-        r = sizes.index(min(sizes))
-        sizes[r] += n
-    return sizes
-
-
-def zero1_tensors(numels: list[int], world: int) -> int:
-    """Tensors in the busiest ZeRO-1 partition (each has an AdamW step count)."""
-    sizes, count = [0] * world, [0] * world
-    for n in sorted(numels, reverse=True):
-        r = sizes.index(min(sizes))
-        sizes[r] += n
-        count[r] += 1
-    return count[sizes.index(max(sizes))]
-
-
-def shard_rows(shape: tuple[int, ...], world: int) -> int:
-    """Elements FSDP2's rank 0 (the busiest) holds of a tensor split along dim 0 in
-    ``ceil(D / N)``-row chunks."""
-    if not shape:
-        return 1
-    rest = 1
-    for s in shape[1:]:
-        rest *= s
-    return min(shape[0], -(-shape[0] // world)) * rest
-
-
-def state_bytes(shapes: list[tuple[int, ...]], mode: str, world: int, recipe: Recipe | None = None) -> int:
-    """Parameter + gradient + AdamW bytes on the busiest rank of an ``N``-rank group under
-    ``parallel.<module>.shard`` (equal to :meth:`ShardedReplicas.state_bytes` measured at a step's
-    end in fp32; ``gradients`` adds the whole parameters held from a forward to its backward), in
-    ``recipe``'s dtypes (default ``fp32``). ZeRO-1 keeps the weights, gradients and (``bf16``) the
-    fp32 masters whole and partitions the moments: torch's ZeroRedundancyOptimizer steps each
-    master on its owner and broadcasts it into every rank's whole master. FSDP2 shards what the
-    optimizer steps (the master, or the weights without one), the gradients and the moments, and
-    ``gradients`` holds the whole weights in the compute dtype."""
-    r = recipe or RECIPES["fp32"]
-    weight, grad = r.weights.itemsize, r.grads.itemsize
-    numels = [_numel(s) for s in shapes]
-    whole = sum(numels)
-    if mode == "none" or world == 1:
-        return r.state_bytes_per_element(True) * whole + 4 * len(shapes)
-    if mode == "optimizer":
-        part = zero1_partition(numels, world)
-        return (
-            (weight + grad + r.master_bytes) * whole
-            + 2 * r.moments.itemsize * max(part)
-            + 4 * zero1_tensors(numels, world)
-        )
-    local = sum(shard_rows(s, world) for s in shapes)
-    sharded_element = (r.master or r.weights).itemsize + grad + 2 * r.moments.itemsize
-    held = sharded_element * local + 4 * len(shapes)
-    return held + weight * whole if mode == "gradients" else held
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def comm(
-    shapes: list[tuple[int, ...]],
-    mode: str,
-    world: int,
-    microbatches: int,
-    units: int,
-    act_bytes: int,
-    grad_bytes: int = 4,
-    stepped_bytes: int = 4,
-) -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes a rank sends per step, and calls, for the state's own collectives (neither seen by
-    the collective counter: the library issues them), as :class:`~disagg.interfaces.CommCounter`
-    would count them (an all-gather ``(N-1)`` x the rank's shard, a reduce-scatter ``(N-1)/N`` of
-    the input). ``optimizer``: the default gradient all-reduce (the caller's) plus each owner's
-    broadcast of its partition after the step. FSDP2: per microbatch, one all-gather of every
-    unit for the forward and (``parameters``) one more for the backward, in the compute dtype,
-    and one reduce-scatter of the whole gradient (``grad_bytes`` per element: fp32 but under
-    ``bf16-pure``); ``units``: the FSDP units (blocks + 1)."""
-    if world == 1 or mode == "none":
-        return {}, {}
-    numels = [_numel(s) for s in shapes]
-    if mode == "optimizer":
-        # the owners broadcast what they stepped (the fp32 master, or bf16-pure's bf16 weights)
-        return {"broadcast": stepped_bytes * max(zero1_partition(numels, world))}, {"broadcast": world}
-    local = sum(shard_rows(s, world) for s in shapes)
-    gathers = (2 if mode == "parameters" else 1) * microbatches
-    padded = local * world  # FSDP2 reduce-scatters the padded flat gradient
-    return (
-        {
-            "all_gather": gathers * (world - 1) * local * act_bytes,
-            "reduce_scatter": microbatches * (world - 1) * padded * grad_bytes // world,
-        },
-        {"all_gather": gathers * units, "reduce_scatter": microbatches * units},
-    )
-
-
-def step_comm(
-    shapes: list[tuple[int, ...]],
-    mode: str,
-    w: Any,
-    units: int,
-    comm_bytes: dict[str, int],
-    calls: dict[str, int],
-    forwards_per_mb: int = 1,
-) -> tuple[dict[str, int], dict[str, int]]:
-    """A replicated strategy's communication (``comm_bytes``/``calls``: its gradient all-reduce)
-    under ``mode`` for the :class:`~disagg.interfaces.cost.Workload` ``w``: FSDP2 replaces the
-    all-reduce; ZeRO-1 adds its broadcasts. ``forwards_per_mb``: module forwards per
-    microbatch on the busiest rank (``ddp`` runs one per sample; each gathers and reduces)."""
-    extra, extra_calls = comm(
-        shapes,
-        mode,
-        w.world,
-        w.microbatches * forwards_per_mb,
-        units,
-        w.act_bytes,
-        getattr(w, "grad_bytes", 4),
-    )
-    comm_bytes, calls = dict(comm_bytes), dict(calls)
-    if mode in FSDP_MODES and w.world > 1:
-        comm_bytes.pop("all_reduce", None)
-        calls.pop("all_reduce", None)
-    for k, v in extra.items():
-        comm_bytes[k] = comm_bytes.get(k, 0) + v
-    for k, v in extra_calls.items():
-        calls[k] = calls.get(k, 0) + v
-    return comm_bytes, calls
