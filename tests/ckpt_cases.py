@@ -106,7 +106,7 @@ def _lora(rank: int, path: str, ckpt: Path, samples: list[dict], embeds: list[di
     """LoRA under megatron_tp 2 x 2: a step, a sharded save (trained tensors only), another
     step; resumed in the same layout (random streams too: the adapters' dropout), in TP 4
     and in ddp x 4; and the same state saved in the full form and loaded back, for the bytes
-    each resume reads."""
+    each resume reads (the full form's, too, only this rank's pieces of the trained tensors)."""
     first = _build_lora("tp2", rank, path)
     _step(first, samples, embeds)
     out: dict[str, Any] = {"files": save_sharded(first, rank, ckpt, "llm", LORA), "saved": _state(first)}
@@ -121,6 +121,12 @@ def _lora(rank: int, path: str, ckpt: Path, samples: list[dict], embeds: list[di
             _step(strat, samples, embeds)
             out["tp2/stepped"] = _state(strat)
     strat = _build_lora("tp2", rank, path)
+    strat.full_state_dict = _no_merge  # type: ignore[method-assign]  # a LoRA resume never merges the base
     out["full/read"] = load_full(strat, rank, ckpt / "full", "llm", True, LORA)
+    del strat.full_state_dict
     out["full/loaded"] = _state(strat)
     return out
+
+
+def _no_merge() -> dict:
+    raise AssertionError("resuming LoRA from the full form merged the module's whole state")

@@ -18,11 +18,14 @@ state), ``.metadata`` (rank 0) where every piece lies in the full tensors.
 :func:`load_full` takes either form; from a sharded one each rank reads only
 the stored regions that overlap its own pieces. A LoRA module's checkpoint
 (either form) holds only its trained tensors (adapters, ``modules_to_save``
-parts) and their optimizer state; the frozen base is read from the model dir.
+parts) and their optimizer state; the frozen base is read from the model dir. Resuming
+one, each rank reads only its own pieces of those tensors, from either form (a full form's
+through safetensors slices), unless its strategy states no layout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -130,6 +133,69 @@ def _load_sharded(strategy: Strategy, root: Path, lora: LoraSpec | None) -> int:
     return read
 
 
+#: safetensors' dtype names (a slice's ``get_dtype``)
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _load_trained(strategy: Strategy, root: Path, lora: LoraSpec) -> int | None:
+    """A LoRA module's full-form checkpoint (its trained tensors only) into this rank's own
+    pieces of them, by the layout the strategy states, as a sharded resume fills them: each
+    rank reads only the regions it holds (safetensors slices), and the frozen base stays as
+    the model dir built it, never merged or gathered. Returns the tensor bytes read, or
+    ``None`` when the strategy states no layout (it takes the full form whole)."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    with contextlib.ExitStack() as files:
+        stored: dict[str, tuple[Any, str]] = {}
+        params = files.enter_context(safe_open(str(root / "full.safetensors"), framework="pt"))
+        stored.update({f"param/{k}": (params, k) for k in params.keys()})
+        if (root / "optim.safetensors").is_file():
+            optim = files.enter_context(safe_open(str(root / "optim.safetensors"), framework="pt"))
+            for key in optim.keys():
+                name, _, k = key.rpartition(SEP)
+                stored[f"optim/{name}/{k}"] = (optim, key)
+        slices = {fqn: f.get_slice(key) for fqn, (f, key) in stored.items()}
+        saved = {
+            fqn: TensorStorageMetadata(
+                properties=TensorProperties(dtype=_DTYPES[sl.get_dtype()]),
+                size=torch.Size(sl.get_shape()),
+                chunks=[],
+            )
+            for fqn, sl in slices.items()
+        }
+        pieces = strategy.sharded_state(saved)
+        if pieces is None:
+            return None
+        read = 0
+        with torch.no_grad():
+            for fqn, (size, parts) in trained_pieces(pieces, lora).items():
+                if fqn not in slices:
+                    raise KeyError(f"checkpoint {root} has no tensor {fqn!r}")
+                f, key = stored[fqn]
+                there = tuple(saved[fqn].size)
+                if there != tuple(size):
+                    raise ValueError(
+                        f"checkpoint {root}: {fqn!r} is {there} there, {tuple(size)} in this module"
+                    )
+                for offsets, t in parts:
+                    at = tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))
+                    region = slices[fqn][at] if at else f.get_tensor(key)
+                    t.copy_(region.view(t.shape))
+                    read += region.numel() * region.element_size()
+    return read
+
+
 Optim = dict[str, dict[str, torch.Tensor]]
 
 
@@ -173,19 +239,22 @@ def load_full(
     streams too. With ``lora`` the checkpoint holds the trained tensors only; the
     frozen base is the module's own, as built from the model dir (it never changes).
     Collective. Returns the tensor bytes this rank read or gathered (from a sharded
-    checkpoint, under a strategy that states its layout: its own pieces only)."""
+    checkpoint, or a LoRA module's full-form one, under a strategy that states its layout:
+    its own pieces only)."""
     root = Path(ckpt) / module
     if (root / "dcp" / ".metadata").is_file():
         read = _load_sharded(strategy, root, lora)
     else:
-        params, optim = read_module_state(ckpt, module)
-        read = sum(t.numel() * t.element_size() for t in params.values())
-        read += sum(t.numel() * t.element_size() for st in optim.values() for t in st.values())
-        if lora is not None:  # the base, merged from the ranks' own (every rank gets it whole)
-            base = strategy.full_state_dict()
-            read += sum(t.numel() * t.element_size() for k, t in base.items() if k not in params)
-            params = {**base, **params}
-        strategy.load_full_state(params, optim)
+        read = _load_trained(strategy, root, lora) if lora is not None else None
+        if read is None:
+            params, optim = read_module_state(ckpt, module)
+            read = sum(t.numel() * t.element_size() for t in params.values())
+            read += sum(t.numel() * t.element_size() for st in optim.values() for t in st.values())
+            if lora is not None:  # no stated layout: the base merged from the ranks' own, whole
+                base = strategy.full_state_dict()
+                read += sum(t.numel() * t.element_size() for k, t in base.items() if k not in params)
+                params = {**base, **params}
+            strategy.load_full_state(params, optim)
     set_schedule_state(strategy, json.loads((root / "schedule.json").read_text()))
     if restore_rng:
         path = root / "rng" / f"rank-{rank}.safetensors"
