@@ -9,12 +9,15 @@ the merger trains in full (PEFT's ``modules_to_save`` trains a copy of the modul
 the module itself: the same numbers). Data: ``tests/mixed_data.py`` (images of three sizes, a
 two-image sample, a text-only step, uneven replicas, 2 microbatches, weight decay on).
 
-Two layouts cover ulysses (2), megatron_tp (2: column-parallel adapters), ZeRO-1 and ZeRO-3
-(2 replicas each), and ddp through a resume: each run equals the reference within 1e-6
-relative in loss and grad norm at every step, and in adapter and merger parameters after
-every step (the tolerance policy, in lr units); every checkpoint holds exactly the trained
-tensors (no base weight) with optimizer state for exactly them. The ZeRO-3 run's step-2
-checkpoint resumes under ddp (another layout) and its step 3 equals the reference's. The TP
+Two layouts cover ulysses (2) and megatron_tp (2: column-parallel adapters), both recomputing,
+under the ``encoders_ahead`` schedule (2 microbatches in flight), and ZeRO-1 and ZeRO-3 (2 replicas
+each); ZeRO-2 and ddp through a resume: each run equals the reference within 1e-6 relative in
+loss and grad norm at every step, and in adapter and merger parameters after every step (the
+tolerance policy, in lr units); every checkpoint holds exactly the trained tensors (no base
+weight) with optimizer state for exactly them. The ZeRO-3 run's step-2 checkpoint resumes
+under ZeRO-2 x 2 on the tower and ddp on the LLM (another layout) and its step 3 equals the
+reference's. (ulysses' shard modes with LoRA: packages/vision-sp/tests/test_sharded_state.py;
+megatron_tp with sequence parallelism: packages/llm-tp/tests/test_lora_tp.py.) The TP
 run's export loads as PEFT adapter dirs over the exported base (``PeftModel.from_pretrained``)
 and, with ``--merge``, as plain HF weights, both with the trained model's logits (1e-5).
 Base weights bit-identical after training are asserted where the strategy's whole state is
@@ -52,12 +55,12 @@ def tiny(tmp_path_factory):
     return make_mixed_tiny(tmp_path_factory.mktemp("tiny"), "qwen2_5_vl")
 
 
-def _config(tiny: dict, out: Path, vision: dict, llm: dict, modules: dict | None = None):
+def _config(tiny: dict, out: Path, vision: dict, llm: dict, modules: dict | None = None, **train):
     path = tiny["models"]["qwen2_5_vl"]
     model = {"vision": {"family": "qwen2_5_vl", "path": path}, "llm": {"family": "qwen2_5_vl", "path": path}}
     mods = {"vision": {"lora": VISION_LORA}, "llm": {"lora": LLM_LORA}} if modules is None else modules
     return mixed_config(
-        model, {"vision": vision, "llm": llm}, tiny, out, STEPS, checkpoint_every=1, modules=mods
+        model, {"vision": vision, "llm": llm}, tiny, out, STEPS, checkpoint_every=1, modules=mods, **train
     )
 
 
@@ -143,8 +146,15 @@ def _assert_steps(run_dir: Path, reference, steps: range, what: str) -> None:
 
 
 LAYOUTS = {
-    # ulysses over the tower's patches; megatron_tp's column-parallel adapters on q/v
-    "ulysses2+tp2": ({"strategy": "ulysses", "degree": 2}, {"strategy": "megatron_tp", "degree": 2}),
+    # ulysses over the tower's patches; megatron_tp's column-parallel adapters on q/v; both
+    # recompute (the adapters replayed with their blocks); the encoders_ahead schedule (the
+    # tower encodes both microbatches before the LLM runs the first, then backward 0 runs
+    # while microbatch 1's activations are held)
+    "ulysses2+tp2": (
+        {"strategy": "ulysses", "degree": 2, "recompute": "full"},
+        {"strategy": "megatron_tp", "degree": 2, "recompute": "full"},
+        {"schedule": "encoders_ahead", "max_inflight": 2},
+    ),
     # ZeRO-1 on the tower, ZeRO-3 partitioning the LLM's adapters over 2 replicas
     "zero1x2+zero3x2": (
         {"strategy": "zero", "stage": 1, "replicas": 2},
@@ -154,8 +164,12 @@ LAYOUTS = {
             "replicas": 2,
             "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
         },
+        {},
     ),
 }
+#: the layout the ZeRO run's step-2 checkpoint resumes under: ZeRO-2 on the tower (its
+#: gradients partitioned over 2 replicas), ddp on the LLM (which reads only its own pieces)
+RESUMED = ({"strategy": "zero", "stage": 2, "replicas": 2}, {"strategy": "ddp"})
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -164,19 +178,19 @@ def test_lora_equals_peft_model_every_step(ray_local, tiny, reference, tmp_path,
 
     if "zero" in name:
         pytest.importorskip("disagg_zero")
-    vision, llm = LAYOUTS[name]
-    cfg = _config(tiny, tmp_path / "run", vision, llm)
+    vision, llm, train = LAYOUTS[name]
+    cfg = _config(tiny, tmp_path / "run", vision, llm, **train)
     run_training(cfg, progress=False)
     _assert_steps(tmp_path / "run", reference, range(1, STEPS + 1), name)
     if name == "ulysses2+tp2":
         _assert_exports(tmp_path / "run", reference, tmp_path)
     else:
-        # resume the last step from this run's checkpoint under ddp (another layout: the
-        # adapters reshard like full weights; the base comes from the model dir)
-        resumed = _config(tiny, tmp_path / "resumed", {"strategy": "ddp"}, {"strategy": "ddp"})
+        # resume the last step from this run's checkpoint under another layout (the adapters
+        # reshard like full weights; the base comes from the model dir)
+        resumed = _config(tiny, tmp_path / "resumed", *RESUMED)
         resumed.checkpoint.resume_from = str(tmp_path / "run" / "checkpoints" / f"step-{STEPS - 1}")
         run_training(resumed, progress=False)
-        _assert_steps(tmp_path / "resumed", reference, range(STEPS, STEPS + 1), "resumed under ddp")
+        _assert_steps(tmp_path / "resumed", reference, range(STEPS, STEPS + 1), "resumed under zero2x2+ddp")
 
 
 def _assert_exports(run_dir: Path, reference, tmp_path: Path) -> None:
