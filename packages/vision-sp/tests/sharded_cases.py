@@ -33,6 +33,9 @@ LORA = {
         save_patterns=("merger.*",),
     )
 }
+#: dropout on the adapters' input: its runs train in train mode (masks drawn, from the rank's
+#: shard stream under ulysses, as the tower's own dropout)
+LORA["lora-dropout"] = replace(LORA["lora"], dropout=0.25)
 
 
 def strategy_class(name: str) -> Any:
@@ -107,8 +110,9 @@ def _strategy(name: str, family: Any, ctx: Any, options: dict, lora: LoraSpec | 
 
     cls = strategy_class(name)
     module = apply_lora(cls(ctx, family, cls.options_model(**options)).build_module(), lora, "vision", "lora")
+    optim = replace(OPTIM, lora=lora)
     return ranks.strategy_rank(
-        cls, family, ctx, options=options, optim=replace(OPTIM, lora=lora), module=module
+        cls, family, ctx, options=options, optim=optim, module=module, train=lora.dropout > 0
     )
 
 

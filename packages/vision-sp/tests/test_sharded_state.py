@@ -45,10 +45,18 @@ from disagg_vision_sp.testing import random_images, upstream_grads
 PEFT = importlib.util.find_spec("peft") is not None
 #: LoRA under ulysses 2: every shard mode, each with recompute (window and full-attention blocks
 #: replayed), against the PEFT model (unsharded without recompute: tests/test_e2e_lora.py)
+#: adapter dropout (0.25, train mode) under ulysses 2 with and without recompute: HF draws one
+#: mask over all tokens from one stream, a ulysses rank its own tokens' masks from its shard
+#: stream, so no single-process run draws these; the replay must draw them again, bit for bit
+LORA_DROPOUT = [
+    ("ulysses", 2, 1, {"lora": "lora-dropout"}),
+    ("ulysses", 2, 1, {"lora": "lora-dropout", "recompute": "full"}),
+]
 LORA_RUNS = [
     ("ulysses", 2, 1, {"lora": "lora", "shard": "optimizer", "recompute": "selective"}),
     ("ulysses", 2, 1, {"lora": "lora", "shard": "gradients", "recompute": "full"}),
     ("ulysses", 2, 1, {"lora": "lora", "shard": "parameters", "recompute": "selective"}),
+    *LORA_DROPOUT,
 ]
 #: the issue's bar: 1e-6 relative, in fp32
 TIGHT = Precision("fp32, 1e-6", rtol=1e-6, param_unit=FP32.param_unit)
@@ -76,7 +84,8 @@ def lora_hf(case):
     if not PEFT:
         return {}
     family, inputs, grads, _ = case
-    return {name: _hf_steps(family, inputs, grads, spec) for name, spec in sharded_cases.LORA.items()}
+    # with adapter dropout no single-process run draws the ranks' masks (see LORA_DROPOUT)
+    return {n: _hf_steps(family, inputs, grads, s) for n, s in sharded_cases.LORA.items() if not s.dropout}
 
 
 def _peft_tower(family, spec):  # noqa: ANN001
@@ -173,8 +182,9 @@ def _check_all(
         what = f"{name} {degree}x{replicas} shard={opts.get('shard', 'none')}"
         if "lora" in opts:
             what += f" lora={opts['lora']} recompute={opts.get('recompute', 'none')}"
-        hf = case[3] if "lora" not in opts else (lora_hf or {})[opts["lora"]]
-        _assert_run(res[0][i], hf, f"{what} vs HF:")
+        hf = case[3] if "lora" not in opts else (lora_hf or {}).get(opts["lora"])
+        if hf is not None:
+            _assert_run(res[0][i], hf, f"{what} vs HF:")
         key = (name, opts.get("lora"))
         if key in base and base[key] != i:
             unsharded = res[0][base[key]]
@@ -215,6 +225,8 @@ def test_two_ranks_every_mode_equals_unsharded_and_hf(case, tiny_qwen, lora_hf):
         *(LORA_RUNS if PEFT else []),  # in this spawn: no ranks of their own to start
     ]
     res = _check_all(case, 2, runs, lora_hf)
+    if PEFT:
+        _assert_adapter_dropout(res, runs, lora_hf["lora"])
     # measured on the tiny tower: state bytes per rank under shard: parameters at d = 2 vs whole
     family = case[0]
     shapes = [tuple(p.shape) for p in family.build(torch.float32).parameters()]
@@ -227,6 +239,23 @@ def test_two_ranks_every_mode_equals_unsharded_and_hf(case, tiny_qwen, lora_hf):
     whole = max(res[r][0]["state_bytes"] for r in range(2))
     param = max(res[r][2]["state_bytes"] for r in range(2))
     assert param / whole <= 0.55, f"ulysses shard: parameters at d=2 holds {param / whole:.3f} of the state"
+
+
+def _assert_adapter_dropout(res: list[list[dict]], runs: list, no_dropout: dict) -> None:
+    """Adapter dropout follows the tower's RNG rules: recompute replays the masks bit for bit
+    (gradients, norm, parameters) on every rank, and the masks were drawn (the adapters'
+    gradients differ from the dropout-free PEFT model's)."""
+    plain, replayed = (i for i, r in enumerate(runs) if r[3].get("lora") == "lora-dropout")
+    for r in range(len(res)):
+        a, b = res[r][plain], res[r][replayed]
+        assert a["norms"] == b["norms"], (r, a["norms"], b["norms"])
+        if r == 0:
+            for step, (g, h) in enumerate(zip(a["grads"], b["grads"]), 1):
+                assert_exact(h, g, f"adapter dropout, recompute full vs none, step {step} grad ")
+            assert_exact(b["params"], a["params"], "adapter dropout, recompute full vs none, params ")
+    first = res[0][plain]["grads"][0]
+    lora_b = [k for k in first if ".lora_B." in k]
+    assert lora_b and any(not torch.equal(first[k], no_dropout["grads"][0][k]) for k in lora_b)
 
 
 def test_two_by_two_every_mode_equals_unsharded_and_hf(case):
