@@ -15,11 +15,12 @@ each); ZeRO-2 and ddp through a resume: each run equals the reference within 1e-
 loss and grad norm at every step, and in adapter and merger parameters after every step (the
 tolerance policy, in lr units); every checkpoint holds exactly the trained tensors (no base
 weight) with optimizer state for exactly them. The ZeRO-3 run's step-2 checkpoint resumes
-under ZeRO-2 x 2 on the tower and ddp on the LLM (another layout) and its step 3 equals the
-reference's. (ulysses' shard modes with LoRA: packages/vision-sp/tests/test_sharded_state.py;
-megatron_tp with sequence parallelism: packages/llm-tp/tests/test_lora_tp.py.) The TP
-run's export loads as PEFT adapter dirs over the exported base (``PeftModel.from_pretrained``)
-and, with ``--merge``, as plain HF weights, both with the trained model's logits (1e-5).
+under ZeRO-2 x 2 on the tower and ddp on the LLM (another layout, both recomputing) and its
+step 3 equals the reference's. (ulysses' shard modes and adapter dropout with LoRA:
+packages/vision-sp/tests/test_sharded_state.py; megatron_tp with sequence parallelism:
+packages/llm-tp/tests/test_lora_tp.py.) The TP run's export loads as PEFT adapter dirs over
+the exported base (``PeftModel.from_pretrained``) and, with ``--merge``, as plain HF weights,
+both with the trained model's logits (1e-5).
 Base weights bit-identical after training are asserted where the strategy's whole state is
 read back (``packages/llm-tp/tests/test_lora_tp.py``); here the checkpoint's contents show
 the base never trained.
@@ -168,8 +169,12 @@ LAYOUTS = {
     ),
 }
 #: the layout the ZeRO run's step-2 checkpoint resumes under: ZeRO-2 on the tower (its
-#: gradients partitioned over 2 replicas), ddp on the LLM (which reads only its own pieces)
-RESUMED = ({"strategy": "zero", "stage": 2, "replicas": 2}, {"strategy": "ddp"})
+#: gradients partitioned over 2 replicas), ddp on the LLM (which reads only its own pieces),
+#: both recomputing
+RESUMED = (
+    {"strategy": "zero", "stage": 2, "replicas": 2, "recompute": "full"},
+    {"strategy": "ddp", "recompute": "full"},
+)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
