@@ -166,6 +166,9 @@ def test_targets_judge_dhp_with_recompute_against_zero3_with_recompute():
     assert t["largest_dhp_vs_zero3"]["measured"] == 6336 / 1024  # the preset's ZeRO-3
     # only the DHP layouts that recompute, against the ZeRO-3 that does
     assert t["largest_dhp_vs_zero3_recompute"] == {"dhp_ulysses_tp_sp_recompute": 3.0}
+    # ZeRO-3's own recompute gain is reported, without DHP's target
+    assert "target_at_least" not in t["recompute_vs_none"]["uniform_zero3_recompute"]
+    assert "uniform_zero3_recompute ÷ uniform_zero3: longest fitting vision sequence 2.06×;" in targets_md(t)
     assert "DHP with recompute ÷ ZeRO-3 with recompute: dhp_ulysses_tp_sp_recompute 3.00." in targets_md(t)
 
 

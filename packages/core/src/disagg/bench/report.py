@@ -109,7 +109,8 @@ def targets(
                 out.setdefault("recompute_vs_none", {})[name] = {
                     "baseline": base,
                     "largest": s["largest_fitting"] / baseline,
-                    "target_at_least": 3.0,
+                    # the target is DHP's; another layout's gain is reported beside it
+                    **({"target_at_least": 3.0} if name.startswith("dhp_") else {}),
                     "throughput": speeds,
                 }
         if dhp:
@@ -166,9 +167,10 @@ def targets_md(t: dict[str, Any]) -> str:
             lines.append(f"\nLike for like, DHP with recompute ÷ ZeRO-3 with recompute: {each}.")
     for name, x in t.get("recompute_vs_none", {}).items():
         speed = ", ".join(f"{n}: {r:.2f}" for n, r in x["throughput"].items()) or "-"
+        target = f" (target ≥ {x['target_at_least']:.0f}×)" if "target_at_least" in x else ""
         lines.append(
-            f"\nRecompute, {name} ÷ {x['baseline']}: longest fitting vision sequence {x['largest']:.2f}× "
-            f"(target ≥ {x['target_at_least']:.0f}×); throughput per length {speed}."
+            f"\nRecompute, {name} ÷ {x['baseline']}: longest fitting vision sequence {x['largest']:.2f}×"
+            f"{target}; throughput per length {speed}."
         )
     return "\n".join(lines)
 
