@@ -123,14 +123,62 @@ def held_bytes(module: nn.Module, ds_optimizer: Any, optimizer: Any) -> int:
     return total
 
 
-def remove_module_hooks(engine: Any) -> None:
-    """Drop ZeRO-3's per-submodule gather/release hooks: the strategy gathers
-    the whole module itself, once per call (see ``disagg_zero.strategy``)."""
+def param_offload(engine: Any) -> Any:
+    """ZeRO-3's parameter coordinator owner (``DeepSpeedZeRoOffload``) of ``engine``."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
     opt = engine.optimizer
-    offload = opt if isinstance(opt, DeepSpeedZeRoOffload) else opt.parameter_offload
-    offload._remove_module_hooks()  # noqa: SLF001
+    return opt if isinstance(opt, DeepSpeedZeRoOffload) else opt.parameter_offload
+
+
+@contextlib.contextmanager
+def without_zero3_hooks(engine: Any, module: nn.Module) -> Iterator[None]:
+    """``module``'s own calls inside the block skip DeepSpeed's ZeRO-3 hooks (no gather, no
+    backward bookkeeping); other hooks still run. For the deferred output head of the chunked
+    loss, whose call returns its input and uses no parameter: DeepSpeed would gather the head
+    for nothing, and, the head being called again per chunk, its per-module backward counter
+    (reset by each call) would then keep the head gathered for the rest of the backward."""
+    offload = param_offload(engine)
+    ours = {h.id for h in offload.forward_hooks + offload.backward_hooks}
+    dicts = [module._forward_pre_hooks, module._forward_hooks]  # noqa: SLF001
+    saved = [dict(d) for d in dicts]
+    for d in dicts:
+        for key in [k for k in d if k in ours]:
+            del d[key]
+    try:
+        yield
+    finally:
+        for d, full in zip(dicts, saved):
+            d.clear()
+            d.update(full)
+
+
+class GatherProbe:
+    """The most bytes of partitioned (non-persistent) ZeRO-3 parameters held whole at once,
+    sampled after each of DeepSpeed's per-submodule fetches (forward and backward), where the
+    gathered set is largest: the current submodule's parameters, the prefetched ones and those
+    kept for reuse. Measurement only (it scans the parameters at every fetch)."""
+
+    def __init__(self, engine: Any, module: nn.Module) -> None:
+        self.params = [p for p in module.parameters() if hasattr(p, "ds_tensor") and not p.ds_persist]
+        self.peak = 0
+        self.fetches = 0
+        coordinator = param_offload(engine).get_param_coordinator()
+        fetch = coordinator.fetch_sub_module
+
+        def probed(sub_module: nn.Module, forward: bool) -> None:
+            fetch(sub_module, forward=forward)
+            self.fetches += 1
+            self.peak = max(self.peak, self.held())
+
+        coordinator.fetch_sub_module = probed
+
+    def held(self) -> int:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        return sum(
+            p.ds_numel * p.element_size() for p in self.params if p.ds_status != ZeroParamStatus.NOT_AVAILABLE
+        )
 
 
 def local_fragments(

@@ -53,9 +53,10 @@ from disagg_zero.fullstate import ZeroFullState
 from disagg_zero.inject import injector, local_grads
 from disagg_zero.optim import masked_adamw
 from disagg_zero.options import ZeroOptions
+from disagg_zero.perlayer import PerLayer
 
 
-class ZeroStrategy(ZeroFullState, Strategy):
+class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
     """Data parallelism with ZeRO-partitioned optimizer states (1), gradients (2)
     and parameters (3), through ``deepspeed.initialize``."""
 
@@ -90,6 +91,7 @@ class ZeroStrategy(ZeroFullState, Strategy):
         self._got: list[bool] = []  # per trainable parameter: a gradient on this rank this step
         self._present: list[bool] | None = None  # ... on some rank (after reduce_gradients)
         self._backwards = 0
+        self._per_layer_init()
 
     # -- setup ------------------------------------------------------------------------------------
     def build_module(self) -> nn.Module:
@@ -126,8 +128,8 @@ class ZeroStrategy(ZeroFullState, Strategy):
                 config=config,
                 dist_init_required=False,
             )
-        if self.options.stage == 3:
-            runtime.remove_module_hooks(self.engine)
+        if self.options.stage == 3 and self.optimizer is not None:
+            self._arm_grad_hooks()
         self._map_fragments()
 
     def _map_fragments(self) -> None:
@@ -138,13 +140,10 @@ class ZeroStrategy(ZeroFullState, Strategy):
 
     @contextlib.contextmanager
     def module_call(self) -> Iterator[None]:
-        """The module's full parameters for one call (ZeRO-3: one all-gather),
-        and DeepSpeed's collectives inside it counted."""
+        """DeepSpeed's collectives inside one call counted; ZeRO-3 gathers per submodule in
+        its own hooks (:mod:`disagg_zero.perlayer`), nothing is gathered here."""
         assert self.module is not None
-        with (
-            counted(self.ctx.comm),
-            runtime.gathered(self.module, self.options.stage, self.engine is not None),
-        ):
+        with counted(self.ctx.comm):
             yield
 
     def state_bytes(self) -> int:
@@ -177,7 +176,11 @@ class ZeroStrategy(ZeroFullState, Strategy):
         """Gradients computed locally (``autograd.grad``: ``None`` where a
         parameter is not reached) and handed to DeepSpeed; even with nothing to
         back-propagate, since the gather and the reduction are collectives.
-        The LLM's embedding leaves accumulate theirs as ``.grad`` would."""
+        The LLM's embedding leaves accumulate theirs as ``.grad`` would. ZeRO-3: one
+        backward through DeepSpeed's hooks (:meth:`PerLayer._backward_per_layer`)."""
+        if self.per_layer:
+            self._backward_per_layer(tensors, grads, leaves)
+            return
         got = local_grads(tensors, grads, self._params + leaves)
         for t, g in zip(leaves, got[len(self._params) :]):
             if g is not None:
@@ -204,7 +207,9 @@ class ZeroStrategy(ZeroFullState, Strategy):
             return  # nothing to reduce: a step in which this group got no sample
         self.engine.set_gradient_accumulation_boundary(True)
         with counted(self.ctx.comm):
-            if self.options.stage >= 2:
+            if self.per_layer and not self._engine_backwards:
+                pass  # no pass anywhere in the group this step (the ranks' passes agree)
+            elif self.options.stage >= 2:
                 # Reduced in backward already; only the boundary bookkeeping is left
                 # (DeepSpeed's own entry point for caller-owned accumulation).
                 self.engine.optimizer.finalize_gradient_accumulation_boundary()
@@ -241,6 +246,7 @@ class ZeroStrategy(ZeroFullState, Strategy):
         self._got = [False] * len(self._params)
         self._present = None
         self._backwards = 0
+        self._engine_backwards = 0
 
     @classmethod
     def estimate(cls, query: Any, options: Any) -> Any:

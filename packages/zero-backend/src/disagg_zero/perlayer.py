@@ -1,0 +1,217 @@
+"""ZeRO-3 the way DeepSpeed runs it: each submodule's parameters gathered by DeepSpeed's own
+hooks around its forward and its backward (with prefetch from the recorded trace, under
+``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``
+and ``stage3_param_persistence_threshold``), and gradients reduce-scattered by its hooks as the
+backward produces them. A mixin of :class:`disagg_zero.strategy.ZeroStrategy` for stage 3.
+
+The exactness contract (every rank makes the same collectives in the same order whatever its
+samples, an empty rank included; gradients summed once; each element once in the norm) rests
+on :mod:`disagg_zero.lockstep`: the ranks agree on their root calls (encoder), samples and loss
+chunks (LLM) and the short ones run placeholders whose gradient is exactly zero, so every rank
+calls the same submodules in the same order and back-propagates the same graph (its
+parameters' gradients, hence DeepSpeed's reduction hooks and buckets, come in the same order).
+Which parameters really got a gradient is still recorded per rank and agreed in
+``reduce_gradients``; DeepSpeed's reduce-scatter averages, so each parameter's gradient is
+scaled by the world size on its way in (a tensor hook: the LLM's embedding gradients, which go
+back to the encoders, are not scaled).
+
+``full_state_dict``, ``load_full_state`` and the full gradients keep one whole-module
+``GatheredParameters`` (they need every tensor whole); training and evaluation do not.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from disagg.interfaces import EmbeddingShard, chunked_loss
+from disagg.interfaces.sharded import placeholder_input
+from disagg_zero import runtime
+from disagg_zero.comm import counted
+from disagg_zero.lockstep import RootCalls, agreed_max, padded_spans, placeholder_sample
+
+
+class PerLayer:
+    """The roles' calls under per-layer ZeRO-3 (stage 3 with an engine); everything else
+    falls through to core's defaults."""
+
+    ctx: Any
+    family: Any
+    module: nn.Module | None
+    engine: Any
+    optimizer: Any
+    options: Any
+    recompute: Any
+    _params: list[nn.Parameter]
+    _got: list[bool]
+    _backwards: int
+    _seed_scale: float
+
+    def _per_layer_init(self) -> None:
+        #: microbatch -> outputs of the placeholder root calls this rank ran (zero gradient)
+        self._fill: dict[int, list[torch.Tensor]] = {}
+        #: (args, kwargs) of this rank's last real root call, for its placeholder calls
+        self._last_root: list[Any] = []
+        self._hooks: list[Any] = []
+        #: DeepSpeed backwards this step (0 when no rank had a pass in any microbatch)
+        self._engine_backwards = 0
+
+    @property
+    def per_layer(self) -> bool:
+        return self.options.stage == 3 and self.engine is not None
+
+    def _arm_grad_hooks(self) -> None:
+        """Per trainable parameter: note that it got a gradient, and scale it by the world size
+        (DeepSpeed's ZeRO-3 reduce-scatter averages; core's loss is already divided by the
+        global label count, so the sum is wanted)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [
+            p.register_hook(functools.partial(self._grad_in, i)) for i, p in enumerate(self._params)
+        ]
+
+    def _grad_in(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        self._got[i] = True
+        return g * self._seed_scale if self._seed_scale != 1.0 else g
+
+    # -- encoder role -----------------------------------------------------------------------------
+    def _placeholder_encode(self) -> Any:
+        return self.family.encode(self.module, placeholder_input(self.family))
+
+    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+        if not self.per_layer:
+            return super().encode(mb, inputs)  # type: ignore[misc]
+        assert self.module is not None
+        roots = RootCalls(self.module, self.ctx.device, self._placeholder_encode, self._last_root)
+        with counted(self.ctx.comm), roots:
+            outs = [self.family.encode(self.module, x) for x in inputs]
+            fill = roots.finish()
+        if torch.is_grad_enabled():
+            self._fill[mb] = fill
+        return [EmbeddingShard.whole(o) for o in outs]
+
+    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        if not self.per_layer:
+            return super().backward(mb, outputs, grads)  # type: ignore[misc]
+        pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
+        pairs += [(o, torch.zeros_like(o)) for o in self._fill.pop(mb, [])]
+        self.backprop([o for o, _ in pairs], [g for _, g in pairs], [])
+
+    def release(self, mb: int) -> None:
+        self._fill.pop(mb, None)
+        super().release(mb)  # type: ignore[misc]
+
+    # -- LLM role ---------------------------------------------------------------------------------
+    def _padded(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]], n: int
+    ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+        extra = n - len(inputs)
+        if extra <= 0:
+            return list(inputs), list(embeds)
+        return list(inputs) + [placeholder_sample(self.family)] * extra, list(embeds) + [{}] * extra
+
+    def loss_and_backward(
+        self,
+        mb: int,
+        inputs: list[dict[str, torch.Tensor]],
+        embeds: list[dict[str, torch.Tensor]],
+        loss_scale: float,
+    ) -> float:
+        if not self.per_layer:
+            return super().loss_and_backward(mb, inputs, embeds, loss_scale)  # type: ignore[misc]
+        leaves = [t for e in embeds for t in e.values() if t.requires_grad]
+        with counted(self.ctx.comm):
+            n = agreed_max(len(inputs), self.ctx.device)
+            if n == 0:  # no rank has a sample: nothing is called anywhere
+                self.backprop([], None, leaves)
+                return 0.0
+            loss_sum = self.chunked_loss(*self._padded(inputs, embeds, n))
+        self.backprop([loss_sum * loss_scale], None, leaves)
+        return float(loss_sum.detach())
+
+    def chunked_loss(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Core's chunked loss (:mod:`disagg.interfaces.chunked_loss`, the same operations)
+        with the group's number of chunks: empty ones past this rank's tokens."""
+        if not self.per_layer:
+            return super().chunked_loss(inputs, embeds)  # type: ignore[misc]
+        assert self.module is not None
+        head = chunked_loss.output_head(self.family, self.module)
+        if head is None:  # the head runs inside the root call, once per forward
+            return self.loss_sum(*self.llm_forward(inputs, embeds))  # type: ignore[attr-defined]
+        with chunked_loss.deferred(head), runtime.without_zero3_hooks(self.engine, head):
+            hidden, labels = self.llm_forward(inputs, embeds)  # type: ignore[attr-defined]
+        spans = padded_spans(hidden.shape[0], self._chunk(), self.ctx.device)
+
+        def one(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.token_losses(head(h), y)  # type: ignore[attr-defined]
+
+        if len(spans) == 1:
+            return chunked_loss.total(one(hidden, labels), labels)
+        parts = [self.recompute.checkpoint(one, hidden[s:e], labels[s:e]) for s, e in spans]
+        return chunked_loss.total(torch.cat(parts), labels)
+
+    def _chunk(self) -> int | None:
+        return getattr(self.options, "loss_chunk_tokens", chunked_loss.DEFAULT_CHUNK_TOKENS)
+
+    def evaluate(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> tuple[float, int, int]:
+        if not self.per_layer:
+            return super().evaluate(inputs, embeds)  # type: ignore[misc]
+        assert self.module is not None
+        with counted(self.ctx.comm):
+            n = agreed_max(len(inputs), self.ctx.device)
+            if n == 0:
+                return 0.0, 0, 0
+            inputs, embeds = self._padded(inputs, embeds, n)
+            head = chunked_loss.output_head(self.family, self.module)
+            if head is None:
+                logits, labels = self.llm_forward(inputs, embeds)  # type: ignore[attr-defined]
+                loss = self.loss_sum(logits, labels)  # type: ignore[attr-defined]
+                right = self.correct_predictions(logits, labels)  # type: ignore[attr-defined]
+            else:
+                with chunked_loss.deferred(head), runtime.without_zero3_hooks(self.engine, head):
+                    hidden, labels = self.llm_forward(inputs, embeds)  # type: ignore[attr-defined]
+                parts, right = [], 0
+                for s, e in padded_spans(hidden.shape[0], self._chunk(), self.ctx.device):
+                    logits, y = head(hidden[s:e]), labels[s:e]
+                    parts.append(self.token_losses(logits, y))  # type: ignore[attr-defined]
+                    right += self.correct_predictions(logits, y)  # type: ignore[attr-defined]
+                loss = chunked_loss.total(torch.cat(parts), labels)
+            return float(loss), right, int((labels != -100).sum())
+
+    # -- backward ---------------------------------------------------------------------------------
+    def _backward_per_layer(
+        self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, leaves: list[torch.Tensor]
+    ) -> None:
+        """One backward of this rank's whole graph for the call: DeepSpeed's hooks gather each
+        submodule's parameters before its backward and reduce-scatter gradients as they are
+        accumulated. Every rank has the same graph (placeholders included) or none."""
+        self._backwards += 1
+        seeds = [t for t in tensors if t.requires_grad]
+        if not seeds:
+            return  # no pass anywhere in the group (the passes agree)
+        if grads is None:
+            root = sum(seeds[1:], seeds[0])
+        else:
+            # d/dt sum(t * g) is g exactly: the seeded backward of torch.autograd.backward(t, g)
+            pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+            root = sum(((t * g).sum() for t, g in pairs[1:]), (pairs[0][0] * pairs[0][1]).sum())
+        with counted(self.ctx.comm):
+            if self.optimizer is None:
+                # frozen (e.g. a frozen LLM sending embedding gradients back): DeepSpeed's
+                # module hooks still gather per layer; nothing is reduced
+                if leaves:
+                    torch.autograd.backward(root, inputs=leaves)
+                return
+            # what engine.forward() does first (the strategy never calls it): a new micro-step,
+            # so ZeRO-3 accumulates into the previous micro-step's gradient partitions
+            self.engine.optimizer.clear_backward_seen_flag()
+            self.engine.set_gradient_accumulation_boundary(False)
+            self.engine.backward(root)
+        self._engine_backwards += 1
