@@ -44,7 +44,8 @@ def rank_build_memory(rank: int, warm_dir: Path, lm_dir: Path, world: int) -> di
 
     def strategy(fam: ToyLMFamily) -> Any:
         ctx = ranks.rank_context("llm", rank, 1, world)
-        return ZeroStrategy(ctx, fam, ZeroStrategy.options_model(stage=3))
+        options = ZeroStrategy.options_model(stage=3, ds_config={"zero_optimization": dict(GATHER)})
+        return ZeroStrategy(ctx, fam, options)
 
     # imports and JIT builds of everything both measured set-ups use, on a tiny module
     warm = strategy(ToyLMFamily(warm_dir))
@@ -67,16 +68,38 @@ def rank_build_memory(rank: int, warm_dir: Path, lm_dir: Path, world: int) -> di
                 out["weights"] = "exact"
             except AssertionError as exc:
                 out["weights"] = str(exc)
-            with strat.module_call():  # what a call holds whole on top of the partitions
-                out["gathered"] = sum(
-                    p.data.untyped_storage().nbytes()
-                    for p in strat.module.parameters()
-                    if hasattr(p, "ds_tensor") and not p.ds_persist
-                )
-            out["numels"] = [int(p.ds_numel) for p in strat.module.parameters()]
+            out.update(gathered_in_forward(strat, rank, world))
         del strat, module
     out["module_bytes"] = sum(p.numel() * p.element_size() for p in fam.build(torch.float32).parameters())
     return out
+
+
+#: the per-layer gathering the build measurement runs with: a 2.5M-element prefetch bucket
+#: (about one MLP matrix of the 19M-parameter LM) and 5M live parameters, nothing kept for reuse
+GATHER = {
+    "stage3_prefetch_bucket_size": 2_500_000,
+    "stage3_max_live_parameters": 5_000_000,
+    "stage3_max_reuse_distance": 0,
+}
+
+
+def gathered_in_forward(strat: Any, rank: int, world: int) -> dict[str, Any]:
+    """The most bytes of partitioned parameters DeepSpeed held whole at once over three
+    forward-only evaluations of text samples (the first records DeepSpeed's trace, the
+    others prefetch from it), with every tensor's name and shape for the cost model."""
+    from disagg.testing.toy import toy_samples
+    from disagg_zero.runtime import GatherProbe
+
+    probe = GatherProbe(strat.engine, strat.module)
+    samples = [x["llm"] for x in toy_samples(2 * world, seed=9, text_only_every=1)][rank::world]
+    with torch.no_grad():
+        for _ in range(3):
+            ranks.evaluate(strat, samples, [{} for _ in samples])
+    return {
+        "gathered": probe.peak,
+        "fetches": probe.fetches,
+        "tensors": [(n, tuple(p.ds_shape)) for n, p in strat.module.named_parameters()],
+    }
 
 
 class Qwen2Family(ToyLMFamily):

@@ -109,9 +109,23 @@ def test_state_and_comm_accounting_match_the_analytic_model(world, label, toy_di
     from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily
 
     ranks, _, _ = run(world, toy_dirs, tmp_path_factory.getbasetemp())
-    families = {"encoder": (ToyEncoderFamily, toy_dirs[0], 2), "llm": (ToyLMFamily, toy_dirs[1], 1)}
-    for role, (family, path, calls) in families.items():
-        numels = [p.numel() for p in family(path).build().parameters()]
+    # stage 3, per step and rank: the toy encoder calls its root once per item (3 per step:
+    # a 1-item and a 2-item sample, one per microbatch), each module fetched forward and
+    # backward (its first, fed by data, once per microbatch's backward: cost.zero3_uses), one
+    # vote per call and one per microbatch; the toy LM one sample per microbatch, every module
+    # (its per-sample embedding too) fetched forward and backward, two agreements
+    from disagg_zero.cost import module_of
+
+    families = {"encoder": (ToyEncoderFamily, toy_dirs[0]), "llm": (ToyLMFamily, toy_dirs[1])}
+    for role, (family, path) in families.items():
+        named = [(n, tuple(p.shape)) for n, p in family(path).build().named_parameters()]
+        if role == "encoder":
+            first = module_of(named[0][0])
+            uses = [3 + H.MICROBATCHES if module_of(n) == first else 2 * 3 for n, _ in named]
+            votes = 3 + H.MICROBATCHES
+        else:
+            uses, votes = [2 * H.MICROBATCHES] * len(named), 2 * H.MICROBATCHES
         for r in (x[label][role] for x in ranks):
-            # stage 3 partitions every tensor here (H.configs: threshold 0)
-            H.assert_accounting(r, numels, int(label), world, [H.MICROBATCHES] * H.STEPS, calls, 0)
+            # stage 3 partitions every tensor here (H.PER_LAYER: threshold 0)
+            mbs = [H.MICROBATCHES] * H.STEPS
+            H.assert_accounting(r, named, int(label), world, mbs, 0, [uses] * H.STEPS, [votes] * H.STEPS)

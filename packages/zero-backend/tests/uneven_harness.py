@@ -19,7 +19,7 @@ from torch import nn
 
 from disagg.interfaces import compute_dtype
 from disagg.testing import ranks
-from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily
+from disagg.testing.toy import ToyEncoderConfig, ToyEncoderFamily, ToyLMFamily
 
 #: per step, per microbatch, per rank (2 ranks): sample indices
 ENCODER_PLAN: list[list[list[list[int]]]] = [
@@ -40,6 +40,17 @@ def plan_samples(plan: list[list[list[int]]]) -> list[int]:
 class UnusedLayerEncoderFamily(ToyEncoderFamily):
     """The toy encoder plus a layer its forward never calls, like LLaVA's
     unused last SigLIP layer: its parameters never get a gradient."""
+
+    def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
+        """The toy family reads tensors only; a picture (the black image a ZeRO-3 rank
+        without samples forwards, ``disagg.interfaces.sharded.placeholder_input``) becomes
+        one item of 4 zero patches."""
+        from PIL import Image
+
+        if media and isinstance(media[0], Image.Image):
+            in_dim = ToyEncoderConfig.from_pretrained(self.path).in_dim
+            media = [torch.zeros(4, in_dim) for _ in media]
+        return super().preprocess(media)
 
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         module = super().build(dtype)
@@ -129,9 +140,26 @@ def _layout(strat: Any) -> dict[str, tuple[int, int, int]]:
     }
 
 
+def _probe(strat: Any) -> Any:
+    """DeepSpeed's per-layer gathering, measured (stage 3 only)."""
+    from disagg_zero.runtime import GatherProbe
+
+    return GatherProbe(strat.engine, strat.module) if strat.options.stage == 3 else None
+
+
+def _gathered(strat: Any, probe: Any) -> dict[str, Any]:
+    """The most bytes held whole at once, the whole module's partitioned bytes and the tensors."""
+    if probe is None:
+        return {}
+    whole = sum(p.ds_numel * p.element_size() for p in probe.params)
+    named = [(n, tuple(p.ds_shape)) for n, p in strat.module.named_parameters()]
+    return {"peak": probe.peak, "fetches": probe.fetches, "whole": whole, "named": named}
+
+
 def rank_encoder(rank: int, enc_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
     fam = UnusedLayerEncoderFamily(enc_dir)
     strat = H._strategy(rank, 2, "vision", fam, options)
+    probe = _probe(strat)
     rec: dict[str, Any] = {"norm": [], "grads": [], "layout": _layout(strat)}
     for step, plan in enumerate(ENCODER_PLAN):
         samples = encoder_samples(step)
@@ -141,6 +169,7 @@ def rank_encoder(rank: int, enc_dir: Path, options: dict[str, Any]) -> dict[str,
             shards = ranks.encode(strat, mb, [x["vision"] for x in mine])
             ranks.backward(strat, mb, shards, [x["out_grad"] for x in mine])
         H._finish_step(strat, rec)
+    rec["gathered"] = _gathered(strat, probe)
     rec["params"] = ranks.full_state(strat)
     rec["steps"] = _fragment_steps(strat)
     rec["lr"] = ranks.current_lr(strat)
@@ -152,6 +181,7 @@ def rank_llm(
 ) -> dict[str, Any]:
     fam = ToyLMFamily(lm_dir)
     strat = H._strategy(rank, 2, "llm", fam, options)
+    probe = _probe(strat)
     rec: dict[str, Any] = {"loss_sum": [], "norm": [], "grads": [], "embed_grads": []}
     for plan, samples in zip(LLM_PLAN, H.llm_batches(2, len(LLM_PLAN))):
         n = H.label_count(samples)
@@ -167,9 +197,26 @@ def rank_llm(
         rec["loss_sum"].append(loss_sum)
         rec["embed_grads"].append(egrads)
         H._finish_step(strat, rec)
+    rec["gathered"] = _gathered(strat, probe)
     rec["params"] = ranks.full_state(strat)
     rec["lr"] = ranks.current_lr(strat)
     return H.portable(rec)
+
+
+def encoder_calls(step: int, named: list[tuple[str, Any]]) -> tuple[list[int], int]:
+    """Stage 3 in ``ENCODER_PLAN``'s step: (gathers of each tensor, agreement votes) on every
+    rank. The toy encoder calls its root once per item; every rank makes as many root calls
+    per microbatch as the busiest (placeholders), each module fetched forward and backward
+    (the first, fed by data, once per microbatch's backward: ``cost.zero3_uses``), with one
+    vote per call and one more per microbatch."""
+    from disagg_zero.cost import module_of
+
+    samples = encoder_samples(step)
+    plan = ENCODER_PLAN[step]
+    calls = [max(sum(len(samples[i]["vision"]["sizes"]) for i in part) for part in mb) for mb in plan]
+    first = module_of(named[0][0])
+    uses = [sum(calls) + len(calls) if module_of(n) == first else 2 * sum(calls) for n, _ in named]
+    return uses, sum(c + 1 for c in calls)
 
 
 def rank_eval(rank: int, enc_dir: Path, lm_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -206,7 +253,7 @@ def rank_mismatch(rank: int, enc_dir: Path) -> str:
     return ""
 
 
-Z3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+Z3 = {"zero_optimization": H.PER_LAYER}
 CONFIGS = {"1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3, "ds_config": Z3}}
 
 

@@ -10,12 +10,21 @@ parameter bytes, ``m`` microbatches:
 - stage 2: gradients all-reduced in every backward, i.e. every microbatch
   (``m·2fG``: ZeRO-2's default ``use_multi_rank_bucket_allreduce`` all-reduces
   each bucket rather than reduce-scattering it), then ``fP`` all-gathered;
-- stage 3: the whole module gathered once per strategy call (``c`` calls per
-  microbatch: an encoder's encode and backward, ``c = 2``; the LLM's
-  forward-backward, ``c = 1``), each tensor over the persistence threshold
-  from its own padded partition (``(n-1)·ceil(numel/n)`` elements), the
-  persistent ones re-gathered once after the step; gradients reduce-scattered
-  in every backward, each tensor padded the same way (``m·(n-1)·Σ ceil(numel/n)``);
+- stage 3: DeepSpeed gathers each submodule's parameters before its forward and again
+  before its backward (:mod:`disagg_zero.perlayer`), each tensor over the persistence
+  threshold from its own padded partition (``(n-1)·ceil(numel/n)`` elements), ``u`` times per
+  step (:func:`zero3_uses`: twice per pass, a third time where full recompute replays the
+  layer, the output head twice per loss chunk or three times when chunks are replayed, an
+  encoder's first module (fed by data) once per pass and once per microbatch's backward; an
+  encoder's pass is one root call per sample, the LLM's one per microbatch); the persistent
+  ones re-gathered once after the step; gradients reduce-scattered in every backward, each
+  tensor padded the same way (``m·(n-1)·Σ ceil(numel/n)``); plus the group's agreement on its
+  calls (:mod:`disagg_zero.lockstep`: an encoder's vote per root call and one more per
+  microbatch, the LLM's sample and chunk counts), 8-byte all-reduces. Not modelled:
+  DeepSpeed's trace checks (a few small all-reduces and broadcasts at a root forward while
+  it records its trace), and gathers saved when a parameter is kept for reuse
+  (``stage3_max_reuse_distance``) or fetched early by prefetch (fewer, larger calls):
+  the model is the no-reuse count;
 - every stage: ``zero``'s agreement all-reduce (one int64 per trainable tensor,
   plus one) and DeepSpeed's two scalar all-reduces (:data:`ZERO_STEP_SCALARS`).
 
@@ -36,30 +45,28 @@ two moments, ``20·Σceil(k/n)``, plus the tensors of at most
 ZeRO paper's ``16ψ/n``: the paper counts mixed precision, where the master copy
 replaces an fp32 parameter. Estimates within per-tensor scalars.
 
-**Gathered** (``Cost.gathered_bytes``), stage 3: each strategy call (an encoder's
-encode or backward, the LLM's forward-backward, evaluation) gathers the whole
-module for the call (:func:`disagg_zero.runtime.gathered`), so at the peak a rank
-holds every tensor over the persistence threshold whole in fp32 on top of its
-state, ``4·Σ{k > threshold}`` (the persistent ones are whole in the state
-already). Under bf16 autocast the forward's bf16 copies of those weights, saved
-for backward, come on top and are not counted here. Not DeepSpeed's per-layer
-gathering with prefetch (one layer plus a prefetch bucket at a time), which
-``zero`` does not run yet: its every-rank-same-collectives guarantee rests on the
-whole-module gather (``disagg_zero.strategy``). Stages 1-2 keep whole parameters
-in the state.
+**Gathered** (``Cost.gathered_bytes``), stage 3: what DeepSpeed's per-submodule gathering
+holds whole at once on top of the state (:func:`zero_gathered_bytes`): the largest one
+module's own partitioned tensors (the one being computed); with prefetch on
+(``stage3_prefetch_bucket_size`` > 0), what it fetches ahead, which each fetch tops up to
+``stage3_max_live_parameters``; what it keeps for reuse (up to ``stage3_max_reuse_distance``
+elements); an encoder's first module, fed by data, which DeepSpeed's post-backward hook never
+releases before the end of the backward; never more than the whole module's partitioned
+tensors. Measured on the tiny models (``runtime.GatherProbe``): with prefetch and reuse off,
+exactly the largest module's tensors (plus the encoder's first module); with a prefetch bucket,
+within the bound. Stages 1-2 keep whole parameters in the state.
 
-So in the published 32B setting (8 ranks) uniform ZeRO-3 fits at no length, and
-the groups the prediction prints say why: the LLM's ``state_bytes`` (20 B per
-parameter over 8 ranks) and its ``gathered_bytes`` (4 B per parameter) each
-exceed a GPU. The paper's ZeRO-3 (bf16, per layer) ran out at 16k for what it
-holds per token; this model reproduces that only once ``zero`` gathers per
-layer and runs DeepSpeed's bf16 mode.
+So in the published 32B setting (8 ranks) a ZeRO-3 LLM rank holds its state (20 B per
+parameter over 8 ranks in fp32 training) plus the embedding or output head gathered whole with
+DeepSpeed's default live-parameter limit and reuse window (a few GB), not the module: what fills
+the GPU as the sequence grows is activations and logits, the paper's reason.
 
 Saved activations are a whole replica's, as under ``ddp``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -85,6 +92,13 @@ DEEPSPEED_BUCKET = 500_000_000
 #: ``zero``'s grad_norm_sq and again in its step), by stage: fp32 for stages 1-2,
 #: 8 bytes for stage 3 (measured on DeepSpeed 0.19, gloo)
 ZERO_STEP_SCALARS = {1: (4, 4), 2: (4, 4), 3: (8, 8)}
+#: DeepSpeed's ZeRO-3 defaults (deepspeed/runtime/zero/config.py), elements:
+#: stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_max_reuse_distance
+DEEPSPEED_PREFETCH = 50_000_000
+DEEPSPEED_MAX_LIVE = 1_000_000_000
+DEEPSPEED_REUSE = 1_000_000_000
+#: bytes of one agreement all-reduce of :mod:`disagg_zero.lockstep` (one int64)
+VOTE_BYTES = 8
 #: searched by ``disagg plan``
 OPTION_VARIANTS: list[dict[str, Any]] = [{"stage": 1}, {"stage": 2}, {"stage": 3}]
 
@@ -93,10 +107,13 @@ def zero_comm(
     tensors: list[int],
     stage: int,
     w: Workload,
-    calls_per_mb: int = 2,
     persistence_threshold: int = DEEPSPEED_PERSISTENCE,
+    uses: list[int] | None = None,
+    votes: int = 0,
+    param_bytes: int = GRAD_BYTES,
 ) -> dict[str, int]:
-    """Bytes per rank per step by kind (the module docstring)."""
+    """Bytes per rank per step by kind (the module docstring); stage 3: ``uses`` gathers of
+    each tensor per step (default: twice per microbatch) and ``votes`` agreement all-reduces."""
     n = w.world
     if n == 1:
         return {}
@@ -110,13 +127,14 @@ def zero_comm(
         return {"all_reduce": all_reduce(grads, n) + small, "all_gather": flat}
     if stage == 2:
         return {"all_reduce": m * all_reduce(grads, n) + small, "all_gather": flat}
-    shard = [(n - 1) * -(-k // n) * GRAD_BYTES for k in tensors]
-    persistent = sum(b for b, k in zip(shard, tensors) if k <= persistence_threshold)
-    gathered = sum(shard) - persistent
+    uses = [2 * m] * len(tensors) if uses is None else uses
+    shard = [(n - 1) * -(-k // n) for k in tensors]
+    persistent = sum(s for s, k in zip(shard, tensors) if k <= persistence_threshold)
+    gathered = sum(u * s for u, s, k in zip(uses, shard, tensors) if k > persistence_threshold)
     return {
-        "all_gather": calls_per_mb * m * gathered + persistent,
-        "reduce_scatter": m * sum(shard),
-        "all_reduce": small,
+        "all_gather": (gathered + persistent) * param_bytes,
+        "reduce_scatter": m * sum(shard) * GRAD_BYTES,
+        "all_reduce": small + votes * all_reduce(VOTE_BYTES, n),
     }
 
 
@@ -125,28 +143,77 @@ def zero_calls(
     stage: int,
     w: Workload,
     bucket: int = DEEPSPEED_BUCKET,
-    calls_per_mb: int = 2,
     persistence_threshold: int = DEEPSPEED_PERSISTENCE,
+    uses: list[int] | None = None,
+    votes: int = 0,
 ) -> dict[str, int]:
     """DeepSpeed's collectives, as :func:`zero_comm` sums their bytes, in buckets of
     ``bucket`` elements (``B = ceil(P / bucket)`` calls per reduction): stage 1
     all-reduces gradients once per step (``B``), stage 2 in every backward
-    (``M·B``), both all-gather the updated partitions (``B``); stage 3 gathers one
-    tensor per call, ``calls_per_mb·M·T`` for the ``T`` tensors over the persistence
-    threshold plus the persistent ones once after the step, and reduce-scatters in
-    every backward (``M·B``). Every stage: ``zero``'s agreement all-reduce and
-    DeepSpeed's two scalar all-reduces (3)."""
+    (``M·B``), both all-gather the updated partitions (``B``); stage 3 gathers one module's
+    partitioned tensors per call, ``uses`` times per step (a module's tensors share its
+    count), plus the persistent ones once after the step, and reduce-scatters in every
+    backward (``M·B``). Every stage: ``zero``'s agreement all-reduce and DeepSpeed's two
+    scalar all-reduces (3), and stage 3's ``votes``."""
     if w.world == 1:
         return {}
     numel = sum(t.numel for t in tensors)
     buckets = max(1, -(-numel // bucket))
     small = 3
     if stage == 3:
+        uses = [2 * w.microbatches] * len(tensors) if uses is None else uses
         persistent = sum(t.numel <= persistence_threshold for t in tensors)
-        gathers = calls_per_mb * w.microbatches * (len(tensors) - persistent) + persistent
-        return {"all_gather": gathers, "reduce_scatter": w.microbatches * buckets, "all_reduce": small}
+        per_module: dict[str, int] = {}
+        for t, u in zip(tensors, uses):
+            if t.numel > persistence_threshold:
+                per_module[module_of(t.name)] = u
+        gathers = sum(per_module.values()) + persistent
+        return {
+            "all_gather": gathers,
+            "reduce_scatter": w.microbatches * buckets,
+            "all_reduce": small + votes,
+        }
     reductions = buckets if stage == 1 else w.microbatches * buckets
     return {"all_reduce": reductions + small, "all_gather": buckets}
+
+
+def module_of(name: str) -> str:
+    """The submodule a parameter belongs to (DeepSpeed gathers per submodule)."""
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+_LAYER = re.compile(r"(^|\.)(layers|blocks)\.\d+\.")
+
+
+def zero3_uses(
+    tensors: list[ParamTensor], w: Workload, encoder: bool, recompute_full: bool, chunks: int
+) -> tuple[list[int], int]:
+    """Per tensor, how many times stage 3 gathers it per step when nothing is kept for reuse,
+    and the agreement all-reduces per step (the module docstring). Every rank runs the
+    busiest rank's passes (placeholders), so per microbatch ``p = ceil(samples / (m·replicas))``
+    samples: an encoder's ``p`` root calls (one per sample), the LLM's one forward with
+    ``chunks`` loss chunks."""
+    m = w.microbatches
+    per_mb = -(-w.samples // (m * w.replicas))
+    passes = per_mb if encoder else 1
+    head = "embed_tokens.weight" if not any(t.name == "lm_head.weight" for t in tensors) else "lm_head.weight"
+    # the encoder's first module reads the data, which needs no gradient: DeepSpeed's
+    # post-backward hook never fires for it, so it stays gathered from its first backward
+    # fetch to the end of that backward (one backward fetch per microbatch, not per pass)
+    first = module_of(tensors[0].name) if encoder and tensors else None
+    out = []
+    for t in tensors:
+        if module_of(t.name) == first:
+            out.append(m * (passes + 1))
+            continue
+        u = 2 + (1 if recompute_full and _LAYER.search(t.name) else 0)
+        if not encoder and t.name == head:
+            # the chunked loss's head: twice per chunk, three times when chunks are replayed
+            # (a tied embedding is also the input embedding: its own two on top)
+            u = (2 if chunks == 1 else 3) * chunks + (2 if head == "embed_tokens.weight" else 0)
+        out.append(m * passes * u)
+    votes = m * (passes + 1 if encoder else 2)
+    return out, votes
 
 
 def zero_state_bytes(
@@ -161,13 +228,36 @@ def zero_state_bytes(
 
 
 def zero_gathered_bytes(
-    numels: list[int], stage: int, persistence_threshold: int = DEEPSPEED_PERSISTENCE
+    tensors: list[ParamTensor],
+    stage: int,
+    persistence_threshold: int = DEEPSPEED_PERSISTENCE,
+    prefetch: int = DEEPSPEED_PREFETCH,
+    max_live: int = DEEPSPEED_MAX_LIVE,
+    reuse: int = DEEPSPEED_REUSE,
+    param_bytes: int = GRAD_BYTES,
+    encoder: bool = False,
 ) -> int:
-    """Stage 3: the fp32 parameters a strategy call holds whole on top of the state
-    (every tensor over the persistence threshold; the module docstring)."""
+    """Stage 3: the parameters DeepSpeed's per-submodule gathering holds whole at once on top
+    of the state (the module docstring): the largest module's own partitioned tensors; with
+    prefetch on, what it fetches ahead, up to ``max_live`` elements (each fetch adds whole
+    tensors until the bucket is full, so it may pass the limit by one tensor); what it keeps
+    for reuse (``reuse`` elements); an encoder's first module (fed by data, so DeepSpeed's
+    post-backward release never fires for it: it stays gathered to the end of a microbatch's
+    backward); at most every partitioned tensor."""
     if stage < 3:
         return 0
-    return GRAD_BYTES * sum(k for k in numels if k > persistence_threshold)
+    per_module: dict[str, int] = {}
+    for t in tensors:
+        if t.numel > persistence_threshold:
+            per_module[module_of(t.name)] = per_module.get(module_of(t.name), 0) + t.numel
+    if not per_module:
+        return 0
+    held = max(per_module.values()) + reuse
+    if prefetch > 0:
+        held += max_live + max(t.numel for t in tensors if t.numel > persistence_threshold)
+    if encoder and tensors:
+        held += per_module.get(module_of(tensors[0].name), 0)
+    return param_bytes * min(sum(per_module.values()), held)
 
 
 def estimate(
@@ -177,11 +267,14 @@ def estimate(
     recompute: str = "none",
     offload_optimizer: bool = False,
     chunk: int | None = DEFAULT_CHUNK_TOKENS,
+    gather: dict[str, int] | None = None,
 ) -> Cost:
     """``recompute``: the strategy's own option, used where the query names none;
     ``offload_optimizer`` keeps the fp32 master partition and the two moments
     (12 bytes per element, partitioned) off the GPU; ``chunk``: the LLM's
-    ``loss_chunk_tokens`` (logits of one chunk held at once; None: the whole microbatch's)."""
+    ``loss_chunk_tokens`` (logits of one chunk held at once; None: the whole microbatch's);
+    ``gather``: stage 3's ``prefetch``, ``max_live`` and ``reuse`` elements (DeepSpeed's
+    defaults where unset)."""
     if recompute != "none" and not query.recompute:
         query = replace(query, recompute=recompute)
     mode = recompute_mode(query.recompute)
@@ -189,25 +282,39 @@ def estimate(
     shape = query.shape
     tensors = shape.tensors()
     numels = [t.numel for t in tensors]
-    per_call = 2 if query.encoder else 1
     tokens = held_tokens(query, w)
     act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk)
     work = train_flops(shape, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)
+    uses, votes = None, 0
+    if stage == 3:
+        per_mb_tokens = -(-w.samples // (w.microbatches * w.replicas)) * w.seq_len
+        chunks = -(-per_mb_tokens // chunk) if chunk else 1
+        uses, votes = zero3_uses(tensors, w, bool(query.encoder), mode == "full", max(1, chunks))
     cost = assemble(
         w,
         state_bytes=zero_state_bytes(numels, stage, w.world, persistence_threshold),
         activation_bytes=act,
-        comm=zero_comm(numels, stage, w, calls_per_mb=per_call, persistence_threshold=persistence_threshold),
+        comm=zero_comm(numels, stage, w, persistence_threshold, uses, votes),
         calls=zero_calls(
-            tensors, stage, w, calls_per_mb=per_call, persistence_threshold=persistence_threshold
+            tensors, stage, w, persistence_threshold=persistence_threshold, uses=uses, votes=votes
         ),
         flops_per_sample=work,
         share=1,
         sent_bytes=transfer_bytes(w),
         compute=strategy_compute(shape, query.seq_len, Split(), w.act_bytes, mode),
     )
-    cost = replace(cost, gathered_bytes=zero_gathered_bytes(numels, stage, persistence_threshold))
+    knobs = gather or {}
+    held = zero_gathered_bytes(
+        tensors,
+        stage,
+        persistence_threshold,
+        knobs.get("prefetch", DEEPSPEED_PREFETCH),
+        knobs.get("max_live", DEEPSPEED_MAX_LIVE),
+        knobs.get("reuse", DEEPSPEED_REUSE),
+        encoder=bool(query.encoder),
+    )
+    cost = replace(cost, gathered_bytes=held)
     if offload_optimizer:
         numel = sum(numels)
         cost = replace(cost, state_bytes=cost.state_bytes - 12 * -(-numel // w.world))

@@ -99,6 +99,20 @@ def persistence_threshold(options: ZeroOptions) -> int:
     return int(DeepSpeedZeroConfig(**section).param_persistence_threshold)
 
 
+def gather_settings(options: ZeroOptions) -> dict[str, int]:
+    """ZeRO-3's per-layer gathering knobs as DeepSpeed reads its config (elements):
+    ``prefetch`` (stage3_prefetch_bucket_size), ``max_live`` (stage3_max_live_parameters),
+    ``reuse`` (stage3_max_reuse_distance)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    z = DeepSpeedZeroConfig(**build_ds_config(options, torch.float32)["zero_optimization"])
+    return {
+        "prefetch": int(z.prefetch_bucket_size),
+        "max_live": int(z.max_live_parameters),
+        "reuse": int(z.max_reuse_distance),
+    }
+
+
 def zero_section_problems(options: ZeroOptions) -> list[str]:
     """What DeepSpeed's own schema says about ``zero_optimization`` (config time)."""
     from pydantic import ValidationError

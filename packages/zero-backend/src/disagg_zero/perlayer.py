@@ -34,6 +34,46 @@ from disagg_zero.comm import counted
 from disagg_zero.lockstep import RootCalls, agreed_max, padded_spans, placeholder_sample
 
 
+class _CallDone(torch.autograd.Function):
+    """Identity on one input of one module call; its backward (which runs just before
+    DeepSpeed's post-backward function on the same input) sets DeepSpeed's per-module counter
+    of pending input gradients to this call's own count, so that DeepSpeed releases the
+    module's parameters after each call's backward. DeepSpeed resets the counter at every
+    forward call of the module, so a module called several times before its backward (the
+    encoder once per sample, the loss head once per chunk) would otherwise stay gathered from
+    the backward of its last call to the end of the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, module: nn.Module, pending: list[int]) -> torch.Tensor:  # type: ignore[override]
+        ctx.module, ctx.pending = module, pending
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:  # type: ignore[override]
+        ctx.pending[0] -= 1
+        ctx.module.ds_grads_remaining = ctx.pending[0] + 1  # DeepSpeed's decrement comes next
+        return grad, None, None
+
+
+def _per_call_release(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Forward pre-hook after DeepSpeed's: wrap the inputs it counted (tensors requiring a
+    gradient) in :class:`_CallDone`, with this call's count."""
+    if not torch.is_grad_enabled():
+        return None
+    from deepspeed.runtime.zero.utils import apply_to_tensors_only
+
+    found: list[int] = [0]
+    apply_to_tensors_only(lambda t: found.__setitem__(0, found[0] + int(t.requires_grad)) or t, list(args))
+    if not found[0]:
+        return None
+    pending = [found[0]]
+
+    def wrap(t: torch.Tensor) -> torch.Tensor:
+        return _CallDone.apply(t, module, pending) if t.requires_grad else t
+
+    return tuple(apply_to_tensors_only(wrap, list(args)))
+
+
 class PerLayer:
     """The roles' calls under per-layer ZeRO-3 (stage 3 with an engine); everything else
     falls through to core's defaults."""
@@ -63,13 +103,16 @@ class PerLayer:
     def per_layer(self) -> bool:
         return self.options.stage == 3 and self.engine is not None
 
+    def _arm_call_release(self) -> None:
+        """:func:`_per_call_release` on every submodule DeepSpeed hooks (after its hooks)."""
+        assert self.module is not None
+        self._hooks += [m.register_forward_pre_hook(_per_call_release) for m in self.module.modules()]
+
     def _arm_grad_hooks(self) -> None:
         """Per trainable parameter: note that it got a gradient, and scale it by the world size
         (DeepSpeed's ZeRO-3 reduce-scatter averages; core's loss is already divided by the
         global label count, so the sum is wanted)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = [
+        self._hooks += [
             p.register_hook(functools.partial(self._grad_in, i)) for i, p in enumerate(self._params)
         ]
 
@@ -79,7 +122,15 @@ class PerLayer:
 
     # -- encoder role -----------------------------------------------------------------------------
     def _placeholder_encode(self) -> Any:
-        return self.family.encode(self.module, placeholder_input(self.family))
+        try:
+            x = placeholder_input(self.family)
+        except Exception as exc:  # before any root call: the peers wait at this rank's vote
+            raise RuntimeError(
+                f"ZeRO-3 group {self.ctx.module!r}: rank {self.ctx.rank} has had no sample yet and must "
+                f"make a placeholder call, but family {self.family.name!r} cannot preprocess the "
+                f"placeholder image: {exc}"
+            ) from exc
+        return self.family.encode(self.module, x)
 
     def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         if not self.per_layer:

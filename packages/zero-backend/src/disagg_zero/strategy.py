@@ -3,29 +3,23 @@
 Every rank of a group makes the same collectives in the same order whatever
 its share of a microbatch (any split, including none), by construction:
 
-* ZeRO-3 parameters are gathered **whole**, once per ``encode``, ``backward``,
-  ``loss_and_backward`` and ``evaluate`` call (core's roles run each inside
-  :meth:`ZeroStrategy.module_call`, here :func:`runtime.gathered`), and
-  DeepSpeed's per-submodule gather/release hooks are removed: their number of
-  all-gathers follows the number of module calls, which the family's code
-  makes per sample or per item. Parameters stay partitioned between calls
-  (with gradients and optimizer states); the price is that a call holds the
-  whole module's parameters, not one layer's. DeepSpeed's per-layer gathering
-  needs every rank to make the same sequence of submodule calls: its fetches,
-  prefetches (from a recorded trace) and trace checks at each root forward are
-  collectives in that order, and here the order follows the data (an encoder
-  called per item, the LLM's embedding per sample and its head per loss chunk, a
-  rank without samples calling nothing), so it is not used yet.
+* ZeRO-3 parameters are gathered **per layer** by DeepSpeed's own hooks, with its
+  prefetch, live-parameter and reuse limits (:mod:`disagg_zero.perlayer`), and gradients are
+  reduce-scattered by its hooks during the one backward of each call. Those hooks are
+  collectives in the order of the submodule calls, which follow the data; so the ranks agree
+  on their calls first (:mod:`disagg_zero.lockstep`: the encoder votes before each root call,
+  the LLM on its sample and loss-chunk counts) and the short ones make placeholder calls whose
+  gradient is exactly zero. Only ``full_state_dict``, ``load_full_state`` and the full
+  gradients gather the whole module (``GatheredParameters``).
 * Stage 3 builds the module partitioned (:meth:`ZeroStrategy.build_module`,
   :mod:`disagg_zero.build`): no rank ever holds the whole module at set-up.
-* Parameter gradients are computed locally with ``torch.autograd.grad`` and
-  handed to DeepSpeed (:meth:`ZeroStrategy.backprop`) through one engine backward whose graph is the same on
-  every rank (:mod:`disagg_zero.inject`), so stage 2-3 reduction hooks fire
-  for the same parameters in the same order everywhere; a rank with no
-  samples hands zeros.
+* Stages 1-2: parameter gradients are computed locally with ``torch.autograd.grad`` and
+  handed to DeepSpeed (:meth:`ZeroStrategy.backprop`) through one engine backward whose graph
+  is the same on every rank (:mod:`disagg_zero.inject`), so stage 2's reduction hooks fire
+  for the same parameters in the same order everywhere; a rank with no samples hands zeros.
 * Which parameters really got a gradient is recorded per rank (``autograd.grad``
-  returns ``None`` for the others) and agreed across the group with one small
-  all-reduce in :meth:`ZeroStrategy.reduce_gradients`; the optimizer
+  returns ``None`` for the others; stage 3: a tensor hook per parameter) and agreed
+  across the group with one small all-reduce in :meth:`ZeroStrategy.reduce_gradients`; the optimizer
   (:class:`disagg_zero.optim.MaskedAdamW`) leaves the rest alone, as torch
   AdamW leaves a ``grad=None`` parameter. A step with no gradient anywhere
   skips the engine step and only advances the scheduler.
@@ -48,7 +42,13 @@ from disagg.interfaces import Family, OptimSpec, Strategy
 from disagg_zero import runtime
 from disagg_zero.build import build_partitioned
 from disagg_zero.comm import counted
-from disagg_zero.dsconfig import backward_scale, build_ds_config, persistence_threshold, zero_section_problems
+from disagg_zero.dsconfig import (
+    backward_scale,
+    build_ds_config,
+    gather_settings,
+    persistence_threshold,
+    zero_section_problems,
+)
 from disagg_zero.fullstate import ZeroFullState
 from disagg_zero.inject import injector, local_grads
 from disagg_zero.optim import masked_adamw
@@ -106,7 +106,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
     def parallelize(self, module: nn.Module) -> nn.Module:
         runtime.prepare(self.ctx)
         # core's recompute (``activation_checkpointing: true`` is its deprecated spelling):
-        # the replay runs inside the strategy call that gathers the whole module (ZeRO-3)
+        # under ZeRO-3 the replay's forward gathers each submodule again through DeepSpeed's hooks
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
         # The engine (finish_setup, once the optimizer exists) does the wrapping.
         return module
@@ -128,8 +128,10 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
                 config=config,
                 dist_init_required=False,
             )
-        if self.options.stage == 3 and self.optimizer is not None:
-            self._arm_grad_hooks()
+        if self.options.stage == 3:
+            self._arm_call_release()
+            if self.optimizer is not None:
+                self._arm_grad_hooks()
         self._map_fragments()
 
     def _map_fragments(self) -> None:
@@ -262,6 +264,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
             recompute=options.recompute,
             offload_optimizer=bool(options.offload_optimizer),
             chunk=getattr(options, "loss_chunk_tokens", None),
+            gather=gather_settings(options),
         )
 
     @classmethod
