@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 
 def agreed_max(n: int, device: torch.device) -> int:
@@ -62,42 +61,33 @@ class RootCalls:
     """Inside the block every call of ``module`` (the root) votes first; :meth:`finish`
     then makes placeholder root calls until no rank has a call of its own left.
 
-    The placeholder call repeats the arguments of this rank's last real root call (kept,
-    detached, across microbatches), which takes the same submodule path by construction; a
-    rank that never made one uses ``placeholder`` (the family's one-image input, encoded
-    with the family's ``encode``), which must make exactly one root call."""
+    A placeholder call is ``placeholder()``: the family's ``encode`` of an input that makes
+    exactly one root call (checked), so that it uses the root's outputs as the real calls do
+    (which of them is back-propagated decides DeepSpeed's backward fetches)."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        device: torch.device,
-        placeholder: Callable[[], Any] | None,
-        last: list[Any],
-    ) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, placeholder: Callable[[], Any]) -> None:
         self.module, self.device, self.placeholder = module, device, placeholder
-        #: a one-element list the strategy keeps across calls: (args, kwargs) of the last real root call
-        self.last = last
         self._filling = False
         self._calls = 0
         self._handle: Any = None
+        #: real root calls made inside the block so far
         self.real_calls = 0
 
     def __enter__(self) -> RootCalls:
         # prepend: the vote must come before DeepSpeed's own pre-forward hooks (its gathers
         # and its trace checks), on real and placeholder calls alike
-        self._handle = self.module.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True)
+        self._handle = self.module.register_forward_pre_hook(self._pre, prepend=True)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._handle.remove()
 
-    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def _pre(self, module: nn.Module, args: Any) -> None:
         if self._filling:  # the placeholder loop voted for this call already
             self._calls += 1
             return
         _vote(1, self.device)
         self.real_calls += 1
-        self.last[:] = [tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, (args, kwargs))]
 
     def finish(self) -> list[torch.Tensor]:
         """Vote 0 until every rank has; one placeholder root call per round in which some
@@ -110,16 +100,7 @@ class RootCalls:
     def _placeholder_call(self) -> list[torch.Tensor]:
         self._filling, self._calls = True, 0
         try:
-            if self.last:
-                args, kwargs = self.last[0]
-                out = self.module(*args, **kwargs)
-            elif self.placeholder is not None:
-                out = self.placeholder()
-            else:
-                raise RuntimeError(
-                    "ZeRO-3 per-layer gathering: this rank has no sample yet and the family has no "
-                    "placeholder input for the root calls its peers make"
-                )
+            out = self.placeholder()
         finally:
             self._filling = False
         if self._calls != 1:

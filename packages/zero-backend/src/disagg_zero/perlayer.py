@@ -93,8 +93,10 @@ class PerLayer:
     def _per_layer_init(self) -> None:
         #: microbatch -> outputs of the placeholder root calls this rank ran (zero gradient)
         self._fill: dict[int, list[torch.Tensor]] = {}
-        #: (args, kwargs) of this rank's last real root call, for its placeholder calls
-        self._last_root: list[Any] = []
+        #: the family's placeholder image, preprocessed (None: not yet, or it has none)
+        self._placeholder: dict[str, torch.Tensor] | None = None
+        #: this rank's last input that made exactly one root call (the fallback placeholder)
+        self._one_call: dict[str, torch.Tensor] | None = None
         self._hooks: list[Any] = []
         #: DeepSpeed backwards this step (0 when no rank had a pass in any microbatch)
         self._engine_backwards = 0
@@ -122,23 +124,34 @@ class PerLayer:
 
     # -- encoder role -----------------------------------------------------------------------------
     def _placeholder_encode(self) -> Any:
-        try:
-            x = placeholder_input(self.family)
-        except Exception as exc:  # before any root call: the peers wait at this rank's vote
-            raise RuntimeError(
-                f"ZeRO-3 group {self.ctx.module!r}: rank {self.ctx.rank} has had no sample yet and must "
-                f"make a placeholder call, but family {self.family.name!r} cannot preprocess the "
-                f"placeholder image: {exc}"
-            ) from exc
-        return self.family.encode(self.module, x)
+        """One root call whose gradient will be zero: the family's placeholder image (one
+        black image), or, for a family that cannot preprocess one, this rank's last input
+        that made one root call."""
+        if self._placeholder is None:
+            try:
+                self._placeholder = placeholder_input(self.family)
+            except Exception as exc:  # before any root call: the peers wait at this rank's vote
+                if self._one_call is None:
+                    raise RuntimeError(
+                        f"ZeRO-3 group {self.ctx.module!r}: rank {self.ctx.rank} must make a placeholder "
+                        f"call but has had no one-call input yet, and family {self.family.name!r} "
+                        f"cannot preprocess the placeholder image: {exc}"
+                    ) from exc
+                return self.family.encode(self.module, self._one_call)
+        return self.family.encode(self.module, self._placeholder)
 
     def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         if not self.per_layer:
             return super().encode(mb, inputs)  # type: ignore[misc]
         assert self.module is not None
-        roots = RootCalls(self.module, self.ctx.device, self._placeholder_encode, self._last_root)
+        roots = RootCalls(self.module, self.ctx.device, self._placeholder_encode)
+        outs = []
         with counted(self.ctx.comm), roots:
-            outs = [self.family.encode(self.module, x) for x in inputs]
+            for x in inputs:
+                before = roots.real_calls
+                outs.append(self.family.encode(self.module, x))
+                if roots.real_calls - before == 1:
+                    self._one_call = x
             fill = roots.finish()
         if torch.is_grad_enabled():
             self._fill[mb] = fill
