@@ -13,10 +13,10 @@ parameter bytes, ``m`` microbatches:
 - stage 3: DeepSpeed gathers each submodule's parameters before its forward and again
   before its backward (:mod:`disagg_zero.perlayer`), each tensor over the persistence
   threshold from its own padded partition (``(n-1)·ceil(numel/n)`` elements), ``u`` times per
-  step (:func:`zero3_uses`: twice per pass, a third time where full recompute replays the
-  layer, the output head twice per loss chunk or three times when chunks are replayed, an
-  encoder's first module (fed by data) once per pass and once per microbatch's backward; an
-  encoder's pass is one root call per sample, the LLM's one per microbatch); the persistent
+  step (:func:`zero3_uses`: twice per pass, recomputed or not (a replay gathers what its
+  backward then uses: :func:`disagg_zero.runtime.keep_replayed`), the output head twice per
+  loss chunk, an encoder's first module (fed by data) once per pass and once per microbatch's
+  backward; an encoder's pass is one root call per sample, the LLM's one per microbatch); the persistent
   ones re-gathered once after the step; gradients reduce-scattered in every backward, each
   tensor padded the same way (``m·(n-1)·Σ ceil(numel/n)``); plus the group's agreement on its
   calls (:mod:`disagg_zero.lockstep`: an encoder's vote per root call and one more per
@@ -47,7 +47,8 @@ replaces an fp32 parameter. Estimates within per-tensor scalars.
 
 **Gathered** (``Cost.gathered_bytes``), stage 3: what DeepSpeed's per-submodule gathering
 holds whole at once on top of the state (:func:`zero_gathered_bytes`): the largest one
-module's own partitioned tensors (the one being computed); with prefetch on
+module's own partitioned tensors (the one being computed; under full recompute the largest
+layer's, which its replay gathers for its backward); with prefetch on
 (``stage3_prefetch_bucket_size`` > 0), what it fetches ahead, which each fetch tops up to
 ``stage3_max_live_parameters``; what it keeps for reuse (up to ``stage3_max_reuse_distance``
 elements); an encoder's first module, fed by data, which DeepSpeed's post-backward hook never
@@ -185,9 +186,7 @@ def module_of(name: str) -> str:
 _LAYER = re.compile(r"(^|\.)(layers|blocks)\.\d+\.")
 
 
-def zero3_uses(
-    tensors: list[ParamTensor], w: Workload, encoder: bool, recompute_full: bool, chunks: int
-) -> tuple[list[int], int]:
+def zero3_uses(tensors: list[ParamTensor], w: Workload, encoder: bool, chunks: int) -> tuple[list[int], int]:
     """Per tensor, how many times stage 3 gathers it per step when nothing is kept for reuse,
     and the agreement all-reduces per step (the module docstring). Every rank runs the
     busiest rank's passes (placeholders), so per microbatch ``p = ceil(samples / (m·replicas))``
@@ -206,11 +205,13 @@ def zero3_uses(
         if module_of(t.name) == first:
             out.append(m * (passes + 1))
             continue
-        u = 2 + (1 if recompute_full and _LAYER.search(t.name) else 0)
+        # forward and backward; a replayed layer (full recompute) or loss chunk gathers in its
+        # replay what the backward then uses without a second gather (runtime.keep_replayed)
+        u = 2
         if not encoder and t.name == head:
-            # the chunked loss's head: twice per chunk, three times when chunks are replayed
-            # (a tied embedding is also the input embedding: its own two on top)
-            u = (2 if chunks == 1 else 3) * chunks + (2 if head == "embed_tokens.weight" else 0)
+            # the chunked loss's head: twice per chunk (a tied embedding is also the input
+            # embedding: its own two on top)
+            u = 2 * chunks + (2 if head == "embed_tokens.weight" else 0)
         out.append(m * passes * u)
     votes = m * (passes + 1 if encoder else 2)
     return out, votes
@@ -236,9 +237,11 @@ def zero_gathered_bytes(
     reuse: int = DEEPSPEED_REUSE,
     param_bytes: int = GRAD_BYTES,
     encoder: bool = False,
+    recompute_full: bool = False,
 ) -> int:
     """Stage 3: the parameters DeepSpeed's per-submodule gathering holds whole at once on top
-    of the state (the module docstring): the largest module's own partitioned tensors; with
+    of the state (the module docstring): the largest module's own partitioned tensors (under
+    full recompute, or the largest layer's: its replay gathers them all for its backward); with
     prefetch on, what it fetches ahead, up to ``max_live`` elements (each fetch adds whole
     tensors until the bucket is full, so it may pass the limit by one tensor); what it keeps
     for reuse (``reuse`` elements); an encoder's first module (fed by data, so DeepSpeed's
@@ -247,12 +250,18 @@ def zero_gathered_bytes(
     if stage < 3:
         return 0
     per_module: dict[str, int] = {}
+    per_layer: dict[str, int] = {}
     for t in tensors:
         if t.numel > persistence_threshold:
             per_module[module_of(t.name)] = per_module.get(module_of(t.name), 0) + t.numel
+            layer = _LAYER.search(t.name)
+            if recompute_full and layer:
+                key = t.name[: layer.end()]
+                per_layer[key] = per_layer.get(key, 0) + t.numel
     if not per_module:
         return 0
-    held = max(per_module.values()) + reuse
+    # a replayed layer holds all its tensors from its replay to their backward
+    held = max([*per_module.values(), *per_layer.values()]) + reuse
     if prefetch > 0:
         held += max_live + max(t.numel for t in tensors if t.numel > persistence_threshold)
     if encoder and tensors:
@@ -290,7 +299,7 @@ def estimate(
     if stage == 3:
         per_mb_tokens = -(-w.samples // (w.microbatches * w.replicas)) * w.seq_len
         chunks = -(-per_mb_tokens // chunk) if chunk else 1
-        uses, votes = zero3_uses(tensors, w, bool(query.encoder), mode == "full", max(1, chunks))
+        uses, votes = zero3_uses(tensors, w, bool(query.encoder), max(1, chunks))
     cost = assemble(
         w,
         state_bytes=zero_state_bytes(numels, stage, w.world, persistence_threshold),
@@ -313,6 +322,7 @@ def estimate(
         knobs.get("max_live", DEEPSPEED_MAX_LIVE),
         knobs.get("reuse", DEEPSPEED_REUSE),
         encoder=bool(query.encoder),
+        recompute_full=mode == "full",
     )
     cost = replace(cost, gathered_bytes=held)
     if offload_optimizer:

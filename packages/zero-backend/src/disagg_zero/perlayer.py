@@ -106,9 +106,11 @@ class PerLayer:
         return self.options.stage == 3 and self.engine is not None
 
     def _arm_call_release(self) -> None:
-        """:func:`_per_call_release` on every submodule DeepSpeed hooks (after its hooks)."""
+        """:func:`_per_call_release` on every submodule DeepSpeed hooks (after its hooks), and
+        :func:`disagg_zero.runtime.keep_replayed` on its coordinator."""
         assert self.module is not None
         self._hooks += [m.register_forward_pre_hook(_per_call_release) for m in self.module.modules()]
+        runtime.keep_replayed(self.engine)
 
     def _arm_grad_hooks(self) -> None:
         """Per trainable parameter: note that it got a gradient, and scale it by the world size

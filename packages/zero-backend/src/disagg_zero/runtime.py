@@ -153,6 +153,31 @@ def without_zero3_hooks(engine: Any, module: nn.Module) -> Iterator[None]:
             d.update(full)
 
 
+def keep_replayed(engine: Any) -> None:
+    """A recomputed region's replay (in backward) fetches each submodule through DeepSpeed's
+    pre-forward hook as a forward does, but does not release it after: its backward, next,
+    uses the same parameters and releases them (post-backward hook).
+
+    DeepSpeed's post-forward release would free parameters the backward already fetched
+    (a set of active submodule ids, not a count: the replay's forward of a module whose
+    backward fetched it first, e.g. the loss chunk's head or a layer's last linear, removes
+    the backward's hold), and their gradients would then land on an empty parameter. What the
+    replay gathers is held anyway: the replay saves the gathered weights for the backward
+    (torch's checkpoint keeps them until they are used), so releasing early frees nothing and
+    costs a second gather in the backward. Frozen parameters DeepSpeed itself ties to the
+    backward's module (``ds_recompute_parameters``), released with it."""
+    from disagg.interfaces.recompute import replaying
+
+    offload = param_offload(engine)
+    release = offload.post_sub_module_forward_function
+
+    def post_forward(sub_module: nn.Module) -> None:
+        if not replaying():
+            release(sub_module)
+
+    offload.post_sub_module_forward_function = post_forward
+
+
 class GatherProbe:
     """The most bytes of partitioned (non-persistent) ZeRO-3 parameters held whole at once,
     sampled after each of DeepSpeed's per-submodule fetches (forward and backward), where the
