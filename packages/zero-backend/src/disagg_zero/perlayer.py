@@ -21,7 +21,9 @@ back to the encoders, are not scaled).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -72,6 +74,38 @@ def _per_call_release(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ..
         return _CallDone.apply(t, module, pending) if t.requires_grad else t
 
     return tuple(apply_to_tensors_only(wrap, list(args)))
+
+
+@contextlib.contextmanager
+def embeddings_need_grad(module: nn.Module) -> Iterator[None]:
+    """Inside the block the LLM's input embeddings require a gradient on every rank.
+
+    DeepSpeed fetches a submodule for its backward only where its output requires a gradient.
+    With a frozen embedding (LoRA, ``freeze``) that depends on the data: the hidden states
+    require one on a rank whose samples scatter encoder rows (leaves that do) and not on a
+    text-only or placeholder rank, whose backward then skips the fetches of the frozen linears
+    before the first adapter, and the group's gathers no longer line up (gloo aborts on the
+    mismatched sizes). Making the embedding's output a leaf that requires a gradient gives
+    every rank the same backward; its gradient is computed and dropped (the frozen linears'
+    input gradients: a frozen base's share of the backward)."""
+    try:
+        layer = module.get_input_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError):
+        layer = None
+    if layer is None or not torch.is_grad_enabled():
+        yield
+        return
+
+    def needs_grad(_m: nn.Module, _args: Any, out: Any) -> Any:
+        if torch.is_tensor(out) and out.is_floating_point() and not out.requires_grad:
+            return out.requires_grad_(True)
+        return None
+
+    handle = layer.register_forward_hook(needs_grad)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class PerLayer:
@@ -208,8 +242,13 @@ class PerLayer:
         assert self.module is not None
         head = chunked_loss.output_head(self.family, self.module)
         if head is None:  # the head runs inside the root call, once per forward
-            return self.loss_sum(*self.llm_forward(inputs, embeds))  # type: ignore[attr-defined]
-        with chunked_loss.deferred(head), runtime.without_zero3_hooks(self.engine, head):
+            with embeddings_need_grad(self.module):
+                return self.loss_sum(*self.llm_forward(inputs, embeds))  # type: ignore[attr-defined]
+        with (
+            chunked_loss.deferred(head),
+            runtime.without_zero3_hooks(self.engine, head),
+            embeddings_need_grad(self.module),
+        ):
             hidden, labels = self.llm_forward(inputs, embeds)  # type: ignore[attr-defined]
         spans = padded_spans(hidden.shape[0], self._chunk(), self.ctx.device)
 
