@@ -21,7 +21,8 @@ short ranks run placeholder forwards whose output gradient is zero, so they add 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -109,6 +110,24 @@ class RootCalls:
                 "calls, not 1; the group's gathers no longer line up"
             )
         return grad_tensors(out)
+
+
+@contextlib.contextmanager
+def without_dropout(module: nn.Module) -> Iterator[None]:
+    """A placeholder's forward inside draws no dropout mask: every submodule in eval mode but
+    Hugging Face's gradient-checkpointing layers, whose train mode decides whether they are
+    recomputed (the group's gathers follow that). Its gradient is zero whatever the masks; a
+    rank without samples draws nothing, as under ``ddp``, and its random stream stays put."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    flipped = [m for m in module.modules() if m.training and not isinstance(m, GradientCheckpointingLayer)]
+    for m in flipped:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in flipped:
+            m.training = True
 
 
 def placeholder_sample(family: Any) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from disagg.interfaces import EmbeddingShard, chunked_loss
 from disagg.interfaces.sharded import placeholder_input
 from disagg_zero import runtime
 from disagg_zero.comm import counted
-from disagg_zero.lockstep import RootCalls, agreed_max, padded_spans, placeholder_sample
+from disagg_zero.lockstep import RootCalls, agreed_max, padded_spans, placeholder_sample, without_dropout
 
 
 class _CallDone(torch.autograd.Function):
@@ -134,6 +134,27 @@ class PerLayer:
         self._hooks: list[Any] = []
         #: DeepSpeed backwards this step (0 when no rank had a pass in any microbatch)
         self._engine_backwards = 0
+        #: inside a placeholder's forward (:func:`without_dropout`; its replays see it too)
+        self._quiet = False
+
+    @contextlib.contextmanager
+    def _placeholder_forward(self) -> Iterator[None]:
+        assert self.module is not None
+        self._quiet = True
+        try:
+            with without_dropout(self.module):
+                yield
+        finally:
+            self._quiet = False
+
+    def _replay_quiet(self) -> Any:
+        """A :class:`disagg.interfaces.recompute.Recompute` capture: a region recomputed from a
+        placeholder's forward replays without dropout too."""
+        if not self._quiet:
+            return contextlib.nullcontext
+        module = self.module
+        assert module is not None
+        return lambda: without_dropout(module)
 
     @property
     def per_layer(self) -> bool:
@@ -145,6 +166,7 @@ class PerLayer:
         assert self.module is not None
         self._hooks += [m.register_forward_pre_hook(_per_call_release) for m in self.module.modules()]
         runtime.keep_replayed(self.engine)
+        self.recompute.captures.append(self._replay_quiet)
 
     def _arm_grad_hooks(self) -> None:
         """Per trainable parameter: note that it got a gradient, and scale it by the world size
@@ -173,8 +195,10 @@ class PerLayer:
                         f"call but has had no one-call input yet, and family {self.family.name!r} "
                         f"cannot preprocess the placeholder image: {exc}"
                     ) from exc
-                return self.family.encode(self.module, self._one_call)
-        return self.family.encode(self.module, self._placeholder)
+                with self._placeholder_forward():
+                    return self.family.encode(self.module, self._one_call)
+        with self._placeholder_forward():
+            return self.family.encode(self.module, self._placeholder)
 
     def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         if not self.per_layer:
@@ -228,7 +252,10 @@ class PerLayer:
             if n == 0:  # no rank has a sample: nothing is called anywhere
                 self.backprop([], None, leaves)
                 return 0.0
-            loss_sum = self.chunked_loss(*self._padded(inputs, embeds, n))
+            # a rank without samples forwards placeholders only: without dropout (lockstep)
+            quiet = self._placeholder_forward() if not inputs else contextlib.nullcontext()
+            with quiet:
+                loss_sum = self.chunked_loss(*self._padded(inputs, embeds, n))
         self.backprop([loss_sum * loss_scale], None, leaves)
         return float(loss_sum.detach())
 
