@@ -71,6 +71,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
+from disagg.interfaces import cost_training
 from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import GRAD_BYTES, Cost, CostQuery, ParamTensor, Workload, assemble, held_tokens
 from disagg.interfaces.cost import workload as workload_of
@@ -112,18 +113,22 @@ def zero_comm(
     uses: list[int] | None = None,
     votes: int = 0,
     param_bytes: int = GRAD_BYTES,
+    trained: list[bool] | None = None,
 ) -> dict[str, int]:
     """Bytes per rank per step by kind (the module docstring); stage 3: ``uses`` gathers of
-    each tensor per step (default: twice per microbatch) and ``votes`` agreement all-reduces."""
+    each tensor per step (default: twice per microbatch) and ``votes`` agreement all-reduces.
+    ``trained``: per tensor, whether it trains (default all); only those are reduced and, in
+    stages 1-2, partitioned; stage 3 gathers every tensor, frozen ones too."""
     n = w.world
     if n == 1:
         return {}
     m = w.microbatches
-    grads = sum(tensors) * GRAD_BYTES
-    small = all_reduce(8 * (len(tensors) + 1), n) + sum(all_reduce(b, n) for b in ZERO_STEP_SCALARS[stage])
+    warm = tensors if trained is None else [k for k, t in zip(tensors, trained) if t]
+    grads = sum(warm) * GRAD_BYTES
+    small = all_reduce(8 * (len(warm) + 1), n) + sum(all_reduce(b, n) for b in ZERO_STEP_SCALARS[stage])
     # the flat fp32 partitions of stages 1-2 are padded to a multiple of 2n elements
     # (DeepSpeed's nccl_start_alignment_factor = 2): each rank gathers its padded share
-    flat = (n - 1) * -(-sum(tensors) // (2 * n)) * 2 * GRAD_BYTES
+    flat = (n - 1) * -(-sum(warm) // (2 * n)) * 2 * GRAD_BYTES
     if stage == 1:
         return {"all_reduce": all_reduce(grads, n) + small, "all_gather": flat}
     if stage == 2:
@@ -134,7 +139,7 @@ def zero_comm(
     gathered = sum(u * s for u, s, k in zip(uses, shard, tensors) if k > persistence_threshold)
     return {
         "all_gather": (gathered + persistent) * param_bytes,
-        "reduce_scatter": m * sum(shard) * GRAD_BYTES,
+        "reduce_scatter": m * sum((n - 1) * -(-k // n) for k in warm) * GRAD_BYTES,
         "all_reduce": small + votes * all_reduce(VOTE_BYTES, n),
     }
 
@@ -147,8 +152,9 @@ def zero_calls(
     persistence_threshold: int = DEEPSPEED_PERSISTENCE,
     uses: list[int] | None = None,
     votes: int = 0,
+    trained: list[bool] | None = None,
 ) -> dict[str, int]:
-    """DeepSpeed's collectives, as :func:`zero_comm` sums their bytes, in buckets of
+    """DeepSpeed's collectives, as :func:`zero_comm` sums their bytes (``trained`` as there), in buckets of
     ``bucket`` elements (``B = ceil(P / bucket)`` calls per reduction): stage 1
     all-reduces gradients once per step (``B``), stage 2 in every backward
     (``M·B``), both all-gather the updated partitions (``B``); stage 3 gathers one module's
@@ -158,7 +164,7 @@ def zero_calls(
     scalar all-reduces (3), and stage 3's ``votes``."""
     if w.world == 1:
         return {}
-    numel = sum(t.numel for t in tensors)
+    numel = sum(t.numel for i, t in enumerate(tensors) if trained is None or trained[i])
     buckets = max(1, -(-numel // bucket))
     small = 3
     if stage == 3:
@@ -184,6 +190,24 @@ def module_of(name: str) -> str:
 
 
 _LAYER = re.compile(r"(^|\.)(layers|blocks)\.\d+\.")
+
+
+def in_module_order(tensors: list[ParamTensor], tr: Any) -> list[ParamTensor]:
+    """Every tensor DeepSpeed holds (``tensors``, then each LoRA adapter after its base
+    linear's last tensor, as PEFT's wrapped module lists them): what stage 3 gathers."""
+    if tr.full:
+        return list(tensors)
+    extra: dict[str, list[ParamTensor]] = {}
+    for a in tr.adapters:
+        extra.setdefault(a.name.rsplit(".", 2)[0], []).append(a)
+    last = {module_of(t.name): i for i, t in enumerate(tensors)}
+    out: list[ParamTensor] = []
+    for i, t in enumerate(tensors):
+        out.append(t)
+        here = module_of(t.name)
+        if last[here] == i:
+            out += extra.get(here, [])
+    return out
 
 
 def zero3_uses(tensors: list[ParamTensor], w: Workload, encoder: bool, chunks: int) -> tuple[list[int], int]:
@@ -218,14 +242,22 @@ def zero3_uses(tensors: list[ParamTensor], w: Workload, encoder: bool, chunks: i
 
 
 def zero_state_bytes(
-    numels: list[int], stage: int, n: int, persistence_threshold: int = DEEPSPEED_PERSISTENCE
+    numels: list[int],
+    stage: int,
+    n: int,
+    persistence_threshold: int = DEEPSPEED_PERSISTENCE,
+    frozen: list[int] = (),  # type: ignore[assignment]
 ) -> int:
-    """DeepSpeed's holdings after a step, fp32 training (see the module docstring)."""
+    """DeepSpeed's holdings after a step, fp32 training (see the module docstring); ``frozen``:
+    the elements of each frozen tensor (LoRA's base), which hold their weight only (whole in
+    stages 1-2, partitioned in stage 3: no master, gradient or moments)."""
     psi = sum(numels)
+    cold = list(frozen)
     if stage < 3:
-        return 4 * psi + 12 * -(-psi // n)
+        return 4 * (psi + sum(cold)) + 12 * -(-psi // n)
     parts = sum(-(-k // n) for k in numels)
-    return 20 * parts + 4 * sum(k for k in numels if k <= persistence_threshold)
+    whole = sum(k for k in [*numels, *cold] if k <= persistence_threshold)
+    return 20 * parts + 4 * sum(-(-k // n) for k in cold) + 4 * whole
 
 
 def zero_gathered_bytes(
@@ -289,12 +321,19 @@ def estimate(
     mode = recompute_mode(query.recompute)
     w = workload_of(query)
     shape = query.shape
-    tensors = shape.tensors()
+    tr = query.trained
+    tensors = in_module_order(shape.tensors(), tr)
+    warm = {t.name for t in tr.trainable}
+    trained = [t.name in warm for t in tensors]
     numels = [t.numel for t in tensors]
     tokens = held_tokens(query, w)
     act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk)
-    work = train_flops(shape, query.seq_len)
+    if mode != "full":  # under full recompute a block's adapters save only while it replays
+        act += cost_training.adapter_activation_bytes(tr, tokens, w.act_bytes)
+    work = train_flops(shape, query.seq_len) + cost_training.flops_delta(tr, query.seq_len)
     work += extra_flops(shape, query.seq_len, work, mode)
+    base = strategy_compute(shape, query.seq_len, Split(), w.act_bytes, "none")
+    compute = cost_training.compute_delta(base, tr, query.seq_len, Split()).with_recompute(mode)
     uses, votes = None, 0
     if stage == 3:
         per_mb_tokens = -(-w.samples // (w.microbatches * w.replicas)) * w.seq_len
@@ -302,16 +341,28 @@ def estimate(
         uses, votes = zero3_uses(tensors, w, bool(query.encoder), max(1, chunks))
     cost = assemble(
         w,
-        state_bytes=zero_state_bytes(numels, stage, w.world, persistence_threshold),
+        state_bytes=zero_state_bytes(
+            [t.numel for t in tr.trainable],
+            stage,
+            w.world,
+            persistence_threshold,
+            [t.numel for t in tr.frozen],
+        ),
         activation_bytes=act,
-        comm=zero_comm(numels, stage, w, persistence_threshold, uses, votes),
+        comm=zero_comm(numels, stage, w, persistence_threshold, uses, votes, trained=trained),
         calls=zero_calls(
-            tensors, stage, w, persistence_threshold=persistence_threshold, uses=uses, votes=votes
+            tensors,
+            stage,
+            w,
+            persistence_threshold=persistence_threshold,
+            uses=uses,
+            votes=votes,
+            trained=trained,
         ),
         flops_per_sample=work,
         share=1,
         sent_bytes=transfer_bytes(w),
-        compute=strategy_compute(shape, query.seq_len, Split(), w.act_bytes, mode),
+        compute=compute,
     )
     knobs = gather or {}
     held = zero_gathered_bytes(
@@ -326,6 +377,6 @@ def estimate(
     )
     cost = replace(cost, gathered_bytes=held)
     if offload_optimizer:
-        numel = sum(numels)
+        numel = sum(t.numel for t in tr.trainable)
         cost = replace(cost, state_bytes=cost.state_bytes - 12 * -(-numel // w.world))
     return cost
