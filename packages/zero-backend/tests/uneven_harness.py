@@ -257,6 +257,32 @@ Z3 = {"zero_optimization": H.PER_LAYER}
 CONFIGS = {"1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3, "ds_config": Z3}}
 
 
+def rank_lora_bytes(rank: int, lm_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """The toy LM under LoRA (``qkv`` and ``up``, r 2): its state bytes after one step, and each
+    parameter's elements, trained or frozen (what ``cost.zero_state_bytes`` reads)."""
+    from disagg.interfaces.lora import LoraSpec, apply_lora
+
+    fam = ToyLMFamily(lm_dir)
+    ctx = ranks.rank_context("llm", rank, 1, 2)
+    from disagg_zero import ZeroStrategy
+
+    strat = ZeroStrategy(ctx, fam, ZeroStrategy.options_model(**options))
+    spec = LoraSpec(r=2, alpha=4, dropout=0.0, targets=("qkv", "up"))
+    strat.setup(apply_lora(strat.build_module(), spec, "llm", "test"), H.OPTIM)
+    samples = H.llm_batches(2, 1)[0]
+    part = H.mine(list(range(len(samples))), rank, 2)
+    embeds = ranks.leaves([samples[i]["embeds"] for i in part])
+    ranks.loss_and_backward(strat, 0, [samples[i]["llm"] for i in part], embeds, 1.0 / H.label_count(samples))
+    ranks.step(strat, ranks.reduce(strat), H.CLIP, zero_grad=False)
+    numel = {n: getattr(p, "ds_numel", p.numel()) for n, p in strat.module.named_parameters()}
+    grad = {n: p.requires_grad for n, p in strat.module.named_parameters()}
+    return {
+        "state_bytes": ranks.state_bytes(strat),
+        "trained": [numel[n] for n in numel if grad[n]],
+        "frozen": [numel[n] for n in numel if not grad[n]],
+    }
+
+
 def rank_all(rank: int, enc_dir: Path, big_enc_dir: Path, lm_dir: Path, mem_lm_dir: Path) -> dict[str, Any]:
     import build_harness
 
@@ -271,4 +297,5 @@ def rank_all(rank: int, enc_dir: Path, big_enc_dir: Path, lm_dir: Path, mem_lm_d
     out["3-bf16"] = {"llm": rank_llm(rank, lm_dir, CONFIGS["3"], torch.bfloat16)}
     out["3-eval"] = rank_eval(rank, enc_dir, lm_dir, CONFIGS["3"])
     out["1-mismatch"] = rank_mismatch(rank, enc_dir)
+    out["lora"] = {s: rank_lora_bytes(rank, lm_dir, CONFIGS[s]) for s in ("1", "3")}
     return out

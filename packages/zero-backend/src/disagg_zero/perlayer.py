@@ -78,30 +78,36 @@ def _per_call_release(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ..
 
 @contextlib.contextmanager
 def embeddings_need_grad(module: nn.Module) -> Iterator[None]:
-    """Inside the block the LLM's input embeddings require a gradient on every rank.
+    """Inside the block the LLM's input embeddings (the root call's ``inputs_embeds``, or its
+    first floating tensor argument) require a gradient on every rank.
 
     DeepSpeed fetches a submodule for its backward only where its output requires a gradient.
     With a frozen embedding (LoRA, ``freeze``) that depends on the data: the hidden states
     require one on a rank whose samples scatter encoder rows (leaves that do) and not on a
     text-only or placeholder rank, whose backward then skips the fetches of the frozen linears
     before the first adapter, and the group's gathers no longer line up (gloo aborts on the
-    mismatched sizes). Making the embedding's output a leaf that requires a gradient gives
-    every rank the same backward; its gradient is computed and dropped (the frozen linears'
-    input gradients: a frozen base's share of the backward)."""
-    try:
-        layer = module.get_input_embeddings()  # type: ignore[operator]
-    except (AttributeError, NotImplementedError):
-        layer = None
-    if layer is None or not torch.is_grad_enabled():
+    mismatched sizes). Making the embeddings a leaf that requires a gradient gives every rank
+    the same backward; its gradient is computed and dropped (the frozen linears' input
+    gradients: a frozen base's share of the backward). The hook runs before DeepSpeed's, which
+    count the root's inputs that require a gradient."""
+    if not torch.is_grad_enabled():
         yield
         return
 
-    def needs_grad(_m: nn.Module, _args: Any, out: Any) -> Any:
-        if torch.is_tensor(out) and out.is_floating_point() and not out.requires_grad:
-            return out.requires_grad_(True)
+    def needs_grad(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = kwargs.get("inputs_embeds")
+        if torch.is_tensor(x):
+            if x.is_floating_point() and not x.requires_grad:
+                return args, {**kwargs, "inputs_embeds": x.detach().requires_grad_(True)}
+            return None
+        for i, a in enumerate(args):
+            if torch.is_tensor(a) and a.is_floating_point():
+                if a.requires_grad:
+                    return None
+                return (*args[:i], a.detach().requires_grad_(True), *args[i + 1 :]), kwargs
         return None
 
-    handle = layer.register_forward_hook(needs_grad)
+    handle = module.register_forward_pre_hook(needs_grad, prepend=True, with_kwargs=True)
     try:
         yield
     finally:
