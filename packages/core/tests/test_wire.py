@@ -27,7 +27,7 @@ def _worker() -> ModuleWorker:
 
 @pytest.mark.parametrize("host", [True, False])
 def test_shard_object_is_one_device_and_owns_its_bytes(host):
-    (positions, value, total), = _worker().shards_for(0, [5], host).values()
+    ((positions, value, total),) = _worker().shards_for(0, [5], host).values()
     assert positions.device == value.device and total == 10
     assert torch.equal(positions, torch.arange(3, 7))
     if host:  # the object store would pickle a view's whole storage

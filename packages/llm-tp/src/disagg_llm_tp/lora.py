@@ -84,6 +84,7 @@ def unwrap(module: nn.Module, column: tuple[str, ...], row: tuple[str, ...]) -> 
     if not any(".lora_A." in n for n, _ in module.named_parameters()):
         return []  # no adapters: peft need not even be installed
     from peft.tuners.lora import Linear as LoraLinear
+
     sites = []
     for name, mod in list(module.named_modules()):
         if not isinstance(mod, LoraLinear):

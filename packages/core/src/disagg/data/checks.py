@@ -34,9 +34,11 @@ def data_problems(cfg: Config, families: dict[str, Any]) -> list[Problem]:
                         "so it has no pixel budget to set; remove data." + key,
                     )
                 )
-    entries = [(("data", "train"), d.train, d.format)] if isinstance(d.train, str) else [
-        (("data", "train", i, "path"), e.path, e.format or d.format) for i, e in enumerate(d.train)
-    ]
+    entries = (
+        [(("data", "train"), d.train, d.format)]
+        if isinstance(d.train, str)
+        else [(("data", "train", i, "path"), e.path, e.format or d.format) for i, e in enumerate(d.train)]
+    )
     if d.eval:
         entries.append((("data", "eval"), d.eval, d.format))
     for path, file, fmt in entries:

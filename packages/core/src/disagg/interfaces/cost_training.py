@@ -179,6 +179,7 @@ def replicated_state_bytes(tr: Trained, shard: str, world: int, w: Workload | No
         return warm + weight * sum(sharded.shard_rows(t.shape, world) for t in tr.frozen)
     return warm + weight * sum(t.numel for t in tr.frozen)
 
+
 def numels(tr: Trained) -> list[int]:
     """Elements of each trained tensor: what the gradient reduction sums."""
     return [t.numel for t in tr.trainable]

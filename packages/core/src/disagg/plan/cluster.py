@@ -143,8 +143,12 @@ _GPU_LATENCY = {
     "call_latency": 5e-4,
 }
 PRESETS: dict[str, Cluster] = {
-    "h100x8": Cluster("h100x8", 8, 1, 80 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU_LATENCY, **_gpu_curve(3.35e12)),  # noqa: E501
-    "h200x8": Cluster("h200x8", 8, 1, 141 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU_LATENCY, **_gpu_curve(4.8e12)),  # noqa: E501
+    "h100x8": Cluster(
+        "h100x8", 8, 1, 80 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU_LATENCY, **_gpu_curve(3.35e12)
+    ),  # noqa: E501
+    "h200x8": Cluster(
+        "h200x8", 8, 1, 141 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU_LATENCY, **_gpu_curve(4.8e12)
+    ),  # noqa: E501
     # The CI machine: actors are CPU processes; float32; rates are rough orders of
     # magnitude for one core (gloo over shared memory, a loopback TCP round trip
     # ~50 us per step), eager PyTorch dispatch ~10 us per op and ~60 ops per layer

@@ -245,7 +245,7 @@ def _batched_by_length(
         return t[0].reshape(h, count, length, d).transpose(0, 1)  # [count, h, length, d]
 
     if len(by_length) == 1:  # every segment one length: a view, no gather
-        (length, idx), = by_length.items()
+        ((length, idx),) = by_length.items()
         out = fn(module, *(batch(t, length, len(idx)) for t in (q, k, v)), None, is_causal=False, **kwargs)[0]
         return out.reshape(1, n, h, d)
     # gather each length's tokens together (one index built on the host), attend, scatter back
