@@ -6,7 +6,8 @@ On 4 ranks: ``megatron_tp`` 2 x 2 replicas trains a step, saves it sharded
 then fresh groups of other layouts on the same 4 ranks resume from the save:
 the same layout, ``megatron_tp`` 4 and ``ddp`` x 4, each compared after the load
 and after the same second step; the TP 4 group saves in turn and TP 2 loads it.
-Then the same with LoRA adapters (:func:`_lora`)."""
+Then the same with LoRA adapters (:func:`_lora`), which ``zero`` stage 3 x 4 resumes too
+(:func:`_lora_zero3`)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,10 @@ def ckpt_rank(rank: int, payload: bytes) -> bytes:
     return dumps(out)
 
 
+#: ZeRO-3 with the projections partitioned and the tensors of at most 1000 elements (the
+#: adapters, norms, biases) persistent: held whole on every rank, re-gathered after a load
+ZERO3 = {"stage": 3, "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 1000}}}
+
 #: column (q, k, v: key/value heads copied under TP 4) and row (o, down) adapters, dropout on
 LORA = LoraSpec(r=4, alpha=8.0, dropout=0.1, targets=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
 
@@ -89,17 +94,24 @@ def _build_lora(kind: str, rank: int, path: str) -> Any:
     from disagg_llm_tp.families.qwen2 import Qwen2Family
 
     fam = Qwen2Family(path)
+    options: dict[str, Any] = {}
     if kind == "ddp":
         from disagg.builtin.ddp import DDPStrategy as cls
 
         ctx = ranks.rank_context("llm", rank, 1, 4)
+    elif kind == "zero3":
+        from disagg_zero import ZeroStrategy as cls
+
+        ctx = ranks.rank_context("llm", rank, 1, 4)
+        options = ZERO3
     else:
         from disagg_llm_tp.strategy import MegatronTPStrategy as cls
 
         ctx = ranks.rank_context("llm", rank, int(kind[2:]), 4 // int(kind[2:]))
-    module = apply_lora(cls(ctx, fam, cls.options_model()).build_module(), LORA, "llm", "lora")
+    strat = cls(ctx, fam, cls.options_model(**options))
+    module = apply_lora(strat.build_module(), LORA, "llm", "lora")
     optim = OptimSpec(lr=LR, weight_decay=0.1, lora=LORA)
-    return ranks.strategy_rank(cls, fam, ctx, optim=optim, module=module, train=True)
+    return ranks.strategy_rank(cls, fam, ctx, options=options, optim=optim, module=module, train=True)
 
 
 def _lora(rank: int, path: str, ckpt: Path, samples: list[dict], embeds: list[dict]) -> dict[str, Any]:
@@ -125,6 +137,30 @@ def _lora(rank: int, path: str, ckpt: Path, samples: list[dict], embeds: list[di
     out["full/read"] = load_full(strat, rank, ckpt / "full", "llm", True, LORA)
     del strat.full_state_dict
     out["full/loaded"] = _state(strat)
+    out.update(_lora_zero3(rank, path, ckpt, samples, embeds))
+    return out
+
+
+def _lora_zero3(rank: int, path: str, ckpt: Path, samples: list[dict], embeds: list[dict]) -> dict[str, Any]:
+    """``zero`` stage 3 x 4 resumes the TP 2 LoRA checkpoint, sharded then (after a step that
+    moves the state) full-form: DeepSpeed's partitions filled from the pieces overlapping them,
+    the base never merged; and the bytes this rank's pieces of the trained state hold (its
+    partition of each adapter, fp32 master and two moments, and the step scalars)."""
+    strat = _build_lora("zero3", rank, path)
+    own = 0
+    for p in strat.module.parameters():
+        if p.requires_grad:
+            part = p.ds_tensor.numel()
+            own += max(0, min(part, p.ds_numel - rank * part)) * 4 * 3 + 4
+    out: dict[str, Any] = {"zero3/own": own}
+    for form, where in (("sharded", ckpt), ("full", ckpt / "full")):
+        strat.full_state_dict = _no_merge  # type: ignore[method-assign]
+        out[f"zero3/{form}/read"] = load_full(strat, rank, where, "llm", False, LORA)
+        strat.refresh_weights()  # as core's worker does after a load: the masters into the weights
+        del strat.full_state_dict
+        out[f"zero3/{form}/loaded"] = _state(strat)
+        if form == "sharded":
+            _step(strat, samples, embeds)
     return out
 
 

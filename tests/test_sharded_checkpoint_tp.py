@@ -5,7 +5,8 @@ written once, by either), and fresh groups resume from it: the same layout bit f
 the load and after the next step), ``megatron_tp`` 4 and ``ddp`` x 4 with the saved state
 exactly (pieces are copied, never recomputed) and the next step within the fp32 policy
 (other reduction orders). Tiny qwen2: tied embeddings, vocabulary 498 (padded under degree 4),
-grouped key/value heads replicated under degree 4."""
+grouped key/value heads replicated under degree 4. The LoRA save resumes under ``zero`` stage 3
+x 4 too, from either form, reading exactly each rank's partitions of the trained state."""
 
 from __future__ import annotations
 
@@ -102,9 +103,18 @@ def _assert_lora(out: list[dict], root: Path) -> None:
         # bytes read by a resume, from either form: its own pieces of the trained state, never
         # the base (the full form's resume does not merge it: ckpt_cases._no_merge)
         assert r["full/read"] == r["tp2/read"] < trained_bytes, (r["tp2/read"], trained_bytes, r["full/read"])
+        # zero 3 x 4 (DeepSpeed's partitions) from either form: exactly its own pieces
+        for form in ("sharded", "full"):
+            assert_exact(
+                r[f"zero3/{form}/loaded"], saved, f"LoRA tp2 -> zero 3 ({form}), rank {rank}, loaded: "
+            )
+            assert r[f"zero3/{form}/read"] == r["zero3/own"], (form, r[f"zero3/{form}/read"], r["zero3/own"])
+        assert abs(r["zero3/own"] / trained_bytes - 0.25) < 0.02, (r["zero3/own"], trained_bytes)
     print(
         "LoRA resume bytes read per rank, sharded / full form:",
         [round(r["tp2/read"] / r["full/read"], 4) for r in lora],
+        "zero 3 x 4 read / trained bytes:",
+        [round(r["zero3/sharded/read"] / trained_bytes, 4) for r in lora],
         "per-rank file fraction:",
         [round(n / sum(payload.values()), 3) for n in payload.values()],
     )

@@ -188,23 +188,25 @@ def _finish_step(strat: Any, rec: dict[str, Any]) -> None:
     ranks.zero_grad(strat)
 
 
-def rank_llm(rank: int, lm_dir: Path, world: int, options: dict[str, Any]) -> dict[str, Any]:
+def rank_llm(
+    rank: int, lm_dir: Path, world: int, options: dict[str, Any], sharded: Path | None = None
+) -> dict[str, Any]:
+    """The toy LM's steps; ``sharded``: a sharded checkpoint saved there before the last step
+    and resumed from (:func:`resume_sharded`)."""
     fam = ToyLMFamily(lm_dir)
     strat = _strategy(rank, world, "llm", fam, options)
     rec: dict[str, Any] = {"loss_sum": [], "norm": [], "grads": [], "embed_grads": []}
-    for samples in llm_batches(world):
-        n = label_count(samples)
-        idx = list(range(len(samples)))
-        loss_sum, egrads = 0.0, {}
-        for part in split(mine(idx, rank, world), MICROBATCHES):
-            embeds = ranks.leaves([samples[i]["embeds"] for i in part])
-            loss_sum += ranks.loss_and_backward(strat, 0, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
-            egrads.update({i: {k: v.grad.clone() for k, v in e.items()} for i, e in zip(part, embeds)})
-        rec["loss_sum"].append(loss_sum)
-        rec["embed_grads"].append(egrads)
-        _finish_step(strat, rec)
+    batches = llm_batches(world)
+    for step, samples in enumerate(batches):
+        if sharded is not None and step == len(batches) - 1:
+            schedule = _save(strat, sharded)
+            saved = {"saved": _state(strat), "file": (sharded / f"__{rank}_0.distcp").stat().st_size}
+        _llm_step(strat, samples, rank, world, rec)
     rec["params"] = ranks.full_state(strat)
     rec["lr"] = ranks.current_lr(strat)
+    if sharded is not None:
+        rec["sharded"] = {**saved, "uninterrupted": _state(strat)}
+        rec["sharded"].update(resume_sharded(rank, fam, world, options, sharded, schedule, strat))
     return portable(rec)
 
 
@@ -318,7 +320,7 @@ def rank_all(rank: int, enc_dir: Path, lm_dir: Path, world: int, ckpt_root: Path
     out = {}
     for label, options in configs(world).items():
         out[label] = {
-            "llm": rank_llm(rank, lm_dir, world, options),
+            "llm": rank_llm(rank, lm_dir, world, options, sharded_ckpt(ckpt_root, label)),
             "encoder": rank_encoder(rank, enc_dir, world, options),
         }
         if ckpt_root is not None and label in ("2", "3"):
@@ -365,3 +367,92 @@ def checkpoint_roundtrip(
             "lr_loaded": lr_loaded,
         }
     )
+
+
+def sharded_ckpt(ckpt_root: Path | None, label: str) -> Path | None:
+    """Where the LLM of stage ``label`` saves its sharded checkpoint (stages 1-3 of the 2-rank set)."""
+    return (
+        Path(ckpt_root) / f"sharded-{label}" if ckpt_root is not None and label in ("1", "2", "3") else None
+    )
+
+
+def _llm_step(strat: Any, samples: list[dict[str, Any]], rank: int, world: int, rec: dict[str, Any]) -> None:
+    """One step of :func:`rank_llm` (its microbatches of this rank's samples), recorded in ``rec``."""
+    n = label_count(samples)
+    idx = list(range(len(samples)))
+    loss_sum, egrads = 0.0, {}
+    for part in split(mine(idx, rank, world), MICROBATCHES):
+        embeds = ranks.leaves([samples[i]["embeds"] for i in part])
+        loss_sum += ranks.loss_and_backward(strat, 0, [samples[i]["llm"] for i in part], embeds, 1.0 / n)
+        egrads.update({i: {k: v.grad.clone() for k, v in e.items()} for i, e in zip(part, embeds)})
+    rec.setdefault("loss_sum", []).append(loss_sum)
+    rec.setdefault("embed_grads", []).append(egrads)
+    _finish_step(strat, rec)
+
+
+def _state(strat: Any) -> dict[str, torch.Tensor]:
+    """Merged parameters and AdamW state, one flat dict (a sharded checkpoint's names)."""
+    out = {f"param/{k}": v for k, v in ranks.full_state(strat).items()}
+    for name, st in strat.full_optimizer_state().items():
+        out.update({f"optim/{name}/{k}": v for k, v in st.items()})
+    return out
+
+
+def _ddp(rank: int, world: int, fam: Any) -> Any:
+    from disagg.builtin.ddp import DDPStrategy
+
+    return ranks.strategy_rank(DDPStrategy, fam, ranks.rank_context("llm", rank, 1, world), optim=OPTIM)
+
+
+def _save(strat: Any, where: Path) -> dict[str, Any]:
+    """This rank's pieces into the DCP dir ``where`` (collective); the schedule, which core's
+    checkpoint keeps beside them (``schedule.json``), returned."""
+    from disagg.interfaces.dcp_pieces import save_pieces
+
+    save_pieces(strat.sharded_state(), where)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in strat.optimizer.param_groups]
+    return {"scheduler": strat.scheduler.state_dict(), "param_groups": groups}
+
+
+def _resume(strat: Any, where: Path, schedule: dict[str, Any]) -> Any:
+    """``strat`` filled from the sharded checkpoint ``where`` as core's worker fills it: its
+    own pieces through DCP (collective), the schedule, then ``refresh_weights``. Returns the
+    tensor bytes this rank read."""
+    from disagg.interfaces.dcp_pieces import load_pieces
+
+    read = load_pieces(strat.sharded_state, where, str(where))
+    strat.scheduler.load_state_dict(schedule["scheduler"])
+    for group, saved in zip(strat.optimizer.param_groups, schedule["param_groups"]):
+        group.update(saved)
+    strat.refresh_weights()
+    return read
+
+
+def resume_sharded(
+    rank: int, fam: Any, world: int, options: dict[str, Any], path: Path, schedule: dict, first: Any
+) -> dict[str, Any]:
+    """A fresh group of the same layout resumes from the sharded checkpoint ``path`` (saved by
+    ``first`` before its last step) and takes the same last step. Stage 3 reshards both ways
+    too: ``ddp`` resumes from it and takes the last step, then saves, and the resumed zero group
+    resumes from that (a load over a trained state) and both take a 4th step."""
+    batches = llm_batches(world)
+    b = _strategy(rank, world, "llm", fam, options)
+    out: dict[str, Any] = {"read": _resume(b, path, schedule), "loaded": _state(b)}
+    rec: dict[str, Any] = {"norm": [], "grads": []}
+    _llm_step(b, batches[-1], rank, world, rec)
+    out["resumed"], out["lr"] = _state(b), (ranks.current_lr(b), ranks.current_lr(first))
+    if options["stage"] != 3:
+        return out
+    d = _ddp(rank, world, fam)
+    _resume(d, path, schedule)
+    out["ddp/loaded"] = _state(d)
+    ddp: dict[str, Any] = {"norm": [], "grads": []}
+    _llm_step(d, batches[-1], rank, world, ddp)
+    out["ddp/stepped"] = _state(d)
+    _resume(b, path / "ddp", _save(d, path / "ddp"))
+    out["ddp->zero/loaded"] = _state(b)
+    for strat, r in ((b, rec), (d, ddp)):
+        _llm_step(strat, batches[0], rank, world, r)
+    out["ddp->zero/stepped"], out["ddp/stepped4"] = _state(b), _state(d)
+    out["grads"] = {"zero": rec["grads"], "ddp": ddp["grads"]}
+    return out

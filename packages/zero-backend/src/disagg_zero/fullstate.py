@@ -1,7 +1,8 @@
 """The ``zero`` strategy's state in and out: the layout-free full form
-(weights, AdamW moments and step counts, gradients) that checkpoints and
-resharding go through, and DeepSpeed's own per-rank checkpoint (``save``/``load``:
-zero's own, outside core's contract; run checkpoints hold the full form).
+(weights, AdamW moments and step counts, gradients) that ``checkpoint.format: full``,
+export and the tests go through (a sharded checkpoint's per-rank pieces:
+:mod:`disagg_zero.layout`), and DeepSpeed's own per-rank checkpoint (``save``/``load``:
+zero's own, outside core's contract).
 
 A mixin of :class:`disagg_zero.strategy.ZeroStrategy`, kept apart because it
 talks to DeepSpeed's partitions (``safe_get_full_*``/``safe_set_full_*`` and
@@ -22,12 +23,14 @@ import torch
 from torch import nn
 
 from disagg_zero import runtime
+from disagg_zero.layout import ZeroLayout
 
 CHECKPOINT_TAG = "zero"
 
 
-class ZeroFullState:
-    """Full-form state and DeepSpeed checkpoints for :class:`ZeroStrategy`."""
+class ZeroFullState(ZeroLayout):
+    """Full-form state and DeepSpeed checkpoints for :class:`ZeroStrategy`; its sharded
+    checkpoints' pieces come from :class:`~disagg_zero.layout.ZeroLayout`."""
 
     module: nn.Module | None
     engine: Any
@@ -124,13 +127,16 @@ class ZeroFullState:
                 for k in ("exp_avg", "exp_avg_sq"):
                     value = st[k] if st else torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
                     self._set_full(p, value.to(self.ctx.device, torch.float32), k)
-            steps = [
-                float(optim_state[n]["step"]) if n in optim_state else 0.0 for n, _ in self._named_params()
-            ]
-            for flat, state in self.optimizer.state.items():
-                frags = self.optimizer.fragments_of(flat)  # type: ignore[attr-defined]
-                state["fragment_steps"] = torch.tensor([steps[i] for _, _, i in frags], dtype=torch.float32)
-                state["step"] = torch.tensor(max([steps[i] for _, _, i in frags], default=0.0))
+            self._set_steps(
+                [float(optim_state[n]["step"]) if n in optim_state else 0.0 for n, _ in self._named_params()]
+            )
+
+    def _set_steps(self, steps: list[float]) -> None:
+        """Per trainable parameter, its AdamW step count into this rank's fragments of it."""
+        for flat, state in self.optimizer.state.items():
+            frags = self.optimizer.fragments_of(flat)  # type: ignore[attr-defined]
+            state["fragment_steps"] = torch.tensor([steps[i] for _, _, i in frags], dtype=torch.float32)
+            state["step"] = torch.tensor(max([steps[i] for _, _, i in frags], default=0.0))
 
     def _set_full(self, p: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
         """This rank's part of a full fp32 master weight (``key=None``) or
