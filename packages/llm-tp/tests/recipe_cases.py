@@ -1,13 +1,15 @@
 """Rank function of the precision-recipe tests (importable by spawned ranks): megatron_tp with
 sequence parallelism at degree 2 under each ``train.precision`` recipe, then the same recipe at
-degree 1 on rank 0 alone (``disagg.testing.recipes``), one spawn for all of it."""
+degree 1 in a group of one (the two ranks share those cases; ``disagg.testing.recipes``), one
+spawn for all of it."""
 
 from __future__ import annotations
 
+import torch
 from dropout_cases import BF16_OPTIM, SEED
 
 from disagg.testing import ranks
-from disagg.testing.recipes import STEPS, recipe_steps, single_rank_group
+from disagg.testing.recipes import STEPS, recipe_steps, single_rank_share
 
 RECIPES = ("bf16", "bf16-pure")
 
@@ -38,12 +40,11 @@ def _run(rank: int, path: str, degree: int, precision: str, samples, embeds, ste
 
 
 def tp_recipe_rank(rank: int, path: str, samples, embeds) -> bytes:
+    torch.set_num_threads(1)  # two ranks on two cores: tiny matmuls gain nothing from more
     out: dict = {}
     # fp32: one step, for the state bytes of every recipe
     for precision, steps in (("fp32", 1), *((r, STEPS) for r in RECIPES)):
         out[("tp2", precision)] = _run(rank, path, 2, precision, samples, embeds, steps)
-    if rank == 0:
-        single_rank_group()
-        for precision in RECIPES:
-            out[("tp1", precision)] = _run(0, path, 1, precision, samples, embeds)
+    for precision in single_rank_share(list(RECIPES), rank, 2):
+        out[("tp1", precision)] = _run(0, path, 1, precision, samples, embeds)
     return ranks.dumps(out)

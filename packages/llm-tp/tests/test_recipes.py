@@ -15,7 +15,7 @@ from tp_cases import make_batch
 from disagg.interfaces import RECIPES as TABLE
 from disagg.testing.dist import run_ranks
 from disagg.testing.ranks import loads
-from disagg.testing.recipes import assert_same_recipe, expected_state_bytes, held_dtypes
+from disagg.testing.recipes import assert_same_recipe, expected_state_bytes, gather_single_rank, held_dtypes
 from disagg_llm_tp.families.qwen2 import Qwen2Family
 
 
@@ -23,7 +23,8 @@ from disagg_llm_tp.families.qwen2 import Qwen2Family
 def recipe_case(tiny_dirs):
     path = tiny_dirs["qwen2"]
     samples, embeds = make_batch(Qwen2Family(path), n_samples=4)
-    return [loads(b) for b in run_ranks(tp_recipe_rank, 2, path, samples, embeds)]
+    results = [loads(b) for b in run_ranks(tp_recipe_rank, 2, path, samples, embeds)]
+    return gather_single_rank(results, lambda k: k[0] == "tp1")
 
 
 def _compare(got: dict, want: dict, precision: str) -> None:

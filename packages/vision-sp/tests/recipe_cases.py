@@ -2,16 +2,18 @@
 tower under each ``train.precision`` recipe as ``ulysses`` at degree 2, ``ulysses`` at degree 2
 with its state sharded by FSDP2 (``shard: parameters``; ``bf16`` also with ZeRO-1,
 ``shard: optimizer``) and ``ddp`` over 2 replicas (uneven: 2
-samples and 1), then each strategy at degree 1 on rank 0 alone (``disagg.testing.recipes``):
-one spawn for all of it."""
+samples and 1), then each strategy at degree 1 in a group of one (the two ranks share those
+cases; ``disagg.testing.recipes``): one spawn for all of it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from disagg.interfaces import OptimSpec
 from disagg.testing import ranks
-from disagg.testing.recipes import STEPS, recipe_steps, single_rank_group
+from disagg.testing.recipes import STEPS, recipe_steps, single_rank_share, squared_error_microbatch
 
 RECIPES = ("bf16", "bf16-pure")
 SEED = 7
@@ -21,7 +23,15 @@ OPTIM = OptimSpec(lr=1e-3, eps=1e-3)
 
 
 def _run(
-    rank: int, strategy: str, degree: int, replicas: int, precision: str, path: str, inputs, grads, steps: int
+    rank: int,
+    strategy: str,
+    degree: int,
+    replicas: int,
+    precision: str,
+    path: str,
+    inputs,
+    targets,
+    steps: int,
 ) -> dict:
     from disagg.builtin.ddp import DDPStrategy
     from disagg_vision_sp.families.llava import LlavaVision
@@ -40,20 +50,15 @@ def _run(
     if cls is DDPStrategy:  # replicas read disjoint samples: the first one more
         cut = (len(inputs) + 1) // 2
         mine = slice(None) if replicas == 1 else slice(0, cut) if ctx.replica == 0 else slice(cut, None)
-        inputs, grads = inputs[mine], grads[mine]
+        inputs, targets = inputs[mine], targets[mine]
     seen: dict = {}
-
-    def microbatch(strat) -> float:
-        shards = ranks.encode_and_backward(strat, 0, inputs, grads)
-        seen["out_dtypes"] = {s.value.dtype for s in shards}
-        # this rank's part of sum_i <output_i, grad_i>: the group's parts add up to the whole
-        return float(sum((s.value.double() * g[s.positions].double()).sum() for s, g in zip(shards, grads)))
-
+    microbatch = squared_error_microbatch(inputs, targets, seen)
     return {**recipe_steps(strat, microbatch, steps=steps), **seen}
 
 
-def recipe_rank(rank: int, path: str, inputs, grads) -> bytes:
-    out: dict = {("ulysses", 2, "fp32"): _run(rank, "ulysses", 2, 1, "fp32", path, inputs, grads, 1)}
+def recipe_rank(rank: int, path: str, inputs, targets) -> bytes:
+    torch.set_num_threads(1)  # two ranks on two cores: tiny matmuls gain nothing from more
+    out: dict = {("ulysses", 2, "fp32"): _run(rank, "ulysses", 2, 1, "fp32", path, inputs, targets, 1)}
     layouts = [
         (r, s, d, n)
         for r in RECIPES
@@ -63,10 +68,8 @@ def recipe_rank(rank: int, path: str, inputs, grads) -> bytes:
     layouts.append(("bf16", "ulysses-zero1", 2, 1))
     for precision, strategy, degree, replicas in layouts:
         key = (strategy, degree * replicas, precision)
-        out[key] = _run(rank, strategy, degree, replicas, precision, path, inputs, grads, STEPS)
-    if rank == 0:
-        single_rank_group()
-        for precision in RECIPES:
-            for strategy in ("ulysses", "ddp"):
-                out[(strategy, 1, precision)] = _run(0, strategy, 1, 1, precision, path, inputs, grads, STEPS)
+        out[key] = _run(rank, strategy, degree, replicas, precision, path, inputs, targets, STEPS)
+    singles = [(strategy, precision) for precision in RECIPES for strategy in ("ulysses", "ddp")]
+    for strategy, precision in single_rank_share(singles, rank, 2):
+        out[(strategy, 1, precision)] = _run(0, strategy, 1, 1, precision, path, inputs, targets, STEPS)
     return ranks.dumps(out)

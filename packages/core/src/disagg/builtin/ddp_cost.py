@@ -25,8 +25,9 @@ from disagg.interfaces.gemms import Split, strategy_compute
 def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: str = "none") -> Cost | None:
     """``shard``: ``parallel.<module>.shard`` (:mod:`disagg.interfaces.sharded`): its state term
     is exact; the sharded state's own collectives (ZeRO-1's broadcasts, FSDP2's all-gathers and
-    reduce-scatters, :func:`disagg.interfaces.sharded.step_comm`) are the libraries', which the
-    collective counter does not see, so with ``shard`` only the state term is marked exact."""
+    reduce-scatters, :func:`disagg.interfaces.sharded.step_comm`) are the libraries': the
+    collective counter sees FSDP2's (``fsdp.counted_comms``), not ZeRO-1's, and with ``shard``
+    only the state term is marked exact."""
     if shard in sharded.FSDP_MODES and not query.encoder:
         return None  # refused for the LLM at validation (encoders only)
     mode = recompute_mode(query.recompute)

@@ -4,6 +4,11 @@ Strategies call these instead of ``torch.distributed`` directly so that every
 byte a rank sends is accounted for. Counts are what one rank *sends* under the
 textbook algorithm (ring all-reduce sends 2(n-1)/n of the buffer; all-to-all
 sends everything except its own chunk), so they do not depend on the backend.
+
+A library's own collectives are counted where the library lets a caller supply them: FSDP2
+(``parallel.<module>.shard: gradients | parameters``) issues its all-gathers and
+reduce-scatters through :meth:`CommCounter.all_gather_single` and
+:meth:`CommCounter.reduce_scatter_single` (:func:`disagg.interfaces.fsdp.counted_comms`).
 """
 
 from __future__ import annotations
@@ -61,6 +66,31 @@ class CommCounter:
             if dist.get_rank() == src:
                 self.add("broadcast", _nbytes(tensor))
             dist.broadcast(tensor, src=src, group=group)
+
+    def all_gather_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 (torch's name)
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """``all_gather_into_tensor`` (FSDP2's parameter all-gather): ``(n-1)`` x this rank's input."""
+        self.all_gather_bytes(input, group)
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 (torch's name)
+        group: dist.ProcessGroup | None = None,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """``reduce_scatter_tensor`` (FSDP2's gradient reduce-scatter): ring reduce-scatter sends
+        ``(n-1)/n`` of the input."""
+        n = dist.get_world_size(group)
+        self.add("reduce_scatter", (n - 1) * _nbytes(input) // n)
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
     def all_gather_bytes(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
         """Account for an all-gather whose input is ``tensor`` (done by the caller)."""

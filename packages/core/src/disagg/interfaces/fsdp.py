@@ -15,8 +15,11 @@ modes apart:
   backward the whole parameters exist: :func:`held_bytes` counts them as held.
 
 FSDP2's collectives run on a process group of their own, so they can never interleave with
-a strategy's all-to-alls on the group's world. Gradients are **summed** (divide factor 1,
-sum-only reductions): the loss is already divided by the global label count.
+a strategy's all-to-alls on the group's world, and through the group's
+:class:`~disagg.interfaces.CommCounter` (:func:`counted_comms`, FSDP2's
+``set_custom_all_gather``/``set_custom_reduce_scatter``), so ``comm_bytes`` counts them.
+Gradients are **summed** (divide factor 1, sum-only reductions): the loss is already divided
+by the global label count.
 
 Families call submodules directly (Qwen's ulysses forward runs its blocks one by one; LLaVA
 calls tower then projector), so the root unit cannot be the module itself, whose ``forward``
@@ -91,12 +94,38 @@ def shard_module(module: nn.Module, ctx: GroupContext, mode: str) -> Root:
         # FSDP's input cast would rebuild as copies; the worker already cast the inputs
         kw["mp_policy"] = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype, cast_forward_inputs=False)
     fully_shard(root, **kw)
+    gather, scatter = counted_comms(ctx.comm)
     for m in root.modules():
         if isinstance(m, FSDPModule):
+            if hasattr(m, "set_custom_all_gather"):  # torch >= 2.8; before, FSDP2's bytes go uncounted
+                m.set_custom_all_gather(gather)
+                m.set_custom_reduce_scatter(scatter)
             # a sum, exactly once (FSDP's default divides by the world size); gloo has no PREMUL_SUM
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return root
+
+
+def counted_comms(counter: Any) -> tuple[Any, Any]:
+    """FSDP2's all-gather and reduce-scatter (its ``AllGather``/``ReduceScatter`` interface:
+    ``allocate`` and the call, as its defaults do them) through ``counter``'s counted
+    collectives: the bytes FSDP2 moves appear in the step's ``comm_bytes`` by kind."""
+
+    def allocate(size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    # FSDP2 calls them with its interface's keywords
+    class AllGather:
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001, ANN204
+            return counter.all_gather_single(output_tensor, input_tensor, group, async_op)
+
+    class ReduceScatter:
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN204
+            return counter.reduce_scatter_single(output_tensor, input_tensor, group, op, async_op)
+
+    AllGather.allocate = staticmethod(allocate)  # type: ignore[attr-defined]
+    ReduceScatter.allocate = staticmethod(allocate)  # type: ignore[attr-defined]
+    return AllGather(), ReduceScatter()
 
 
 def call(root: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:

@@ -85,14 +85,19 @@ def comm(
     grad_bytes: int = 4,
     stepped_bytes: int = 4,
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes a rank sends per step, and calls, for the state's own collectives (neither seen by
-    the collective counter: the library issues them), as :class:`~disagg.interfaces.CommCounter`
-    would count them (an all-gather ``(N-1)`` x the rank's shard, a reduce-scatter ``(N-1)/N`` of
-    the input). ``optimizer``: the default gradient all-reduce (the caller's) plus each owner's
-    broadcast of its partition after the step. FSDP2: per microbatch, one all-gather of every
-    unit for the forward and (``parameters``) one more for the backward, in the compute dtype,
-    and one reduce-scatter of the whole gradient (``grad_bytes`` per element: fp32 but under
-    ``bf16-pure``); ``units``: the FSDP units (blocks + 1)."""
+    """Bytes a rank sends per step, and calls, for the state's own collectives, as
+    :class:`~disagg.interfaces.CommCounter` counts them (an all-gather ``(N-1)`` x the rank's
+    shard, a reduce-scatter ``(N-1)/N`` of the input): FSDP2 issues its own through the counter
+    (:func:`disagg.interfaces.fsdp.counted_comms`; equal to this on the tiny LLaVA tower at
+    d = 2, ``packages/vision-sp/tests/test_recipes.py``), ZeRO-1's broadcasts are
+    ``ZeroRedundancyOptimizer``'s and go uncounted. ``shapes``: the tensors of the units that
+    run (a unit whose forward never runs is never gathered), and for the reduce-scatter those
+    that get a gradient (FSDP2 reduces no other). ``optimizer``: the default gradient
+    all-reduce (the caller's) plus each owner's broadcast of its partition after the step.
+    FSDP2: per microbatch, one all-gather of every unit for the forward and (``parameters``)
+    one more for the backward, in the compute dtype, and one reduce-scatter of the whole
+    gradient (``grad_bytes`` per element: fp32 but under ``bf16-pure``);
+    ``units``: the FSDP units (blocks + 1)."""
     if world == 1 or mode == "none":
         return {}, {}
     numels = [_numel(s) for s in shapes]
