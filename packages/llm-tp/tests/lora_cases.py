@@ -73,12 +73,25 @@ def _tp_lora(rank: int, path: str, spec, optim, options: dict, train: bool = Fal
 
 
 def tp_lora_rank(rank: int, payload: bytes) -> bytes:
-    """``payload``: (family path, samples, [sequence_parallel per case]); one record per case."""
+    """``payload``: (family path, samples, [strategy options per case]); one record per case.
+    A case that recomputes runs in train mode (HF's checkpointing layers replay only then;
+    the tiny model draws no dropout) and counts the adapters' calls inside a replay."""
+    from disagg.interfaces.recompute import replaying
+    from disagg_llm_tp.lora import TPLoraLinear
 
     path, samples, cases = loads(payload)
     outs = []
-    for sp in cases:
-        ctx, strat = _tp_lora(rank, path, SPEC, OPTIM, {"sequence_parallel": sp})
+    for options in cases:
+        recompute = options.get("recompute", "none") != "none"
+        ctx, strat = _tp_lora(rank, path, SPEC, OPTIM, options, train=recompute)
+        calls = {False: 0, True: 0}  # adapter calls in the forward, in a replay
+
+        def count(*_: object, calls: dict = calls) -> None:
+            calls[replaying()] += 1
+
+        for m in strat.module.modules():
+            if isinstance(m, TPLoraLinear):
+                m.register_forward_pre_hook(count)
         total = label_count(samples)
         rec: dict = {"loss": [], "grads": [], "norm_sq": []}
         for _ in range(STEPS):
@@ -90,6 +103,7 @@ def tp_lora_rank(rank: int, payload: bytes) -> bytes:
         rec["params"] = ranks.full_state(strat)
         rec["trainable"] = sorted(n for n, p in strat.module.named_parameters() if p.requires_grad)
         rec["collectives"] = dict(ctx.comm.bytes_by_op)
+        rec["adapter_calls"] = (calls[False], calls[True])
         outs.append(rec)
     return dumps(outs)
 

@@ -1,6 +1,7 @@
 """LoRA under megatron_tp (column-parallel adapters: A replicated, B split; row-parallel: A split,
 B replicated; ``disagg_llm_tp.lora``) equals the single-process PEFT model at TP 2, with and
-without sequence parallelism, in one spawn of two gloo ranks: loss, every adapter gradient
+without sequence parallelism and with it under ``recompute: full`` (every decoder layer, its
+adapters in it, replayed in backward), in one spawn of two gloo ranks: loss, every adapter gradient
 (merged from the ranks) and grad norm at each of 3 clipped AdamW steps within 1e-6 relative,
 adapters after the steps in lr units (the tolerance policy), base weights bit-identical."""
 
@@ -27,7 +28,13 @@ from disagg.testing.tolerance import (  # noqa: E402
 )
 
 TIGHT = Precision("fp32-1e-6", rtol=1e-6, param_unit=FP32.param_unit)
-CASES = {"tp2": False, "tp2-sp": True}
+#: strategy options per case; megatron_tp recomputes ``none`` or ``full`` (selective is refused at
+#: validation): sequence parallelism with every block replayed, the adapters in it
+CASES = {
+    "tp2": {},
+    "tp2-sp": {"sequence_parallel": True},
+    "tp2-sp-recompute-full": {"sequence_parallel": True, "recompute": "full"},
+}
 
 
 def _text(path: str, n: int) -> list[dict]:
@@ -74,8 +81,15 @@ def test_lora_under_tensor_parallelism_equals_peft_model(spawned):
         base = {k: params[k] for k in params if k not in adapters}
         initial = {k.replace(".base_layer.", "."): k for k in base}
         assert_exact(base, {k: ref["initial"][short] for short, k in initial.items()}, f"{name} base ")
-        if CASES[name]:  # the row adapters' A reduce-scattered with the base rows
+        if CASES[name].get("sequence_parallel"):  # the row adapters' A reduce-scattered with the base rows
             assert got["collectives"].get("reduce_scatter", 0) > 0
+        # under full every adapter call of the forward ran again in backward; else none did
+        forward, replayed = got["adapter_calls"]
+        assert forward > 0 and replayed == (forward if CASES[name].get("recompute") == "full" else 0), (
+            name,
+            forward,
+            replayed,
+        )
     # B starts at zero (PEFT's init): after the steps every B has moved off it
     assert all(bool(ref["params"][k].abs().sum() > 0) for k in adapters if ".lora_B." in k)
 

@@ -11,8 +11,9 @@ sharded mode's state also round-trips through a checkpoint: the full form
 ``torch.distributed.checkpoint``, read back bit for bit into the same set-up and exactly into
 the unsharded one; under FSDP2 each rank's file holds about 1/N of the state).
 
-With LoRA (PEFT's adapters on the tower's qkv and proj, the merger trained in full) every shard
-mode under ``ulysses`` 2, with recompute, equals the single-process PEFT-injected encoder (same
+With LoRA (PEFT's adapters on the tower's qkv and proj, the merger trained in full) ``ulysses`` 2
+unsharded, every shard mode under it with recompute, and ``ulysses`` 2 x 2 replicas (unsharded,
+and ``gradients`` with recompute) equal the single-process PEFT-injected encoder (same
 ``LoraConfig``, same seed) within 1e-6 in every adapter and merger gradient, the norm and the
 trained parameters; the base weights stay bit-identical to their initial values.
 """
@@ -43,8 +44,9 @@ from disagg_vision_sp.testing import random_images, upstream_grads
 
 #: LoRA is core's optional extra (``disagg-core[lora]``): without peft its runs are left out
 PEFT = importlib.util.find_spec("peft") is not None
-#: LoRA under ulysses 2: every shard mode, each with recompute (window and full-attention blocks
-#: replayed), against the PEFT model (unsharded without recompute: tests/test_e2e_lora.py)
+#: LoRA under ulysses 2: unsharded without recompute, then every shard mode, each with recompute
+#: (window and full-attention blocks replayed), against the PEFT model (unsharded with recompute
+#: full through Ray: tests/test_e2e_lora.py)
 #: adapter dropout (0.25, train mode) under ulysses 2 with and without recompute: HF draws one
 #: mask over all tokens from one stream, a ulysses rank its own tokens' masks from its shard
 #: stream, so no single-process run draws these; the replay must draw them again, bit for bit
@@ -53,6 +55,9 @@ LORA_DROPOUT = [
     ("ulysses", 2, 1, {"lora": "lora-dropout", "recompute": "full"}),
 ]
 LORA_RUNS = [
+    # plain ulysses (no shard, no recompute): the window and full-attention blocks with the
+    # adapters in them, and the layout the sharded LoRA runs are compared with
+    ("ulysses", 2, 1, {"lora": "lora"}),
     ("ulysses", 2, 1, {"lora": "lora", "shard": "optimizer", "recompute": "selective"}),
     ("ulysses", 2, 1, {"lora": "lora", "shard": "gradients", "recompute": "full"}),
     ("ulysses", 2, 1, {"lora": "lora", "shard": "parameters", "recompute": "selective"}),
@@ -258,7 +263,16 @@ def _assert_adapter_dropout(res: list[list[dict]], runs: list, no_dropout: dict)
     assert lora_b and any(not torch.equal(first[k], no_dropout["grads"][0][k]) for k in lora_b)
 
 
-def test_two_by_two_every_mode_equals_unsharded_and_hf(case):
+#: LoRA at ulysses 2 x 2 replicas: the replicas' uneven samples (one empty in steps 2 and 3, a
+#: rank of a replica holding none of a small image), the adapters' and merger's gradients
+#: all-reduced over both replicas; unsharded, then sharded with its blocks replayed
+LORA_2X2 = [
+    ("ulysses", 2, 2, {"lora": "lora"}),
+    ("ulysses", 2, 2, {"lora": "lora", "shard": "gradients", "recompute": "selective"}),
+]
+
+
+def test_two_by_two_every_mode_equals_unsharded_and_hf(case, lora_hf):
     _check_all(
         case,
         4,
@@ -267,7 +281,9 @@ def test_two_by_two_every_mode_equals_unsharded_and_hf(case):
             ("ulysses", 2, 2, {"shard": "gradients"}),
             # shard: parameters at 2 x 2: tests/test_e2e_mixes.py (through Ray, against HF every step)
             ("ddp", 1, 4, {"shard": "optimizer"}),
+            *(LORA_2X2 if PEFT else []),  # in this spawn: no ranks of their own to start
         ],
+        lora_hf,
     )
 
 

@@ -105,7 +105,7 @@ def load_local(module: nn.Module, family: Family, shard: int, degree: int) -> di
     """Fill the parallelized ``module`` (built empty) with this rank's slices of
     ``family.path``'s tensors; returns the bytes read per stored key."""
     materialize(module)
-    stored = StoredTensors(family.path)
+    stored = family.stored_tensors()  # the dir's, plus any part the family draws (a seeded projector)
     persistent = {n for n, _ in module.named_buffers()} - _non_persistent(module)
     tensors = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n in persistent)]
     read: dict[str, int] = {}

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from disagg.interfaces import Family
-from disagg.interfaces.hf import StoredTensors
 from disagg.testing.dist import run_ranks
 from disagg.testing.ranks import dumps, loads, rank_context, strategy_rank
 from disagg.testing.tolerance import assert_exact
@@ -32,7 +31,7 @@ def check_sliced_load(cases: list[tuple[str, Family]], degree: int = 2, min_spli
     ranks = [loads(b) for b in run_ranks(sliced_rank, degree, dumps(cases))]
     for i, (module, family) in enumerate(cases):
         name = f"{module} family {family.name!r} ({family.path})"
-        stored = StoredTensors(family.path)
+        stored = family.stored_tensors()  # the dir's tensors and any the family draws
         per_rank = [r[i] for r in ranks]
         read_by_key: dict[str, list[int]] = {}
         for rank, got in enumerate(per_rank):
@@ -68,7 +67,8 @@ def sliced_rank(rank: int, payload: bytes) -> bytes:
         ref = copy.deepcopy(fam)
         ctx = rank_context(module, rank, world, 1)
         reads: list[tuple[str, int]] = []
-        original = StoredTensors.read
+        source = type(fam.stored_tensors())  # StoredTensors, or the family's own (drawn parts)
+        original = source.read
 
         def spy(self, key, index=(), dtype=None, device="cpu", original=original, reads=reads):  # type: ignore[no-untyped-def]
             t = original(self, key, index, dtype, device)
@@ -78,11 +78,11 @@ def sliced_rank(rank: int, payload: bytes) -> bytes:
         def whole(*_a: Any, **_k: Any) -> None:
             raise AssertionError("the sliced path built the whole module")
 
-        StoredTensors.read, fam.build = spy, whole  # type: ignore[method-assign]
+        source.read, fam.build = spy, whole  # type: ignore[method-assign]
         try:
             sliced = strategy_rank(MegatronTPStrategy, fam, ctx)
         finally:
-            StoredTensors.read = original  # type: ignore[method-assign]
+            source.read = original  # type: ignore[method-assign]
         cut = strategy_rank(MegatronTPStrategy, ref, ctx, module=ref.build(torch.float32))
         specs = {
             n: (fam.checkpoint_name(n), p.tp_spec.kind, p.tp_spec.kv_share)

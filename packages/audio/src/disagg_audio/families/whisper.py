@@ -8,8 +8,10 @@ Options (``model.audio.options``):
   or ``stack`` (concatenate them, as Ultravox); default ``avg``.
 - ``stride``: encoder positions per LLM row (50 per second of audio / stride); default 2.
 - ``projector_seed``: seed of the projector's initialisation when the dir does
-  not carry one (a plain Whisper checkpoint); default 0. Every rank builds the
-  same projector from it.
+  not carry one (a plain Whisper checkpoint); default 0. Each weight row is drawn
+  from its own generator (:mod:`.seeded`), so every rank builds the same
+  projector, or under ``megatron_tp`` just its slices of it, on the meta device
+  first like the encoder.
 - ``attn_implementation`` (sdpa | eager | flash_attention_2), ``max_seconds``.
 
 The projector (``linear_1`` -> GELU -> ``linear_2``, LLaVA's shape) is stored
@@ -37,10 +39,10 @@ from disagg.interfaces.hf import (
     checkpoint_keys,
     empty_from_config,
     find_prefix,
-    load_tensors,
     quiet_transformers,
 )
 from disagg_audio.families.encoder import WhisperStyleEncoder
+from disagg_audio.families.seeded import Drawn, SeededTensors
 
 POOLINGS = ("avg", "stack")
 #: where the encoder lives in a Whisper dir's files (ForConditionalGeneration, WhisperModel, encoder-only)
@@ -145,29 +147,21 @@ class WhisperAudioFamily(WhisperStyleEncoder):
                 dtype=dtype,
                 attn_implementation=self.options.get("attn_implementation", "sdpa"),
             )
-        projector = AudioProjector(self._projector_in(), self.hidden_size())
-        stored = load_tensors(self.path, PROJECTOR_PREFIX)
-        if stored:
-            self._check_projector(projector, {k: tuple(v.shape) for k, v in stored.items()})
-            projector.load_state_dict(stored)
-        else:
-            # A plain Whisper dir: the same seeded init on every rank (and in the reference).
-            g = torch.Generator().manual_seed(int(self.options.get("projector_seed", 0)))
-            for lin in (projector.linear_1, projector.linear_2):
-                bound = lin.in_features**-0.5  # nn.Linear's default scale
-                with torch.no_grad():
-                    lin.weight.copy_(torch.empty_like(lin.weight).uniform_(-bound, bound, generator=g))
-                    lin.bias.zero_()
+        with torch.device("meta"):
+            projector = AudioProjector(self._projector_in(), self.hidden_size())
+        projector.to_empty(device="cpu")
+        # the stored projector (an exported dir) or, in a plain one, the seeded draw: read
+        # whole through what a rank loading its own slices reads (stored_tensors)
+        source = self.stored_tensors()
+        with torch.no_grad():
+            for name, p in projector.named_parameters():
+                p.copy_(source.read(PROJECTOR_PREFIX + name, dtype=p.dtype))
         return WhisperAudio(encoder, projector.to(dtype))
 
-    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module | None:
-        """``build()``'s module on the meta device when the dir stores the projector (an
-        exported one): ``megatron_tp`` reads only its own slices. ``None`` for a plain
-        Whisper dir, whose projector ``build`` draws whole from ``projector_seed``."""
-        stored = StoredTensors(self.path)
-        keys = [k for k in stored.files if k.startswith(PROJECTOR_PREFIX)]
-        if not keys:
-            return None
+    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """``build()``'s module on the meta device: ``megatron_tp`` reads only its own slices
+        of the encoder and of the projector, stored (an exported dir) or drawn (a plain one,
+        :meth:`stored_tensors`)."""
         from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
         attn = self.options.get("attn_implementation", "sdpa")
@@ -176,11 +170,28 @@ class WhisperAudioFamily(WhisperStyleEncoder):
         )
         with torch.device("meta"):
             projector = AudioProjector(self._projector_in(), self.hidden_size()).to(dtype)
-        self._check_projector(projector, {k[len(PROJECTOR_PREFIX) :]: tuple(stored.shape(k)) for k in keys})
+        self.stored_tensors()  # a stored projector of the wrong shape is refused here
         return WhisperAudio(encoder, projector)
 
-    def _check_projector(self, projector: nn.Module, got: dict[str, tuple[int, ...]]) -> None:
-        shapes = {k: tuple(v.shape) for k, v in projector.state_dict().items()}
+    def stored_tensors(self) -> StoredTensors:
+        """The dir's tensors; for a plain Whisper dir (no projector stored) the projector is
+        drawn from ``projector_seed``, each weight row from its own generator (nn.Linear's
+        default scale, ``U(-1/sqrt(in), 1/sqrt(in))``; zero biases), so a rank reads just its
+        rows or columns and ``build`` the same values whole (:mod:`.seeded`)."""
+        stored = StoredTensors(self.path)
+        with torch.device("meta"):
+            shapes = {
+                PROJECTOR_PREFIX + k: tuple(v.shape)
+                for k, v in AudioProjector(self._projector_in(), self.hidden_size()).state_dict().items()
+            }
+        keys = [k for k in stored.files if k.startswith(PROJECTOR_PREFIX)]
+        if keys:
+            self._check_projector(shapes, {k: tuple(stored.shape(k)) for k in keys})
+            return stored
+        drawn = {k: Drawn(s, s[1] ** -0.5 if len(s) == 2 else 0.0) for k, s in shapes.items()}
+        return SeededTensors(self.path, drawn, int(self.options.get("projector_seed", 0)))
+
+    def _check_projector(self, shapes: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]]) -> None:
         if shapes != got:
             raise ValueError(
                 f"{self.path}: the stored projector has shapes {got}, but model.audio.options "

@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
+from disagg.interfaces.hf import StoredTensors
+
 Role = Literal["encoder", "llm"]
 
 
@@ -141,6 +143,12 @@ class Family(ABC):
         :meth:`checkpoint_name` gives). ``None`` (the default): the family can only
         build its module loaded, and such strategies fall back to :meth:`build`."""
         return None
+
+    def stored_tensors(self) -> StoredTensors:
+        """What a strategy that loads its own slices reads: ``self.path``'s tensors; a family
+        whose build draws a part the dir lacks (a plain Whisper dir's projector) adds it here,
+        drawn so that any slice equals that slice of ``build()``'s."""
+        return StoredTensors(self.path)
 
     def checkpoint_name(self, name: str) -> str | None:
         """The name under which the tensor ``name`` of ``build()``'s module is
