@@ -10,6 +10,7 @@ core's worker sets them up: injected after the strategy's build, before its set-
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ def steps_rank(
         options = dict(options)
         lora = LORA[options.pop("lora")] if "lora" in options else None
         strat = _strategy(name, family, ctx, options, lora)
-        res: dict[str, Any] = {"norms": [], "grads": []}
+        res: dict[str, Any] = {"norms": [], "grads": [], "mlp_calls": _count_mlp_calls(strat.module)}
         for step, microbatches in enumerate(plans[replicas]):
             for k, per_replica in enumerate(microbatches):
                 mine = per_replica[ctx.replica]
@@ -103,17 +104,37 @@ def steps_rank(
 
 
 def _strategy(name: str, family: Any, ctx: Any, options: dict, lora: LoraSpec | None) -> Any:
-    """The strategy set up on this rank; with ``lora``, on its own build with the adapters in."""
+    """The strategy set up on this rank; with ``lora``, on its own build with the adapters in.
+    In train mode, as core's worker runs it, where the run recomputes whole blocks (HF's
+    checkpointing layers replay only in train mode; the tiny tower draws no dropout) or its
+    adapters draw dropout."""
+    train = options.get("recompute") == "full" or (lora is not None and lora.dropout > 0)
     if lora is None:
-        return ranks.strategy_rank(strategy_class(name), family, ctx, options=options, optim=OPTIM)
+        return ranks.strategy_rank(
+            strategy_class(name), family, ctx, options=options, optim=OPTIM, train=train
+        )
     from disagg.interfaces.lora import apply_lora
 
     cls = strategy_class(name)
     module = apply_lora(cls(ctx, family, cls.options_model(**options)).build_module(), lora, "vision", "lora")
     optim = replace(OPTIM, lora=lora)
-    return ranks.strategy_rank(
-        cls, family, ctx, options=options, optim=optim, module=module, train=lora.dropout > 0
-    )
+    return ranks.strategy_rank(cls, family, ctx, options=options, optim=optim, module=module, train=train)
+
+
+def _count_mlp_calls(module: Any) -> dict[str, int]:
+    """Calls of the tower blocks' MLPs in the forward and in a replay (``recompute: full`` replays
+    each block's forward in backward; the block's own hooks stay outside the checkpoint)."""
+    from disagg.interfaces.recompute import replaying
+
+    calls = {"forward": 0, "replayed": 0}
+
+    def count(*_: Any) -> None:
+        calls["replayed" if replaying() else "forward"] += 1
+
+    for n, m in module.named_modules():
+        if re.search(r"(^|\.)blocks\.\d+\.mlp$", n):  # the blocks' (not the merger's)
+            m.register_forward_pre_hook(count)
+    return calls
 
 
 def _sharded_round_trip(  # noqa: ANN001
