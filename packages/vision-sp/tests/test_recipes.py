@@ -77,6 +77,14 @@ def test_a_wrong_update_fails_the_comparison(recipe_case, precision, wrong):
         _compare({**got, "params": bad}, want, precision, "ulysses x2 ")
 
 
+def test_a_loss_that_is_not_positive_is_refused(recipe_case):
+    """A relative bound on a signed loss (one AdamW drives through zero) means nothing: refused."""
+    got, want = recipe_case[0][("ulysses", 2, "bf16")], recipe_case[0][("ulysses", 1, "bf16")]
+    signed = [-x for x in want["losses"]]
+    with pytest.raises(AssertionError, match="not positive"):
+        _compare({**got, "losses": signed}, {**want, "losses": signed}, "bf16", "ulysses x2 ")
+
+
 @pytest.mark.parametrize("precision", ["fp32", *RECIPES])
 def test_ulysses_state_bytes_per_element_equal_the_recipe(recipe_case, precision):
     """Measured on each rank of ulysses 2: parameters + masters + gradients + AdamW moments =
