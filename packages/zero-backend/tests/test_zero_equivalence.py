@@ -116,7 +116,8 @@ def test_sharded_checkpoint_holds_each_ranks_pieces_and_resumes(label, toy_dirs,
     (``sharded_state``: DeepSpeed's partitions of the fp32 masters and AdamW state) before its
     3rd step through DCP; each rank's file holds half of the group's state (every element in
     one file), and a load reads only this rank's pieces. A fresh group of the same layout
-    resumes bit for bit (state after the load, and after the same 3rd step). Stage 3 also
+    resumes bit for bit (state after the load, and after the same 3rd step), and so does the
+    full form (``checkpoint.format: full``: ``load_full_state``) loaded over it. Stage 3 also
     reshards both ways: ``ddp`` loads the state exactly and its 3rd step's gradients and
     parameters equal zero-3's within 1e-6; ddp's save loads into zero-3 exactly, and both
     take a 4th step alike."""
@@ -144,6 +145,9 @@ def test_sharded_checkpoint_holds_each_ranks_pieces_and_resumes(label, toy_dirs,
         assert_exact(r["saved"], saved, f"rank {rank} merged state: ")
         assert_exact(r["loaded"], saved, f"zero {label}, rank {rank}, loaded: ")
         assert_exact(r["resumed"], r["uninterrupted"], f"zero {label}, rank {rank}, resumed step: ")
+        # the full form (checkpoint.format: full) into the stepped group: the same, exactly
+        assert_exact(r["full/loaded"], saved, f"zero {label} full form, rank {rank}, loaded: ")
+        assert_exact(r["full/resumed"], r["uninterrupted"], f"zero {label} full form, rank {rank}, resumed: ")
         assert r["lr"][0] == r["lr"][1]
         if label != "3":
             continue

@@ -421,18 +421,23 @@ def _resume(strat: Any, where: Path, schedule: dict[str, Any]) -> Any:
     from disagg.interfaces.dcp_pieces import load_pieces
 
     read = load_pieces(strat.sharded_state, where, str(where))
+    _set_schedule(strat, schedule)
+    strat.refresh_weights()
+    return read
+
+
+def _set_schedule(strat: Any, schedule: dict[str, Any]) -> None:
     strat.scheduler.load_state_dict(schedule["scheduler"])
     for group, saved in zip(strat.optimizer.param_groups, schedule["param_groups"]):
         group.update(saved)
-    strat.refresh_weights()
-    return read
 
 
 def resume_sharded(
     rank: int, fam: Any, world: int, options: dict[str, Any], path: Path, schedule: dict, first: Any
 ) -> dict[str, Any]:
     """A fresh group of the same layout resumes from the sharded checkpoint ``path`` (saved by
-    ``first`` before its last step) and takes the same last step. Stage 3 reshards both ways
+    ``first`` before its last step) and takes the same last step; then takes the same state in
+    the full form (``load_full_state``) and the last step again. Stage 3 reshards both ways
     too: ``ddp`` resumes from it and takes the last step, then saves, and the resumed zero group
     resumes from that (a load over a trained state) and both take a 4th step."""
     batches = llm_batches(world)
@@ -441,6 +446,19 @@ def resume_sharded(
     rec: dict[str, Any] = {"norm": [], "grads": []}
     _llm_step(b, batches[-1], rank, world, rec)
     out["resumed"], out["lr"] = _state(b), (ranks.current_lr(b), ranks.current_lr(first))
+    # the same state in the full form (``checkpoint.format: full``), over the stepped one
+    saved = out["loaded"]
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in saved.items():
+        if k.startswith("optim/"):
+            name, _, key = k[len("optim/") :].rpartition("/")
+            optim.setdefault(name, {})[key] = v
+    b.load_full_state({k[6:]: v for k, v in saved.items() if k.startswith("param/")}, optim)
+    _set_schedule(b, schedule)
+    b.refresh_weights()
+    out["full/loaded"] = _state(b)
+    _llm_step(b, batches[-1], rank, world, {"norm": [], "grads": []})
+    out["full/resumed"] = _state(b)
     if options["stage"] != 3:
         return out
     d = _ddp(rank, world, fam)
