@@ -16,8 +16,9 @@ loss and grad norm at every step, and in adapter and merger parameters after eve
 tolerance policy, in lr units); every checkpoint holds exactly the trained tensors (no base
 weight) with optimizer state for exactly them. The ZeRO-3 run's step-2 checkpoint resumes
 under ZeRO-2 x 2 on the tower and ddp on the LLM (another layout, both recomputing) and its
-step 3 equals the reference's. (ulysses' shard modes and adapter dropout with LoRA:
-packages/vision-sp/tests/test_sharded_state.py; megatron_tp with sequence parallelism:
+step 3 equals the reference's. (ulysses with LoRA unsharded without recompute, its shard
+modes, 2 x 2 replicas and adapter dropout: packages/vision-sp/tests/test_sharded_state.py;
+megatron_tp with sequence parallelism, with and without recompute full:
 packages/llm-tp/tests/test_lora_tp.py.) The TP run's export loads as PEFT adapter dirs over
 the exported base (``PeftModel.from_pretrained``) and, with ``--merge``, as plain HF weights,
 both with the trained model's logits (1e-5).
