@@ -14,6 +14,7 @@ import socket
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -24,8 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_threads(world_size: int) -> int:
+    """Intra-op threads per rank: the machine's cores shared out, at least one. Each spawned
+    process would otherwise take every core, and N ranks on the same cores thrash over them
+    (on 2 cores, 2 ranks ran tiny matmuls about twice as slow in CPU time)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(rank_threads(world_size))
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
