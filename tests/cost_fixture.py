@@ -8,7 +8,10 @@ it equals the file exactly (re-recorded when a decoder's logits term became one 
 its variants estimated and searched by the plans; when ``CostQuery.dtype`` became the
 precision recipe, ``CostQuery.precision``: the published grid under ``bf16``, 18 bytes per
 trained element with its fp32 master, where the compute dtype ``bfloat16`` had meant fp32
-state at 16): every strategy's ``estimate`` on a grid of queries
+state at 16; when ``zero`` honoured the recipes in DeepSpeed's bf16 mode: its published
+estimates under ``bf16``, 18 bytes per element at stage 3, 2-byte gathers and the weights'
+2 bytes in stages 1-2, where they had counted DeepSpeed's fp32 mode): every strategy's
+``estimate`` on a grid of queries
 (published Qwen2.5-VL-32B and the tiny Qwen2.5-VL), ``disagg bench --predict``'s rows
 and ``disagg plan``'s full ranking on both, on clusters without the efficiency curve
 (every FLOP at the MFU, the time model before issue 24 item 2).

@@ -69,11 +69,10 @@ def test_ds_config_sums_and_never_clips() -> None:
             offload_optimizer=True,
             ds_config={"zero_optimization": {"contiguous_gradients": False}},
         ),
-        torch.bfloat16,
     )
     assert cfg["gradient_clipping"] == 0.0 and cfg["gradient_allreduce_op"] == "sum"
-    # core's dtype rule: fp32 master weights under autocast, never DeepSpeed's bf16 mode
-    assert cfg["bf16"] == {"enabled": False}
+    # train.precision: fp32 (the default) never turns DeepSpeed's bf16 mode on
+    assert cfg["bf16"] == {"enabled": False} and "communication_data_type" not in cfg
     z = cfg["zero_optimization"]
     assert z == {
         "stage": 2,
@@ -83,7 +82,7 @@ def test_ds_config_sums_and_never_clips() -> None:
         "contiguous_gradients": False,
     }
     # stage 3 can only average: the backward seed carries the world size instead
-    assert build_ds_config(ZeroOptions(stage=3), torch.float32)["gradient_allreduce_op"] == "mean"
+    assert build_ds_config(ZeroOptions(stage=3))["gradient_allreduce_op"] == "mean"
     assert backward_scale(ZeroOptions(stage=3), 3) == 3.0 and backward_scale(ZeroOptions(stage=1), 3) == 1.0
 
 
@@ -124,17 +123,55 @@ def test_activation_checkpointing_is_a_deprecated_spelling_of_recompute_full() -
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
 def test_precision_recipes_give_bf16_sections_deepspeed_accepts(precision: str) -> None:
-    """Ready for ``train.precision`` (not a core key yet): each recipe's ``bf16`` section
-    is what DeepSpeed's own schema accepts, with the recipe's master/state dtypes."""
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    """Each ``train.precision`` recipe's DeepSpeed mode, as DeepSpeed's own config parser reads
+    it: bf16 weights, master/state dtypes, and the dtypes gradients are accumulated and
+    reduced in (``bf16``: fp32, not DeepSpeed's bf16 default)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
 
-    section = build_ds_config(ZeroOptions(stage=3), torch.float32, precision)["bf16"]
-    parsed = DeepSpeedBF16Config(**section)
-    assert parsed.enabled == (precision != "fp32")
-    assert parsed.bf16_master_weights_and_grads == parsed.bf16_optimizer_states == (precision == "bf16-pure")
-    assert not parsed.check_grad_overflow or precision == "fp32"
+    parsed = DeepSpeedConfig(build_ds_config(ZeroOptions(stage=3), precision))
+    bf16 = parsed.bfloat16_config
+    assert bf16.enabled == (precision != "fp32")
+    assert bf16.bf16_master_weights_and_grads == bf16.bf16_optimizer_states == (precision == "bf16-pure")
+    assert not bf16.check_grad_overflow or precision == "fp32"
+    want = {"fp32": None, "bf16": torch.float32, "bf16-pure": torch.bfloat16}[precision]
+    assert parsed.communication_data_type == want
+    assert parsed.grad_accum_dtype == {"fp32": None, "bf16": "fp32", "bf16-pure": "bf16"}[precision]
 
 
 def test_unknown_precision_lists_allowed() -> None:
     with pytest.raises(ValueError, match="unknown precision 'fp16'; allowed: fp32, bf16, bf16-pure"):
-        build_ds_config(ZeroOptions(), torch.float32, "fp16")
+        build_ds_config(ZeroOptions(), "fp16")
+
+
+def test_every_recipe_is_honoured_but_not_with_an_offloaded_optimizer() -> None:
+    """``zero`` honours the three recipes in DeepSpeed's own mode; an offloaded optimizer under
+    ``bf16``/``bf16-pure`` (DeepSpeed's CPU-Adam paths, not verified against the recipe) is
+    refused at validation, naming ``train.precision`` and the module's keys, through core's
+    ``train.precision`` check (before any actor starts)."""
+    from types import SimpleNamespace
+
+    from disagg.config.train_checks import precision_problems
+
+    assert ZeroStrategy.precisions == ("fp32", "bf16", "bf16-pure")
+    for stage in (1, 2, 3):
+        assert ZeroStrategy.precision_problems("bf16", ZeroOptions(stage=stage), "parallel.llm") == []
+        assert (
+            ZeroStrategy.precision_problems("fp32", ZeroOptions(stage=stage, offload_optimizer=True), "x")
+            == []
+        )
+
+    def resolved(precision: str, **options: object) -> SimpleNamespace:
+        module = SimpleNamespace(strategy=ZeroStrategy, options=ZeroOptions(**options))
+        return SimpleNamespace(
+            config=SimpleNamespace(train=SimpleNamespace(precision=precision)), modules={"llm": module}
+        )
+
+    for precision in ("bf16", "bf16-pure"):
+        got = precision_problems(resolved(precision, stage=2, offload_optimizer=True), "cuda")
+        assert [key for key, _ in got] == [("train", "precision")]
+        msg = got[0][1]
+        assert f"train.precision: {precision!r} cannot be combined with parallel.llm.offload_optimizer" in msg
+        assert (
+            "parallel.llm.stage: 2" in msg and "set offload_optimizer: false or train.precision: fp32" in msg
+        )
+        assert precision_problems(resolved(precision, stage=3), "cuda") == []

@@ -182,6 +182,12 @@ def _fill_partition(p: nn.Parameter, src: Any, name: str) -> list[str]:
         r0, r1 = start // row, -(-stop // row)
         piece = src[r0:r1].reshape(-1)[start - r0 * row : stop - r0 * row]
     part.data[: stop - start].copy_(piece.to(part.dtype))
+    if part.dtype != piece.dtype and piece.dtype == torch.float32:
+        # train.precision bf16: the partition is bf16; the fp32 master DeepSpeed makes from it
+        # starts from these values instead (runtime.seed_masters, which drops them)
+        fp32 = torch.zeros(part.numel(), dtype=torch.float32, device=part.device)
+        fp32[: stop - start].copy_(piece)
+        p.fp32_partition = fp32
     return []
 
 

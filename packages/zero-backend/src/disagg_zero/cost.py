@@ -35,15 +35,30 @@ persistent tensors mixed among partitioned ones, DeepSpeed 0.19 also
 re-gathers the persistent ones at up to every whole-module gather (measured
 on the uneven ZeRO test's larger encoder, not modelled): a lower bound there.
 
-**State** after a step in fp32 training (``disagg_zero`` counts the storages
-themselves), over ``n`` ranks and ``ψ`` elements: stages 1-2 keep the whole
-parameters and an fp32 master partition with its two moments, ``4ψ + 12ψ/n``
-(DeepSpeed frees their gradients in the step); stage 3 keeps each tensor's
-partition ``ceil(k/n)``, its own fp32 master copy, a gradient partition and the
-two moments, ``20·Σceil(k/n)``, plus the tensors of at most
-``stage3_param_persistence_threshold`` elements whole on every rank. Not the
-ZeRO paper's ``16ψ/n``: the paper counts mixed precision, where the master copy
-replaces an fp32 parameter. Estimates within per-tensor scalars.
+**State** after a step (``disagg_zero`` counts the storages themselves), over ``n`` ranks and
+``ψ`` trained elements, under the ``train.precision`` recipe (DeepSpeed's mode for it,
+``dsconfig.PRECISION_SECTIONS``; :func:`ds_bytes`: ``w`` the weight, ``m`` the master partition,
+``g`` the gradient, ``a`` the two moments, in bytes per element):
+
+============  ====================================  ================================
+recipe        stages 1-2: ``wψ + (m + a)ψ/n``        stage 3: ``(w + m + g + a)ψ/n``
+============  ====================================  ================================
+``fp32``      ``4ψ + 12ψ/n``                         ``20ψ/n``
+``bf16``      ``2ψ + 12ψ/n`` (stage 1: ``+ 4ψ``)     ``18ψ/n``
+``bf16-pure`` ``2ψ + 6ψ/n``                          ``10ψ/n``
+============  ====================================  ================================
+
+Stages 1-2 keep the whole parameters (DeepSpeed frees their gradients in the step) and a master
+partition with its two moments, except stage 1 under ``bf16``: DeepSpeed's ``BF16_Optimizer``
+keeps the whole fp32 gradient it accumulates and all-reduces in. Stage 3 keeps each tensor's
+partition ``ceil(k/n)``, a master copy, a gradient partition and the two moments, plus the
+tensors of at most ``stage3_param_persistence_threshold`` elements whole on every rank. The
+master is a separate copy even where it has the weight's dtype (``fp32``, and ``bf16-pure``'s
+bf16 master: DeepSpeed 0.19 means to share the partition then, but compares a device with a
+string, so never does), hence 20 and 10 bytes at stage 3 where the recipes' own table says 16
+and 8, and ``bf16-pure``'s 2 bytes over ``n`` in stages 1-2. Not the ZeRO paper's ``16ψ/n``:
+it counts an fp16 gradient. Estimates within per-tensor scalars; measured equal under every
+recipe and stage (``packages/zero-backend/tests/test_zero_recipes.py``).
 
 **Gathered** (``Cost.gathered_bytes``), stage 3: what DeepSpeed's per-submodule gathering
 holds whole at once on top of the state (:func:`zero_gathered_bytes`): the largest one
@@ -57,10 +72,15 @@ tensors. Measured on the tiny models (``runtime.GatherProbe``): with prefetch an
 exactly the largest module's tensors (plus the encoder's first module); with a prefetch bucket,
 within the bound. Stages 1-2 keep whole parameters in the state.
 
-So in the published 32B setting (8 ranks) a ZeRO-3 LLM rank holds its state (20 B per
-parameter over 8 ranks in fp32 training) plus the embedding or output head gathered whole with
-DeepSpeed's default live-parameter limit and reuse window (a few GB), not the module: what fills
-the GPU as the sequence grows is activations and logits, the paper's reason.
+So in the published 32B setting (8 ranks) a ZeRO-3 LLM rank holds its state (18 B per
+parameter over 8 ranks under ``bf16``: 73.7 GB; 20 B in ``fp32``: 81.9 GB) plus the embedding
+or output head gathered whole with DeepSpeed's default live-parameter limit and reuse window (a
+few GB), not the module: under either recipe that is more than an 80 GB GPU before any
+activation (``disagg.bench.published_fit``).
+
+**Bytes under the bf16 recipes**: the gathers carry the weight's dtype (2 bytes), the gradient
+reductions the recipe's (``bf16``: fp32, 4 bytes; ``bf16-pure``: 2); counted call for call in
+``fp32`` only.
 
 Saved activations are a whole replica's, as under ``ddp``.
 """
@@ -84,6 +104,7 @@ from disagg.interfaces.cost_rules import (
     transfer_bytes,
 )
 from disagg.interfaces.gemms import Split, strategy_compute
+from disagg.interfaces.precision import RECIPES
 
 #: DeepSpeed's default stage3_param_persistence_threshold (deepspeed/runtime/zero/config.py)
 DEEPSPEED_PERSISTENCE = 100_000
@@ -114,6 +135,7 @@ def zero_comm(
     votes: int = 0,
     param_bytes: int = GRAD_BYTES,
     trained: list[bool] | None = None,
+    grad_bytes: int = GRAD_BYTES,
 ) -> dict[str, int]:
     """Bytes per rank per step by kind (the module docstring); stage 3: ``uses`` gathers of
     each tensor per step (default: twice per microbatch) and ``votes`` agreement all-reduces.
@@ -124,11 +146,11 @@ def zero_comm(
         return {}
     m = w.microbatches
     warm = tensors if trained is None else [k for k, t in zip(tensors, trained) if t]
-    grads = sum(warm) * GRAD_BYTES
+    grads = sum(warm) * grad_bytes
     small = all_reduce(8 * (len(warm) + 1), n) + sum(all_reduce(b, n) for b in ZERO_STEP_SCALARS[stage])
     # the flat fp32 partitions of stages 1-2 are padded to a multiple of 2n elements
     # (DeepSpeed's nccl_start_alignment_factor = 2): each rank gathers its padded share
-    flat = (n - 1) * -(-sum(warm) // (2 * n)) * 2 * GRAD_BYTES
+    flat = (n - 1) * -(-sum(warm) // (2 * n)) * 2 * param_bytes
     if stage == 1:
         return {"all_reduce": all_reduce(grads, n) + small, "all_gather": flat}
     if stage == 2:
@@ -139,7 +161,7 @@ def zero_comm(
     gathered = sum(u * s for u, s, k in zip(uses, shard, tensors) if k > persistence_threshold)
     return {
         "all_gather": (gathered + persistent) * param_bytes,
-        "reduce_scatter": m * sum((n - 1) * -(-k // n) for k in warm) * GRAD_BYTES,
+        "reduce_scatter": m * sum((n - 1) * -(-k // n) for k in warm) * grad_bytes,
         "all_reduce": small + votes * all_reduce(VOTE_BYTES, n),
     }
 
@@ -247,17 +269,31 @@ def zero_state_bytes(
     n: int,
     persistence_threshold: int = DEEPSPEED_PERSISTENCE,
     frozen: list[int] = (),  # type: ignore[assignment]
+    precision: str = "fp32",
 ) -> int:
-    """DeepSpeed's holdings after a step, fp32 training (see the module docstring); ``frozen``:
-    the elements of each frozen tensor (LoRA's base), which hold their weight only (whole in
-    stages 1-2, partitioned in stage 3: no master, gradient or moments)."""
+    """DeepSpeed's holdings after a step under the ``train.precision`` recipe ``precision``
+    (the module docstring's table); ``frozen``: the elements of each frozen tensor (LoRA's
+    base), which hold their weight only (whole in stages 1-2, partitioned in stage 3: no
+    master, gradient or moments)."""
+    w, master, grad, moments = ds_bytes(precision)
     psi = sum(numels)
     cold = list(frozen)
     if stage < 3:
-        return 4 * (psi + sum(cold)) + 12 * -(-psi // n)
+        # BF16_Optimizer (stage 1 under bf16) keeps the whole fp32 gradient between steps
+        kept = grad * psi if stage == 1 and precision == "bf16" else 0
+        return w * (psi + sum(cold)) + (master + moments) * -(-psi // n) + kept
     parts = sum(-(-k // n) for k in numels)
     whole = sum(k for k in [*numels, *cold] if k <= persistence_threshold)
-    return 20 * parts + 4 * sum(-(-k // n) for k in cold) + 4 * whole
+    return (w + master + grad + moments) * parts + w * sum(-(-k // n) for k in cold) + w * whole
+
+
+def ds_bytes(precision: str) -> tuple[int, int, int, int]:
+    """Bytes per element of what DeepSpeed holds under a recipe (``dsconfig.PRECISION_SECTIONS``):
+    the module's weight, its master partition (a copy even where it has the weight's dtype),
+    the gradient as accumulated and reduced, and AdamW's two moments together."""
+    r = RECIPES[precision]
+    master = r.master or r.weights
+    return r.weights.itemsize, master.itemsize, r.grads.itemsize, 2 * r.moments.itemsize
 
 
 def zero_gathered_bytes(
@@ -339,6 +375,7 @@ def estimate(
         per_mb_tokens = -(-w.samples // (w.microbatches * w.replicas)) * w.seq_len
         chunks = -(-per_mb_tokens // chunk) if chunk else 1
         uses, votes = zero3_uses(tensors, w, bool(query.encoder), max(1, chunks))
+    weight = w.recipe.weights.itemsize
     cost = assemble(
         w,
         state_bytes=zero_state_bytes(
@@ -347,9 +384,10 @@ def estimate(
             w.world,
             persistence_threshold,
             [t.numel for t in tr.frozen],
+            w.precision,
         ),
         activation_bytes=act,
-        comm=zero_comm(numels, stage, w, persistence_threshold, uses, votes, trained=trained),
+        comm=zero_comm(numels, stage, w, persistence_threshold, uses, votes, weight, trained, w.grad_bytes),
         calls=zero_calls(
             tensors,
             stage,
@@ -372,11 +410,13 @@ def estimate(
         knobs.get("prefetch", DEEPSPEED_PREFETCH),
         knobs.get("max_live", DEEPSPEED_MAX_LIVE),
         knobs.get("reuse", DEEPSPEED_REUSE),
+        weight,
         encoder=bool(query.encoder),
         recompute_full=mode == "full",
     )
     cost = replace(cost, gathered_bytes=held)
     if offload_optimizer:
         numel = sum(t.numel for t in tr.trainable)
-        cost = replace(cost, state_bytes=cost.state_bytes - 12 * -(-numel // w.world))
+        _, master, _, moments = ds_bytes(w.precision)
+        cost = replace(cost, state_bytes=cost.state_bytes - (master + moments) * -(-numel // w.world))
     return cost

@@ -17,32 +17,49 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch
-
 from disagg_zero.options import ZeroOptions
 
-#: DeepSpeed's precision section per recipe of issue 25's ``train.precision`` (a key
-#: core does not have yet: the strategy builds with ``fp32``, core's one dtype rule).
-#: ``bf16``: bf16 weights for compute, fp32 master weights and AdamW state in
-#: DeepSpeed's optimizer; ``bf16-pure``: master weights, gradients and optimizer
-#: state in bf16 too. ``check_grad_overflow`` off: DeepSpeed would skip a step on its
-#: own, which the single-process model never does (the driver's global norm decides).
+#: DeepSpeed's own mode for each ``train.precision`` recipe (:mod:`disagg.interfaces.precision`):
+#: its ``bf16`` section plus the dtypes it communicates and accumulates gradients in, merged
+#: into the config. ``check_grad_overflow`` off: DeepSpeed would skip a step on its own, which
+#: the single-process model never does (the driver's global norm decides).
+#:
+#: ``bf16``: DeepSpeed keeps the module's weights in bf16 and an fp32 master partition that
+#: the optimizer steps; ``data_types.grad_accum_dtype: fp32`` makes it accumulate gradients in
+#: fp32 and ``communication_data_type: fp32`` reduce them in fp32 (its default under ``bf16``
+#: is to reduce in bf16). Per stage that is: stage 1 ``BF16_Optimizer`` (DeepSpeed's choice for
+#: bf16 weights with fp32 accumulation: the whole fp32 gradient, all-reduced in fp32, fp32
+#: master partition), stage 2 ``DeepSpeedZeroOptimizer`` with its fp32 gradient partition
+#: (each microbatch's bf16 gradient reduced in fp32 into it), stage 3 the same partitions
+#: with bf16 weight partitions.
+#:
+#: ``bf16-pure``: ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``: master,
+#: gradients (accumulated and reduced in bf16) and AdamW moments in bf16. Stage 3's master is
+#: the bf16 weight partition itself; stages 1-2 keep their master partition as a bf16 copy of
+#: the weights' (same values, so the same updates; 2 bytes per element over the ranks more).
 PRECISION_SECTIONS: dict[str, dict[str, Any]] = {
-    "fp32": {"enabled": False},
-    "bf16": {"enabled": True, "check_grad_overflow": False},
+    "fp32": {"bf16": {"enabled": False}},
+    "bf16": {
+        "bf16": {"enabled": True, "check_grad_overflow": False},
+        "communication_data_type": "fp32",
+        "data_types": {"grad_accum_dtype": "fp32"},
+    },
     "bf16-pure": {
-        "enabled": True,
-        "check_grad_overflow": False,
-        "bf16_master_weights_and_grads": True,
-        "bf16_optimizer_states": True,
+        "bf16": {
+            "enabled": True,
+            "check_grad_overflow": False,
+            "bf16_master_weights_and_grads": True,
+            "bf16_optimizer_states": True,
+        },
+        "communication_data_type": "bf16",
+        "data_types": {"grad_accum_dtype": "bf16"},
     },
 }
 
 
-def build_ds_config(options: ZeroOptions, dtype: torch.dtype, precision: str = "fp32") -> dict[str, Any]:
-    """DeepSpeed config dict for ``options`` (``ds_config`` merged last); ``precision``
-    picks DeepSpeed's ``bf16`` section (:data:`PRECISION_SECTIONS`; only ``fp32`` runs
-    today, the others are there for the precision recipe to switch on)."""
+def build_ds_config(options: ZeroOptions, precision: str = "fp32") -> dict[str, Any]:
+    """DeepSpeed config dict for ``options`` (``ds_config`` merged last) under the
+    ``train.precision`` recipe ``precision`` (:data:`PRECISION_SECTIONS`)."""
     if precision not in PRECISION_SECTIONS:
         raise ValueError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISION_SECTIONS)}")
     zero: dict[str, Any] = {"stage": options.stage}
@@ -59,10 +76,7 @@ def build_ds_config(options: ZeroOptions, dtype: torch.dtype, precision: str = "
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
         "gradient_allreduce_op": "mean" if options.stage == 3 else "sum",
-        # core's one dtype rule today (fp32): fp32 parameters and states, the forward
-        # under autocast (disagg.interfaces.compute_dtype); DeepSpeed's bf16 mode keeps
-        # bf16 parameters, which only a precision recipe for every strategy may ask for.
-        "bf16": dict(PRECISION_SECTIONS[precision]),
+        **copy.deepcopy(PRECISION_SECTIONS[precision]),
         "zero_optimization": zero,
         # The optimizer is a torch AdamW (or DeepSpeedCPUAdam when offloading)
         # built from train.*; DeepSpeed must take it as given.
@@ -95,7 +109,7 @@ def persistence_threshold(options: ZeroOptions) -> int:
     as DeepSpeed reads its config (its default when ``ds_config`` sets none)."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    section = build_ds_config(options, torch.float32)["zero_optimization"]
+    section = build_ds_config(options)["zero_optimization"]
     return int(DeepSpeedZeroConfig(**section).param_persistence_threshold)
 
 
@@ -105,7 +119,7 @@ def gather_settings(options: ZeroOptions) -> dict[str, int]:
     ``reuse`` (stage3_max_reuse_distance)."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    z = DeepSpeedZeroConfig(**build_ds_config(options, torch.float32)["zero_optimization"])
+    z = DeepSpeedZeroConfig(**build_ds_config(options)["zero_optimization"])
     return {
         "prefetch": int(z.prefetch_bucket_size),
         "max_live": int(z.max_live_parameters),
@@ -121,7 +135,7 @@ def zero_section_problems(options: ZeroOptions) -> list[str]:
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     except ImportError as exc:  # deepspeed is a hard dependency; say so plainly
         return [f"strategy 'zero' needs deepspeed, which failed to import: {exc}"]
-    section = build_ds_config(options, torch.float32)["zero_optimization"]
+    section = build_ds_config(options)["zero_optimization"]
     try:
         DeepSpeedZeroConfig(**section)
     except ValidationError as exc:
@@ -131,3 +145,18 @@ def zero_section_problems(options: ZeroOptions) -> list[str]:
             for err in exc.errors()
         ]
     return []
+
+
+def recipe_problems(recipe: str, options: ZeroOptions, where: str) -> list[str]:
+    """The ``parallel.<module>`` settings (at ``where``) DeepSpeed cannot run exactly under the
+    ``train.precision`` recipe ``recipe`` (sentences; config time)."""
+    if recipe == "fp32" or not options.offload_optimizer:
+        return []
+    # DeepSpeed's offloaded bf16 paths step with DeepSpeedCPUAdam over its own fp32 (or bf16)
+    # copies and accumulate differently per stage; none is verified against the recipe here
+    return [
+        f"train.precision: {recipe!r} cannot be combined with {where}.offload_optimizer: true "
+        f"(strategy 'zero', {where}.stage: {options.stage}): DeepSpeed's offloaded optimizer does "
+        "not hold the recipe's dtypes as verified; set offload_optimizer: false or "
+        "train.precision: fp32"
+    ]

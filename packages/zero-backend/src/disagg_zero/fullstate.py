@@ -189,9 +189,7 @@ class ZeroFullState(ZeroLayout):
         # DeepSpeed swaps its flat partitions in and out of the param groups
         # around each step (ZeRO-3 sub-groups): address them directly
         ds = self.engine.optimizer
-        flats = (
-            ds.fp32_partitioned_groups_flat if self.options.stage == 3 else ds.single_partition_of_fp32_groups
-        )
+        flats = ds.fp32_partitioned_groups_flat if self.options.stage == 3 else runtime.master_partitions(ds)
         for flat in flats:
             state = self.optimizer.state[flat]  # type: ignore[union-attr]
             if not state:

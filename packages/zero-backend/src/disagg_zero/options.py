@@ -21,8 +21,10 @@ RESERVED_KEYS: dict[str, str] = {
     "train_batch_size": "the batch comes from data.batch_size",
     "train_micro_batch_size_per_gpu": "the batch comes from data.batch_size",
     "gradient_allreduce_op": "gradients must be summed, which the strategy arranges",
-    "fp16": "fp16 loss scaling is not supported; train.dtype selects float32 or bfloat16",
-    "bf16": "train.dtype selects bfloat16",
+    "fp16": "fp16 loss scaling is not supported; train.precision selects fp32, bf16 or bf16-pure",
+    "bf16": "train.precision selects DeepSpeed's bf16 mode (fp32, bf16, bf16-pure)",
+    "communication_data_type": "train.precision decides the dtype gradients are reduced in",
+    "data_types": "train.precision decides the dtype gradients are accumulated in",
 }
 
 

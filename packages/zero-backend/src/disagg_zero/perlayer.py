@@ -183,6 +183,9 @@ class PerLayer:
         ]
 
     def _grad_in(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        # under train.precision bf16 / bf16-pure ``g`` is the microbatch's bf16 gradient: the
+        # scale is exact for a power-of-two group (DeepSpeed then divides in fp32 under bf16),
+        # one bf16 rounding of the product otherwise
         self._got[i] = True
         return g * self._seed_scale if self._seed_scale != 1.0 else g
 

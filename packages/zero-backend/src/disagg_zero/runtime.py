@@ -65,10 +65,15 @@ def global_grad_norm(ds_optimizer: Any, stage: int) -> float:
     """The group's gradient L2 norm from DeepSpeed's reduced, partitioned fp32
     gradients: each element once (its owner rank), summed over the group, so
     identical on every rank. Non-finite norms come back as ``inf``."""
-    from deepspeed.runtime.utils import combine_grad_norm_groups
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.utils import combine_grad_norm_groups, get_global_norm_of_tensors
 
     if stage == 3:
         norm = combine_grad_norm_groups(ds_optimizer._get_norm_groups())  # noqa: SLF001
+    elif isinstance(ds_optimizer, BF16_Optimizer):
+        # stage 1 under train.precision bf16: every rank holds the whole all-reduced fp32
+        # gradient, so its local norm is the group's (what BF16_Optimizer.step computes)
+        norm = get_global_norm_of_tensors(ds_optimizer.get_grads_for_norm()[0], mpu=None)
     else:
         norm = ds_optimizer.scaled_global_norm()
     # loss_scale is 1 in fp32/bf16; divide anyway so fp16 configs stay right.
@@ -86,6 +91,55 @@ def gathered(module: nn.Module, stage: int, has_engine: bool) -> Iterator[None]:
 
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         yield
+
+
+def master_seeds(params: list[nn.Parameter], stage: int) -> list[torch.Tensor | None]:
+    """Per trainable parameter, the fp32 values its master should start from before DeepSpeed
+    casts the module to bf16: stages 1-2 the whole fp32 tensor (held until
+    :func:`seed_masters`), stage 3 this rank's fp32 partition that :mod:`disagg_zero.build`
+    kept while loading (None where there is none: a parameter built in bf16 already)."""
+    if stage < 3:
+        return [p.data if p.dtype == torch.float32 else None for p in params]
+    return [getattr(p, "fp32_partition", None) for p in params]
+
+
+def seed_masters(
+    ds_optimizer: Any, params: list[nn.Parameter], stage: int, seeds: list[torch.Tensor | None]
+) -> None:
+    """Overwrite DeepSpeed's fp32 master fragments, which it made from the bf16 weights, with
+    the loaded fp32 values (:func:`master_seeds`); local copies, no collective."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    with torch.no_grad():
+        for p, seed in zip(params, seeds):
+            if seed is None:
+                continue
+            if stage < 3:
+                safe_set_full_fp32_param(p, seed)
+                continue
+            group, offset, numel = ds_optimizer.grad_position[ds_optimizer.get_param_id(p)]
+            frag = ds_optimizer.fp32_partitioned_groups_flat[group].narrow(0, offset, numel)
+            frag.copy_(seed[:numel].to(frag.dtype))
+            del p.fp32_partition
+
+
+def master_partitions(ds_optimizer: Any) -> list[torch.Tensor]:
+    """Stages 1-2: this rank's flat master partitions, one per param group (DeepSpeed's ZeRO
+    optimizer's, or ``BF16_Optimizer``'s under stage 1 and ``train.precision: bf16``)."""
+    flats = getattr(ds_optimizer, "single_partition_of_fp32_groups", None)
+    return list(flats if flats is not None else ds_optimizer.fp32_groups_flat_partition)
+
+
+def full_masters(params: list[nn.Parameter]) -> dict[int, torch.Tensor]:
+    """Each parameter's whole fp32 master (DeepSpeed's partitions, gathered: a collective per
+    parameter, in ``params``' order), on the CPU, by ``id`` of the parameter."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for p in params:
+        shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
+        out[id(p)] = safe_get_full_fp32_param(p).detach().float().cpu().view(shape).clone()
+    return out
 
 
 def held_bytes(module: nn.Module, ds_optimizer: Any, optimizer: Any) -> int:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import Family, OptimSpec, Strategy
+from disagg.interfaces.master_weights import cast_floating
 from disagg_zero import runtime
 from disagg_zero.build import build_partitioned
 from disagg_zero.comm import counted
@@ -47,6 +48,7 @@ from disagg_zero.dsconfig import (
     build_ds_config,
     gather_settings,
     persistence_threshold,
+    recipe_problems,
     zero_section_problems,
 )
 from disagg_zero.fullstate import ZeroFullState
@@ -71,6 +73,9 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
     # replica needs a sample in every microbatch.
     lockstep: ClassVar[bool] = False
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
+    #: in DeepSpeed's own mode for each (:data:`disagg_zero.dsconfig.PRECISION_SECTIONS`);
+    #: :meth:`precision_problems` refuses the (option, recipe) pairs it cannot do exactly
+    precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "bf16-pure")
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: ZeroOptions) -> list[str]:  # type: ignore[override]
@@ -81,6 +86,12 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
                 f"use replicas={degree * replicas} for the same number of ranks"
             )
         return problems + zero_section_problems(options)
+
+    @classmethod
+    def precision_problems(cls, recipe: str, options: ZeroOptions, where: str) -> list[str]:
+        """What of ``options`` (``parallel.<module>`` at ``where``) cannot run under the
+        ``train.precision`` recipe ``recipe`` exactly (config time)."""
+        return recipe_problems(recipe, options, where)
 
     def __init__(self, ctx: Any, family: Family, options: ZeroOptions) -> None:  # type: ignore[override]
         super().__init__(ctx, family, options)
@@ -100,11 +111,18 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         if self.options.stage < 3:
             return super().build_module()
         runtime.prepare(self.ctx)
-        config = build_ds_config(self.options, self.ctx.dtype)
+        config = build_ds_config(self.options, self._precision)
         return build_partitioned(lambda: self.family.build(torch.float32), config)
+
+    @property
+    def _precision(self) -> str:
+        return self.ctx.recipe.name if self.ctx.recipe is not None else "fp32"
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         runtime.prepare(self.ctx)
+        # DeepSpeed applies the recipe (its bf16 mode: bf16 weights, its own master partitions);
+        # core's MasterWeights would be a second master copy beside DeepSpeed's
+        self.precision_applied = True
         # core's recompute (``activation_checkpointing: true`` is its deprecated spelling):
         # under ZeRO-3 the replay's forward gathers each submodule again through DeepSpeed's hooks
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
@@ -114,11 +132,19 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
     def finish_setup(self, optim: OptimSpec | None) -> None:
         import deepspeed
 
-        config = build_ds_config(self.options, self.ctx.dtype)
+        config = build_ds_config(self.options, self._precision)
+        recipe = self.ctx.recipe
         if optim is None and self.options.stage < 3:
-            return  # nothing to shard without optimizer states or gradients
+            # nothing to shard without optimizer states or gradients; the weights in the
+            # recipe's dtype all the same (stage 3 is built in it)
+            if recipe is not None:
+                cast_floating(self.module, recipe.weights)
+            return
         self._params = self.trainable_parameters()
         self._got = [False] * len(self._params)
+        # DeepSpeed starts its fp32 masters from the bf16 weights it casts; the recipe's start
+        # from the loaded fp32 values (stages 1-2: the module's own, stage 3: build.py's)
+        seeds = runtime.master_seeds(self._params, self.options.stage) if recipe and recipe.master else None
         where = f"parallel.{self.ctx.module}"
         with runtime.config_errors(where):
             self.engine, *_ = deepspeed.initialize(
@@ -128,6 +154,12 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
                 config=config,
                 dist_init_required=False,
             )
+        if seeds is not None and self.optimizer is not None:
+            runtime.seed_masters(self.engine.optimizer, self._params, self.options.stage, seeds)
+        del seeds
+        for p in self.module.parameters():  # frozen ones' too (build.py keeps every partition's)
+            if hasattr(p, "fp32_partition"):
+                del p.fp32_partition
         if self.options.stage == 3:
             self._arm_call_release()
             if self.optimizer is not None:
@@ -147,6 +179,20 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         assert self.module is not None
         with counted(self.ctx.comm):
             yield
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state with, under ``bf16``, each trainable weight as DeepSpeed's fp32
+        master (the recipe's full form, what a checkpoint holds), not its bf16 copy."""
+        out = super().full_state_dict()
+        recipe = self.ctx.recipe
+        if self.engine is None or self.optimizer is None or recipe is None or recipe.master is None:
+            return out
+        masters = runtime.full_masters(self._params)  # collective, the same order everywhere
+        assert self.module is not None
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in masters:  # a tied weight under each of its names
+                out[name] = masters[id(t)]
+        return out
 
     def state_bytes(self) -> int:
         """What this rank holds, read from the tensors themselves: torch's view

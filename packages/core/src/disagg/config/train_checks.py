@@ -116,7 +116,10 @@ def precision_problems(resolved: ResolvedConfig, device: str) -> list[tuple[tupl
                 )
             )
         allowed_here = tuple(module.strategy.precisions)
-        if recipe not in allowed_here:
+        if recipe in allowed_here:  # honoured, but maybe not with every option
+            for msg in module.strategy.precision_problems(recipe, module.options, f"parallel.{m}"):
+                out.append((("train", "precision"), msg))
+        else:
             strategy = getattr(resolved.config.parallel, m).strategy
             out.append(
                 (

@@ -135,6 +135,13 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
             ]
         return [f"strategy {cls.name!r} runs degree {cls.max_degree} at most, got {degree}"]
 
+    @classmethod
+    def precision_problems(cls, recipe: str, options: StrategyOptions, where: str) -> list[str]:
+        """Problems with ``options`` (``parallel.<module>``, at ``where``) under the
+        ``train.precision`` recipe ``recipe``, one of :attr:`precisions` (sentences naming the
+        keys). None by default; e.g. ``zero`` refuses an offloaded optimizer under ``bf16``."""
+        return []
+
     # -- life in the actor ----------------------------------------------------------------------
     def __init__(self, ctx: GroupContext, family: Family, options: StrategyOptions) -> None:
         self.ctx = ctx

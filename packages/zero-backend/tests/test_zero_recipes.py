@@ -1,0 +1,114 @@
+"""``zero`` under the ``train.precision`` recipes, in DeepSpeed's own mode for each
+(``disagg_zero.dsconfig.PRECISION_SECTIONS``): stages 1, 2 and 3 over 2 ranks (uneven samples)
+equal the same stage on 1 rank (one process) under the same recipe over 5 steps
+(``disagg.testing.recipes``: the LM's positive loss within 5 bf16 epsilons, first-step
+gradients per element within the recipe's bound, parameters in learning-rate units; a skipped
+or doubled update fails); DeepSpeed holds the recipe's dtypes (``bf16``: bf16 weights, fp32
+masters, fp32 gradients, fp32 moments; ``bf16-pure``: all bf16) and the embedding gradients go
+back in the compute dtype; the masters start from the loaded fp32 weights; and every rank's
+measured state bytes equal ``cost.zero_state_bytes`` under the recipe, within AdamW's step
+counts. One spawn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from zero_recipe_cases import OPTIM, RECIPES, STAGES, samples, zero_recipe_rank
+
+from disagg.interfaces import RECIPES as TABLE
+from disagg.testing.dist import run_ranks
+from disagg.testing.ranks import loads
+from disagg.testing.recipes import assert_same_recipe, held_dtypes
+from disagg.testing.toy import ToyLMFamily, make_toy_dirs
+from disagg_zero.cost import zero_state_bytes
+
+CASES = [(s, p) for s in STAGES for p in RECIPES]
+
+
+@pytest.fixture(scope="module")
+def recipe_case(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Per rank of the 2-rank group, its results; the 1-rank runs (made by either process) in both."""
+    _, lm = make_toy_dirs(tmp_path_factory.mktemp("toy_recipes"))
+    got = [loads(b) for b in run_ranks(zero_recipe_rank, 2, str(lm), samples(), timeout=900)]
+    ones = {k: v for r in got for k, v in r.items() if k[1] == 1}
+    return [{**r, **ones, "dir": lm} for r in got]
+
+
+def _compare(got: dict, want: dict, precision: str, stage: int) -> None:
+    assert_same_recipe(
+        got, want, precision, lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps, what=f"zero {stage} x2 "
+    )
+
+
+@pytest.mark.parametrize("stage,precision", CASES)
+def test_two_ranks_equal_one_under_the_recipe(recipe_case, stage: int, precision: str) -> None:
+    got, want = recipe_case[0][(stage, 2, precision)], recipe_case[0][(stage, 1, precision)]
+    weights = TABLE[precision].weights
+    for res in (got, want, recipe_case[1][(stage, 2, precision)]):
+        held = tuple(res[k] for k in ("weight_dtypes", "param_dtypes", "grad_dtypes", "state_dtypes"))
+        assert held == held_dtypes(precision), (res["optimizer"], held)
+        assert res["embed_grad_dtypes"] == {weights}  # sent back to the encoder in the compute dtype
+        assert min(res["losses"]) > 10  # the CE sum stays far from 0: a relative bound means something
+    # DeepSpeed's own optimizer for the mode: stage 1 under bf16 is its BF16_Optimizer
+    assert (
+        got["optimizer"]
+        == {
+            1: "BF16_Optimizer" if precision == "bf16" else "DeepSpeedZeroOptimizer",
+            2: "DeepSpeedZeroOptimizer",
+            3: "DeepSpeedZeroOptimizer_Stage3",
+        }[stage]
+    )
+    _compare(got, want, precision, stage)
+
+
+@pytest.mark.parametrize("stage,precision", CASES)
+def test_masters_start_from_the_loaded_fp32_weights(recipe_case, stage: int, precision: str) -> None:
+    """The full form before any step is the checkpoint's: under ``bf16`` the fp32 masters equal
+    the fp32 weights exactly (DeepSpeed would start them from its bf16 cast; ``runtime.seed_masters``
+    copies the loaded values in, stage 3 from the partitions ``build.py`` read), under
+    ``bf16-pure`` the weights rounded to bf16 once."""
+    ref = ToyLMFamily(recipe_case[0]["dir"]).build().state_dict()
+    for world in (2, 1):
+        initial = recipe_case[0][(stage, world, precision)]["initial"]
+        assert sorted(initial) == sorted(ref)
+        for name, want in ref.items():
+            have = initial[name]
+            if precision == "bf16":
+                assert have.dtype == torch.float32 and torch.equal(have, want), name
+            else:
+                assert torch.equal(have.float(), want.to(torch.bfloat16).float()), name
+
+
+@pytest.mark.parametrize("wrong", ["skipped", "applied twice"])
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (3, "bf16-pure")])
+def test_a_wrong_update_fails_the_comparison(recipe_case, stage: int, precision: str, wrong: str) -> None:
+    got, want = recipe_case[0][(stage, 2, precision)], recipe_case[0][(stage, 1, precision)]
+    p0, factor = got["initial"], (0.0 if wrong == "skipped" else 2.0)
+    bad = {
+        n: (p0[n].double() + factor * (p.double() - p0[n].double())).to(p.dtype)
+        for n, p in got["params"].items()
+    }
+    with pytest.raises(AssertionError, match="lr-units"):
+        _compare({**got, "params": bad}, want, precision, stage)
+
+
+@pytest.mark.parametrize("stage,precision", CASES)
+def test_state_bytes_equal_the_estimate(recipe_case, stage: int, precision: str) -> None:
+    """Measured on each rank after the last step: DeepSpeed's weights, masters, gradients and
+    AdamW moments equal ``cost.zero_state_bytes`` under the recipe (persistence threshold 0:
+    every tensor partitioned in stage 3) plus MaskedAdamW's step counts; per element that
+    is, over n ranks: stages 1-2 ``w + (master + moments)/n`` (+ stage 1 under ``bf16``: the
+    whole fp32 gradient), stage 3 ``(w + master + gradient + moments)/n``."""
+    per_element = {  # bytes per element at 1 rank: the recipe's figures, with DeepSpeed's master copy
+        "bf16": {1: 18, 2: 14, 3: 18},
+        "bf16-pure": {1: 8, 2: 8, 3: 10},
+    }[precision][stage]
+    for world, results in ((2, recipe_case), (1, recipe_case[:1])):  # the 1-rank run is in both
+        for res in (r[(stage, world, precision)] for r in results):
+            want = zero_state_bytes(res["numels"], stage, world, 0, precision=precision)
+            got = res["state_bytes"]
+            # beyond the estimate: MaskedAdamW's step counts and DeepSpeed's own scalars (its
+            # norm, a flag: under 16 bytes)
+            assert 0 <= got - want - res["step_bytes"] < 16, (stage, world, precision, got, want)
+            if world == 1:
+                assert want == per_element * sum(res["numels"]), (want, sum(res["numels"]))
