@@ -7,31 +7,30 @@ or doubled update fails); DeepSpeed holds the recipe's dtypes (``bf16``: bf16 we
 masters, fp32 gradients, fp32 moments; ``bf16-pure``: all bf16) and the embedding gradients go
 back in the compute dtype; the masters start from the loaded fp32 weights; and every rank's
 measured state bytes equal ``cost.zero_state_bytes`` under the recipe, within AdamW's step
-counts. One spawn."""
+counts. Run in ``test_zero_uneven``'s spawn (``conftest.py``), not one of its own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from zero_recipe_cases import OPTIM, RECIPES, STAGES, samples, zero_recipe_rank
+from zero_recipe_cases import OPTIM, RECIPES, STAGES
 
 from disagg.interfaces import RECIPES as TABLE
-from disagg.testing.dist import run_ranks
 from disagg.testing.ranks import loads
 from disagg.testing.recipes import assert_same_recipe, held_dtypes
-from disagg.testing.toy import ToyLMFamily, make_toy_dirs
+from disagg.testing.toy import ToyLMFamily
 from disagg_zero.cost import zero_state_bytes
 
 CASES = [(s, p) for s in STAGES for p in RECIPES]
 
 
 @pytest.fixture(scope="module")
-def recipe_case(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Per rank of the 2-rank group, its results; the 1-rank runs (made by either process) in both."""
-    _, lm = make_toy_dirs(tmp_path_factory.mktemp("toy_recipes"))
-    got = [loads(b) for b in run_ranks(zero_recipe_rank, 2, str(lm), samples(), timeout=900)]
-    ones = {k: v for r in got for k, v in r.items() if k[1] == 1}
-    return [{**r, **ones, "dir": lm} for r in got]
+def recipe_case(uneven_spawn: dict) -> list[dict]:
+    """Per rank of the 2-rank group, its results; the 1-rank runs (made by either process) in
+    both. Run at the end of the uneven tests' spawn (``conftest.py``)."""
+    got = [loads(r["recipes"]) for r in uneven_spawn["ranks"]]
+    ones = {k: v for r in got for k, v in r.items() if isinstance(k, tuple) and k[1] == 1}
+    return [{**r, **ones, "dir": uneven_spawn["lm"]} for r in got]
 
 
 def _compare(got: dict, want: dict, precision: str, stage: int) -> None:

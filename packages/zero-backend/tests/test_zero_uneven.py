@@ -25,37 +25,29 @@ import uneven_harness as U
 import zero_harness as H
 
 from disagg.interfaces.cost import ParamTensor
-from disagg.testing.dist import run_ranks
 from disagg.testing.tolerance import (
     BF16,
     assert_scalar_close,
     assert_tensor_close,
     assert_tensors_close,
 )
-from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, make_toy_dirs
+from disagg.testing.toy import ToyLMFamily
 from disagg_zero.cost import DEEPSPEED_PERSISTENCE, zero_gathered_bytes
 
 UNUSED = ("unused.weight", "unused.bias")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("toy_uneven")
-    enc, lm = make_toy_dirs(root)
-    # hidden 384: qkv/proj/up/down exceed DeepSpeed's default
-    # stage3_param_persistence_threshold (1e5 elements), so they are partitioned
-    big = ToyEncoderFamily.make_tiny(root / "big_encoder", hidden=384)
-    # 19M parameters (76 MB in fp32): big enough for the set-up's memory to show above the noise
-    mem = ToyLMFamily.make_tiny(root / "mem_lm", hidden=768, layers=4, heads=8, vocab_size=64)
-    ranks = H.tensors(run_ranks(U.rank_all, 2, enc, big, lm, mem, timeout=1500))
+def runs(uneven_spawn: dict[str, Any]) -> dict[str, Any]:
+    enc, lm, big = uneven_spawn["enc"], uneven_spawn["lm"], uneven_spawn["big"]  # the spawn: conftest.py
     return {
-        "ranks": ranks,
+        "ranks": uneven_spawn["ranks"],
         "dirs": (enc, lm),
         "encoder": U.reference_encoder(enc),
         "big": U.reference_encoder(big),
         "big_dir": big,
         "llm": U.reference_llm(lm),
-        "mem_dir": mem,
+        "mem_dir": uneven_spawn["mem"],
     }
 
 

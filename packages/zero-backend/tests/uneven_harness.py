@@ -285,6 +285,7 @@ def rank_lora_bytes(rank: int, lm_dir: Path, options: dict[str, Any]) -> dict[st
 
 def rank_all(rank: int, enc_dir: Path, big_enc_dir: Path, lm_dir: Path, mem_lm_dir: Path) -> dict[str, Any]:
     import build_harness
+    import zero_recipe_cases
 
     # first, before the runs below leave freed memory to the allocator for it to reuse
     build = build_harness.rank_build_memory(rank, lm_dir, mem_lm_dir, 2)
@@ -298,4 +299,6 @@ def rank_all(rank: int, enc_dir: Path, big_enc_dir: Path, lm_dir: Path, mem_lm_d
     out["3-eval"] = rank_eval(rank, enc_dir, lm_dir, CONFIGS["3"])
     out["1-mismatch"] = rank_mismatch(rank, enc_dir)
     out["lora"] = {s: rank_lora_bytes(rank, lm_dir, CONFIGS[s]) for s in ("1", "3")}
+    # last, since it leaves the 2-rank group: test_zero_recipes' runs (in this spawn, not its own)
+    out["recipes"] = zero_recipe_cases.zero_recipe_rank(rank, str(lm_dir))
     return out

@@ -1,7 +1,8 @@
 """Rank function of ``zero``'s precision-recipe tests (importable by spawned ranks): the toy LM
 under each ``train.precision`` recipe as ``zero`` stage 1, 2 and 3 over 2 ranks (uneven: 3
 samples and 2), then each at 1 rank (``disagg.testing.recipes``' single-rank group, the two
-processes each running a share): one spawn for all of it.
+processes each running a share), at the end of ``test_zero_uneven``'s spawn (``conftest.py``):
+no spawn of its own.
 
 The loss is the LM's summed cross-entropy over the global label count: positive and far from
 0 at every step (about ln(vocab)), so the kit's relative loss tolerance means something (a
@@ -16,6 +17,7 @@ and of the AdamW moments, and the elements of each tensor for ``cost.zero_state_
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +114,12 @@ def _run(rank: int, path: str, world: int, stage: int, precision: str, data: lis
     return {**out, **census(strat), **seen}
 
 
-def zero_recipe_rank(rank: int, path: str, data: list[dict]) -> bytes:
+def zero_recipe_rank(rank: int, path: str) -> bytes:
     """Every (stage, recipe) over the 2 ranks; then each rank becomes a group of one and runs
-    its share of the 1-rank runs (rank 0 stages 1-2, rank 1 stage 3), side by side."""
+    its share of the 1-rank runs (rank 0 stages 1-2, rank 1 stage 3), side by side. Run last in
+    ``uneven_harness.rank_all``'s spawn; ``seconds``: its own wall time on this rank."""
+    start = time.perf_counter()
+    data = samples()
     out: dict = {}
     for stage in STAGES:
         for precision in RECIPES:
@@ -129,4 +134,5 @@ def zero_recipe_rank(rank: int, path: str, data: list[dict]) -> bytes:
     for stage in (3,) if rank else (1, 2):
         for precision in RECIPES:
             out[(stage, 1, precision)] = _run(0, path, 1, stage, precision, data)
+    out["seconds"] = time.perf_counter() - start
     return ranks.dumps(out)

@@ -27,6 +27,10 @@ its share of a microbatch (any split, including none), by construction:
   marks the boundary once per optimizer step. The group's norm comes from
   DeepSpeed's partitioned fp32 gradients and the driver's clip coefficient is
   applied by the optimizer, since DeepSpeed's own clipping is off.
+* ``train.precision`` runs in DeepSpeed's own mode for the recipe
+  (:data:`disagg_zero.dsconfig.PRECISION_SECTIONS`): DeepSpeed casts the module and keeps the
+  masters, so core's :class:`~disagg.interfaces.master_weights.MasterWeights` stays off; under
+  ``bf16`` the masters start from the loaded fp32 weights and are the full form.
 """
 
 from __future__ import annotations
