@@ -117,8 +117,9 @@ def _run(rank: int, path: str, world: int, stage: int, precision: str, data: lis
 def zero_recipe_rank(rank: int, path: str) -> bytes:
     """Every (stage, recipe) over the 2 ranks; then each rank becomes a group of one and runs
     its share of the 1-rank runs (rank 0 stages 1-2, rank 1 stage 3), side by side. Run last in
-    ``uneven_harness.rank_all``'s spawn; ``seconds``: its own wall time on this rank."""
-    start = time.perf_counter()
+    ``uneven_harness.rank_all``'s spawn; ``seconds`` / ``cpu_seconds``: its own wall and CPU time
+on this rank."""
+    start, cpu = time.perf_counter(), time.process_time()
     data = samples()
     out: dict = {}
     for stage in STAGES:
@@ -135,4 +136,5 @@ def zero_recipe_rank(rank: int, path: str) -> bytes:
         for precision in RECIPES:
             out[(stage, 1, precision)] = _run(0, path, 1, stage, precision, data)
     out["seconds"] = time.perf_counter() - start
+    out["cpu_seconds"] = time.process_time() - cpu  # this process's, whatever the machine's load
     return ranks.dumps(out)
