@@ -111,3 +111,27 @@ def test_state_bytes_equal_the_estimate(recipe_case, stage: int, precision: str)
             assert 0 <= got - want - res["step_bytes"] < 16, (stage, world, precision, got, want)
             if world == 1:
                 assert want == per_element * sum(res["numels"]), (want, sum(res["numels"]))
+
+
+@pytest.mark.parametrize("stage,precision", CASES)
+def test_gradients_are_reduced_in_the_recipes_dtype(recipe_case, stage: int, precision: str) -> None:
+    """The bytes DeepSpeed's gradient reduction sent in a whole step (the 4th, counted by
+    ``disagg_zero.comm``) are the recipe's gradient dtype's: ``bf16`` reduces fp32 (4 bytes per
+    element; DeepSpeed's own default under bf16 would send 2, its ``BF16_Optimizer`` at stage 1
+    included), ``bf16-pure`` bf16 (2). At 2 ranks a ring all-reduce sends the whole gradient once
+    (stages 1-2, plus the agreement and norm scalars), a reduce-scatter the other rank's half
+    (stage 3, every tensor partitioned, ``cost.zero_comm`` exactly)."""
+    from disagg.interfaces.cost import Workload
+    from disagg_zero.cost import zero_comm
+
+    grad = TABLE[precision].grads.itemsize
+    for r in recipe_case:
+        res = r[(stage, 2, precision)]
+        numels, sent = res["numels"], res["comm"][3][0]  # the 4th step's bytes by kind (the kit's)
+        if stage < 3:
+            scalars = 8 * (len(numels) + 1) + 16  # the agreement flags, DeepSpeed's norm scalars
+            assert grad * sum(numels) <= sent["all_reduce"] <= grad * sum(numels) + scalars, sent
+            continue
+        w = Workload(degree=1, replicas=2, seq_len=1, samples=2, precision=precision)
+        want = zero_comm(numels, 3, w, 0, [0] * len(numels), grad_bytes=w.grad_bytes)["reduce_scatter"]
+        assert sent["reduce_scatter"] == want == grad * sum(-(-k // 2) for k in numels), sent

@@ -116,9 +116,9 @@ def _run(rank: int, path: str, world: int, stage: int, precision: str, data: lis
 
 def zero_recipe_rank(rank: int, path: str) -> bytes:
     """Every (stage, recipe) over the 2 ranks; then each rank becomes a group of one and runs
-    its share of the 1-rank runs (rank 0 stages 1-2, rank 1 stage 3), side by side. Run last in
-    ``uneven_harness.rank_all``'s spawn; ``seconds`` / ``cpu_seconds``: its own wall and CPU time
-on this rank."""
+        its share of the 1-rank runs (rank 0 stages 1-2, rank 1 stage 3), side by side. Run last in
+        ``uneven_harness.rank_all``'s spawn; ``seconds`` / ``cpu_seconds``: its own wall and CPU time
+    on this rank."""
     start, cpu = time.perf_counter(), time.process_time()
     data = samples()
     out: dict = {}
