@@ -43,9 +43,6 @@ def _run(rank: int, degree: int, strategy: str, precision: str, case: tuple) -> 
 def audio_recipe_rank(rank: int, cases: dict[str, tuple], keys: list[tuple[str, str, str]]) -> bytes:
     """``cases``: per family name, ``(family class, path, options, inputs, targets)``; ``keys``:
     the ``(family, strategy, recipe)`` runs."""
-    import torch
-
-    torch.set_num_threads(1)  # two ranks on two cores: tiny matmuls gain nothing from more
     out: dict = {(name, s, 2, p): _run(rank, 2, s, p, cases[name]) for name, s, p in keys}
     for name, s, p in single_rank_share(keys, rank, 2):
         out[(name, s, 1, p)] = _run(0, 1, s, p, cases[name])

@@ -5,7 +5,6 @@ spawn for all of it."""
 
 from __future__ import annotations
 
-import torch
 from dropout_cases import BF16_OPTIM, SEED
 
 from disagg.testing import ranks
@@ -40,7 +39,6 @@ def _run(rank: int, path: str, degree: int, precision: str, samples, embeds, ste
 
 
 def tp_recipe_rank(rank: int, path: str, samples, embeds) -> bytes:
-    torch.set_num_threads(1)  # two ranks on two cores: tiny matmuls gain nothing from more
     out: dict = {}
     # fp32: one step, for the state bytes of every recipe
     for precision, steps in (("fp32", 1), *((r, STEPS) for r in RECIPES)):

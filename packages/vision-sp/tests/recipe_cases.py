@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from disagg.interfaces import OptimSpec
 from disagg.testing import ranks
 from disagg.testing.recipes import STEPS, recipe_steps, single_rank_share, squared_error_microbatch
@@ -57,7 +55,6 @@ def _run(
 
 
 def recipe_rank(rank: int, path: str, inputs, targets) -> bytes:
-    torch.set_num_threads(1)  # two ranks on two cores: tiny matmuls gain nothing from more
     out: dict = {("ulysses", 2, "fp32"): _run(rank, "ulysses", 2, 1, "fp32", path, inputs, targets, 1)}
     layouts = [
         (r, s, d, n)
