@@ -18,7 +18,8 @@ import torch
 from tp_cases import LR, MAX_NORM, label_count, replica_slice
 
 from disagg.interfaces import OptimSpec
-from disagg.interfaces.lora import LoraSpec, apply_lora
+from disagg.interfaces.lora import LoraSpec
+from disagg.kit.lora import apply_lora
 from disagg.runtime.actor.state import load_full, save_full, save_sharded
 from disagg.testing import ranks
 from disagg.testing.ranks import dumps, loads

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.interfaces import GroupContext, OptimSpec, dropout_seed
-from disagg.interfaces.activations import saved_bytes_hooks
-from disagg.interfaces.recompute import replaying
-from disagg.interfaces.strategy import clip_coefficient
+from disagg.kit.recompute import replaying
+from disagg.kit.recompute.activations import saved_bytes_hooks
+from disagg.kit.strategy import clip_coefficient
 
 SEED = 3
 #: eps 1e-3, as the end-to-end configs: Adam's update is then Lipschitz in the gradient, so the

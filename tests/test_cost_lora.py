@@ -34,12 +34,13 @@ def test_lora_state_reduction_and_flops_on_the_32b_llm(shapes):
     all-reduce only the adapters' gradients; the weight-gradient products of the base are gone."""
     from disagg.cost import predict
     from disagg.interfaces import CostQuery
+    from disagg.kit.cost.training import query_trained
 
     llm, spec = shapes["llm"], _lora()
     kw = dict(samples=8, exchanged_rows=1024, exchanged_width=5120)
     full = predict(llm, "megatron_tp", 8, 2, 1536, "bf16", **kw)
     lora = predict(llm, "megatron_tp", 8, 2, 1536, "bf16", lora=spec, **kw)
-    tr = CostQuery(shape=llm, degree=8, replicas=2, seq_len=1536, lora=spec).trained
+    tr = query_trained(CostQuery(shape=llm, degree=8, replicas=2, seq_len=1536, lora=spec))
     assert len(tr.adapters) == 2 * 7 * llm.layers and len(tr.frozen) == len(llm.tensors())
     h, r = llm.hidden, spec.r
     q = llm.layers * ((r * h) + (h * r) // 8)  # q_proj: column base -> lora_A [r, h] whole, lora_B split
@@ -51,7 +52,7 @@ def test_lora_state_reduction_and_flops_on_the_32b_llm(shapes):
     assert lora.state_bytes == 18 * adapters + 4 * len(tr.adapters) + 2 * base
     assert lora.state_bytes < 0.3 * full.state_bytes
     # the data-parallel reduction: one flat all-reduce of the local trained gradients
-    from disagg.interfaces.cost_rules import all_reduce
+    from disagg.kit.cost.rules import all_reduce
 
     dp_full = all_reduce(4 * base, 2)
     dp_lora = all_reduce(4 * adapters, 2)
@@ -71,12 +72,13 @@ def test_lora_on_the_tower_keeps_the_saved_parts_training(shapes):
     what trains."""
     from disagg.cost import predict
     from disagg.interfaces import CostQuery
-    from disagg.interfaces.cost_rules import grad_all_reduce
+    from disagg.kit.cost.rules import grad_all_reduce
+    from disagg.kit.cost.training import query_trained
 
     vision = shapes["vision"]
     spec = _lora(("attn.qkv", "attn.proj"), 8, ("merger.*",))
     cost = predict(vision, "ulysses", 4, 2, 4096, "bf16", lora=spec)
-    tr = CostQuery(shape=vision, degree=4, replicas=2, seq_len=4096, lora=spec).trained
+    tr = query_trained(CostQuery(shape=vision, degree=4, replicas=2, seq_len=4096, lora=spec))
     merger = [t for t in vision.tensors() if t.name.startswith("merger.")]
     assert set(merger) <= set(tr.trainable) and not set(merger) & set(tr.frozen)
     assert len(tr.adapters) == 2 * 2 * vision.depth

@@ -4,7 +4,7 @@ spawn) each recipe's saved activations (``examples/bench/recipe_activations.py``
 state bytes (parameters + gradients + AdamW state) and the gradient bytes its collectives sent
 equal the cost model's figures exactly: ``ddp``'s ``Strategy.estimate`` for the same layout with
 ``CostQuery.lora`` (the planning shape from ``config.json``, the targeted linears frozen with a
-lora_A/lora_B pair each, :mod:`disagg.interfaces.cost_training`): a frozen base weight holds its
+lora_A/lora_B pair each, :mod:`disagg.kit.cost.training`): a frozen base weight holds its
 4 bytes, no gradient and no optimizer state, and is never all-reduced. So LoRA / full, measured,
 equals LoRA / full, analytic."""
 

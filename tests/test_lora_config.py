@@ -164,7 +164,7 @@ def test_lora_without_peft_is_refused_with_the_install_line(tiny, tmp_path, monk
     found = _problems(tmp_path, _cfg(tiny, {}, GOOD_LLM))
     assert "pip install 'disagg-core[lora]'" in found["train.modules.llm.lora"], found
     # and in the actor, the same line rather than a bare ImportError
-    from disagg.interfaces.lora import require_peft
+    from disagg.kit.lora import require_peft
 
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(ImportError, match=r"disagg-core\[lora\]"):

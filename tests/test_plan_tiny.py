@@ -41,7 +41,7 @@ def test_plan_writes_a_config_train_accepts(tiny: Path, capsys):
     from disagg.cli.main import main
     from disagg.config.load import load_config
     from disagg.config.validate import validate
-    from disagg.interfaces import Strategy
+    from disagg.kit import Strategy
     from disagg.plugins import get_registry
 
     (tiny / "base.yaml").write_text(yaml.safe_dump(config(tiny, "{}")))

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "llm-t
 from ckpt_cases import ckpt_rank  # noqa: E402
 from tp_cases import make_batch  # noqa: E402
 
-from disagg.interfaces.dcp_pieces import payload_by_file  # noqa: E402
+from disagg.kit.checkpoint import payload_by_file  # noqa: E402
 from disagg.testing.dist import run_ranks  # noqa: E402
 from disagg.testing.ranks import dumps, loads  # noqa: E402
 from disagg.testing.tolerance import assert_exact, assert_tensors_close  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagg.interfaces.hf import StoredTensors
+from disagg.interfaces.stored import StoredTensors
 from disagg_audio.families.qwen2_audio import Qwen2AudioFamily
 from disagg_audio.families.whisper import WhisperAudioFamily
 from disagg_llm_tp.families.base import write_hf_dir

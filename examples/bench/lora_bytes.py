@@ -1,5 +1,5 @@
 """State bytes per rank and gradient bytes communicated per step, LoRA / full, on the tiny
-Qwen2.5-VL, measured beside the analytic figures (``disagg.interfaces.cost_rules``).
+Qwen2.5-VL, measured beside the analytic figures (``disagg.kit.cost.rules``).
 
     python examples/bench/lora_bytes.py [--out DIR]
 
@@ -11,7 +11,7 @@ and what the step's collectives sent (``CommCounter``: the gradient all-reduce
 and its presence agreement), against what the cost model predicts for the same
 layout from the model's ``config.json`` alone (``ddp``'s ``Strategy.estimate`` with
 ``CostQuery.lora``: the family's planning shape, its targeted linears frozen with
-a ``lora_A``/``lora_B`` pair each, :mod:`disagg.interfaces.cost_training`): state
+a ``lora_A``/``lora_B`` pair each, :mod:`disagg.kit.cost.training`): state
 bytes and gradient bytes sent per step.
 """
 
@@ -46,7 +46,7 @@ LLM = LoraSpec(
 
 def _rank(rank: int, path: str) -> bytes:
     from disagg.builtin.ddp import DDPStrategy
-    from disagg.interfaces.lora import apply_lora
+    from disagg.kit.lora import apply_lora
     from disagg.plugins import get_registry
     from disagg.testing import ranks
     from disagg.testing.encoder import upstream_grads

@@ -5,8 +5,8 @@ the fused norm, on 2 gloo ranks, timed alternately in one run.
 - ``before``: what ``Strategy.reduce_gradients`` / ``grad_norm_sq`` / ``step``
   did until now: one all-reduce per gradient tensor, one float64 copy and one
   host sync per tensor for the norm, one clip multiply per tensor;
-- ``after``: the same sums through :func:`disagg.interfaces.all_reduce_bucketed`
-  (25 MiB buckets), :func:`disagg.interfaces.sum_of_squares` (foreach norms,
+- ``after``: the same sums through :func:`disagg.kit.all_reduce_bucketed`
+  (25 MiB buckets), :func:`disagg.kit.sum_of_squares` (foreach norms,
   one sync) and one foreach multiply.
 
 AdamW is ``foreach=False`` on both (CPU keeps the per-tensor update, bit-equal
@@ -44,7 +44,7 @@ def _grads(params: list[torch.nn.Parameter], rank: int, seed: int) -> None:
 
 
 def before(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, comm) -> float:
-    from disagg.interfaces import agree_on_grads
+    from disagg.kit import agree_on_grads
 
     for p, keep in zip(params, agree_on_grads(params, comm)):
         if keep:
@@ -58,7 +58,7 @@ def before(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, comm) -
 
 
 def after(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, comm) -> float:
-    from disagg.interfaces import agree_on_grads, all_reduce_bucketed, sum_of_squares
+    from disagg.kit import agree_on_grads, all_reduce_bucketed, sum_of_squares
 
     present = agree_on_grads(params, comm)
     all_reduce_bucketed([p.grad for p, keep in zip(params, present) if keep], comm)

@@ -26,7 +26,7 @@ TEXT_TOKENS = 96
 
 
 def _saved(strat, run) -> int:
-    from disagg.interfaces.activations import saved_bytes_hooks
+    from disagg.kit.recompute.activations import saved_bytes_hooks
 
     added, peaks = [], []
     with saved_bytes_hooks(strat.module, added.append, peaks.append):

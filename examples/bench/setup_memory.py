@@ -143,7 +143,7 @@ def main() -> None:
         path = make_vlm(args.dir or Path("/tmp/disagg-vit-220m"))
     else:
         path = make_model(args.dir or Path("/tmp/disagg-qwen2-300m"))
-    from disagg.interfaces.hf import StoredTensors
+    from disagg.interfaces.stored import StoredTensors
 
     stored = StoredTensors(path)
     family = _family(args.module, str(path))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from disagg.interfaces import GroupContext, OptimSpec, StrategyOptions, dropout_seed
-from disagg.interfaces.strategy import clip_coefficient
+from disagg.kit.strategy import clip_coefficient
 from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, toy_samples
 
 STEPS, BATCH, MICROBATCHES, CLIP, SEED = 3, 7, 2, 0.5, 0

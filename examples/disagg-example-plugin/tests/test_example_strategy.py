@@ -11,7 +11,7 @@ import example_steps as S
 import torch
 
 import disagg_example_plugin.plugin as example
-from disagg.interfaces import Strategy
+from disagg.kit import Strategy
 from disagg.testing.dist import run_ranks
 from disagg.testing.reference import ReferenceModel
 from disagg.testing.tolerance import assert_exact, assert_scalar_close

@@ -14,7 +14,8 @@ from pydantic import PositiveInt
 from torch import nn
 
 import disagg
-from disagg.interfaces import EncoderFamily, LanguageFamily, Strategy, StrategyOptions
+from disagg.interfaces import EncoderFamily, LanguageFamily, StrategyOptions
+from disagg.kit import Strategy
 
 HEADS = 4
 

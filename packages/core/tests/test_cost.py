@@ -11,7 +11,7 @@ import torch
 
 from disagg.bench.published import LAYOUTS_32B, QWEN2_5_VL_32B, predict_published, ratios
 from disagg.cost import EncoderShape, predict, shapes_for
-from disagg.interfaces.activations import saved_bytes_hooks
+from disagg.kit.recompute.activations import saved_bytes_hooks
 
 for _plugin in ("disagg_vision_sp", "disagg_llm_tp", "disagg_zero"):
     pytest.importorskip(_plugin)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from disagg.interfaces.gemms import AttentionCore, Compute, Gemm
+from disagg.interfaces.compute import AttentionCore, Compute, Gemm
 from disagg.plan.cluster import PRESETS, cluster_from
 from disagg.plan.efficiency import (
     attention_efficiency,

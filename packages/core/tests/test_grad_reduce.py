@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disagg.interfaces import CommCounter, all_reduce_bucketed, sum_of_squares
-from disagg.interfaces.buckets import bucket_sizes
+from disagg.interfaces import CommCounter
+from disagg.kit import all_reduce_bucketed, sum_of_squares
+from disagg.kit.grads.buckets import bucket_sizes
 from disagg.testing.dist import run_ranks
 
 

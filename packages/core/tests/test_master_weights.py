@@ -1,4 +1,4 @@
-"""The precision recipes on one process (``disagg.interfaces.master_weights``), on the toy LM
+"""The precision recipes on one process (``disagg.kit.masters``), on the toy LM
 under ``ddp``: a 30-step ``bf16`` run tracks the ``fp32`` loss curve; the weights the forward uses
 are bf16 and nothing autocasts; gradients accumulate over microbatches in fp32 on the masters;
 and a same-layout resume from the full form restores the masters, AdamW state and bf16 weights

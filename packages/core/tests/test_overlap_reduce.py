@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from disagg.interfaces.comm import CommCounter
-from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed
-from disagg.interfaces.overlap import OverlappedReducer
+from disagg.kit.grads import agree_on_grads, all_reduce_bucketed
+from disagg.kit.grads.overlap import OverlappedReducer
 from disagg.testing.dist import run_ranks
 from disagg.testing.tolerance import assert_exact
 

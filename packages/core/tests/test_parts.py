@@ -8,7 +8,7 @@ from torch import nn
 
 from disagg.builtin.ddp import DDPStrategy
 from disagg.interfaces import OptimSpec, PartGroup
-from disagg.interfaces.parts import freeze_parts, optimizer_groups
+from disagg.kit.parts import freeze_parts, optimizer_groups
 from disagg.testing import ranks
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from disagg.builtin.ddp import DDPStrategy
 from disagg.cost import predict, shapes_for
-from disagg.interfaces import Cost, CostQuery, Strategy, StrategyOptions
+from disagg.interfaces import Cost, CostQuery, StrategyOptions
+from disagg.kit import Strategy
 from disagg.plan import Workload, cluster_from, plan
 from disagg.plan.cluster import PRESETS, parse_quantity
 from disagg.plan.explain import plan_yaml, table, why

@@ -1,4 +1,4 @@
-"""Core's recomputation (``disagg.interfaces.recompute``) on a tiny Hugging Face decoder.
+"""Core's recomputation (``disagg.kit.recompute``) on a tiny Hugging Face decoder.
 
 The traps the strategies rely on it for, one process each: dropout masks from
 the default generator and from a strategy's own ``ShardRNG`` (forked inside a
@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from disagg.interfaces.activations import saved_bytes_hooks
-from disagg.interfaces.recompute import Recompute, checkpointed, replaying
-from disagg.interfaces.rng import ShardRNG
+from disagg.kit.recompute import Recompute, checkpointed, replaying
+from disagg.kit.recompute.activations import saved_bytes_hooks
+from disagg.kit.recompute.rng import ShardRNG
 
 HIDDEN, LAYERS, TOKENS = 32, 3, 12
 

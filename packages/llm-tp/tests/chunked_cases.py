@@ -11,7 +11,7 @@ import torch
 from tp_cases import LR, Case, family_cls, label_count, replica_slice
 
 from disagg.interfaces import OptimSpec
-from disagg.interfaces.activations import SavedBytes
+from disagg.kit.recompute.activations import SavedBytes
 from disagg.testing import ranks
 from disagg.testing.ranks import dumps, loads
 

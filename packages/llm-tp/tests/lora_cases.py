@@ -7,7 +7,8 @@ import torch
 from tp_cases import LR, MAX_NORM, label_count
 
 from disagg.interfaces import OptimSpec
-from disagg.interfaces.lora import LoraSpec, apply_lora, lora_seed
+from disagg.interfaces.lora import LoraSpec, lora_seed
+from disagg.kit.lora import apply_lora
 from disagg.testing import ranks
 from disagg.testing.ranks import dumps, loads
 from disagg.testing.reference import reference_adamw
@@ -76,7 +77,7 @@ def tp_lora_rank(rank: int, payload: bytes) -> bytes:
     """``payload``: (family path, samples, [strategy options per case]); one record per case.
     A case that recomputes runs in train mode (HF's checkpointing layers replay only then;
     the tiny model draws no dropout) and counts the adapters' calls inside a replay."""
-    from disagg.interfaces.recompute import replaying
+    from disagg.kit.recompute import replaying
     from disagg_llm_tp.lora import TPLoraLinear
 
     path, samples, cases = loads(payload)

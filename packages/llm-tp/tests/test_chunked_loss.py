@@ -68,7 +68,7 @@ def test_megatron_tp_chunked_equals_whole(tiny_dirs):
 
 def test_chunk_bounds():
     """The last chunk shorter than the others, and a chunk of one token."""
-    from disagg.interfaces.chunked_loss import bounds
+    from disagg.kit.chunked_loss import bounds
 
     assert bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert bounds(3, 1) == [(0, 1), (1, 2), (2, 3)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from tp_cases import Case, _hf_logits, family_cls, make_batch, run_tp
 
-from disagg.interfaces.hf import checkpoint_keys
+from disagg.kit.hf import checkpoint_keys
 from disagg.testing.tolerance import assert_scalar_close
 from disagg_llm_tp.families.base import write_hf_dir
 

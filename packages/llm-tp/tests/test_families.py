@@ -6,7 +6,7 @@ import pytest
 import torch
 from tp_cases import family_cls
 
-from disagg.interfaces.hf import allowed_head_degrees as allowed_degrees
+from disagg.kit.hf import allowed_head_degrees as allowed_degrees
 from disagg.plugins import build_registry, make_plugin_manager
 from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
@@ -62,7 +62,7 @@ def test_layer_map_matches_module(tiny_dirs):
 
 
 def test_parts_match_and_cover_the_parameters(tiny_dirs):
-    from disagg.interfaces.parts import matches
+    from disagg.kit.parts import matches
 
     for family in ("qwen2", "llama", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
         fam = family_cls(family)(tiny_dirs[family])

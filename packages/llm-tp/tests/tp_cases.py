@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.interfaces import OptimSpec
-from disagg.interfaces.activations import saved_bytes_hooks
+from disagg.kit.recompute.activations import saved_bytes_hooks
 from disagg.testing import ranks
 from disagg.testing.ranks import dumps, loads
 from disagg.testing.reference import reference_adamw

@@ -87,7 +87,7 @@ def steps_rank(
         import torch
         import torch.distributed as dist
 
-        from disagg.interfaces import fsdp
+        from disagg.kit.sharding import fsdp
 
         payload = [res["params"], res["optim"]]
         dist.broadcast_object_list(payload, src=0)
@@ -113,7 +113,7 @@ def _strategy(name: str, family: Any, ctx: Any, options: dict, lora: LoraSpec | 
         return ranks.strategy_rank(
             strategy_class(name), family, ctx, options=options, optim=OPTIM, train=train
         )
-    from disagg.interfaces.lora import apply_lora
+    from disagg.kit.lora import apply_lora
 
     cls = strategy_class(name)
     module = apply_lora(cls(ctx, family, cls.options_model(**options)).build_module(), lora, "vision", "lora")
@@ -124,7 +124,7 @@ def _strategy(name: str, family: Any, ctx: Any, options: dict, lora: LoraSpec | 
 def _count_mlp_calls(module: Any) -> dict[str, int]:
     """Calls of the tower blocks' MLPs in the forward and in a replay (``recompute: full`` replays
     each block's forward in backward; the block's own hooks stay outside the checkpoint)."""
-    from disagg.interfaces.recompute import replaying
+    from disagg.kit.recompute import replaying
 
     calls = {"forward": 0, "replayed": 0}
 
@@ -145,8 +145,8 @@ def _sharded_round_trip(  # noqa: ANN001
     into a fresh unsharded one (``shard: none``) of the same layout."""
     import torch
 
-    from disagg.interfaces import fsdp
-    from disagg.interfaces.dcp_pieces import load_pieces, payload_by_file, save_pieces
+    from disagg.kit.checkpoint import load_pieces, payload_by_file, save_pieces
+    from disagg.kit.sharding import fsdp
 
     save_pieces(strat.sharded_state(), where)
     with torch.no_grad():

@@ -93,7 +93,7 @@ def test_parts_match_and_cover_the_parameters(
     tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl, tiny_qwen3_vl
 ):
     """Every documented part names real parameters, and the parts cover them all."""
-    from disagg.interfaces.parts import matches
+    from disagg.kit.parts import matches
 
     for family in _families(tiny_qwen, tiny_llava, tiny_llava_clip, tiny_qwen2_vl, tiny_qwen3_vl):
         names = [n for n, _ in family.build().named_parameters()]

@@ -15,7 +15,7 @@ import torch
 from recipe_cases import OPTIM, RECIPES, recipe_rank
 
 from disagg.interfaces import RECIPES as TABLE
-from disagg.interfaces import sharded
+from disagg.kit import sharding as sharded
 from disagg.testing.dist import run_ranks
 from disagg.testing.ranks import loads
 from disagg.testing.recipes import (

@@ -1,5 +1,5 @@
 """``parallel.vision.shard: optimizer | gradients | parameters`` (ZeRO-1/2/3 over the group,
-``disagg.interfaces.sharded``) under ``ulysses`` and ``ddp`` equals the same strategy unsharded
+``disagg.kit.sharding``) under ``ulysses`` and ``ddp`` equals the same strategy unsharded
 and the single-process Hugging Face encoder, for 3 AdamW steps (weight decay and clipping on).
 
 Samples are split unevenly over the replicas, one step leaves a replica empty, one runs two
@@ -28,7 +28,7 @@ import pytest
 import sharded_cases
 import torch
 
-from disagg.interfaces import sharded
+from disagg.kit import sharding as sharded
 from disagg.testing import ranks
 from disagg.testing.dist import run_ranks
 from disagg.testing.tolerance import (

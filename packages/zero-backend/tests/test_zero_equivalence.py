@@ -121,7 +121,7 @@ def test_sharded_checkpoint_holds_each_ranks_pieces_and_resumes(label, toy_dirs,
     reshards both ways: ``ddp`` loads the state exactly and its 3rd step's gradients and
     parameters equal zero-3's within 1e-6; ddp's save loads into zero-3 exactly, and both
     take a 4th step alike."""
-    from disagg.interfaces.dcp_pieces import payload_by_file
+    from disagg.kit.checkpoint import payload_by_file
 
     base = tmp_path_factory.getbasetemp()
     ranks, _, _ = run(2, toy_dirs, base)

@@ -43,7 +43,7 @@ class UnusedLayerEncoderFamily(ToyEncoderFamily):
 
     def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
         """The toy family reads tensors only; a picture (the black image a ZeRO-3 rank
-        without samples forwards, ``disagg.interfaces.sharded.placeholder_input``) becomes
+        without samples forwards, ``disagg.kit.sharding.placeholder_input``) becomes
         one item of 4 zero patches."""
         from PIL import Image
 
@@ -260,7 +260,8 @@ CONFIGS = {"1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3, "ds_config": 
 def rank_lora_bytes(rank: int, lm_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
     """The toy LM under LoRA (``qkv`` and ``up``, r 2): its state bytes after one step, and each
     parameter's elements, trained or frozen (what ``cost.zero_state_bytes`` reads)."""
-    from disagg.interfaces.lora import LoraSpec, apply_lora
+    from disagg.interfaces.lora import LoraSpec
+    from disagg.kit.lora import apply_lora
 
     fam = ToyLMFamily(lm_dir)
     ctx = ranks.rank_context("llm", rank, 1, 2)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from disagg.interfaces import OptimSpec
-from disagg.interfaces.strategy import make_scheduler
+from disagg.kit.roles.optimizer import make_scheduler
 from disagg.testing import ranks
 from disagg.testing.reference import reference_adamw
 from disagg.testing.tolerance import assert_params_close, first_grads
@@ -334,7 +334,9 @@ def checkpoint_roundtrip(
     rank: int, lm_dir: Path, world: int, options: dict[str, Any], path: Path
 ) -> dict[str, Any]:
     """Train 2 steps, save, train a 3rd; a fresh strategy that loads the
-    checkpoint and trains the same 3rd step must end identical."""
+    checkpoint and trains the same 3rd step must end identical. Saved and loaded the
+    way core's checkpoint does it (this rank's ``sharded_state`` pieces through DCP,
+    the schedule beside them)."""
     fam = ToyLMFamily(lm_dir)
     batches = llm_batches(world)
 
@@ -348,11 +350,11 @@ def checkpoint_roundtrip(
     a = _strategy(rank, world, "llm", fam, options)
     one_step(a, batches[0])
     one_step(a, batches[1])
-    a.save(path)
+    schedule = _save(a, path)
     saved = ranks.full_state(a)
     one_step(a, batches[2])
     b = _strategy(rank, world, "llm", fam, options)
-    b.load(path)
+    _resume(b, path, schedule)
     loaded = ranks.full_state(b)
     lr_loaded = ranks.current_lr(b)
     one_step(b, batches[2])
@@ -407,7 +409,7 @@ def _ddp(rank: int, world: int, fam: Any) -> Any:
 def _save(strat: Any, where: Path) -> dict[str, Any]:
     """This rank's pieces into the DCP dir ``where`` (collective); the schedule, which core's
     checkpoint keeps beside them (``schedule.json``), returned."""
-    from disagg.interfaces.dcp_pieces import save_pieces
+    from disagg.kit.checkpoint import save_pieces
 
     save_pieces(strat.sharded_state(), where)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in strat.optimizer.param_groups]
@@ -418,7 +420,7 @@ def _resume(strat: Any, where: Path, schedule: dict[str, Any]) -> Any:
     """``strat`` filled from the sharded checkpoint ``where`` as core's worker fills it: its
     own pieces through DCP (collective), the schedule, then ``refresh_weights``. Returns the
     tensor bytes this rank read."""
-    from disagg.interfaces.dcp_pieces import load_pieces
+    from disagg.kit.checkpoint import load_pieces
 
     read = load_pieces(strat.sharded_state, where, str(where))
     _set_schedule(strat, schedule)

@@ -1,18 +1,21 @@
 """``example_ddp``'s cost, stated by the plugin itself from core's shared primitives
-(:mod:`disagg.interfaces.cost_rules`): what a third-party strategy writes so that
+(:mod:`disagg.kit.cost.rules`): what a third-party strategy writes so that
 ``disagg plan`` ranks it and ``disagg bench --predict`` predicts it.
 
 ``example_ddp`` runs the base ``Strategy``'s data parallelism: every rank a whole
 replica on its own samples (``degree`` 1), gradients summed over the group in
 25 MiB buckets after an agreement all-reduce. It recomputes nothing. Its matmuls are
 a whole replica's (``Split()``: no tokens or widths split), so the planner charges
-each at the efficiency its shape reaches (:mod:`disagg.interfaces.gemms`).
+each at the efficiency its shape reaches (:mod:`disagg.kit.cost.gemms`).
 """
 
 from __future__ import annotations
 
-from disagg.interfaces.cost import Cost, CostQuery, assemble, held_tokens, workload
-from disagg.interfaces.cost_rules import (
+from disagg.interfaces.compute import Split
+from disagg.interfaces.cost import Cost, CostQuery
+from disagg.kit.cost.assemble import assemble, held_tokens, workload
+from disagg.kit.cost.gemms import module_compute
+from disagg.kit.cost.rules import (
     activation_bytes,
     grad_reduce_calls,
     replicated_comm,
@@ -20,7 +23,6 @@ from disagg.interfaces.cost_rules import (
     train_flops,
     transfer_bytes,
 )
-from disagg.interfaces.gemms import Split, module_compute
 
 
 def estimate(query: CostQuery) -> Cost | None:

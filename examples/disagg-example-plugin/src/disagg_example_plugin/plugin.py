@@ -26,7 +26,8 @@ from pydantic import Field
 from torch import nn
 
 import disagg
-from disagg.interfaces import Cost, CostQuery, Strategy, StrategyOptions
+from disagg.interfaces import Cost, CostQuery, StrategyOptions
+from disagg.kit import Strategy
 
 CSV_ENV = "DISAGG_EXAMPLE_CSV"
 

@@ -33,7 +33,7 @@ def disagg_register_strategies(register: Callable[[type], None]) -> None:
 
     Called once when the plugin manager is created, in the driver (strategies
     are resolved to classes there and shipped to the actors by reference).
-    ``register(cls)`` takes a :class:`disagg.interfaces.Strategy` subclass whose
+    ``register(cls)`` takes a :class:`disagg.kit.Strategy` subclass whose
     ``name`` is the value users write in ``parallel.<module>.strategy``.
     Registering a name twice is an error that names both plugins.
     Not ``firstresult``: every plugin is asked; the return value is ignored.

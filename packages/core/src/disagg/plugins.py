@@ -67,9 +67,6 @@ class Registry:
     def family(self, role: str, name: str) -> type:
         return self.families[(role, name)]
 
-    def strategy_names(self) -> list[str]:
-        return sorted(self.strategies)
-
     def transport_names(self) -> list[str]:
         return sorted(self.transports)
 

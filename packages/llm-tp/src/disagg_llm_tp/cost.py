@@ -17,24 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg.interfaces import cost_training
-from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
-from disagg.interfaces.cost import (
-    Cost,
-    CostQuery,
-    DecoderShape,
-    EncoderShape,
-    ParamTensor,
-    Shape,
-    Workload,
-    assemble,
-    held_tokens,
-    workload,
-)
-from disagg.interfaces.cost_rules import (
-    activation_bytes as whole_activation_bytes,
-)
-from disagg.interfaces.cost_rules import (
+from disagg.interfaces.compute import Split
+from disagg.interfaces.cost import Cost, CostQuery, DecoderShape, EncoderShape, ParamTensor, Shape, Workload
+from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
+from disagg.kit.cost import training as cost_training
+from disagg.kit.cost.assemble import assemble, held_tokens, workload
+from disagg.kit.cost.gemms import strategy_compute
+from disagg.kit.cost.rules import activation_bytes as whole_activation_bytes
+from disagg.kit.cost.rules import (
     all_reduce,
     blocks_of,
     extra_flops,
@@ -45,7 +35,7 @@ from disagg.interfaces.cost_rules import (
     transfer_bytes,
     with_recompute,
 )
-from disagg.interfaces.gemms import Split, strategy_compute
+from disagg.kit.cost.training import query_trained
 
 #: searched by ``disagg plan`` beside the defaults
 OPTION_VARIANTS: list[dict[str, Any]] = [{}, {"sequence_parallel": True}]
@@ -348,7 +338,7 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
     w = workload(query)
     d = w.degree
     enc = isinstance(shape, EncoderShape)
-    tr = query.trained
+    tr = query_trained(query)
     comm = encoder_comm(shape, w, sp, tr) if enc else decoder_comm(shape, w, sp, tr, chunk)  # type: ignore[arg-type]
     calls = encoder_calls(shape, w, sp) if enc else decoder_calls(shape, w, sp, chunk)  # type: ignore[arg-type]
     if tr.adapters and d > 1:  # one call per adapter and forward (microbatch; an encoder's image)

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from disagg.interfaces import GroupContext
-from disagg.interfaces.rng import ShardRNG
-from disagg.interfaces.roles.state import Layout
+from disagg.kit.recompute.rng import ShardRNG
+from disagg.kit.roles.state import Layout
 from disagg_llm_tp.layers import ShardSpec, local_slice, merge
 from disagg_llm_tp.load import local_pieces
 

@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from disagg.interfaces.comm import CommCounter
-from disagg.interfaces.recompute import replaying
+from disagg.kit.recompute import replaying
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 Kind = Literal["column", "row", "vocab", "kv_replicated", "replicated"]

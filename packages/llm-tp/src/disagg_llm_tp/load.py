@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import Family
-from disagg.interfaces.hf import StoredTensors
+from disagg.interfaces.stored import StoredTensors
 from disagg_llm_tp.layers import ShardSpec, mark, padded_size
 
 #: (local first row, stored first row, rows, stored columns)

@@ -1,7 +1,7 @@
 """LoRA adapters on megatron_tp's column- and row-parallel linears.
 
 Core injects PEFT's ``lora.Linear`` layers into the module as the strategy
-built it: empty, on the meta device (:mod:`disagg.interfaces.lora`; the
+built it: empty, on the meta device (:mod:`disagg.kit.lora`; the
 adapters' full ``[r, in]``/``[out, r]`` values are drawn on the CPU, a few MB
 at most, the base is never allocated whole); tensor parallelism then replaces
 the linears they wrap, each rank loads its own slices of the base
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces.lora import ADAPTER
-from disagg.interfaces.rng import ShardRNG
+from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp.layers import ShardSpec, TPColumnLinear, TPRowLinear, copy_into, mark
 
 

@@ -46,7 +46,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from disagg.interfaces.rng import ShardRNG
+from disagg.kit.recompute.rng import ShardRNG
 
 
 def fork_around(module: nn.Module, patterns: tuple[str, ...] | list[str], rng: ShardRNG) -> list[str]:

@@ -44,7 +44,7 @@ from torch.distributed._functional_collectives import (
 )
 
 from disagg.interfaces.comm import CommCounter
-from disagg.interfaces.recompute import checkpointed
+from disagg.kit.recompute import checkpointed
 
 
 def _rows_per_rank(tokens: int, degree: int) -> int:
@@ -84,7 +84,7 @@ class SequenceParallelRegion:
 
     def capture_shape(self) -> Callable[[], contextlib.AbstractContextManager[None]]:
         """At a checkpointed block's forward: the shape its gathers use, to be the
-        region's again around the block's replay (:mod:`disagg.interfaces.recompute`)."""
+        region's again around the block's replay (:mod:`disagg.kit.recompute`)."""
         shape = self.shape
 
         @contextlib.contextmanager

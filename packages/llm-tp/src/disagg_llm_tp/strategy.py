@@ -37,19 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagg.interfaces import (
-    EmbeddingShard,
-    EncoderFamily,
-    Family,
-    Strategy,
-    StrategyOptions,
-    agree_on_grads,
-    dropout_seed,
-    sum_of_squares,
-)
-from disagg.interfaces.hf import head_split_problems
-from disagg.interfaces.recompute import Recompute
-from disagg.interfaces.rng import ShardRNG
+from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, StrategyOptions, dropout_seed
+from disagg.kit import Strategy, agree_on_grads, sum_of_squares
+from disagg.kit.hf import head_split_problems
+from disagg.kit.recompute import Recompute
+from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp import lora
 from disagg_llm_tp.fullstate import TPFullState
 from disagg_llm_tp.layers import ShardSpec

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from disagg.interfaces import CommCounter
-from disagg.interfaces import cost_rules as ring
+from disagg.kit.cost import rules as ring
 
 _local = threading.local()
 
@@ -42,7 +42,7 @@ def _nbytes(t: Any) -> int:
 
 
 # sent bytes of one call for a group of n ranks, from the call's bound arguments, by the
-# formulas the cost model uses (disagg.interfaces.cost_rules)
+# formulas the cost model uses (disagg.kit.cost.rules)
 def _all_reduce(a: dict, n: int) -> int:
     return ring.all_reduce(_nbytes(a.get("tensor", a.get("tensors"))), n)
 

@@ -91,11 +91,15 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from disagg.interfaces import cost_training
-from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
-from disagg.interfaces.cost import GRAD_BYTES, Cost, CostQuery, ParamTensor, Workload, assemble, held_tokens
-from disagg.interfaces.cost import workload as workload_of
-from disagg.interfaces.cost_rules import (
+from disagg.interfaces.compute import Split
+from disagg.interfaces.cost import GRAD_BYTES, Cost, CostQuery, ParamTensor, Workload
+from disagg.interfaces.precision import RECIPES
+from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
+from disagg.kit.cost import training as cost_training
+from disagg.kit.cost.assemble import assemble, held_tokens
+from disagg.kit.cost.assemble import workload as workload_of
+from disagg.kit.cost.gemms import strategy_compute
+from disagg.kit.cost.rules import (
     all_reduce,
     extra_flops,
     recompute_mode,
@@ -103,8 +107,7 @@ from disagg.interfaces.cost_rules import (
     train_flops,
     transfer_bytes,
 )
-from disagg.interfaces.gemms import Split, strategy_compute
-from disagg.interfaces.precision import RECIPES
+from disagg.kit.cost.training import query_trained
 
 #: DeepSpeed's default stage3_param_persistence_threshold (deepspeed/runtime/zero/config.py)
 DEEPSPEED_PERSISTENCE = 100_000
@@ -357,7 +360,7 @@ def estimate(
     mode = recompute_mode(query.recompute)
     w = workload_of(query)
     shape = query.shape
-    tr = query.trained
+    tr = query_trained(query)
     tensors = in_module_order(shape.tensors(), tr)
     warm = {t.name for t in tr.trainable}
     trained = [t.name in warm for t in tensors]

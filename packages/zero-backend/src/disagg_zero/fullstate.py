@@ -1,22 +1,20 @@
 """The ``zero`` strategy's state in and out: the layout-free full form
 (weights, AdamW moments and step counts, gradients) that ``checkpoint.format: full``,
 export and the tests go through (a sharded checkpoint's per-rank pieces:
-:mod:`disagg_zero.layout`), and DeepSpeed's own per-rank checkpoint (``save``/``load``:
-zero's own, outside core's contract).
+:mod:`disagg_zero.layout`).
 
 A mixin of :class:`disagg_zero.strategy.ZeroStrategy`, kept apart because it
 talks to DeepSpeed's partitions (``safe_get_full_*``/``safe_set_full_*`` and
 their ZeRO-3 padding) while the strategy file is about the step. It uses the
 strategy's ``module``, ``engine``, ``optimizer``, ``scheduler``, ``options``,
 ``ctx``, ``_params``, ``_present`` and ``_map_fragments``; it comes before
-:class:`~disagg.interfaces.Strategy` in the bases, so its ``super()`` calls
+:class:`~disagg.kit.Strategy` in the bases, so its ``super()`` calls
 reach core's plain-module versions (no engine: nothing to partition).
 """
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,11 +23,9 @@ from torch import nn
 from disagg_zero import runtime
 from disagg_zero.layout import ZeroLayout
 
-CHECKPOINT_TAG = "zero"
-
 
 class ZeroFullState(ZeroLayout):
-    """Full-form state and DeepSpeed checkpoints for :class:`ZeroStrategy`; its sharded
+    """Full-form state for :class:`ZeroStrategy`; its sharded
     checkpoints' pieces come from :class:`~disagg_zero.layout.ZeroLayout`."""
 
     module: nn.Module | None
@@ -206,24 +202,3 @@ class ZeroFullState(ZeroLayout):
         if self.options.stage < 3 and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
             opt._hp_optimizer_states_linked = False  # noqa: SLF001
             opt._lazy_init_hp_params_optimizer_state()  # noqa: SLF001
-
-    def save(self, path: Path) -> None:
-        """DeepSpeed checkpoint (collective): model states plus every rank's
-        optimizer partition and the scheduler, under ``path/zero/``."""
-        if self.engine is None:
-            raise RuntimeError(f"module {self.ctx.module!r} has no DeepSpeed engine (frozen) to checkpoint")
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, save_latest=False)
-
-    def load(self, path: Path) -> None:
-        if self.engine is None:
-            raise RuntimeError(f"module {self.ctx.module!r} has no DeepSpeed engine (frozen) to load into")
-        load_path, _ = self.engine.load_checkpoint(
-            str(path),
-            tag=CHECKPOINT_TAG,
-            load_optimizer_states=self.optimizer is not None,
-            load_lr_scheduler_states=self.scheduler is not None,
-        )
-        if load_path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint (tag {CHECKPOINT_TAG!r}) under {path}")
-        self._map_fragments()

@@ -1,7 +1,7 @@
 """The ``zero`` strategy's sharded-checkpoint layout: each rank states the pieces of the full
 form it holds in DeepSpeed's own partitions, so that ``checkpoint.format: sharded`` writes
 about 1/d of the group's state per rank and a load (from any layout) fills the partitions in
-place, never gathering a whole tensor (:mod:`disagg.interfaces.dcp_pieces`).
+place, never gathering a whole tensor (:mod:`disagg.kit.checkpoint`).
 
 What a rank holds of a trained parameter is one contiguous range of its flattened full tensor:
 
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagg.interfaces.roles.state import Pieces
+from disagg.kit.roles.state import Pieces
 
 #: AdamW's per-element states (moments), stated as the parameter's pieces
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -6,7 +6,7 @@ the recorded sequence across ranks (collectives) at each root forward. So every 
 group must call the same submodules in the same order. What the family's code calls follows
 the data: an encoder's root module once per sample or per item, the LLM's embedding per sample
 (some families), its output head once per loss chunk, and a rank without samples calls nothing.
-This module makes the calls agree, as core's FSDP2 path does (``disagg.interfaces.sharded``:
+This module makes the calls agree, as core's FSDP2 path does (``disagg.kit.sharding``:
 short ranks run placeholder forwards whose output gradient is zero, so they add exact zeros):
 
 * **encoder** (:class:`RootCalls`): before each call of the root module every rank votes in
@@ -146,7 +146,7 @@ def placeholder_sample(family: Any) -> dict[str, torch.Tensor]:
 def padded_spans(tokens: int, chunk: int | None, device: torch.device) -> list[tuple[int, int]]:
     """This rank's loss chunks ``[start, end)`` over ``tokens`` rows, padded with empty ones
     to the group's most (one small all-reduce)."""
-    from disagg.interfaces.chunked_loss import bounds
+    from disagg.kit.chunked_loss import bounds
 
     spans = bounds(tokens, chunk)
     k = agreed_max(len(spans), device)

@@ -29,8 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagg.interfaces import EmbeddingShard, chunked_loss
-from disagg.interfaces.sharded import placeholder_input
+from disagg.interfaces import EmbeddingShard
+from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
+from disagg.kit import chunked_loss
+from disagg.kit.sharding import placeholder_input
 from disagg_zero import runtime
 from disagg_zero.comm import counted
 from disagg_zero.lockstep import RootCalls, agreed_max, padded_spans, placeholder_sample, without_dropout
@@ -154,7 +156,7 @@ class PerLayer:
             self._quiet = False
 
     def _replay_quiet(self) -> Any:
-        """A :class:`disagg.interfaces.recompute.Recompute` capture: a region recomputed from a
+        """A :class:`disagg.kit.recompute.Recompute` capture: a region recomputed from a
         placeholder's forward replays without dropout too."""
         if not self._quiet:
             return contextlib.nullcontext
@@ -271,7 +273,7 @@ class PerLayer:
     def chunked_loss(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
     ) -> torch.Tensor:
-        """Core's chunked loss (:mod:`disagg.interfaces.chunked_loss`, the same operations)
+        """Core's chunked loss (:mod:`disagg.kit.chunked_loss`, the same operations)
         with the group's number of chunks: empty ones past this rank's tokens."""
         if not self.per_layer:
             return super().chunked_loss(inputs, embeds)  # type: ignore[misc]
@@ -297,7 +299,7 @@ class PerLayer:
         return chunked_loss.total(torch.cat(parts), labels)
 
     def _chunk(self) -> int | None:
-        return getattr(self.options, "loss_chunk_tokens", chunked_loss.DEFAULT_CHUNK_TOKENS)
+        return getattr(self.options, "loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
 
     def evaluate(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]

@@ -220,7 +220,7 @@ def keep_replayed(engine: Any) -> None:
     (torch's checkpoint keeps them until they are used), so releasing early frees nothing and
     costs a second gather in the backward. Frozen parameters DeepSpeed itself ties to the
     backward's module (``ds_recompute_parameters``), released with it."""
-    from disagg.interfaces.recompute import replaying
+    from disagg.kit.recompute import replaying
 
     offload = param_offload(engine)
     release = offload.post_sub_module_forward_function

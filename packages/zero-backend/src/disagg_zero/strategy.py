@@ -29,7 +29,7 @@ its share of a microbatch (any split, including none), by construction:
   applied by the optimizer, since DeepSpeed's own clipping is off.
 * ``train.precision`` runs in DeepSpeed's own mode for the recipe
   (:data:`disagg_zero.dsconfig.PRECISION_SECTIONS`): DeepSpeed casts the module and keeps the
-  masters, so core's :class:`~disagg.interfaces.master_weights.MasterWeights` stays off; under
+  masters, so core's :class:`~disagg.kit.masters.MasterWeights` stays off; under
   ``bf16`` the masters start from the loaded fp32 weights and are the full form.
 """
 
@@ -42,8 +42,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import Family, OptimSpec, Strategy
-from disagg.interfaces.master_weights import cast_floating
+from disagg.interfaces import Family, OptimSpec
+from disagg.kit import Strategy
+from disagg.kit.masters import cast_floating
 from disagg_zero import runtime
 from disagg_zero.build import build_partitioned
 from disagg_zero.comm import counted

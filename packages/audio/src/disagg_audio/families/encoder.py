@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import AttentionScope, AttentionSpec, EncoderFamily, SeqLayout, UlyssesFamily
-from disagg.interfaces.hf import check_attn_implementation
+from disagg.kit.hf import check_attn_implementation
 from disagg_audio.features import feature_extractor, window_inputs
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import LayerMap
-from disagg.interfaces.hf import checkpoint_keys, empty_from_config, find_prefix, quiet_transformers
+from disagg.kit.hf import checkpoint_keys, empty_from_config, find_prefix, quiet_transformers
 from disagg_audio.families.encoder import WhisperStyleEncoder
 
 _PREFIXES = ("", "model.")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.interfaces.hf import StoredTensors
+from disagg.interfaces.stored import StoredTensors
 
 
 @dataclass(frozen=True)

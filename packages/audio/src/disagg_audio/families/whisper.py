@@ -34,13 +34,8 @@ import torch
 from torch import nn
 
 from disagg.interfaces import LayerMap
-from disagg.interfaces.hf import (
-    StoredTensors,
-    checkpoint_keys,
-    empty_from_config,
-    find_prefix,
-    quiet_transformers,
-)
+from disagg.interfaces.stored import StoredTensors
+from disagg.kit.hf import checkpoint_keys, empty_from_config, find_prefix, quiet_transformers
 from disagg_audio.families.encoder import WhisperStyleEncoder
 from disagg_audio.families.seeded import Drawn, SeededTensors
 

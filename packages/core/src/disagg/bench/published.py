@@ -16,7 +16,7 @@ collocated groups run one after the other on the same GPUs. Every row says the
 is saved for backward is held) or ``full`` (the usual setting at these
 lengths: per layer only its input is kept, plus one layer's activations while
 it is recomputed; the replay costs one more forward of FLOPs and the blocks'
-forward collectives again, :mod:`disagg.interfaces.cost_rules`).
+forward collectives again, :mod:`disagg.kit.cost.rules`).
 """
 
 from __future__ import annotations

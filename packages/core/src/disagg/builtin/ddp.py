@@ -1,5 +1,5 @@
 """``ddp``: every rank holds the whole module and its own samples (degree 1), or, with
-``parallel.<module>.shard``, its share of the module's state (:mod:`disagg.interfaces.sharded`)."""
+``parallel.<module>.shard``, its share of the module's state (:mod:`disagg.kit.sharding`)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import (
-    Cost,
-    CostQuery,
-    EmbeddingShard,
-    Family,
-    ReplicatedOptions,
-    Strategy,
-    StrategyOptions,
-)
-from disagg.interfaces.sharded import ShardedReplicas, placeholder_input, shard_problems
+from disagg.interfaces import Cost, CostQuery, EmbeddingShard, Family, ReplicatedOptions, StrategyOptions
+from disagg.kit import Strategy
+from disagg.kit.sharding import ShardedReplicas, placeholder_input, shard_problems
 
 
 class DDPStrategy(ShardedReplicas, Strategy):
@@ -25,7 +18,7 @@ class DDPStrategy(ShardedReplicas, Strategy):
     across them (the loss is already normalised by the global label count,
     so a sum — not a mean — gives the single-process gradient). Everything but
     ``parallelize`` (and, under a sharded state, the encoder's forward) is the base
-    :class:`~disagg.interfaces.Strategy`'s; ``max_degree = 1`` makes its default ``check``
+    :class:`~disagg.kit.Strategy`'s; ``max_degree = 1`` makes its default ``check``
     refuse other degrees."""
 
     name: ClassVar[str] = "ddp"

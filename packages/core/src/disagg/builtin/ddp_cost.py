@@ -7,10 +7,14 @@ Exact (equal to what :class:`disagg.interfaces.CommCounter` and
 
 from __future__ import annotations
 
-from disagg.interfaces import cost_training, sharded
-from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
-from disagg.interfaces.cost import Cost, CostQuery, assemble, held_tokens, workload
-from disagg.interfaces.cost_rules import (
+from disagg.interfaces.compute import Split
+from disagg.interfaces.cost import Cost, CostQuery
+from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
+from disagg.kit import sharding as sharded
+from disagg.kit.cost import training as cost_training
+from disagg.kit.cost.assemble import assemble, held_tokens, workload
+from disagg.kit.cost.gemms import strategy_compute
+from disagg.kit.cost.rules import (
     extra_flops,
     grad_reduce_calls,
     recompute_mode,
@@ -19,13 +23,13 @@ from disagg.interfaces.cost_rules import (
     train_flops,
     transfer_bytes,
 )
-from disagg.interfaces.gemms import Split, strategy_compute
+from disagg.kit.cost.training import query_trained
 
 
 def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: str = "none") -> Cost | None:
-    """``shard``: ``parallel.<module>.shard`` (:mod:`disagg.interfaces.sharded`): its state term
+    """``shard``: ``parallel.<module>.shard`` (:mod:`disagg.kit.sharding`): its state term
     is exact; the sharded state's own collectives (ZeRO-1's broadcasts, FSDP2's all-gathers and
-    reduce-scatters, :func:`disagg.interfaces.sharded.step_comm`) are the libraries': the
+    reduce-scatters, :func:`disagg.kit.sharding.step_comm`) are the libraries': the
     collective counter sees FSDP2's (``fsdp.counted_comms``), not ZeRO-1's, and with ``shard``
     only the state term is marked exact."""
     if shard in sharded.FSDP_MODES and not query.encoder:
@@ -33,7 +37,7 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: 
     mode = recompute_mode(query.recompute)
     w = workload(query)
     shape = query.shape
-    tr = query.trained
+    tr = query_trained(query)
     numels = cost_training.numels(tr)  # only trained tensors are reduced (LoRA: the adapters)
     tokens = held_tokens(query, w)
     act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk)

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.config.errors import did_you_mean
-from disagg.interfaces import Family, Strategy
-from disagg.interfaces.lora import (
-    INSTALL_HINT,
+from disagg.interfaces import Family
+from disagg.interfaces.lora import INSTALL_HINT
+from disagg.kit import Strategy
+from disagg.kit.lora import (
     documented_linears,
     layer_kinds,
     part_modules,

@@ -15,7 +15,8 @@ from disagg.config.problems import Problems
 from disagg.config.resolved import ResolvedConfig, ResolvedModule, role_of
 from disagg.config.schema import Config, GroupConfig
 from disagg.config.translate import problems_from_errors
-from disagg.interfaces import EncoderFamily, LanguageFamily, Strategy, StrategyOptions
+from disagg.interfaces import EncoderFamily, LanguageFamily, StrategyOptions
+from disagg.kit import Strategy
 from disagg.plugins import Registry, provider_of
 
 

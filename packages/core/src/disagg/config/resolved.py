@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disagg.config.schema import Config
-from disagg.interfaces import Family, Strategy, StrategyOptions
+from disagg.interfaces import Family, StrategyOptions
+from disagg.kit import Strategy
 
 
 @dataclass

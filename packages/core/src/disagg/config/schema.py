@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
-from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
+from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
 
 MODULES = ("vision", "audio", "llm")
 

@@ -34,7 +34,7 @@ def predict(
 
     ``options``: the strategy's ``parallel.<module>`` keys; ``recompute``:
     ``parallel.<module>.recompute``; ``lora`` / ``frozen``: ``train.modules.<module>.lora``
-    resolved and the frozen parts' patterns (:mod:`disagg.interfaces.cost_training`);
+    resolved and the frozen parts' patterns (:mod:`disagg.kit.cost.training`);
     ``strategies``: name -> class (default: the installed plugins'). An unknown strategy,
     or one that states no cost for this module, is a clear error."""
     if strategies is None:

@@ -1,4 +1,8 @@
-"""The small contracts between core and plugins: families, strategies, transports, trackers."""
+"""The contracts between core and plugins: families, strategy specs, the context and
+state types a strategy sees, cost types, schedules, transports, trackers, precision
+recipes. Nothing here is an implementation: the building blocks strategies compose
+(sharding, gradient reduction, recompute, masters, LoRA, cost rules, the
+:class:`~disagg.kit.Strategy` base with its role defaults) are in :mod:`disagg.kit`."""
 
 from disagg.interfaces.comm import CommCounter
 from disagg.interfaces.context import GroupContext, OptimSpec, dropout_seed
@@ -11,13 +15,11 @@ from disagg.interfaces.family import (
     LayerMap,
     SequenceParallelRegions,
 )
-from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, bucket_sizes, sum_of_squares
 from disagg.interfaces.parts import PartGroup
 from disagg.interfaces.precision import PRECISIONS, RECIPES, Recipe, compute_dtype, resolve_precision
-from disagg.interfaces.recompute import Recompute
 from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
 from disagg.interfaces.shard import EmbeddingShard
-from disagg.interfaces.strategy import ReplicatedOptions, Strategy, StrategyOptions
+from disagg.interfaces.strategy import ReplicatedOptions, StrategyOptions, StrategySpec
 from disagg.interfaces.tracker import Tracker, TrackerOptions
 from disagg.interfaces.transport import Layout, Transport
 
@@ -30,10 +32,6 @@ __all__ = [
     "DecoderShape",
     "EncoderShape",
     "VisionShape",
-    "agree_on_grads",
-    "all_reduce_bucketed",
-    "bucket_sizes",
-    "sum_of_squares",
     "compute_dtype",
     "PRECISIONS",
     "RECIPES",
@@ -48,13 +46,12 @@ __all__ = [
     "LayerMap",
     "Layout",
     "OptimSpec",
-    "Recompute",
     "PartGroup",
     "SeqLayout",
     "SequenceParallelRegions",
-    "Strategy",
     "ReplicatedOptions",
     "StrategyOptions",
+    "StrategySpec",
     "Tracker",
     "TrackerOptions",
     "Transport",

@@ -8,7 +8,7 @@ sends everything except its own chunk), so they do not depend on the backend.
 A library's own collectives are counted where the library lets a caller supply them: FSDP2
 (``parallel.<module>.shard: gradients | parameters``) issues its all-gathers and
 reduce-scatters through :meth:`CommCounter.all_gather_single` and
-:meth:`CommCounter.reduce_scatter_single` (:func:`disagg.interfaces.fsdp.counted_comms`).
+:meth:`CommCounter.reduce_scatter_single` (:func:`disagg.kit.sharding.fsdp.counted_comms`).
 """
 
 from __future__ import annotations

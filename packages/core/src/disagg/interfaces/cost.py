@@ -4,7 +4,7 @@ The planner (``disagg plan``) and ``disagg bench --predict`` ask every
 registered strategy, for one module and one candidate mesh, what a rank would
 hold, send and compute per optimizer step; each strategy answers with its own
 formulas (its package's ``cost.py``). What they share lives here and in
-:mod:`disagg.interfaces.cost_rules` (ring / all-to-all byte formulas, the
+:mod:`disagg.kit.cost.rules` (ring / all-to-all byte formulas, the
 state-bytes rule per precision, activation and FLOP counts of a tower or
 decoder held whole, recomputation) and :mod:`disagg.interfaces.shapes` (the
 module shapes families describe).
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.interfaces.gemms import Compute
+from disagg.interfaces.compute import Compute
 from disagg.interfaces.lora import LoraSpec
 from disagg.interfaces.precision import RECIPES, Recipe
 from disagg.interfaces.shapes import DecoderShape, EncoderShape, ParamTensor, Shape, VisionShape
@@ -47,7 +47,7 @@ class Cost:
     #: size; empty = the strategy reports none
     comm_calls_by_kind: dict[str, int] = field(default_factory=dict)
     #: the rank's matmuls, attention cores and element-wise bytes by shape, per step
-    #: (:mod:`disagg.interfaces.gemms`): what the planner charges compute time by;
+    #: (:mod:`disagg.kit.cost.gemms`): what the planner charges compute time by;
     #: None = only ``flops`` is known (charged at the efficiency curve's ceiling)
     compute: Compute | None = field(default=None, compare=False, repr=False)
     #: parameters a forward or backward holds unpartitioned on top of ``state_bytes``
@@ -107,7 +107,7 @@ class CostQuery:
     #: input) or ``selective`` (the attention core); ``True`` is the old spelling of ``full``
     recompute: str | bool = "none"
     #: ``train.modules.<module>.lora`` resolved (:class:`~disagg.interfaces.lora.LoraSpec`): the
-    #: base frozen, adapters trained (:mod:`disagg.interfaces.cost_training`); None: no LoRA
+    #: base frozen, adapters trained (:mod:`disagg.kit.cost.training`); None: no LoRA
     lora: LoraSpec | None = None
     #: ``train.modules.<module>.freeze``: the frozen parts' parameter-name patterns
     frozen: tuple[str, ...] = ()
@@ -115,13 +115,6 @@ class CostQuery:
     @property
     def encoder(self) -> bool:
         return isinstance(self.shape, EncoderShape)
-
-    @property
-    def trained(self) -> Any:
-        """The module's tensors split by what trains (:class:`disagg.interfaces.cost_training.Trained`)."""
-        from disagg.interfaces.cost_training import trained
-
-        return trained(self.shape, self.lora, self.frozen)
 
 
 @dataclass(frozen=True)
@@ -177,82 +170,10 @@ class Workload:
         return self.samples_per_replica * self.seq_len
 
 
-def workload(query: CostQuery) -> Workload:
-    """``query`` with its defaults filled: one sample per replica; an encoder ships
-    ``seq_len / unit`` rows of ``out_hidden``, a decoder receives none."""
-    if query.precision not in RECIPES:
-        raise ValueError(
-            f"unknown precision {query.precision!r} (train.precision, resolved); "
-            f"allowed: {', '.join(RECIPES)}"
-        )
-    shape = query.shape
-    rows, width = query.exchanged_rows, query.exchanged_width
-    if rows is None:
-        rows = query.seq_len // shape.unit if isinstance(shape, EncoderShape) else 0
-    if width is None:
-        width = shape.out_hidden if isinstance(shape, EncoderShape) else shape.hidden
-    return Workload(
-        degree=query.degree,
-        replicas=query.replicas,
-        seq_len=query.seq_len,
-        samples=query.replicas if query.samples is None else query.samples,
-        microbatches=query.microbatches,
-        act_bytes=RECIPES[query.precision].activation_bytes,
-        precision=query.precision,
-        exchanged_rows=rows,
-        exchanged_width=width,
-    )
-
-
-def held_tokens(query: CostQuery, w: Workload) -> int:
-    """Tokens whose activations a rank of a replica holds at once (before any split
-    of the sequence): its samples of one microbatch, ``inflight`` microbatches."""
-    per_mb = -(-w.samples // (w.microbatches * w.replicas))
-    return per_mb * w.seq_len * query.inflight
-
-
-def assemble(
-    w: Workload,
-    *,
-    state_bytes: int,
-    activation_bytes: int,
-    comm: dict[str, int],
-    calls: dict[str, int],
-    flops_per_sample: float,
-    share: int,
-    sent_bytes: int,
-    exact: tuple[str, ...] = (),
-    replay: tuple[dict[str, int], dict[str, int]] = ({}, {}),
-    compute: Compute | None = None,
-) -> Cost:
-    """A :class:`Cost` from a strategy's parts: kinds that move nothing are dropped,
-    a recompute replay's bytes and calls (``replay``) added on top, FLOPs of one
-    sample times the replica's samples over the ``share`` ranks that split each;
-    ``compute``: one sample's work on this rank by shape (already split), times the
-    replica's samples."""
-    kinds = {k: v for k, v in comm.items() if v}
-    for k, v in replay[0].items():
-        kinds[k] = kinds.get(k, 0) + v
-    counts = {k: v for k, v in calls.items() if v}
-    for k, v in replay[1].items():
-        counts[k] = counts.get(k, 0) + v
-    return Cost(
-        state_bytes=state_bytes,
-        activation_bytes=activation_bytes,
-        comm_bytes_by_kind=kinds,
-        sent_bytes=sent_bytes,
-        flops=flops_per_sample * w.samples_per_replica / share,
-        exact=exact,
-        comm_calls_by_kind=counts,
-        compute=None if compute is None else compute.scaled(w.samples_per_replica),
-    )
-
-
 __all__ = [
     "DTYPE_BYTES",
     "GRAD_BYTES",
     "Cost",
-    "Compute",
     "CostQuery",
     "DecoderShape",
     "EncoderShape",
@@ -260,7 +181,4 @@ __all__ = [
     "Shape",
     "VisionShape",
     "Workload",
-    "assemble",
-    "held_tokens",
-    "workload",
 ]

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from disagg.interfaces.hf import StoredTensors
+from disagg.interfaces.stored import StoredTensors
 
 Role = Literal["encoder", "llm"]
 
@@ -139,7 +139,7 @@ class Family(ABC):
         """``build()``'s module with its parameters (and persistent buffers) on the
         meta device, nothing read from ``self.path``: a strategy that holds only
         part of the module partitions it, then reads its own slices of the stored
-        tensors (:class:`disagg.interfaces.hf.StoredTensors`, under the names
+        tensors (:class:`disagg.interfaces.stored.StoredTensors`, under the names
         :meth:`checkpoint_name` gives). ``None`` (the default): the family can only
         build its module loaded, and such strategies fall back to :meth:`build`."""
         return None

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-PrecisionName = Literal["fp32", "bf16", "bf16-pure"]
 #: values of ``train.precision``
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "bf16-pure")
 

@@ -1,24 +1,28 @@
-"""Parallel strategies: how one module is split across the ranks of its group
-(the contract a strategy plugin implements; its roles live in :mod:`disagg.interfaces.roles`)."""
+"""Parallel strategies: how one module is split across the ranks of its group.
+
+The contract a strategy plugin states before any actor starts: its name, the
+options it accepts, what it can do (degrees, recompute modes, LoRA, precision
+recipes), its checks and its cost hook (:class:`StrategySpec`). The rank-side
+building blocks (:class:`disagg.kit.Strategy`, the role defaults for a module
+every rank holds whole) are in :mod:`disagg.kit`."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, PositiveInt
-from torch import nn
 
-from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
-from disagg.interfaces.context import GroupContext
 from disagg.interfaces.cost import Cost, CostQuery
 from disagg.interfaces.family import Family
-from disagg.interfaces.recompute import Recompute, RecomputeMode
-from disagg.interfaces.roles import EncoderRole, LanguageRole, Parallelizer, StateAdapter
-from disagg.interfaces.roles.optimizer import make_scheduler
 
-__all__ = ["ReplicatedOptions", "Strategy", "StrategyOptions", "clip_coefficient", "make_scheduler"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "RecomputeMode", "ReplicatedOptions", "StrategyOptions", "StrategySpec"]
+
+#: values of ``parallel.<module>.recompute``
+RecomputeMode = Literal["none", "full", "selective"]
+#: ``parallel.llm.loss_chunk_tokens``'s default: at Qwen2.5's 152k vocabulary one chunk's fp32
+#: logits are 0.62 GB whole (ddp, zero) and 78 MB per rank under 8-way TP, while a 1024-row
+#: matmul still fills a GPU
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 class StrategyOptions(BaseModel):
@@ -37,7 +41,7 @@ class StrategyOptions(BaseModel):
     loss_chunk_tokens: PositiveInt | None = DEFAULT_CHUNK_TOKENS
     """``parallel.llm.loss_chunk_tokens`` (core's key, the LLM only): the loss applies the
     output head to this many tokens at a time, so one chunk's logits exist at once, in
-    forward and backward (:mod:`disagg.interfaces.chunked_loss`); ``null``: the whole
+    forward and backward (:mod:`disagg.kit.chunked_loss`); ``null``: the whole
     microbatch at once (Hugging Face's way: tokens x vocabulary fp32 logits)."""
 
 
@@ -48,49 +52,22 @@ class ReplicatedOptions(StrategyOptions):
     overlap_grad_reduce: bool = False
     """``parallel.<module>.overlap_grad_reduce``: sum each gradient bucket while the step's last
     backward still runs (as torch DDP does) instead of after it, on a process group of its own
-    (:class:`disagg.interfaces.overlap.OverlappedReducer`). The same sums; it holds every bucket's
+    (:class:`disagg.kit.grads.overlap.OverlappedReducer`). The same sums; it holds every bucket's
     flat buffer until the step's reduction ends (one extra copy of the gradients), which is why it
     is off by default, as in Megatron's ``overlap_grad_reduce``."""
     shard: Literal["none", "optimizer", "gradients", "parameters"] = "none"
     """``parallel.<module>.shard``: the module's state split over all ``degree x replicas`` ranks
-    of its group, ZeRO-1/2/3 (:mod:`disagg.interfaces.sharded`): ``optimizer`` the AdamW state
+    of its group, ZeRO-1/2/3 (:mod:`disagg.kit.sharding`): ``optimizer`` the AdamW state
     (torch ``ZeroRedundancyOptimizer``), ``gradients`` also the gradients and ``parameters``
     also the parameters (torch FSDP2 per block; ``gradients`` keeps a microbatch's gathered
     parameters from its forward to its backward). Encoders only beyond ``optimizer``; not
     with ``overlap_grad_reduce``."""
 
 
-class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
-    """One rank's view of a parallelized module, made of roles (one file each,
-    under :mod:`disagg.interfaces.roles`) with defaults for a module every rank
-    holds whole:
-
-    - :class:`~disagg.interfaces.roles.Parallelizer`: ``parallelize`` (the one
-      method a strategy must write), ``setup``/``finish_setup``,
-      ``reduce_gradients``, ``grad_norm_sq``, ``step``, ``zero_grad``, and the
-      two hooks every forward and backward goes through: ``module_call`` (a
-      context, e.g. gathering sharded parameters) and ``backprop`` (how
-      gradients reach the parameters);
-    - :class:`~disagg.interfaces.roles.EncoderRole`: ``encode``, ``backward``,
-      ``release``;
-    - :class:`~disagg.interfaces.roles.LanguageRole`: ``loss_and_backward``,
-      ``evaluate``, ``loss_sum``, ``correct_predictions``, ``returns_input_grads``;
-    - :class:`~disagg.interfaces.roles.StateAdapter`: the full form
-      (``full_state_dict``, ``full_grads``, ``full_optimizer_state``,
-      ``load_full_state``), sharded checkpoints (``tensor_layout``, ``local_tensor``, ``sharded_state``)
-      and ``rng_state``/``set_rng_state``;
-    - ``build_optimizer``: a callable (:mod:`disagg.interfaces.roles.optimizer`);
-    - class level, before any actor starts: ``check``, ``estimate``,
-      ``option_variants`` and the attributes below.
-
-    Lifecycle in the actor: ``__init__`` -> ``setup(build_module(), optim)`` -> per step
-    (``encode`` & ``backward`` | ``loss_and_backward``)* -> ``reduce_gradients``
-    -> ``grad_norm_sq`` -> ``step(clip_coef)`` -> ``zero_grad``.
-
-    Gradient convention: the loss is already divided by the *global* label
-    count, so gradients from different replicas and shards are **summed**
-    across the group, exactly once per element.
-    """
+class StrategySpec:
+    """What a strategy states at class level, before any actor starts: read by config
+    validation, ``disagg plan`` and ``disagg bench``. :class:`disagg.kit.Strategy` adds the
+    rank-side defaults; a strategy subclasses that."""
 
     #: value of ``parallel.<module>.strategy``
     name: ClassVar[str]
@@ -111,7 +88,7 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
     #: refused at validation, naming the module and these
     recompute_modes: ClassVar[tuple[str, ...]] = ("none",)
     #: trains the PEFT LoRA adapters core injects after ``Family.build``
-    #: (``train.modules.<m>.lora``, :mod:`disagg.interfaces.lora`): True on any linear;
+    #: (``train.modules.<m>.lora``, :mod:`disagg.kit.lora`): True on any linear;
     #: a tuple of layer-map kinds (``column``, ``row``, ``output``) names the only
     #: linears its adapters may wrap (a strategy that rewrites linears builds its own
     #: adapters for those); False: refused at validation
@@ -142,17 +119,6 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
         keys). None by default; e.g. ``zero`` refuses an offloaded optimizer under ``bf16``."""
         return []
 
-    # -- life in the actor ----------------------------------------------------------------------
-    def __init__(self, ctx: GroupContext, family: Family, options: StrategyOptions) -> None:
-        self.ctx = ctx
-        self.family = family
-        self.options = options
-        self.module: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
-        #: this module's ``recompute`` (strategies add their streams and captures)
-        self.recompute = Recompute(getattr(options, "recompute", "none"))
-
     # -- planning (``disagg plan``), before any actor starts ------------------------------------
     @classmethod
     def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:
@@ -160,9 +126,9 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
         step for ``query`` (module shape, degree, replicas, sequence length) under
         ``options``. ``None`` (the default) reports nothing: the planner then
         lists the strategy as skipped rather than guessing. A strategy states its
-        own formulas, built from :mod:`disagg.interfaces.cost_rules` (ring and
+        own formulas, built from :mod:`disagg.kit.cost.rules` (ring and
         all-to-all bytes, the state rule, activations and FLOPs of a whole module)
-        and assembled with :func:`disagg.interfaces.cost.assemble`."""
+        and assembled with :func:`disagg.kit.cost.assemble.assemble`."""
         return None
 
     @classmethod
@@ -171,10 +137,3 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter):
         ``parallel.<module>`` keys (the rest keep their defaults; ``recompute`` is
         searched on top of these from :attr:`recompute_modes`)."""
         return [{}]
-
-
-def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
-    """The factor ``torch.nn.utils.clip_grad_norm_`` would apply."""
-    if not max_norm or not math.isfinite(total_norm):
-        return 1.0
-    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -8,7 +8,7 @@ from disagg.metrics.record import StepResult, per_gpu
 
 
 def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[str, Any]:
-    """The fields DESIGN.md promises, plus per-group detail."""
+    """The fields every ``metrics.jsonl`` line carries, plus per-group detail."""
     return {
         "step": step,
         "loss": res.loss,

@@ -1,6 +1,6 @@
 """Compute time by shape: the efficiency a matmul reaches on a machine, as a function
 of its shape (the curve :func:`efficiency`), applied to what a strategy states a rank
-computes (:class:`disagg.interfaces.gemms.Compute`).
+computes (:class:`disagg.interfaces.compute.Compute`).
 
 The form is the roofline with tile and wave quantization of NVIDIA's *Matrix
 Multiplication Background User's Guide* (docs.nvidia.com/deeplearning/performance/
@@ -44,8 +44,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from disagg.interfaces.compute import AttentionCore, Compute, Gemm
 from disagg.interfaces.cost import Cost
-from disagg.interfaces.gemms import AttentionCore, Compute, Gemm
 from disagg.plan.cluster import Cluster
 
 #: FlashAttention-2 compiles its kernels for head dims 32, 64, 96, 128, ... and runs a head of

@@ -49,9 +49,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.interfaces import Cost, CostQuery, EncoderShape, Strategy, StrategyOptions
+from disagg.interfaces import Cost, CostQuery, EncoderShape, StrategyOptions
 from disagg.interfaces.cost import Shape
 from disagg.interfaces.lora import LoraSpec
+from disagg.kit import Strategy
 from disagg.plan.cluster import Cluster
 from disagg.plan.efficiency import compute_seconds
 

@@ -6,7 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.interfaces import Cost, Family, Strategy, StrategyOptions
+from disagg.interfaces import Cost, Family, StrategyOptions
+from disagg.kit import Strategy
 from disagg.plan.cluster import Cluster
 from disagg.plan.model import Group, Layout, Workload, evaluate, module_cost
 

@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 
 from disagg.config.schema import Config
 from disagg.interfaces import Family
-from disagg.interfaces.lora import ADAPTER, LoraSpec, is_adapter_param, peft_config
+from disagg.interfaces.lora import ADAPTER, LoraSpec
+from disagg.kit.lora import is_adapter_param, peft_config
 from disagg.runtime.hf_shards import Entry
 
 ADAPTERS = "adapters"

@@ -10,7 +10,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from disagg.interfaces import Family, OptimSpec, Strategy, StrategyOptions
+from disagg.interfaces import Family, OptimSpec, StrategyOptions
+from disagg.kit import Strategy
 from disagg.runtime.actor.worker import ModuleWorker
 
 

@@ -18,7 +18,7 @@ import ray
 from disagg.builtin.schedules import Sequential
 from disagg.data.types import SampleRefs
 from disagg.interfaces.schedule import Schedule, check_order
-from disagg.interfaces.strategy import clip_coefficient
+from disagg.kit.strategy import clip_coefficient
 from disagg.metrics.record import StepResult, reduce_group
 from disagg.runtime.failures import ActorDied, GroupFailure, actor_failure, name_actors, wait_all
 from disagg.runtime.groups import Group, GroupSpec, start_groups, stop_groups

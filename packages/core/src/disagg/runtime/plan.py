@@ -67,7 +67,8 @@ def optim_for(cfg: Config, module: str, family: Family | None = None) -> OptimSp
         )
     lora = None
     if o is not None and o.lora is not None:
-        from disagg.interfaces.lora import LoraSpec, part_modules
+        from disagg.interfaces.lora import LoraSpec
+        from disagg.kit.lora import part_modules
 
         if o.lora.modules_to_save and family is None:
             raise ValueError(f"train.modules.{module}.lora: part names need the module's family to resolve")

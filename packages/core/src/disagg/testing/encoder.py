@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from disagg.interfaces import EncoderFamily, Strategy
+from disagg.interfaces import EncoderFamily
+from disagg.kit import Strategy
 from disagg.testing import ranks
 from disagg.testing.tolerance import assert_scalar_close, assert_tensor_close, assert_tensors_close
 

@@ -1,5 +1,5 @@
 """One rank of any strategy, set up and stepped as core's worker does: the test kit's
-only calls into a :class:`~disagg.interfaces.Strategy`.
+only calls into a :class:`~disagg.kit.Strategy`.
 
 Plugin tests run a strategy on gloo ranks (:func:`disagg.testing.dist.run_ranks`)
 and compare it with the single-process reference. They build the rank here
@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagg.interfaces import EmbeddingShard, Family, GroupContext, OptimSpec, Strategy, StrategyOptions
+from disagg.interfaces import EmbeddingShard, Family, GroupContext, OptimSpec, StrategyOptions
 from disagg.interfaces.context import dropout_seed
-from disagg.interfaces.master_weights import cast_inputs
 from disagg.interfaces.precision import RECIPES
-from disagg.interfaces.strategy import clip_coefficient
+from disagg.kit import Strategy
+from disagg.kit.masters import cast_inputs
+from disagg.kit.strategy import clip_coefficient
 
 #: what the harnesses train with unless they say otherwise
 DEFAULT_OPTIM = OptimSpec(lr=1e-3)
@@ -210,7 +211,7 @@ def state_census(strat: Strategy) -> dict[str, int]:
     """This rank's ``state_bytes`` with what it should be made of: the parameter elements it
     holds, those AdamW stepped (they have moments and, after a backward, a gradient), trainable
     ones that never got a gradient (no moments), frozen ones; and AdamW's scalar step counts."""
-    from disagg.interfaces import fsdp
+    from disagg.kit.sharding import fsdp
 
     assert strat.module is not None
     with strat.masters():

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disagg.interfaces import RECIPES, Strategy
+from disagg.interfaces import RECIPES
+from disagg.kit import Strategy
 from disagg.testing import ranks
 from disagg.testing.tolerance import (
     BF16_LOSS,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import EncoderFamily, Family, LanguageFamily, OptimSpec
-from disagg.interfaces.strategy import make_scheduler
+from disagg.kit.roles.optimizer import make_scheduler
 from disagg.testing.tolerance import FP32, Precision, assert_exact, assert_params_close, assert_tensors_close
 
 

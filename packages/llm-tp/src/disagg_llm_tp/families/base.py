@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import AttentionSpec, LanguageFamily, LayerMap, SequenceParallelRegions
-from disagg.interfaces.hf import checkpoint_keys, empty_from_config
+from disagg.kit.hf import checkpoint_keys, empty_from_config
 
 #: which first-party family reads a dir of each ``model_type`` (for "use family X" hints)
 FAMILY_OF_MODEL_TYPE = {

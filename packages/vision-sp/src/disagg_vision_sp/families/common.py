@@ -1,5 +1,5 @@
 """Small pieces the vision families share: media loading, processors, model-type checks
-(checkpoint key names and quiet loading are core's family kit, ``disagg.interfaces.hf``)."""
+(checkpoint key names and quiet loading are core's family kit, ``disagg.kit.hf``)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from disagg.interfaces import (
     SequenceParallelRegions,
     UlyssesFamily,
 )
-from disagg.interfaces.hf import (
+from disagg.kit.hf import (
     check_attn_implementation,
     checkpoint_keys,
     empty_from_config,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.interfaces.comm import CommCounter
-from disagg.interfaces.recompute import Recompute
+from disagg.kit.recompute import Recompute
 
 ATTN_NAME = "disagg_ulysses_flash"
 #: keyword a caller passes through HF's block to give the segment lengths from

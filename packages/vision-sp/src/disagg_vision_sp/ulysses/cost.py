@@ -10,9 +10,13 @@ and call for call; saved activations of a Qwen2.5-VL tower in fp32.
 
 from __future__ import annotations
 
-from disagg.interfaces import cost_training, sharded
-from disagg.interfaces.cost import Cost, CostQuery, EncoderShape, Workload, assemble, held_tokens, workload
-from disagg.interfaces.cost_rules import (
+from disagg.interfaces.compute import Split
+from disagg.interfaces.cost import Cost, CostQuery, EncoderShape, Workload
+from disagg.kit import sharding as sharded
+from disagg.kit.cost import training as cost_training
+from disagg.kit.cost.assemble import assemble, held_tokens, workload
+from disagg.kit.cost.gemms import strategy_compute
+from disagg.kit.cost.rules import (
     block_elems,
     extra_flops,
     fp32_internal_bytes,
@@ -23,7 +27,7 @@ from disagg.interfaces.cost_rules import (
     transfer_bytes,
     with_recompute,
 )
-from disagg.interfaces.gemms import Split, strategy_compute
+from disagg.kit.cost.training import query_trained
 
 
 def all_to_all_bytes(shape: EncoderShape, w: Workload) -> int:
@@ -63,8 +67,8 @@ def replay(shape: EncoderShape, w: Workload, mode: str) -> tuple[dict[str, int],
 
 def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
     """Nothing for a decoder: ``ulysses`` shards encoder towers only. ``shard``:
-    ``parallel.<module>.shard`` (:mod:`disagg.interfaces.sharded`), exact in the state term;
-    the sharded state's own collectives (:func:`disagg.interfaces.sharded.step_comm`) are the
+    ``parallel.<module>.shard`` (:mod:`disagg.kit.sharding`), exact in the state term;
+    the sharded state's own collectives (:func:`disagg.kit.sharding.step_comm`) are the
     libraries' (not counted at run time), so then only the state is marked exact."""
     shape = query.shape
     if not isinstance(shape, EncoderShape):
@@ -72,7 +76,7 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
     mode = recompute_mode(query.recompute)
     w = workload(query)
     d = w.degree
-    tr = query.trained
+    tr = query_trained(query)
     numels = cost_training.numels(tr)  # only trained tensors are reduced (LoRA: the adapters)
     comm, calls = sharded.step_comm(
         cost_training.shard_shapes(tr, shard),

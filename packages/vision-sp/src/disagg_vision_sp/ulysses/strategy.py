@@ -26,14 +26,14 @@ from disagg.interfaces import (
     EmbeddingShard,
     Family,
     ReplicatedOptions,
-    Strategy,
     StrategyOptions,
     UlyssesFamily,
     dropout_seed,
 )
-from disagg.interfaces.recompute import Recompute
-from disagg.interfaces.rng import ShardRNG
-from disagg.interfaces.sharded import ShardedReplicas, placeholder_input, shard_problems
+from disagg.kit import Strategy
+from disagg.kit.recompute import Recompute
+from disagg.kit.recompute.rng import ShardRNG
+from disagg.kit.sharding import ShardedReplicas, placeholder_input, shard_problems
 from disagg_vision_sp.ulysses import attention
 from disagg_vision_sp.ulysses.layout import plan_bounds
 
@@ -44,7 +44,7 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full", "selective")
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "bf16-pure")
     #: every rank holds the whole tower: gradients summed by the default reduction (overlap
-    #: optional), or its state sharded over the group (``shard``, disagg.interfaces.sharded)
+    #: optional), or its state sharded over the group (``shard``, disagg.kit.sharding)
     options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
 
     @classmethod

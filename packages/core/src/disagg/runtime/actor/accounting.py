@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagg.interfaces.activations import saved_bytes_hooks
+from disagg.kit.recompute.activations import saved_bytes_hooks
 from disagg.metrics.record import RankRecord
 from disagg.runtime.actor.device_stats import DeviceTimer, record_memory
 

@@ -38,10 +38,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from disagg.interfaces import Strategy
-from disagg.interfaces.dcp_pieces import load_pieces, save_pieces
-from disagg.interfaces.lora import LoraSpec, adapter_state, is_trained
-from disagg.interfaces.roles.state import Pieces
+from disagg.interfaces.lora import LoraSpec
+from disagg.kit import Strategy
+from disagg.kit.checkpoint import load_pieces, save_pieces
+from disagg.kit.lora import adapter_state, is_trained
+from disagg.kit.roles.state import Pieces
 
 SEP = "::"
 

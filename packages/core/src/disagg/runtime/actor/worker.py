@@ -1,7 +1,7 @@
 """The Ray actor that holds one rank of one module group.
 
 It owns a ``torch.distributed`` world shared only with the other ranks of its
-module, a :class:`~disagg.interfaces.Strategy`, and the autograd graphs of the
+module, a :class:`~disagg.kit.Strategy`, and the autograd graphs of the
 microbatches in flight. Every method that moves activations or gradients
 returns exactly one object (what Ray Direct Transport supports), addressed to
 one consumer, so the driver only wires ObjectRefs and never sees tensors; the
@@ -29,12 +29,12 @@ from disagg.interfaces import (
     Family,
     GroupContext,
     OptimSpec,
-    Strategy,
     StrategyOptions,
     dropout_seed,
 )
-from disagg.interfaces.lora import apply_lora
-from disagg.interfaces.master_weights import cast_inputs
+from disagg.kit import Strategy
+from disagg.kit.lora import apply_lora
+from disagg.kit.masters import cast_inputs
 from disagg.metrics.record import RankRecord
 from disagg.runtime.actor import host_memory
 from disagg.runtime.actor.accounting import Accounting

@@ -1,5 +1,5 @@
 """How gradients are grouped into all-reduce buckets: shared by the strategies
-that reduce them (:func:`disagg.interfaces.all_reduce_bucketed`) and the cost
+that reduce them (:func:`disagg.kit.all_reduce_bucketed`) and the cost
 model that counts their calls and bytes, so the two cannot drift apart."""
 
 from __future__ import annotations

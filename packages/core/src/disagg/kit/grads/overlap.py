@@ -1,6 +1,6 @@
 """Gradient all-reduce overlapped with the step's last backward, as torch DDP's reducer does.
 
-:func:`~disagg.interfaces.grads.all_reduce_bucketed` sums a replica's gradients after every backward
+:func:`~disagg.kit.grads.all_reduce_bucketed` sums a replica's gradients after every backward
 of the step has finished, so the network idles while backward computes and backward idles while
 the network sums. :class:`OverlappedReducer` launches each bucket's all-reduce (asynchronously) as
 soon as the step's *last* backward has produced every gradient in it, while backward goes on with
@@ -18,7 +18,7 @@ with no image, a parameter only some ranks touch):
   the same order; a missing gradient is summed as zeros;
 * the reducer has its own process group, so its asynchronous calls never interleave with the
   collectives a strategy issues during backward (ulysses' all-to-alls) on the module's group;
-* presence (:func:`~disagg.interfaces.grads.agree_on_grads`'s rule: a parameter no rank got a
+* presence (:func:`~disagg.kit.grads.agree_on_grads`'s rule: a parameter no rank got a
   gradient for stays ``None``, so AdamW skips it) is agreed after the buckets, in :meth:`finish`.
 
 A gradient is final only once the step's last backward has accumulated into it: the caller says
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disagg.interfaces.buckets import BUCKET_BYTES, bucket_sizes
 from disagg.interfaces.comm import CommCounter
+from disagg.kit.grads.buckets import BUCKET_BYTES, bucket_sizes
 
 
 class OverlappedReducer:

@@ -1,7 +1,7 @@
 """Activation memory as a machine-independent count: the bytes autograd saves
 for backward, weights excluded (they are model state, not activations).
 
-Under activation recomputation (:mod:`disagg.interfaces.recompute`) what is
+Under activation recomputation (:mod:`disagg.kit.recompute`) what is
 held is the checkpointed blocks' inputs (torch's checkpoint saves them through
 the hooks active at the forward, so they are counted like any saved tensor)
 and, during backward, one block's replay at a time: its saves go to torch's

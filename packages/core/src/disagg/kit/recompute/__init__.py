@@ -14,7 +14,7 @@ inputs' CUDA device) and the autocast state of the forward (the encoder
 backward runs outside autocast, the replay inside it again). What it cannot
 know and this module adds:
 
-- a strategy's own dropout streams (:class:`~disagg.interfaces.rng.ShardRNG`)
+- a strategy's own dropout streams (:class:`~disagg.kit.recompute.rng.ShardRNG`)
   are snapshotted at the block's forward and replayed (``rngs``);
 - a strategy's per-forward state (the ulysses runtime and its spanning
   segments, a sequence-parallel region's shape) is captured at the block's
@@ -36,15 +36,14 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from disagg.interfaces import activations
-from disagg.interfaces.rng import ShardRNG
+from disagg.kit.recompute import activations
+from disagg.kit.recompute.rng import ShardRNG
 
-RecomputeMode = Literal["none", "full", "selective"]
 MODES: tuple[str, ...] = ("none", "full", "selective")
 
 #: a capture is called at a checkpointed region's forward and returns a factory of

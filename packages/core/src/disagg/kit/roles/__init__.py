@@ -1,4 +1,4 @@
-"""The parts a :class:`~disagg.interfaces.Strategy` is made of, one role per
+"""The parts a :class:`~disagg.kit.Strategy` is made of, one role per
 file, each with defaults for a module that every rank holds whole:
 
 - :class:`~.parallelizer.Parallelizer`: set-up (``parallelize``, the only
@@ -16,11 +16,11 @@ and backward, e.g. gathering sharded parameters) and
 parameters, e.g. handed to an engine).
 """
 
-from disagg.interfaces.roles.encoder import EncoderRole
-from disagg.interfaces.roles.language import LanguageRole
-from disagg.interfaces.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
-from disagg.interfaces.roles.parallelizer import Parallelizer
-from disagg.interfaces.roles.state import StateAdapter
+from disagg.kit.roles.encoder import EncoderRole
+from disagg.kit.roles.language import LanguageRole
+from disagg.kit.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
+from disagg.kit.roles.parallelizer import Parallelizer
+from disagg.kit.roles.state import StateAdapter
 
 __all__ = [
     "EncoderRole",

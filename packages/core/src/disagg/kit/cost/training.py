@@ -13,7 +13,7 @@ whole and cuts ``lora_B`` like the base's output rows; a row-parallel base cuts 
 like its input columns and keeps ``lora_B`` whole.
 
 Names: a target matches a tensor's module name by PEFT's rule (the whole name or a suffix of
-whole components, :func:`disagg.interfaces.lora.target_matches`); a planning shape may leave out
+whole components, :func:`disagg.kit.lora.target_matches`); a planning shape may leave out
 levels of the Hugging Face names (a decoder's ``layers.0.q_proj`` for
 ``model.layers.0.self_attn.q_proj``), so a target none of the shape's tensors match that way
 matches by its last component. Part patterns (``merger.*``, ``model.layers.*``) match a tensor
@@ -27,10 +27,12 @@ import functools
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from disagg.interfaces.cost import Workload
-from disagg.interfaces.gemms import Compute, Gemm, Split, tensor_gemm
-from disagg.interfaces.lora import LoraSpec, target_matches
+from disagg.interfaces.compute import Compute, Gemm, Split
+from disagg.interfaces.cost import CostQuery, Workload
+from disagg.interfaces.lora import LoraSpec
 from disagg.interfaces.shapes import EncoderShape, ParamTensor, Shape
+from disagg.kit.cost.gemms import tensor_gemm
+from disagg.kit.lora import target_matches
 
 #: AdamW's per-tensor step count (a 0-d fp32 tensor, whatever the recipe)
 STEP_TENSOR_BYTES = 4
@@ -116,6 +118,11 @@ def trained(shape: Shape, lora: LoraSpec | None = None, frozen: tuple[str, ...] 
 
 
 @functools.lru_cache(maxsize=256)
+def query_trained(query: CostQuery) -> Trained:
+    """``query``'s module tensors split by what trains (its LoRA and frozen parts)."""
+    return trained(query.shape, query.lora, query.frozen)
+
+
 def _trained(
     shape: Shape, _params: tuple[ParamTensor, ...], lora: LoraSpec | None, frozen: tuple[str, ...]
 ) -> Trained:
@@ -163,9 +170,9 @@ def shard_shapes(tr: Trained, shard: str) -> list[tuple[int, ...]]:
 def replicated_state_bytes(tr: Trained, shard: str, world: int, w: Workload | None = None) -> int:
     """The state term of a replicated strategy (``ddp``, ``ulysses``) under ``parallel.<m>.shard``
     in ``w``'s precision recipe (default ``fp32``): the trained tensors by
-    :func:`disagg.interfaces.sharded.state_bytes`, each frozen element its weight's bytes (FSDP2
+    :func:`disagg.kit.sharding.state_bytes`, each frozen element its weight's bytes (FSDP2
     shards it like any parameter). Exact without ``shard``; with it and frozen tensors an estimate."""
-    from disagg.interfaces import sharded
+    from disagg.kit import sharding as sharded
 
     recipe = w.recipe if w is not None else None
     weight = w.weight_bytes if w is not None else 4

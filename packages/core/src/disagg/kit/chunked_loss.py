@@ -5,7 +5,7 @@ Face computes them whole: at 16k tokens and Qwen2.5's 152k vocabulary one fp32 c
 and the loss keeps two. Here the family's forward runs with its output head *deferred* (the
 head returns its input, so the family hands back the shifted, flattened hidden states the head
 would have read), and the head is applied to one chunk of tokens at a time inside a
-checkpointed region (:meth:`disagg.interfaces.recompute.Recompute.checkpoint`): the forward
+checkpointed region (:meth:`disagg.kit.recompute.Recompute.checkpoint`): the forward
 keeps only each chunk's input (rows of the hidden states, which autograd keeps anyway), and the
 backward replays one chunk at a time, so one chunk's logits exist at once, in forward and in
 backward. The strategy's own per-token loss runs on each chunk, so ``megatron_tp`` keeps its
@@ -36,11 +36,6 @@ import torch
 from torch import nn
 
 from disagg.interfaces.family import Family
-
-#: ``parallel.llm.loss_chunk_tokens``'s default: at Qwen2.5's 152k vocabulary one chunk's fp32
-#: logits are 0.62 GB whole (ddp, zero) and 78 MB per rank under 8-way TP, while a 1024-row
-#: matmul still fills a GPU
-DEFAULT_CHUNK_TOKENS = 1024
 
 TokenLosses = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -12,8 +12,8 @@ parameters, gradients or optimizer state overrides the reduction, norm and
 step, and usually ``module_call``/``backprop``/``finish_setup`` (see ``zero``).
 
 Precision (``train.precision``, ``ctx.recipe``): :meth:`Parallelizer.setup` puts the
-parallelized module in the recipe's weights (:func:`~disagg.interfaces.master_weights.apply_recipe`);
-under ``bf16`` every method of :data:`~disagg.interfaces.master_weights.MASTER_VIEW` (a
+parallelized module in the recipe's weights (:func:`~disagg.kit.masters.apply_recipe`);
+under ``bf16`` every method of :data:`~disagg.kit.masters.MASTER_VIEW` (a
 subclass's overrides included) runs with the parameters seen as their float32 masters, so the
 reduction, norm, clipping, step and state of every strategy work on float32 unchanged.
 """
@@ -31,12 +31,12 @@ from torch import nn
 
 from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.family import Family
-from disagg.interfaces.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
-from disagg.interfaces.lora import freeze_base
-from disagg.interfaces.master_weights import MASTER_VIEW, MASTER_WRITES, MasterWeights, apply_recipe
-from disagg.interfaces.overlap import OverlappedReducer
-from disagg.interfaces.parts import freeze_parts, optimizer_groups
-from disagg.interfaces.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
+from disagg.kit.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
+from disagg.kit.grads.overlap import OverlappedReducer
+from disagg.kit.lora import freeze_base
+from disagg.kit.masters import MASTER_VIEW, MASTER_WRITES, MasterWeights, apply_recipe
+from disagg.kit.parts import freeze_parts, optimizer_groups
+from disagg.kit.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
 
 
 class Parallelizer(ABC):

@@ -8,7 +8,7 @@ rank states where its tensors lie in the full form (:meth:`StateAdapter.tensor_l
 of the local elements :meth:`StateAdapter.local_tensor` gives, gathered by
 :meth:`StateAdapter.sharded_state` into :data:`Pieces`), and
 ``torch.distributed.checkpoint`` writes and reshards them
-(:mod:`disagg.interfaces.dcp_pieces`)."""
+(:mod:`disagg.kit.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces.context import GroupContext
-from disagg.interfaces.rng import ShardRNG
+from disagg.kit.recompute.rng import ShardRNG
 
 #: where a rank's tensor lies in its full form: (full shape, [(offsets in the full
 #: tensor, index of the local tensor)]); several ranks may list the same piece
@@ -98,7 +98,7 @@ class StateAdapter:
     def rng_state(self) -> dict[str, torch.Tensor]:
         """Random streams of this rank's own beyond torch's default generators
         (core saves those): by default the per-shard dropout stream ``self.rng``
-        when the strategy made one (:class:`~disagg.interfaces.rng.ShardRNG`)."""
+        when the strategy made one (:class:`~disagg.kit.recompute.rng.ShardRNG`)."""
         rng = getattr(self, "rng", None)
         return {"shard_dropout": rng.state.cpu()} if isinstance(rng, ShardRNG) else {}
 

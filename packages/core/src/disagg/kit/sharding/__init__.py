@@ -6,7 +6,7 @@
   the updated parameters are broadcast from their owners. Parameters and gradients stay
   whole on every rank (gradients summed by the default reduction, norm of whole gradients).
 - ``gradients`` (ZeRO-2) and ``parameters`` (ZeRO-3): torch FSDP2, one unit per block
-  (:mod:`disagg.interfaces.fsdp`); gradients reduce-scattered (summed) in backward, AdamW
+  (:mod:`disagg.kit.sharding.fsdp`); gradients reduce-scattered (summed) in backward, AdamW
   on the shards, the norm summed over the shards (each element once).
 
 Per rank, with P elements of fp32 state and N ranks: ``none`` 16P; ``optimizer`` 8P + 8P/N
@@ -20,17 +20,10 @@ group's ranks agree on the count with one small all-reduce (``ddp``); ``ulysses`
 forward per replica and microbatch, so only an empty replica needs one.
 """
 
-from disagg.interfaces.sharded.cost import (
-    comm,
-    shard_rows,
-    state_bytes,
-    step_comm,
-    zero1_partition,
-    zero1_tensors,
-)
-from disagg.interfaces.sharded.modes import FSDP_MODES, MODES, ShardMode, module_key, shard_problems
-from disagg.interfaces.sharded.optimizer import build_optimizer
-from disagg.interfaces.sharded.replicas import ShardedReplicas, placeholder_input
+from disagg.kit.sharding.cost import comm, shard_rows, state_bytes, step_comm, zero1_partition, zero1_tensors
+from disagg.kit.sharding.modes import FSDP_MODES, MODES, ShardMode, module_key, shard_problems
+from disagg.kit.sharding.optimizer import build_optimizer
+from disagg.kit.sharding.replicas import ShardedReplicas, placeholder_input
 
 __all__ = [
     "FSDP_MODES",

@@ -67,7 +67,7 @@ class ShardRNG:
             self.state = self._get()
             self._set(saved)
 
-    # -- activation recomputation (disagg.interfaces.recompute) ---------------------------------------
+    # -- activation recomputation (disagg.kit.recompute) ---------------------------------------
     def snapshot(self) -> tuple[torch.Tensor | None, bool]:
         """Where the stream stands at a checkpointed forward, for :meth:`replay`.
         Inside :meth:`fork` the default generator *is* this stream (torch's

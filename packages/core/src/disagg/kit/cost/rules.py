@@ -5,19 +5,19 @@
 over ``n`` ranks sends ``2(n-1)b/n`` (floored per call), all-gather /
 reduce-scatter of shards of ``b`` bytes send ``(n-1)b``, an all-to-all sends
 everything but its own chunk, a broadcast is counted on its source. Gradients
-reduced by the base class go in 25 MiB buckets (:mod:`disagg.interfaces.buckets`).
+reduced by the base class go in 25 MiB buckets (:mod:`disagg.kit.grads.buckets`).
 
 **State** is parameters + gradients + AdamW's two moments in the precision recipe's
 dtypes (:data:`disagg.interfaces.precision.RECIPES`, ``Recipe.state_bytes_per_element``:
 ``fp32`` 16 bytes per element, ``bf16`` 18 — bf16 weight, fp32 master, gradient and
 moments —, ``bf16-pure`` 8), plus AdamW's 4-byte ``step`` tensor per parameter tensor:
 what :meth:`Strategy.state_bytes` counts after a step. A frozen element holds its weight
-only (:mod:`disagg.interfaces.cost_training`). Gradients are reduced in the recipe's
+only (:mod:`disagg.kit.cost.training`). Gradients are reduced in the recipe's
 gradient dtype (fp32 under ``fp32`` and ``bf16``). Activations and the residual stream are in
 the recipe's compute dtype; the recipes do not autocast, so no bf16 copy of a weight is saved.
 
 **Saved activations** are counted per saved tensor as
-:func:`disagg.interfaces.activations.saved_bytes_hooks` counts them. Per token of
+:func:`disagg.kit.recompute.activations.saved_bytes_hooks` counts them. Per token of
 a block, from HF's code (sdpa): each of the two norms its input, the squared
 input and the normalised output (``3H`` + 2 scalars); attention the qkv input
 ``H``, q/k/v and the output kept by sdpa ``4H``, the output projection's input
@@ -26,14 +26,14 @@ input and the normalised output (``3H`` + 2 scalars); attention the qkv input
 (SwiGLU: gate, its activation, up, their product). For a Qwen2.5-VL tower in
 fp32 that is exact; elsewhere an estimate. A decoder adds the fp32 logits
 (``2V``·4 bytes per token, as the hooks count the log-softmax output that the loss saves)
-of one loss chunk (``parallel.llm.loss_chunk_tokens``, :mod:`disagg.interfaces.chunked_loss`):
+of one loss chunk (``parallel.llm.loss_chunk_tokens``, :mod:`disagg.kit.chunked_loss`):
 ``min(tokens, chunk)`` tokens, held while that chunk is replayed in backward.
 
 **FLOPs**: training = 3 x forward; a matmul counts ``2·m·n·k`` (every weight of
 2+ dims times the rows it sees); encoder attention per window (``window_tokens``
 keys per query) in window blocks and over the whole sequence in full blocks;
 decoder attention causal. Element-wise work is not counted in FLOPs; what a rank computes by
-shape, element-wise bytes included, is :mod:`disagg.interfaces.gemms`' (``Cost.compute``).
+shape, element-wise bytes included, is :mod:`disagg.kit.cost.gemms`' (``Cost.compute``).
 
 **Recomputation** (``parallel.<module>.recompute``): ``full`` keeps each
 block's input and one block's saves while it is replayed and costs one more
@@ -46,10 +46,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from disagg.interfaces.buckets import bucket_sizes
-from disagg.interfaces.chunked_loss import DEFAULT_CHUNK_TOKENS
 from disagg.interfaces.cost import GRAD_BYTES, Workload
 from disagg.interfaces.shapes import DecoderShape, EncoderShape, ParamTensor, Shape
+from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
+from disagg.kit.grads.buckets import bucket_sizes
 
 STATE_BYTES_PER_ELEMENT = 16  # fp32 parameter, gradient, exp_avg, exp_avg_sq
 STEP_TENSOR_BYTES = 4  # AdamW's per-tensor step count (a 0-d fp32 tensor)
@@ -80,7 +80,7 @@ def reduce(nbytes: int, n: int) -> int:
 def grad_all_reduce(tensors: list[int], n: int, grad_bytes: int = GRAD_BYTES) -> int:
     """``Strategy.reduce_gradients`` of the base class: ``agree_on_grads`` (one int32
     per tensor) then one all-reduce per 25 MiB bucket of gradients (torch DDP's
-    bucketing, :func:`disagg.interfaces.bucket_sizes`) of ``grad_bytes`` per element."""
+    bucketing, :func:`disagg.kit.bucket_sizes`) of ``grad_bytes`` per element."""
     if n == 1:
         return 0
     buckets = bucket_sizes(tensors, grad_bytes)

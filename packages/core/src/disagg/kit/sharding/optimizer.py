@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from disagg.interfaces.context import GroupContext, OptimSpec
-from disagg.interfaces.roles.optimizer import adamw
+from disagg.kit.roles.optimizer import adamw
 
 
 def build_optimizer(

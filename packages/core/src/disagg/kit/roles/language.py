@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from disagg.interfaces import chunked_loss
 from disagg.interfaces.context import GroupContext
 from disagg.interfaces.family import Family, LanguageFamily
-from disagg.interfaces.recompute import Recompute
+from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
+from disagg.kit import chunked_loss
+from disagg.kit.recompute import Recompute
 
 
 class LanguageRole:
@@ -60,14 +61,14 @@ class LanguageRole:
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
     ) -> torch.Tensor:
         """:meth:`loss_sum` of the family's logits, one ``parallel.llm.loss_chunk_tokens``
-        chunk of them at a time (:mod:`disagg.interfaces.chunked_loss`)."""
+        chunk of them at a time (:mod:`disagg.kit.chunked_loss`)."""
         assert self.module is not None
         head = chunked_loss.output_head(self.family, self.module)
         if head is None:
             return self.loss_sum(*self.llm_forward(inputs, embeds))
         with chunked_loss.deferred(head):
             hidden, labels = self.llm_forward(inputs, embeds)
-        chunk = getattr(self.options, "loss_chunk_tokens", chunked_loss.DEFAULT_CHUNK_TOKENS)
+        chunk = getattr(self.options, "loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
         return chunked_loss.loss_sum(
             head, hidden, labels, self.token_losses, chunk, self.recompute.checkpoint
         )
@@ -111,7 +112,7 @@ class LanguageRole:
             else:
                 with chunked_loss.deferred(head):
                     hidden, labels = self.llm_forward(inputs, embeds)
-                chunk = getattr(self.options, "loss_chunk_tokens", chunked_loss.DEFAULT_CHUNK_TOKENS)
+                chunk = getattr(self.options, "loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
                 loss, right = chunked_loss.evaluate(
                     head, hidden, labels, self.token_losses, self.correct_predictions, chunk
                 )

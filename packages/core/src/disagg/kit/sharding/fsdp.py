@@ -1,5 +1,5 @@
 """A module's parameters, gradients and AdamW state sharded over its group with torch FSDP2
-(``parallel.<module>.shard: gradients | parameters``; :mod:`disagg.interfaces.sharded` picks).
+(``parallel.<module>.shard: gradients | parameters``; :mod:`disagg.kit.sharding` picks).
 
 ``fully_shard`` wraps every Hugging Face block (``GradientCheckpointingLayer``: the layers
 ``recompute`` checkpoints) and then the module itself, whose unit holds the rest (patch
@@ -80,7 +80,7 @@ def shard_module(module: nn.Module, ctx: GroupContext, mode: str) -> Root:
         # reduce-scattered in fp32 onto the fp32 shards (the Megatron/FSDP standard)
         mp = MixedPrecisionPolicy(param_dtype=recipe.weights, reduce_dtype=recipe.grads)
     elif recipe is not None and recipe.weights != torch.float32:
-        from disagg.interfaces.master_weights import cast_floating
+        from disagg.kit.masters import cast_floating
 
         cast_floating(module, recipe.weights)  # bf16-pure: the shards themselves are bf16
     kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": mode == "parameters"}

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagg.interfaces import fsdp
 from disagg.interfaces.context import GroupContext
-from disagg.interfaces.grads import sum_of_squares
-from disagg.interfaces.sharded.modes import FSDP_MODES
-from disagg.interfaces.sharded.optimizer import build_optimizer
+from disagg.kit.grads import sum_of_squares
+from disagg.kit.sharding import fsdp
+from disagg.kit.sharding.modes import FSDP_MODES
+from disagg.kit.sharding.optimizer import build_optimizer
 
 
 def placeholder_input(family: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -22,7 +22,7 @@ def placeholder_input(family: Any, dtype: torch.dtype = torch.float32) -> dict[s
     pixels in the compute dtype ``dtype`` as the worker casts real inputs."""
     from PIL import Image
 
-    from disagg.interfaces.master_weights import cast_inputs
+    from disagg.kit.masters import cast_inputs
 
     return cast_inputs(family.preprocess([Image.new("RGB", (28, 28))]), dtype)
 
@@ -34,7 +34,7 @@ def _state_bytes(states: Any) -> int:
 
 
 class ShardedReplicas:
-    """Mixin before :class:`~disagg.interfaces.Strategy`: ``parallel.<module>.shard`` for a
+    """Mixin before :class:`~disagg.kit.Strategy`: ``parallel.<module>.shard`` for a
     strategy whose ranks otherwise hold the whole module (its ``parallelize`` ends with
     :meth:`shard_state`)."""
 

@@ -1,6 +1,6 @@
 """``torch.distributed.checkpoint`` planners over pieces of full tensors.
 
-A rank's state is given as :data:`~disagg.interfaces.roles.state.Pieces`: per
+A rank's state is given as :data:`~disagg.kit.roles.state.Pieces`: per
 full-form name, the full tensor's shape and the pieces this rank holds, each
 at its offsets in the full tensor. That describes what ShardedTensor and
 DTensor cannot (a tensor-parallel rank's rows of each block of a fused q/k/v
@@ -12,8 +12,8 @@ reads exactly the stored regions that overlap this rank's pieces, whatever
 layout wrote them. DCP fills the pieces in place, so a load's pieces alias the
 live parameters and optimizer state.
 
-Here in the contract layer (not the runtime) so that a strategy's tests can
-round-trip its :meth:`~disagg.interfaces.roles.state.StateAdapter.sharded_state`
+Here in the kit (not the runtime) so that a strategy's tests can
+round-trip its :meth:`~disagg.kit.roles.state.StateAdapter.sharded_state`
 through DCP as the actor's checkpoint does (:func:`save_pieces`, :func:`load_pieces`).
 """
 
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from disagg.interfaces.roles.state import Pieces
+from disagg.kit.roles.state import Pieces
 
 
 def _find(pieces: Pieces, index: MetadataIndex) -> torch.Tensor:

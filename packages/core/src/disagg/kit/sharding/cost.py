@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.interfaces.precision import RECIPES, Recipe
-from disagg.interfaces.sharded.modes import FSDP_MODES
+from disagg.kit.sharding.modes import FSDP_MODES
 
 
 def zero1_partition(numels: list[int], world: int) -> list[int]:
@@ -88,7 +88,7 @@ def comm(
     """Bytes a rank sends per step, and calls, for the state's own collectives, as
     :class:`~disagg.interfaces.CommCounter` counts them (an all-gather ``(N-1)`` x the rank's
     shard, a reduce-scatter ``(N-1)/N`` of the input): FSDP2 issues its own through the counter
-    (:func:`disagg.interfaces.fsdp.counted_comms`; equal to this on the tiny LLaVA tower at
+    (:func:`disagg.kit.sharding.fsdp.counted_comms`; equal to this on the tiny LLaVA tower at
     d = 2, ``packages/vision-sp/tests/test_recipes.py``), ZeRO-1's broadcasts are
     ``ZeroRedundancyOptimizer``'s and go uncounted. ``shapes``: the tensors of the units that
     run (a unit whose forward never runs is never gathered), and for the reduce-scatter those

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from disagg.interfaces.buckets import BUCKET_BYTES, bucket_sizes
 from disagg.interfaces.comm import CommCounter
+from disagg.kit.grads.buckets import BUCKET_BYTES, bucket_sizes
 
 
 def agree_on_grads(
