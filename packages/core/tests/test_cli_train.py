@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from disagg.plugins import install_command
+
 HERE = Path(__file__).parent
 
 RUNNER = textwrap.dedent(
@@ -97,12 +99,12 @@ CASES: dict[str, tuple] = {
     "uninstalled_strategy": (
         _set("parallel.llm.strategy", "megatron_tp"),
         [],
-        ["'megatron_tp'", "pip install disagg-llm-tp"],
+        ["'megatron_tp'", install_command("disagg-llm-tp")],
     ),
     "uninstalled_family": (
         _set("model.vision.family", "qwen2_5_vl"),
         [],
-        ["model.vision.family", "pip install disagg-vision-sp"],
+        ["model.vision.family", install_command("disagg-vision-sp")],
     ),
     "unknown_family": (
         _set("model.llm.family", "gpt9"),
@@ -245,6 +247,7 @@ def test_console_script_exit_code_and_traceback_switch(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     quiet = _script(tmp_path, "train", "c.yaml")
     assert quiet.returncode == 2
-    assert "pip install disagg-zero" in quiet.stderr and "Traceback" not in quiet.stderr
+    hint = install_command("disagg-zero")
+    assert hint in quiet.stderr and "Traceback" not in quiet.stderr
     loud = _script(tmp_path, "train", "c.yaml", "--traceback")
-    assert loud.returncode == 2 and "Traceback" in loud.stderr and "pip install disagg-zero" in loud.stderr
+    assert loud.returncode == 2 and "Traceback" in loud.stderr and hint in loud.stderr

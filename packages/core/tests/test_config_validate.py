@@ -11,7 +11,7 @@ import yaml
 from disagg.config import ConfigError, load_config_and_source
 from disagg.config.resolved import ResolvedConfig
 from disagg.config.validate import validate
-from disagg.plugins import get_registry, register_plugin
+from disagg.plugins import get_registry, install_command, register_plugin
 
 sys.path.insert(0, str(Path(__file__).parent))
 import disagg_cfgtest_plugin  # noqa: E402
@@ -135,22 +135,22 @@ def test_many_problems_are_collected(reg, workdir):
         (
             lambda c: c["model"]["vision"].update(family="whisper"),
             "model.vision.family",
-            ["pip install disagg-audio"],
+            [install_command("disagg-audio")],
         ),
         (
             lambda c: c["model"]["llm"].update(family="qwen3_vl"),
             "model.llm.family",
-            ["pip install disagg-llm-tp"],
+            [install_command("disagg-llm-tp")],
         ),
         (
             lambda c: c["parallel"]["llm"].update(strategy="zero"),
             "parallel.llm.strategy",
-            ["pip install disagg-zero"],
+            [install_command("disagg-zero")],
         ),
         (
             lambda c: c["model"]["vision"].update(family="llava"),
             "model.vision.family",
-            ["pip install disagg-vision-sp"],
+            [install_command("disagg-vision-sp")],
         ),
         (
             lambda c: c["data"].update(media_root="nomedia"),

@@ -3,18 +3,24 @@
 Entry points are loaded lazily (on the first :func:`get_registry`), limited by
 ``DISAGG_PLUGINS=a,b`` (entry-point names), and a plugin that fails to import is
 recorded in :attr:`Registry.failures` and warned about instead of crashing.
+
+Which distribution a plugin came from (its version in ``disagg plugins``) is kept
+here, from the entry points loaded (:attr:`PluginManager.distributions`), not in
+pluggy's private bookkeeping.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pluggy
-from pluggy._manager import DistFacade
 
 from disagg import hookspecs
 
@@ -47,6 +53,8 @@ KNOWN_PROVIDERS: dict[str, str] = {
 class PluginInfo:
     name: str
     version: str | None
+    #: the distribution that installed it (None: registered by hand)
+    distribution: str | None = None
     hooks: list[str] = field(default_factory=list)
     registered: dict[str, list[str]] = field(default_factory=dict)
 
@@ -71,11 +79,20 @@ class Registry:
         return sorted(self.transports)
 
 
-def make_plugin_manager(load_entry_points: bool = True) -> tuple[pluggy.PluginManager, dict[str, str]]:
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager plus the distribution of each plugin loaded from an entry point."""
+
+    def __init__(self, project_name: str) -> None:
+        super().__init__(project_name)
+        #: plugin name (entry-point name) -> the distribution that declares its entry point
+        self.distributions: dict[str, md.Distribution] = {}
+
+
+def make_plugin_manager(load_entry_points: bool = True) -> tuple[PluginManager, dict[str, str]]:
     """A fresh manager with the built-ins and (optionally) installed plugins."""
     from disagg import builtin
 
-    pm = pluggy.PluginManager(GROUP)
+    pm = PluginManager(GROUP)
     pm.add_hookspecs(hookspecs)
     pm.register(builtin, name="disagg.builtin")
     failures: dict[str, str] = {}
@@ -99,9 +116,7 @@ def make_plugin_manager(load_entry_points: bool = True) -> tuple[pluggy.PluginMa
                 warnings.warn(f"disagg plugin {ep.name!r} could not be registered: {exc}", stacklevel=2)
                 continue
             if ep.dist is not None:
-                # What pluggy's own load_setuptools_entrypoints records, so that
-                # list_plugin_distinfo() (and our version column) sees the dist.
-                pm._plugin_distinfo.append((plugin, DistFacade(ep.dist)))  # noqa: SLF001
+                pm.distributions[ep.name] = ep.dist
     # An implementation whose name matches no hookspec is a typo in a plugin:
     # fail loudly now rather than silently never calling it.
     pm.check_pending()
@@ -124,15 +139,18 @@ def build_registry(pm: pluggy.PluginManager, failures: dict[str, str] | None = N
     naming both plugins.
     """
     reg = Registry(failures=dict(failures or {}), pm=pm)
-    versions = {id(p): d.version for p, d in pm.list_plugin_distinfo()}
+    # a plain pluggy manager (built by hand) knows no distributions
+    dists: dict[str, md.Distribution] = getattr(pm, "distributions", {})
     for name, plugin in pm.list_name_plugin():
         if plugin is None:
             continue
         hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        dist = dists.get(name)
         reg.plugins[name] = PluginInfo(
             name=name,
-            version=versions.get(id(plugin)) or _builtin_version(name),
+            version=dist.version if dist is not None else _builtin_version(name),
             hooks=hooks,
+            distribution=dist.metadata["Name"] if dist is not None else _builtin_distribution(name),
         )
     owners: dict[tuple[str, Any], str] = {}
 
@@ -195,11 +213,9 @@ REGISTER_HOOKS: tuple[tuple[str, str], ...] = (
 def providers_from(registry: Registry, distributions: set[str]) -> dict[str, str]:
     """``KNOWN_PROVIDERS``' entries as the installed plugins of ``distributions``
     registered them: ``strategy:<name>`` / ``family:<role>:<name>`` -> distribution."""
-    assert registry.pm is not None
-    dist_of = {registry.pm.get_name(p): d.project_name for p, d in registry.pm.list_plugin_distinfo()}
     out = {}
-    for plugin, info in registry.plugins.items():
-        dist = dist_of.get(plugin)
+    for info in registry.plugins.values():
+        dist = info.distribution
         if dist not in distributions:
             continue
         out.update({f"strategy:{s}": dist for s in info.registered.get("strategies", [])})
@@ -212,6 +228,41 @@ def provider_of(kind: str, name: str, role: str | None = None) -> str | None:
     ``strategy`` or ``family``), for "pip install ..." hints."""
     key = f"{kind}:{role}:{name}" if role else f"{kind}:{name}"
     return KNOWN_PROVIDERS.get(key)
+
+
+def install_command(dist: str, core: md.Distribution | None = None) -> str:
+    """The command that installs first-party ``dist`` the way disagg itself was installed.
+
+    The plugins are on no package index; a user installs them from a checkout. When
+    ``disagg-core`` (``core``, default the installed one) came from a local directory
+    (``pip install [-e] <checkout>/packages/core``: its ``direct_url.json``), the
+    sibling directory whose ``pyproject.toml`` names ``dist`` is the answer, with ``-e``
+    when core is editable; otherwise the distribution name."""
+    if core is None:
+        try:
+            core = md.distribution("disagg-core")
+        except md.PackageNotFoundError:
+            core = None
+    try:
+        direct = json.loads((core.read_text("direct_url.json") if core is not None else None) or "{}")
+    except ValueError:
+        direct = {}
+    url = direct.get("url", "")
+    if url.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        packages = Path(unquote(urlparse(url).path)).parent
+        editable = "-e " if direct.get("dir_info", {}).get("editable") else ""
+        for pyproject in sorted(packages.glob("*/pyproject.toml")):
+            if _project_name(pyproject) == dist:
+                return f"pip install {editable}{pyproject.parent}"
+    return f"pip install {dist}"
+
+
+def _project_name(pyproject: Path) -> str | None:
+    """``[project] name`` (a regex: ``tomllib`` is not in Python 3.10)."""
+    m = re.search(r'^\[project\][^\[]*?^name\s*=\s*"([^"]+)"', pyproject.read_text(), re.M | re.S)
+    return m.group(1) if m else None
 
 
 def notify(hook: str, *, pm: pluggy.PluginManager | None = None, **kwargs: Any) -> list[str]:
@@ -231,6 +282,10 @@ def notify(hook: str, *, pm: pluggy.PluginManager | None = None, **kwargs: Any) 
             warnings.warn(msg, stacklevel=2)
             errors.append(msg)
     return errors
+
+
+def _builtin_distribution(name: str) -> str | None:
+    return "disagg-core" if name.startswith("disagg.") else None
 
 
 def _builtin_version(name: str) -> str | None:

@@ -20,7 +20,13 @@ def report() -> dict[str, Any]:
     reg = get_registry()
     return {
         "plugins": [
-            {"name": p.name, "version": p.version, "hooks": p.hooks, "registered": p.registered}
+            {
+                "name": p.name,
+                "version": p.version,
+                "distribution": p.distribution,
+                "hooks": p.hooks,
+                "registered": p.registered,
+            }
             for p in reg.plugins.values()
         ],
         "failed": [{"name": name, "error": error} for name, error in sorted(reg.failures.items())],
@@ -33,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     for p in data["plugins"]:
-        print(f"{p['name']} {p['version'] or ''}".rstrip())
+        dist = f"({p['distribution']})" if p["distribution"] else ""
+        print(" ".join(x for x in (p["name"], p["version"], dist) if x))
         print(f"  hooks: {', '.join(p['hooks']) or '-'}")
         for kind, names in p["registered"].items():
             print(f"  {kind}: {', '.join(names)}")

@@ -14,6 +14,7 @@ from typing import Any
 
 from disagg.config.errors import allowed, did_you_mean
 from disagg.config.problems import Problems
+from disagg.plugins import install_command
 
 
 def lookup(
@@ -40,7 +41,7 @@ def lookup(
         out.add(
             path,
             f"{what} {name!r} is provided by {provider}, which is not installed or not loaded; "
-            f"run: pip install {provider}{_limited_hint()}",
+            f"run: {install_command(provider)}{_limited_hint()}",
         )
     elif others is not None:  # a family: name what is installed, never another model version
         out.add(

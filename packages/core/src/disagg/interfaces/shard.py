@@ -29,5 +29,10 @@ class EmbeddingShard:
 
     @staticmethod
     def empty(total: int, hidden: int, like: torch.Tensor | None = None) -> EmbeddingShard:
+        """Zero rows, with the device and dtype of ``like`` (the rank's own output): on a GPU
+        transport a CPU tensor beside the other ranks' CUDA ones would not cross. Positions stay
+        on the CPU, as :meth:`whole`'s do."""
         dtype = like.dtype if like is not None else torch.float32
-        return EmbeddingShard(torch.zeros(0, dtype=torch.long), torch.zeros(0, hidden, dtype=dtype), total)
+        device = like.device if like is not None else None
+        value = torch.zeros(0, hidden, dtype=dtype, device=device)
+        return EmbeddingShard(torch.zeros(0, dtype=torch.long), value, total)
