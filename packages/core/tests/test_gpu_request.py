@@ -61,3 +61,24 @@ def test_gpus_on_a_gpu_less_cluster_are_refused_before_any_actor(
     assert code != 0 and took < 30, (code, took)
     assert f"{key}: " in err and "the Ray cluster has 0 GPUs" in err, err
     assert "train.device: cpu" in err or "remove it" in err, err
+
+
+def test_an_embedded_ray_waits_briefly_for_placement(monkeypatch):
+    """The Ray a run starts itself cannot grow: its groups wait 30 s to be placed, not
+    ``parallel.start_timeout_s`` (which still bounds their set-up); a joined cluster may
+    grow (an autoscaler), so there the placement waits the whole timeout."""
+    from types import SimpleNamespace
+
+    import disagg.runtime.run as run
+    from disagg.config.schema import Config
+
+    cfg = Config.model_validate({"model": {"llm": {"family": "toy", "path": "/x"}}})
+    plan = SimpleNamespace(specs=[], device="cpu", precision="fp32", transport=None)
+    registry = SimpleNamespace(schedules={cfg.train.schedule: lambda: None})
+    got: dict = {}
+    monkeypatch.setattr(run, "Orchestrator", lambda specs, **kw: got.update(kw))
+    for embedded, placement in ((True, run.EMBEDDED_PLACEMENT_S), (False, None)):
+        monkeypatch.setattr(run, "_EMBEDDED", embedded)
+        run._start_groups(cfg, plan, registry)  # type: ignore[arg-type]
+        assert (got["placement_timeout_s"], got["start_timeout_s"]) == (placement, 900.0)
+    assert run.EMBEDDED_PLACEMENT_S == 30.0
