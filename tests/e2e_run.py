@@ -43,7 +43,7 @@ def e2e_config(
 def train(cfg: Config) -> tuple[list[float], dict[str, dict]]:
     from disagg.runtime.run import run_training
 
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     out = Path(cfg.output_dir)
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     ckpt = out / "checkpoints" / f"step-{cfg.train.steps}"

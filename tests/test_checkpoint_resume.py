@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagg.plugins import get_registry
+
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 pytest.importorskip("disagg_zero")
@@ -27,6 +29,7 @@ pytest.importorskip("disagg_zero")
 from e2e_run import e2e_config  # noqa: E402
 from hf_reference import batches_of, qwen2_5_vl_kwargs, train_reference  # noqa: E402
 
+from disagg.config.validate import validate
 from disagg.testing.tolerance import assert_exact, assert_params_close, assert_scalar_close  # noqa: E402
 
 FAMILY = "qwen2_5_vl"
@@ -70,7 +73,7 @@ def _config(tiny: dict, out: Path, vision: dict, llm: dict, resume: Path | None 
 def _run(cfg) -> dict[int, float]:
     from disagg.runtime.run import run_training
 
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     rows = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "step" in r}
 

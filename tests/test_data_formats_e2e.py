@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagg.config.validate import validate
+from disagg.plugins import get_registry
+
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
@@ -40,7 +43,7 @@ def test_llama_factory_file_trains_exactly_as_its_llava_twin(ray_local, tiny, tm
     runs = {}
     for name in ("train", "sharegpt"):
         out = tmp_path / name
-        run_training(_config(tiny, tiny[name], out), progress=False)
+        run_training(validate(_config(tiny, tiny[name], out), get_registry()), progress=False)
         losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
         ckpt = out / "checkpoints" / f"step-{STEPS}"
         runs[name] = losses, {m: read_module_state(ckpt, m)[0] for m in ("vision", "llm")}
@@ -85,7 +88,7 @@ def test_train_refuses_a_video_row_with_its_line(ray_local, tiny, tmp_path):
     path = tmp_path / "with_video.jsonl"
     path.write_text("\n".join([*rows[:5], json.dumps(video), *rows[5:]]) + "\n")
     with pytest.raises(VideoError, match=rf"{path}:6: 1 sample\(s\) with video .* not supported yet"):
-        run_training(_config(tiny, str(path), tmp_path / "run"), progress=False)
+        run_training(validate(_config(tiny, str(path), tmp_path / "run"), get_registry()), progress=False)
     # refused before any step (and before the groups start: the data source is built first)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["status"], summary["steps"]) == ("failed", 0)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from disagg.config.validate import validate
 from disagg.plugins import get_registry
 
 pytest.importorskip("disagg_vision_sp")
@@ -67,7 +68,7 @@ def test_resume_mid_stream_equals_uninterrupted(ray_local, tmp_path):
         return cfg
 
     full = config(tmp_path / "full")
-    run_training(full, progress=False)
+    run_training(validate(full, get_registry()), progress=False)
     ckpt = tmp_path / "full" / "checkpoints" / "step-2"
     state = json.loads((ckpt / "data.json").read_text())
     assert state["stats"]["skipped"] == 1 and state["position"] > 8  # the bad sample was before step 2
@@ -75,7 +76,7 @@ def test_resume_mid_stream_equals_uninterrupted(ray_local, tmp_path):
     resumed = config(tmp_path / "resumed", resume_from=str(ckpt), every=0)
     seen = tmp_path / "seen.txt"
     source = build_data_source(resumed, families_for(resumed, get_registry()), on_preprocess=Recorder(seen))
-    run_training(resumed, data_source=source, progress=False)
+    run_training(validate(resumed, get_registry()), data_source=source, progress=False)
     want, got = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert sorted(got) == [3, 4]
     for step in (3, 4):

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from disagg.config.validate import validate
+from disagg.plugins import get_registry
+
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
@@ -70,7 +73,7 @@ def test_dhp_eval_loss_after_step_k_is_train_loss_of_step_k_plus_1(ray_local, ti
         schedule="encoders_ahead",
         max_inflight=2,
     )
-    summary = run_training(cfg, progress=False)
+    summary = run_training(validate(cfg, get_registry()), progress=False)
     rows = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all("eval_loss" in r for r in rows)
     for k in range(STEPS - 1):

@@ -33,6 +33,8 @@ from hf_reference import (  # noqa: E402
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
 from disagg.config.schema import Config  # noqa: E402
+from disagg.config.validate import validate
+from disagg.plugins import get_registry
 from disagg.testing.tolerance import assert_params_close, assert_scalar_close, first_grads  # noqa: E402
 
 STEPS = 3
@@ -115,7 +117,7 @@ def test_family_equals_hf_model_every_step(ray_local, family, tmp_path, layout):
     vision, llm = LAYOUTS[layout]
     run = tmp_path / "run"
     cfg = _config(tiny, case, run, vision, llm)
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     losses, norms = run_metrics(run)
     assert len(losses) == len(norms) == len(want.losses) == STEPS
     for step in range(STEPS):

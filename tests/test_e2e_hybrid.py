@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagg.config.validate import validate
+from disagg.plugins import get_registry
+
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
@@ -94,7 +97,7 @@ def test_mix_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path, na
     if "zero" in (vision["strategy"], llm["strategy"]):
         pytest.importorskip("disagg_zero")
     cfg = _config(tiny, tmp_path / "run", {"replicas": 1, **vision}, {"replicas": 1, **llm})
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     losses = assert_run_matches(
         tmp_path / "run",
         reference,
@@ -136,8 +139,8 @@ def test_overlapped_gradient_reduction_equals_hf_model_every_step(ray_local, tin
     llm = {"strategy": "ddp", "replicas": 2, "overlap_grad_reduce": True}
     cfg = _config(tiny, tmp_path / "run", vision, llm)
     cfg.train.microbatches = 2
-    validate(cfg, get_registry())
-    run_training(cfg, progress=False)
+    resolved = validate(cfg, get_registry())
+    run_training(resolved, progress=False)
     assert_run_matches(
         tmp_path / "run",
         reference,

@@ -22,6 +22,8 @@ from hf_reference import batches_of, exported_state, run_metrics, train_referenc
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
 from disagg.config.schema import Config  # noqa: E402
+from disagg.config.validate import validate
+from disagg.plugins import get_registry
 from disagg.testing.reference import capture_first_grads  # noqa: E402
 from disagg.testing.tolerance import assert_params_close, assert_scalar_close  # noqa: E402
 
@@ -80,7 +82,7 @@ def test_llava_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path, 
     _run = tmp_path / "run"
     from disagg.runtime.run import run_training
 
-    run_training(_config(tiny, _run, vision, llm), progress=False)
+    run_training(validate(_config(tiny, _run, vision, llm), get_registry()), progress=False)
     losses, norms = run_metrics(_run)
     assert len(losses) == len(norms) == len(want.losses) == STEPS
     for step in range(STEPS):

@@ -34,12 +34,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagg.plugins import get_registry
+
 pytest.importorskip("peft")
 pytest.importorskip("disagg_vision_sp")
 
 from hf_reference import batches_of, qwen2_5_vl_kwargs, run_metrics, train_reference  # noqa: E402
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
+from disagg.config.validate import validate
 from disagg.testing.tolerance import FP32, Precision, assert_params_close  # noqa: E402
 from disagg.testing.tolerance import assert_scalar_close as scalar_close  # noqa: E402
 
@@ -186,7 +189,7 @@ def test_lora_equals_peft_model_every_step(ray_local, tiny, reference, tmp_path,
         pytest.importorskip("disagg_zero")
     vision, llm, train = LAYOUTS[name]
     cfg = _config(tiny, tmp_path / "run", vision, llm, **train)
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     _assert_steps(tmp_path / "run", reference, range(1, STEPS + 1), name)
     if name == "ulysses2+tp2":
         _assert_exports(tmp_path / "run", reference, tmp_path)
@@ -195,7 +198,7 @@ def test_lora_equals_peft_model_every_step(ray_local, tiny, reference, tmp_path,
         # reshard like full weights; the base comes from the model dir)
         resumed = _config(tiny, tmp_path / "resumed", *RESUMED)
         resumed.checkpoint.resume_from = str(tmp_path / "run" / "checkpoints" / f"step-{STEPS - 1}")
-        run_training(resumed, progress=False)
+        run_training(validate(resumed, get_registry()), progress=False)
         _assert_steps(tmp_path / "resumed", reference, range(STEPS, STEPS + 1), "resumed under zero2x2+ddp")
 
 

@@ -31,6 +31,8 @@ from hf_reference import (  # noqa: E402
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
 from disagg.config.schema import Config  # noqa: E402
+from disagg.config.validate import validate
+from disagg.plugins import get_registry
 from disagg.testing.reference import capture_first_grads  # noqa: E402
 from disagg.testing.tolerance import assert_params_close, assert_scalar_close  # noqa: E402
 
@@ -137,7 +139,7 @@ def test_layout_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path,
     if "zero" in (vision["strategy"], llm["strategy"]):
         pytest.importorskip("disagg_zero")
     cfg = _config(tiny, tmp_path / "run", vision, llm)
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     _assert_matches_reference(tmp_path / "run", reference, tmp_path)
 
 
@@ -157,7 +159,7 @@ def test_encoders_ahead_with_four_microbatches_and_recompute_in_both_modules_equ
         tiny, tmp_path / "run", vision, llm, microbatches=4, schedule="encoders_ahead", max_inflight=2
     )
     assert (cfg.parallel.vision.recompute, cfg.parallel.llm.recompute) == ("full", "full")
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     _assert_matches_reference(tmp_path / "run", reference, tmp_path)
 
 
@@ -217,7 +219,7 @@ def test_frozen_tower_trains_merger_like_hf_model(ray_local, tiny, tmp_path, lay
         want = train_reference(
             model, batches_of(cfg, STEPS), kwargs, cfg.train, groups, eval_set=eval_set_of(cfg)
         )
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     _assert_matches_reference(run, (want, grads, cfg.train), tmp_path, lr=3e-3)  # the merger's group lr
 
     got = exported_state(run, STEPS, tmp_path / "export2", Qwen2_5_VLForConditionalGeneration)

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagg.config.validate import validate
+
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 pytest.importorskip("disagg_audio")
@@ -209,7 +211,7 @@ def test_three_modules_match_single_process(ray_local, omni, reference, tmp_path
     if "zero" in (vision["strategy"], audio["strategy"], llm["strategy"]):
         pytest.importorskip("disagg_zero")
     cfg = _config(omni, tmp_path / "run", {"vision": vision, "audio": audio, "llm": llm})
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     from hf_reference import assert_run_matches
 
     from disagg.runtime.actor.state import read_module_state

@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from disagg.config.validate import validate
+
 FAMILY = "qwen2_5_vl"
 
 
@@ -103,7 +105,7 @@ def one(out: Path, data: Path, steps: int) -> dict:
 
     register_plugin(Clock(), name="clock")
     t1 = time.perf_counter()
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     end = time.perf_counter()
     result = {
         "samples": sum(1 for _ in data.open()),

@@ -101,14 +101,17 @@ def _family(module: str, path: str):  # type: ignore[no-untyped-def]
 
 def _rank(rank: int, path: str, mode: str, module: str, port: int, queue) -> None:  # type: ignore[no-untyped-def]
     from disagg.interfaces import OptimSpec
+    from disagg.runtime.actor.spec import WorkerSpec
     from disagg.runtime.actor.worker import ModuleWorker
     from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
     if mode == "whole":  # what every rank did before the sharded load
         MegatronTPStrategy.build_module = lambda self: self.family.build(torch.float32)  # type: ignore[method-assign]
     worker = ModuleWorker(
-        module, rank, 2, 2, 1, _family(module, path), MegatronTPStrategy, MegatronTPOptions(),
-        OptimSpec(lr=1e-4), "cpu", "fp32", 0,
+        WorkerSpec(
+            module, rank, 2, 2, 1, _family(module, path), MegatronTPStrategy, MegatronTPOptions(),
+            OptimSpec(lr=1e-4), "cpu", "fp32", 0,
+        )
     )  # fmt: skip
     worker.setup("127.0.0.1", port)
     local = sum(p.numel() * p.element_size() for p in worker.strategy.module.parameters())

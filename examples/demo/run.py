@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         before = evaluate(tiny / FAMILY, FAMILY, held_out)
 
     print(f"[3/4] training: {layout}, collocated, local Ray on CPU", flush=True)
-    summary = run_training(cfg, progress=not args.no_progress)
+    summary = run_training(validate(cfg, get_registry()), progress=not args.no_progress)
 
     print("[4/4] exporting the checkpoint and answering the held-out samples again", flush=True)
     export_dir = Path(summary["run_dir"]) / "export"

@@ -24,6 +24,7 @@ pytest.importorskip("disagg_zero")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e_run import e2e_config, train  # noqa: E402
 
+from disagg.config.validate import validate
 from disagg.plugins import get_registry  # noqa: E402
 from disagg.runtime.plan import make_plan  # noqa: E402
 from disagg.testing.tolerance import BF16, assert_params_close, assert_scalar_close  # noqa: E402
@@ -76,7 +77,9 @@ def _metrics(out: Path) -> list[dict]:
 def test_strategy_on_cuda_bf16_matches_cpu_fp32(ray_local, tiny, cpu_fp32, tmp_path, name):
     vision, llm, transport = CASES[name]
     cfg = _cfg(tiny, tmp_path / "run", vision, llm, "cuda", transport)
-    plan = make_plan(cfg, get_registry(), ray_local.cluster_resources().get("GPU", 0.0))
+    plan = make_plan(
+        validate(cfg, get_registry()), get_registry(), ray_local.cluster_resources().get("GPU", 0.0)
+    )
     assert plan.transport.name == ("cuda_ipc" if transport == "auto" else transport)  # one shared GPU
     losses, weights = train(cfg)
     want_losses, want_weights = cpu_fp32

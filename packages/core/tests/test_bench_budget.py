@@ -192,3 +192,26 @@ def test_targets_report_recompute_against_its_base_layout():
     md = targets_md(t)
     assert "dhp_ulysses_tp_sp_recompute ÷ dhp_ulysses_tp_sp: longest fitting vision sequence 3.00×" in md
     assert "256: 0.80" in md
+
+
+def test_each_layouts_points_are_kept_as_it_finishes(tmp_path: Path):
+    """A bench that stops in its second layout (a crash, Ctrl-C) keeps the first one's points."""
+    b = make(tmp_path, [256, 512])
+    first = b.run
+
+    def run(name: str, lengths: list[int], steps: int | None = None, tag: str = "") -> list[dict[str, Any]]:
+        if name == "zero3":
+            kept = [json.loads(x) for x in (b.out_dir / "points.jsonl").read_text().splitlines()]
+            assert [(p["layout"], p["vision_tokens"]) for p in kept] == [("dhp", 256), ("dhp", 512)]
+            raise KeyboardInterrupt
+        return first(name, lengths, steps, tag)
+
+    b.run = run  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        b.sweep()
+    kept = [json.loads(x) for x in (b.out_dir / "points.jsonl").read_text().splitlines()]
+    assert [p["layout"] for p in kept] == ["dhp", "dhp"]
+    b.run = first  # type: ignore[method-assign]
+    b.sweep()  # a new sweep starts its file afresh
+    kept = [json.loads(x) for x in (b.out_dir / "points.jsonl").read_text().splitlines()]
+    assert [p["layout"] for p in kept] == ["dhp", "dhp", "zero3", "zero3"]

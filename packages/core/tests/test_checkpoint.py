@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from disagg.config.schema import Config
+from disagg.config.validate import validate
 from disagg.runtime import checkpoint as ckpt
 from disagg.runtime.orchestrator import Orchestrator
 from disagg.runtime.run import run_training
@@ -70,7 +71,9 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def _train(cfg: Config, registry) -> dict:
-    return run_training(cfg, registry=registry, data_source=ToyDataSource(4), progress=False)
+    return run_training(
+        validate(cfg, registry), registry=registry, data_source=ToyDataSource(4), progress=False
+    )
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 
 from disagg import hookimpl
 from disagg.config.schema import Config
+from disagg.config.validate import validate
 from disagg.interfaces import Tracker
 from disagg.testing import toy
 from disagg.testing.toy import make_toy_dirs, put_samples, toy_samples
@@ -119,7 +120,11 @@ def run(ray_local, tmp_path_factory):
     batch = toy_samples(BATCH, seed=3, text_only_every=3)
     try:
         summary = run_training(
-            cfg, registry=registry, data_source=SameBatch(batch), eval_source=EvalSet(batch), progress=False
+            validate(cfg, registry),
+            registry=registry,
+            data_source=SameBatch(batch),
+            eval_source=EvalSet(batch),
+            progress=False,
         )
     finally:
         plugins.set_registry(previous)

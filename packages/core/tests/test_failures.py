@@ -50,7 +50,7 @@ def test_dead_actor_is_named_and_shutdown_is_clean(ray_local, tmp_path):
             GroupSpec("llm", ToyLMFamily(lm), DDPStrategy, StrategyOptions(), 1, 2, optim),
         ]
     )
-    pids = [p["pid"] for g in orch.groups for p in ray.get(g.call("placement"))]
+    pids = [p["pid"] for g in orch.groups for p in ray.get(g.placements())]
     try:
         orch.step(put_samples(toy_samples(4)))
         ray.kill(orch.group("llm").actors[1])

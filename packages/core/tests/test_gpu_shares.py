@@ -78,14 +78,14 @@ def test_zero_gpus_on_cuda_is_refused_once_the_device_is_known(reg, tmp_path):
     assert "outside Ray's GPU accounting" in got["parallel.llm.resources.num_gpus"]
     auto = _cfg(tmp_path, "disaggregated", llm_gpus=0, device="auto")
     validate(auto, reg)  # the device is not known yet
-    assert make_plan(auto, reg, cluster_gpus=0).device == "cpu"  # on CPU the share is unused
+    assert make_plan(validate(auto, reg), reg, cluster_gpus=0).device == "cpu"  # on CPU the share is unused
     with pytest.raises(ConfigError, match=r"parallel.llm.resources.num_gpus: 0 on CUDA"):
-        make_plan(auto, reg, cluster_gpus=2)
+        make_plan(validate(auto, reg), reg, cluster_gpus=2)
 
 
 def test_valid_shares_pass_and_the_default_splits_what_is_left(reg, tmp_path):
     cfg = _cfg(tmp_path, "collocated", vision_gpus=0.25, llm_replicas=2)
-    plan = make_plan(cfg, reg, cluster_gpus=2)
+    plan = make_plan(validate(cfg, reg), reg, cluster_gpus=2)
     specs = plan.specs
     # GPU 0: vision 0.25, llm rank 0 takes the 0.75 left; GPU 1: llm rank 1 alone
     assert _gpus_per_rank(specs[1], specs, "collocated", 0) == pytest.approx(0.75)

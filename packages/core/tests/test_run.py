@@ -8,6 +8,7 @@ import json
 import pytest
 
 from disagg.config.schema import Config
+from disagg.config.validate import validate
 from disagg.runtime.export import export_checkpoint
 from disagg.runtime.run import run_training
 from disagg.testing import toy
@@ -39,7 +40,9 @@ def _cfg(tmp_path, dirs, **over):
 def test_run_writes_metrics_checkpoints_and_exports(ray_local, toy_registry, tmp_path):
     dirs = make_toy_dirs(tmp_path / "models")
     cfg = _cfg(tmp_path, dirs)
-    summary = run_training(cfg, registry=toy_registry, data_source=ToyDataSource(4), progress=False)
+    summary = run_training(
+        validate(cfg, toy_registry), registry=toy_registry, data_source=ToyDataSource(4), progress=False
+    )
     run = tmp_path / "run"
     assert summary["status"] == "ok" and summary["steps"] == 4
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -76,7 +79,9 @@ def test_run_writes_metrics_checkpoints_and_exports(ray_local, toy_registry, tmp
         output_dir=str(tmp_path / "resumed"),
         checkpoint={"every": 0, "resume_from": str(run / "checkpoints" / "step-2")},
     )
-    run_training(cfg2, registry=toy_registry, data_source=ToyDataSource(4), progress=False)
+    run_training(
+        validate(cfg2, toy_registry), registry=toy_registry, data_source=ToyDataSource(4), progress=False
+    )
     resumed = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [3, 4]
     for a, b in zip(resumed, lines[2:]):
@@ -96,5 +101,10 @@ def test_actor_failure_names_module_and_rank(ray_local, toy_registry, tmp_path):
             return samples
 
     with pytest.raises(GroupFailure, match=r"module 'vision' rank 1"):
-        run_training(cfg, registry=toy_registry, data_source=Broken(4, text_only_every=0), progress=False)
+        run_training(
+            validate(cfg, toy_registry),
+            registry=toy_registry,
+            data_source=Broken(4, text_only_every=0),
+            progress=False,
+        )
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"

@@ -48,7 +48,7 @@ def with_cupy(reg, monkeypatch):
 
 
 def _auto(cfg, reg, gpus):
-    plan = make_plan(cfg, reg, cluster_gpus=gpus)
+    plan = make_plan(validate(cfg, reg), reg, cluster_gpus=gpus)
     return plan.transport.name, plan.device, plan.precision
 
 
@@ -88,7 +88,7 @@ def test_nccl_between_collocated_groups_is_refused_with_the_reason(with_cupy, tm
     _refused(lambda: validate(cfg, with_cupy), match)
     cfg = _cfg(tmp_path, transport="nccl")  # device auto: the same refusal (placement decides it)
     _refused(lambda: validate(cfg, with_cupy), match)
-    _refused(lambda: make_plan(cfg, with_cupy, cluster_gpus=1), match)
+    _refused(lambda: make_plan(validate(cfg, with_cupy), with_cupy, cluster_gpus=1), match)
 
 
 def test_nccl_without_cupy_is_refused_naming_the_extra(reg, tmp_path):
@@ -100,15 +100,24 @@ def test_cuda_ipc_is_refused_where_producer_and_consumer_do_not_share_a_gpu(reg,
     cfg = _cfg(tmp_path, transport="cuda_ipc", placement="disaggregated", device="cuda")
     _refused(lambda: validate(cfg, reg), r"'cuda_ipc' cannot work.*GPUs of their own")
     cfg = _cfg(tmp_path, transport="cuda_ipc", llm={"degree": 1, "replicas": 2})
-    _refused(lambda: make_plan(cfg, reg, cluster_gpus=2), r"'cuda_ipc' cannot work.*\(llm\).*other GPUs")
-    assert make_plan(_cfg(tmp_path, transport="cuda_ipc"), reg, cluster_gpus=1).transport.name == "cuda_ipc"
+    _refused(
+        lambda: make_plan(validate(cfg, reg), reg, cluster_gpus=2),
+        r"'cuda_ipc' cannot work.*\(llm\).*other GPUs",
+    )
+    assert (
+        make_plan(validate(_cfg(tmp_path, transport="cuda_ipc"), reg), reg, cluster_gpus=1).transport.name
+        == "cuda_ipc"
+    )
 
 
 def test_cuda_transport_on_cpu_is_refused(reg, tmp_path):
     cfg = _cfg(tmp_path, transport="cuda_ipc", device="cpu")
     allowed = "allowed there: auto, object_store"
     _refused(lambda: validate(cfg, reg), rf"'cuda_ipc' does not work on cpu; {allowed}")
-    _refused(lambda: make_plan(_cfg(tmp_path, transport="cuda_ipc"), reg, 0), r"does not work on cpu")
+    _refused(
+        lambda: make_plan(validate(_cfg(tmp_path, transport="cuda_ipc"), reg), reg, 0),
+        r"does not work on cpu",
+    )
 
 
 def test_gloo_direct_transport_is_refused_with_reason(reg, tmp_path):

@@ -11,6 +11,7 @@ import torch
 
 from disagg.builtin.ddp import DDPStrategy
 from disagg.interfaces import EmbeddingShard, OptimSpec, StrategyOptions
+from disagg.runtime.actor.spec import WorkerSpec
 from disagg.runtime.actor.worker import ModuleWorker
 from disagg.runtime.groups import GroupSpec, StartTimeout, start_groups
 from disagg.runtime.orchestrator import Orchestrator
@@ -18,7 +19,9 @@ from disagg.testing.toy import ToyEncoderFamily, ToyLMFamily, make_toy_dirs, put
 
 
 def _worker() -> ModuleWorker:
-    w = ModuleWorker("vision", 0, 1, 1, 1, None, DDPStrategy, StrategyOptions(), None, "cpu", "fp32", 0)
+    w = ModuleWorker(
+        WorkerSpec("vision", 0, 1, 1, 1, None, DDPStrategy, StrategyOptions(), None, "cpu", "fp32", 0)
+    )
     full = torch.randn(10, 4, requires_grad=True) * 2  # the encoder's whole output
     shard = EmbeddingShard(torch.arange(3, 7), full[3:7], 10)  # a view into it, as ulysses cuts one
     w.pending[0] = ([5], [shard])

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
+from disagg.config.resolved import ResolvedConfig
 from disagg.config.schema import Config
 from disagg.metrics.step import upgrade
 from disagg.plugins import Registry
@@ -90,21 +91,22 @@ class ChainedSource:
 
 
 def run_layout(
-    cfg: Config, registry: Registry, jsonls: list[Path], steps: int
+    resolved: ResolvedConfig, registry: Registry, jsonls: list[Path], steps: int
 ) -> tuple[list[list[dict[str, Any]]], str | None]:
-    """Train ``cfg`` over each dataset in ``jsonls`` for ``steps`` steps each;
-    return the metric records of each, and the error that stopped the run (if
-    one did: the lengths it reached keep their records)."""
+    """Train the validated config ``resolved`` over each dataset in ``jsonls`` for
+    ``steps`` steps each; return the metric records of each, and the error that
+    stopped the run (if one did: the lengths it reached keep their records)."""
     import ray
 
-    from disagg.config.resolved import reserved_cpus
-    from disagg.config.validate import validate
+    from disagg.config.resolved import require_resolved, reserved_cpus
     from disagg.data import build_data_source
     from disagg.runtime.plan import make_plan
     from disagg.runtime.run import ensure_ray, run_training
 
-    ensure_ray(cfg.ray.address, cfg.ray.num_cpus, reserved=reserved_cpus(validate(cfg, registry)))
-    families = make_plan(cfg, registry, ray.cluster_resources().get("GPU", 0.0)).families
+    resolved = require_resolved(resolved, "run_layout")
+    cfg = resolved.config
+    ensure_ray(cfg.ray.address, cfg.ray.num_cpus, reserved=reserved_cpus(resolved))
+    families = make_plan(resolved, registry, ray.cluster_resources().get("GPU", 0.0)).families
     parts = []
     for path in jsonls:
         one = cfg.model_copy(deep=True)
@@ -112,7 +114,7 @@ def run_layout(
         parts.append(build_data_source(one, families))
     error = None
     try:
-        run_training(cfg, registry=registry, data_source=ChainedSource(parts, steps), progress=False)
+        run_training(resolved, registry=registry, data_source=ChainedSource(parts, steps), progress=False)
     except Exception as exc:  # an out-of-memory length is a result: keep what ran before it
         error = f"{type(exc).__name__}: {exc}"
     run_dir = Path(cfg.output_dir)

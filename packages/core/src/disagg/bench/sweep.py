@@ -57,6 +57,8 @@ class Bench:
         self.placement = self.base.parallel.placement
         self._src = src
         self._model_dir: Path | None = None
+        #: layout name -> its sweep run's config and that config validated (:meth:`check`)
+        self._validated: dict[str, tuple[Config, Any]] = {}
 
     # -- one point --------------------------------------------------------------------------------
     def model_dirs(self, max_patches: int) -> dict[str, str]:
@@ -85,16 +87,11 @@ class Bench:
             )
         return out / "train.jsonl"
 
-    def run(
-        self, name: str, lengths: list[int], steps: int | None = None, tag: str = ""
-    ) -> list[dict[str, Any]]:
-        """One run of layout ``name`` over ``lengths``: a point per length."""
+    def config(self, name: str, lengths: list[int], steps: int | None = None, tag: str = "") -> Config:
+        """The train config of one run of layout ``name`` over ``lengths`` (its data written)."""
         steps = steps or self.steps
-        label = f"{name} @ {', '.join(map(str, lengths))} vision tokens{tag}"
-        if self.progress:
-            self.progress.start(label)
         jsonls = [self.data(n) for n in lengths]
-        cfg = layout_config(
+        return layout_config(
             self.base,
             self.layouts[name],
             train_jsonl=jsonls[0],
@@ -106,7 +103,54 @@ class Bench:
             / "runs"
             / f"{name}{tag.strip().replace(' ', '-')}-{'-'.join(map(str, lengths))}",
         )
-        per_length, error = run_layout(cfg, self.registry, jsonls, steps)
+
+    def check(self) -> None:
+        """Validate every layout's sweep run (its plugins, options and config) before the
+        first run starts, so that a missing plugin or a bad option of the last layout is
+        found in seconds, not after the others ran; raises one :class:`ConfigError`
+        listing every layout's problems. The validated configs are the runs' own."""
+        from disagg.config.errors import ConfigError, Problem
+        from disagg.config.validate import validate
+
+        found: list[Problem] = []
+        for name in self.layouts:
+            cfg = self.config(name, self.vision_tokens)
+            try:
+                self._validated[name] = (cfg, validate(cfg, self.registry))
+            except ConfigError as exc:
+                found += [Problem(p.key, f"layout {name!r}: {p.message}", p.where) for p in exc.problems]
+        if found:
+            raise ConfigError(found)
+
+    def _resolved(self, name: str, cfg: Config) -> Any:
+        """``cfg`` validated: :meth:`check`'s result when it is the same config, else validated now
+        (a budget probe's)."""
+        from disagg.config.validate import validate
+
+        checked, resolved = self._validated.get(name, (None, None))
+        return resolved if checked == cfg else validate(cfg, self.registry)
+
+    def keep(self, points: list[dict[str, Any]]) -> None:
+        """Append finished points to ``points.jsonl`` at once: a bench stopped (or failed)
+        later keeps every layout that finished."""
+        import json
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "points.jsonl", "a") as f:
+            for p in points:
+                f.write(json.dumps(p) + "\n")
+
+    def run(
+        self, name: str, lengths: list[int], steps: int | None = None, tag: str = ""
+    ) -> list[dict[str, Any]]:
+        """One run of layout ``name`` over ``lengths``: a point per length."""
+        steps = steps or self.steps
+        label = f"{name} @ {', '.join(map(str, lengths))} vision tokens{tag}"
+        if self.progress:
+            self.progress.start(label)
+        jsonls = [self.data(n) for n in lengths]
+        cfg = self.config(name, lengths, steps, tag)
+        per_length, error = run_layout(self._resolved(name, cfg), self.registry, jsonls, steps)
         points = []
         for n, records in zip(lengths, per_length):
             point: dict[str, Any] = {
@@ -174,8 +218,11 @@ class Bench:
 
     # -- the sweep and the budget search ----------------------------------------------------------
     def sweep(self) -> list[dict[str, Any]]:
+        (self.out_dir / "points.jsonl").unlink(missing_ok=True)  # this bench's points only
         for name in self.layouts:
-            self.points += self.run(name, self.vision_tokens)
+            got = self.run(name, self.vision_tokens)
+            self.points += got
+            self.keep(got)
         return self.points
 
     def predicted_limit(self, name: str) -> int:
@@ -241,6 +288,7 @@ class Bench:
                 break
             got = self.run(name, snapped, steps=1, tag=" probe")
             probes += got
+            self.keep(got)
             for p in got:
                 if p.get("fits_budget"):
                     lo = max(lo, p["vision_tokens"])

@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a length the model's windows or processor cannot take; no vision model
         key = "--vision-tokens" if str(exc).startswith("--vision-tokens") else "model.vision"
         raise ConfigError([Problem(key, str(exc))]) from None
+    bench.check()  # every layout's plugins and config, before the first run
     bench.sweep()
     search = (
         {name: bench.largest_under_budget(name) for name in layouts} if args.mem_budget is not None else None

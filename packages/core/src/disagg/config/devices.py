@@ -90,6 +90,36 @@ def gpu_share_problems(cfg: Config, device: str) -> Found:
     return out
 
 
+def cluster_gpu_problems(cfg: Config, cluster_gpus: float, cluster_cpus: float | None = None) -> Found:
+    """GPUs asked for (``train.device: cuda``, a positive ``resources.num_gpus``) on a Ray
+    cluster that has none: refused before any actor, instead of a placement that waits
+    until ``parallel.start_timeout_s`` for GPUs that will never come."""
+    if cluster_gpus > 0 or cfg.train.device == "cpu":
+        return []  # on CPU the shares are not used
+    cpus = f", {cluster_cpus:g} CPUs" if cluster_cpus is not None else ""
+    has = f"the Ray cluster has 0 GPUs{cpus}"
+    out: Found = []
+    if cfg.train.device == "cuda":
+        out.append(
+            (
+                ("train", "device"),
+                f"'cuda' asks for GPUs, but {has}; use train.device: cpu (or auto: the devices the "
+                "cluster has), or run on a cluster with GPUs (ray.address / --address)",
+            )
+        )
+    for m in cfg.modules():
+        n = getattr(cfg.parallel, m).resources.num_gpus
+        if n:
+            out.append(
+                (
+                    ("parallel", m, "resources", "num_gpus"),
+                    f"{n:g} GPU(s) per rank asked for, but {has}; remove it (train.device: auto then "
+                    "runs on the CPUs), or run on a cluster with GPUs (ray.address / --address)",
+                )
+            )
+    return out
+
+
 def transport_problems(cfg: Config, registry: Registry, device: str) -> Found:
     """The configured transport against the device and the layout (``auto`` always fits)."""
     name = cfg.parallel.transport

@@ -22,13 +22,36 @@ class ResolvedModule:
     replicas: int
 
 
+#: only :func:`disagg.config.validate.validate` holds this: it alone makes a :class:`ResolvedConfig`
+_VALIDATION = object()
+
+
 @dataclass
 class ResolvedConfig:
-    """A config that passed every actor-free check, plugins resolved."""
+    """A config that passed every actor-free check, plugins resolved.
+
+    Only :func:`disagg.config.validate.validate` makes one, so a function that
+    takes a ``ResolvedConfig`` (``run_training``, ``make_plan``, bench) knows the
+    config was validated and checks nothing twice."""
 
     config: Config
     modules: dict[str, ResolvedModule] = field(default_factory=dict)
     transport: str = "auto"
+    issued_by: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.issued_by is not _VALIDATION:
+            raise TypeError("a ResolvedConfig comes only from disagg.config.validate.validate(cfg, registry)")
+
+
+def require_resolved(cfg: object, what: str) -> ResolvedConfig:
+    """``cfg`` itself when validation made it; else a :class:`TypeError` saying to validate first."""
+    if not isinstance(cfg, ResolvedConfig):
+        raise TypeError(
+            f"{what} takes the validated config that disagg.config.validate.validate(cfg, registry) "
+            f"returns, not a {type(cfg).__name__}: validate it first"
+        )
+    return cfg
 
 
 def reserved_cpus(resolved: ResolvedConfig) -> float:

@@ -15,7 +15,7 @@ from disagg.config.logging_checks import check_trackers
 from disagg.config.model_checks import check_placeholders, local_model_paths, quiet_llm_family, resolve_module
 from disagg.config.parallel_checks import check_devices, check_ray, check_transport, check_unused_groups
 from disagg.config.problems import Problems
-from disagg.config.resolved import ResolvedConfig
+from disagg.config.resolved import _VALIDATION, ResolvedConfig
 from disagg.config.schema import Config
 from disagg.config.source import SourceMap
 from disagg.config.train_checks import check_precision, check_train
@@ -30,7 +30,7 @@ def validate(cfg: Config, registry: Registry, *, source: SourceMap | None = None
     """
     out = Problems(source)
     cfg = local_model_paths(cfg, out)  # every later check reads the local dirs
-    resolved = ResolvedConfig(config=cfg, transport=cfg.parallel.transport)
+    resolved = ResolvedConfig(config=cfg, transport=cfg.parallel.transport, issued_by=_VALIDATION)
     llm_family = quiet_llm_family(cfg, registry)
     for m in cfg.modules():
         module = resolve_module(cfg, registry, m, llm_family, out)

@@ -56,7 +56,44 @@ def plan(
 
     ``families``: module -> family instance, when the model dir is at hand; the
     strategies' and families' own ``check`` then rule out meshes they cannot run
-    (without it, a degree must divide the module's attention heads)."""
+    (without it, a degree must divide the module's attention heads).
+
+    Two stages: :func:`candidates` (each module's groups a strategy can run) and
+    :func:`evaluate_layouts` (every combination of them, placed, costed)."""
+    found = candidates(work, cluster, strategies, families)
+    layouts = evaluate_layouts(found.per_module, work, cluster, strategies, placements)
+    layouts.sort(key=lambda x: (round(x.step_time_s, 12), x.memory_bytes, x.name()))
+    return PlanResult(
+        cluster=cluster,
+        workload=work,
+        ranked=[x for x in layouts if x.fits],
+        oom=[x for x in layouts if not x.fits],
+        skipped=found.skipped,
+        not_for={m: v for m, v in found.not_for.items() if v},
+    )
+
+
+# -- stage 1: candidate groups per module ---------------------------------------------------------
+@dataclass
+class Candidates:
+    """Each module's runnable groups (with their options), and the strategies left out."""
+
+    #: module -> (group, its options), in strategy, variant, mesh order
+    per_module: dict[str, list[tuple[Group, StrategyOptions]]]
+    #: strategy -> why it was left out everywhere (it reports no cost)
+    skipped: dict[str, str]
+    #: module -> strategies that report nothing for that module
+    not_for: dict[str, list[str]]
+
+
+def candidates(
+    work: Workload,
+    cluster: Cluster,
+    strategies: dict[str, type[Strategy]],
+    families: dict[str, Family] | None = None,
+) -> Candidates:
+    """Every (strategy, option variant, mesh) each module could run as a group; raises
+    :class:`ValueError` for a module no strategy can plan."""
     modules = list(work.shapes)
     per_module: dict[str, list[tuple[Group, StrategyOptions]]] = {m: [] for m in modules}
     reports: dict[str, bool] = {}
@@ -65,21 +102,8 @@ def plan(
     checked: dict[tuple[Any, ...], list[str]] = {}
     for name, cls in sorted(strategies.items()):
         for m in modules:
-            found = False
-            for variant in _variants(cls, cls.option_variants(), work.recompute):
-                try:
-                    options = cls.options_model(**variant)
-                except Exception:  # a third party's options may not accept our variant
-                    continue
-                opts = tuple(sorted(variant.items()))
-                probe = Group(m, name, 1, 1, opts)
-                if _probe(cls, probe, options, work, cluster) is None:
-                    continue
-                found = True
-                for d, r in _meshes(cluster.devices, work.samples):
-                    group = Group(m, name, d, r, opts)
-                    if _valid(cls, group, options, work, (families or {}).get(m), checked):
-                        per_module[m].append((group, options))
+            groups, found = _module_groups(name, cls, m, work, cluster, (families or {}).get(m), checked)
+            per_module[m] += groups
             reports[name] = reports.get(name, False) or found
             if not found:
                 not_for[m].append(name)
@@ -90,48 +114,107 @@ def plan(
     for m in modules:
         if not per_module[m]:
             raise ValueError(f"no strategy can plan module {m!r} (skipped: {', '.join(skipped) or 'none'})")
+    return Candidates(per_module, skipped, not_for)
 
-    cache: dict[tuple[Any, ...], Cost | None] = {}
-    layouts: list[Layout] = []
+
+def _module_groups(
+    name: str,
+    cls: type[Strategy],
+    module: str,
+    work: Workload,
+    cluster: Cluster,
+    family: Family | None,
+    checked: dict[tuple[Any, ...], list[str]],
+) -> tuple[list[tuple[Group, StrategyOptions]], bool]:
+    """Strategy ``name``'s valid groups for ``module``, and whether it reports a cost for it at all."""
+    out: list[tuple[Group, StrategyOptions]] = []
+    found = False
+    for variant in _variants(cls, cls.option_variants(), work.recompute):
+        try:
+            options = cls.options_model(**variant)
+        except Exception:  # a third party's options may not accept our variant
+            continue
+        opts = tuple(sorted(variant.items()))
+        if _probe(cls, Group(module, name, 1, 1, opts), options, work, cluster) is None:
+            continue
+        found = True
+        for d, r in _meshes(cluster.devices, work.samples):
+            group = Group(module, name, d, r, opts)
+            if _valid(cls, group, options, work, family, checked):
+                out.append((group, options))
+    return out, found
+
+
+# -- stage 2: layouts from the candidates, placed and costed ----------------------------------------
+def evaluate_layouts(
+    per_module: dict[str, list[tuple[Group, StrategyOptions]]],
+    work: Workload,
+    cluster: Cluster,
+    strategies: dict[str, type[Strategy]],
+    placements: tuple[str, ...] = PLACEMENTS,
+) -> list[Layout]:
+    """Every combination of one candidate per module, in each placement it fits,
+    evaluated (unsorted); combinations a strategy reports no cost for are left out."""
+    modules = list(per_module)
     encoders = [m for m in modules if m != "llm"]
+    cache: dict[tuple[Any, ...], Cost | None] = {}
+    out: list[Layout] = []
     for combo in itertools.product(*(per_module[m] for m in modules)):
         groups = {g.module: g for g, _ in combo}
         lead = groups[encoders[0]] if encoders else groups["llm"]
         micro = work.samples // lead.replicas
-        per_mb = work.samples // micro
-        if any(strategies[g.strategy].lockstep and per_mb < g.replicas for g in groups.values()):
-            continue  # a lockstep group needs a sample for every replica in every microbatch
+        if not _lockstep_fits(groups, strategies, work.samples // micro):
+            continue
         for placement in placements:
-            ranks = [g.ranks for g in groups.values()]
-            if (placement == "collocated" and max(ranks) > cluster.devices) or (
-                placement == "disaggregated" and (sum(ranks) > cluster.devices or len(groups) < 2)
-            ):
+            if not _placement_fits(placement, groups, cluster.devices):
                 continue
             schedule = (
                 "encoders_ahead" if placement == "disaggregated" and micro > 1 and encoders else "sequential"
             )
             layout = Layout(groups=groups, placement=placement, microbatches=micro, schedule=schedule)
-            costs = {}
-            for g, options in combo:
-                inflight = schedule == "encoders_ahead" and g.module != "llm"
-                key = (g, micro, inflight)
-                if key not in cache:
-                    cache[key] = module_cost(
-                        strategies[g.strategy], g, options, work, layout, work.precision or cluster.precision
-                    )
-                costs[g.module] = cache[key]
-            if any(c is None for c in costs.values()):
-                continue
-            layouts.append(evaluate(layout, costs, cluster, work))  # type: ignore[arg-type]
-    layouts.sort(key=lambda x: (round(x.step_time_s, 12), x.memory_bytes, x.name()))
-    return PlanResult(
-        cluster=cluster,
-        workload=work,
-        ranked=[x for x in layouts if x.fits],
-        oom=[x for x in layouts if not x.fits],
-        skipped=skipped,
-        not_for={m: v for m, v in not_for.items() if v},
-    )
+            costs = _costs(combo, layout, work, cluster, strategies, cache)
+            if costs is not None:
+                out.append(evaluate(layout, costs, cluster, work))
+    return out
+
+
+def _lockstep_fits(groups: dict[str, Group], strategies: dict[str, type[Strategy]], per_mb: int) -> bool:
+    """A lockstep group needs a sample for every replica in every microbatch."""
+    return not any(strategies[g.strategy].lockstep and per_mb < g.replicas for g in groups.values())
+
+
+def _placement_fits(placement: str, groups: dict[str, Group], devices: int) -> bool:
+    """Collocated groups share the devices (the largest must fit); disaggregated ones
+    each take their own (all must fit, and there must be two groups to separate)."""
+    ranks = [g.ranks for g in groups.values()]
+    if placement == "collocated":
+        return max(ranks) <= devices
+    return not (placement == "disaggregated" and (sum(ranks) > devices or len(groups) < 2))
+
+
+def _costs(
+    combo: tuple[tuple[Group, StrategyOptions], ...],
+    layout: Layout,
+    work: Workload,
+    cluster: Cluster,
+    strategies: dict[str, type[Strategy]],
+    cache: dict[tuple[Any, ...], Cost | None],
+) -> dict[str, Cost] | None:
+    """Each group's cost in ``layout`` (cached by group, microbatches and whether its
+    activations wait in flight); None when a strategy reports none."""
+    costs: dict[str, Cost] = {}
+    for g, options in combo:
+        inflight = layout.schedule == "encoders_ahead" and g.module != "llm"
+        key = (g, layout.microbatches, inflight)
+        if key not in cache:
+            cache[key] = module_cost(
+                strategies[g.strategy], g, options, work, layout, work.precision or cluster.precision
+            )
+        cost = cache[key]
+        if cost is None:
+            return None
+        costs[g.module] = cost
+    return costs
 
 
 def _variants(

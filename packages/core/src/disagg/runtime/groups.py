@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray import ObjectRef
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.interfaces import Family, OptimSpec, StrategyOptions
 from disagg.kit import Strategy
+from disagg.runtime.actor.spec import WorkerSpec
 from disagg.runtime.actor.worker import ModuleWorker
 
 
@@ -36,19 +38,100 @@ class GroupSpec:
 
 @dataclass
 class Group:
+    """One module's ranks. The driver reaches them only through the typed
+    methods below, one per :class:`ModuleWorker` method it calls on a whole group
+    (their signatures are the worker's, checked by a test); each submits the call
+    to the given ranks (all by default) and returns their ObjectRefs."""
+
     spec: GroupSpec
     actors: list[Any]
     placement: PlacementGroup | None = None
     nodes: list[str] = field(default_factory=list)
+    #: each rank's Ray actor id (hex), as the rank itself reports it
+    actor_ids: list[str] = field(default_factory=list)
 
     @property
     def module(self) -> str:
         return self.spec.module
 
-    def call(self, method: str, *args: Any, ranks: list[int] | None = None, **kwargs: Any) -> list[Any]:
-        """Call ``method`` on the given ranks (all by default); return ObjectRefs."""
-        targets = range(len(self.actors)) if ranks is None else ranks
-        return [getattr(self.actors[r], method).remote(*args, **kwargs) for r in targets]
+    def _on(self, ranks: list[int] | None) -> list[Any]:
+        return self.actors if ranks is None else [self.actors[r] for r in ranks]
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def setup(self, master_addr: str, master_port: int) -> list[ObjectRef]:
+        return [a.setup.remote(master_addr, master_port) for a in self.actors]
+
+    def placements(self) -> list[ObjectRef]:
+        """Each rank's :meth:`ModuleWorker.placement` (node, pid, GPUs, actor id)."""
+        return [a.placement.remote() for a in self.actors]
+
+    # -- one step ----------------------------------------------------------------------------------
+    def zero_grad(self) -> list[ObjectRef]:
+        return [a.zero_grad.remote() for a in self.actors]
+
+    def encode(
+        self,
+        mb: int,
+        sample_ids: list[int],
+        input_refs: list[Any],
+        grad: bool = True,
+        evaluating: bool = False,
+        *,
+        ranks: list[int] | None = None,
+    ) -> list[ObjectRef]:
+        return [a.encode.remote(mb, sample_ids, input_refs, grad, evaluating) for a in self._on(ranks)]
+
+    def loss_and_backward(
+        self,
+        mb: int,
+        sample_ids: list[int],
+        input_refs: list[Any],
+        sources: list[tuple[int, str]],
+        needs_grad: list[str],
+        loss_scale: float,
+        *parts: Any,
+        last: bool = False,
+        ranks: list[int] | None = None,
+    ) -> list[ObjectRef]:
+        return [
+            a.loss_and_backward.remote(
+                mb, sample_ids, input_refs, sources, needs_grad, loss_scale, *parts, last=last
+            )
+            for a in self._on(ranks)
+        ]
+
+    def reduce_and_norm(self) -> list[ObjectRef]:
+        return [a.reduce_and_norm.remote() for a in self.actors]
+
+    def step(self, clip_coef: float) -> list[ObjectRef]:
+        return [a.step.remote(clip_coef) for a in self.actors]
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def evaluate(
+        self,
+        sample_ids: list[int],
+        input_refs: list[Any],
+        sources: list[tuple[int, str]],
+        *parts: Any,
+        ranks: list[int] | None = None,
+    ) -> list[ObjectRef]:
+        return [a.evaluate.remote(sample_ids, input_refs, sources, *parts) for a in self._on(ranks)]
+
+    def end_evaluation(self) -> list[ObjectRef]:
+        return [a.end_evaluation.remote() for a in self.actors]
+
+    # -- state -------------------------------------------------------------------------------------
+    def full_state_dict(self) -> list[ObjectRef]:
+        return [a.full_state_dict.remote() for a in self.actors]
+
+    def full_grads(self) -> list[ObjectRef]:
+        return [a.full_grads.remote() for a in self.actors]
+
+    def save_full(self, ckpt: str, sharded: bool = False) -> list[ObjectRef]:
+        return [a.save_full.remote(ckpt, sharded) for a in self.actors]
+
+    def load_full(self, ckpt: str, restore_rng: bool) -> list[ObjectRef]:
+        return [a.load_full.remote(ckpt, restore_rng) for a in self.actors]
 
 
 def start_groups(
@@ -60,16 +143,20 @@ def start_groups(
     seed: int,
     collective_timeout_s: float = 600.0,
     start_timeout_s: float = 900.0,
+    placement_timeout_s: float | None = None,
 ) -> list[Group]:
     """Create placement groups and actors, then each group's process group.
-    Raises :class:`StartTimeout` naming the module when its placement group or
-    its ranks' set-up does not finish within ``start_timeout_s``."""
+    Raises :class:`StartTimeout` naming the module when its placement group is
+    not placed within ``placement_timeout_s`` (default ``start_timeout_s``; the
+    run's embedded Ray gives a short one: its resources never grow) or its ranks'
+    set-up does not finish within ``start_timeout_s``."""
     remote_cls = ray.remote(enable_tensor_transport=True)(ModuleWorker)
     gpus = device == "cuda"
+    wait = start_timeout_s if placement_timeout_s is None else placement_timeout_s
     if placement == "collocated":
-        pgs, bundle_of = _collocated(specs, gpus, start_timeout_s)
+        pgs, bundle_of = _collocated(specs, gpus, wait)
     else:
-        pgs, bundle_of = _disaggregated(specs, gpus, start_timeout_s)
+        pgs, bundle_of = _disaggregated(specs, gpus, wait)
     groups = []
     for gi, spec in enumerate(specs):
         pg_index = 0 if placement == "collocated" else gi
@@ -85,19 +172,21 @@ def start_groups(
                         placement_group=pgs[pg_index], placement_group_bundle_index=bundle_of(gi, rank)
                     ),
                 ).remote(
-                    spec.module,
-                    rank,
-                    spec.size,
-                    spec.degree,
-                    spec.replicas,
-                    spec.family,
-                    spec.strategy_cls,
-                    spec.options,
-                    spec.optim,
-                    device,
-                    precision,
-                    seed,
-                    collective_timeout_s,
+                    WorkerSpec(
+                        module=spec.module,
+                        rank=rank,
+                        world_size=spec.size,
+                        degree=spec.degree,
+                        replicas=spec.replicas,
+                        family=spec.family,
+                        strategy_cls=spec.strategy_cls,
+                        options=spec.options,
+                        optim=spec.optim,
+                        device=device,
+                        precision=precision,
+                        seed=seed,
+                        collective_timeout_s=collective_timeout_s,
+                    )
                 )
             )
         groups.append(Group(spec, actors, pgs[pg_index]))
@@ -108,10 +197,12 @@ def start_groups(
         deadline = time.monotonic() + start_timeout_s
         for g in groups:
             [(addr, port)] = _get_by(deadline, {g.actors[0].rendezvous.remote(): (g, 0)}, start_timeout_s)
-            setups.update({ref: (g, r) for r, ref in enumerate(g.call("setup", addr, port))})
+            setups.update({ref: (g, r) for r, ref in enumerate(g.setup(addr, port))})
         _get_by(deadline, setups, start_timeout_s)
         for g in groups:
-            g.nodes = [p["node_id"] for p in ray.get(g.call("placement"))]
+            where = ray.get(g.placements())
+            g.nodes = [p["node_id"] for p in where]
+            g.actor_ids = [p["actor_id"] for p in where]
     except BaseException:
         stop_groups(groups)  # nothing may keep holding the cluster's resources
         raise
@@ -151,16 +242,28 @@ def _free() -> str:
     return ", ".join(f"{k} {free.get(k, 0):g}" for k in ("CPU", "GPU"))
 
 
-def _ready(pg: PlacementGroup, module: str, bundles: list[dict[str, float]], timeout_s: float) -> None:
-    """Wait for ``pg``; :class:`StartTimeout` names the module and what it asked."""
+def _ready(
+    pg: PlacementGroup, module: str, bundles: list[dict[str, float]], timeout_s: float, keys: str
+) -> None:
+    """Wait for ``pg``; :class:`StartTimeout` names the module, what it asked and the
+    config ``keys`` that asked for it."""
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
+        gpu = any("GPU" in b for b in bundles)
         raise StartTimeout(
             f"the placement group of {module} ({len(bundles)} bundles, e.g. {bundles[0]}) was not placed "
             f"within {timeout_s:g} s (parallel.start_timeout_s); the cluster has {_free()} free and "
-            f"{_total()} in all: lower resources.num_cpus / num_gpus, the degree or replicas, or add nodes"
+            f"{_total()} in all: lower {keys}"
+            + (" (GPUs: train.device: cuda)" if gpu else "")
+            + ", or add nodes"
         )
+
+
+def _asked(specs: list[GroupSpec]) -> str:
+    """The config keys behind a placement's bundles."""
+    keys = [f"parallel.{s.module}.resources.num_cpus / num_gpus, .degree, .replicas" for s in specs]
+    return "; ".join(keys)
 
 
 def _total() -> str:
@@ -192,7 +295,13 @@ def _collocated(specs: list[GroupSpec], gpus: bool, timeout_s: float):
             b["GPU"] = 1.0
         bundles.append(b)
     pg = placement_group(bundles, strategy="PACK")
-    _ready(pg, "the collocated groups " + ", ".join(repr(s.module) for s in specs), bundles, timeout_s)
+    _ready(
+        pg,
+        "the collocated groups " + ", ".join(repr(s.module) for s in specs),
+        bundles,
+        timeout_s,
+        _asked(specs),
+    )
     return [pg], (lambda gi, rank: rank)
 
 
@@ -223,7 +332,7 @@ def _disaggregated(specs: list[GroupSpec], gpus: bool, timeout_s: float):
         strategy = "STRICT_PACK" if target else "PACK"
         pg = placement_group(bundles, strategy=strategy, _soft_target_node_id=target)
         try:
-            _ready(pg, f"module {spec.module!r}", bundles, timeout_s)
+            _ready(pg, f"module {spec.module!r}", bundles, timeout_s, _asked([spec]))
         except StartTimeout:
             for earlier in pgs:
                 remove_placement_group(earlier)

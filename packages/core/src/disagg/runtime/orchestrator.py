@@ -51,6 +51,7 @@ class Orchestrator:
         transport: Any = None,
         collective_timeout_s: float = 600.0,
         start_timeout_s: float = 900.0,
+        placement_timeout_s: float | None = None,
         schedule: Schedule | None = None,
         max_inflight: int = 2,
         assign: Assign | None = None,
@@ -73,6 +74,7 @@ class Orchestrator:
             seed=seed,
             collective_timeout_s=collective_timeout_s,
             start_timeout_s=start_timeout_s,
+            placement_timeout_s=placement_timeout_s,
         )
         self.transport = transport
         if transport is not None:
@@ -85,9 +87,9 @@ class Orchestrator:
         self.steps_done = 0
         name_actors(
             {
-                a._actor_id.hex(): f"module {g.module!r} rank {r}"
+                actor_id: f"module {g.module!r} rank {r}"
                 for g in self.groups
-                for r, a in enumerate(g.actors)
+                for r, actor_id in enumerate(g.actor_ids)
             }
         )
         self._shapes = [GroupShape(g.module, g.spec.degree, g.spec.replicas) for g in self.encoders]
@@ -133,7 +135,7 @@ class Orchestrator:
                 "global batch has no label tokens: nothing to learn from (check the assistant turns)"
             )
         loss_scale = 1.0 / label_tokens
-        self._wait([r for g in self.groups for r in g.call("zero_grad")])
+        self._wait([r for g in self.groups for r in g.zero_grad()])
         flights = []
         for positions in split_microbatches(len(batch), self.microbatches):
             samples = [batch[i] for i in positions]
@@ -156,11 +158,11 @@ class Orchestrator:
         self._side_refs = []
         # every rank runs the reduction collectives; by contract all ranks of a
         # group report the same norm, so rank 0 speaks for its group
-        norm_refs = [g.call("reduce_and_norm") for g in self.groups]
+        norm_refs = [g.reduce_and_norm() for g in self.groups]
         norms = [n[0] for n in self._wait_nested(norm_refs)]
         grad_norm = math.sqrt(sum(norms))
         coef = clip_coefficient(grad_norm, self.clip_grad_norm)
-        records = self._wait_nested([g.call("step", coef) for g in self.groups])
+        records = self._wait_nested([g.step(coef) for g in self.groups])
         loss_sum = sum(self._wait(loss_refs))
         self.steps_done += 1
         return StepResult(
@@ -188,7 +190,7 @@ class Orchestrator:
             mine = [s for s in f.samples if s.index in task.samples]  # batch order, as sources expect
             refs, ids = [s.inputs[g.module] for s in mine], [s.index for s in mine]
             grad = train and g.spec.optim is not None
-            self._side_refs += g.call("encode", f.mb, ids, refs, grad, not train, ranks=list(task.ranks))
+            self._side_refs += g.encode(f.mb, ids, refs, grad, not train, ranks=list(task.ranks))
         for src in f.route.sources:
             actor = self.group(src.module).actors[src.rank]
             f.shard_refs[src.id] = actor.shards_for.options(**self._opts).remote(
@@ -203,8 +205,7 @@ class Orchestrator:
             ins = [by_index[i].inputs["llm"] for i in task.samples]
             # shard refs as top-level arguments: Ray resolves those (RDT included)
             sources = [(sid, f.route.source(sid).module) for sid in task.sources]
-            refs = self.llm.call(
-                "loss_and_backward",
+            refs = self.llm.loss_and_backward(
                 f.mb,
                 list(task.samples),
                 ins,
@@ -268,9 +269,7 @@ class Orchestrator:
                 ins = [by_index[i].inputs["llm"] for i in task.samples]
                 shards = [f.shard_refs[sid] for sid in task.sources]  # top-level: the transport moves them
                 outs.append(
-                    self.llm.call(
-                        "evaluate", list(task.samples), ins, sources, *shards, ranks=list(task.ranks)
-                    )[0]
+                    self.llm.evaluate(list(task.samples), ins, sources, *shards, ranks=list(task.ranks))[0]
                 )
             for task in f.route.encodes:
                 for rank in task.ranks:
@@ -281,7 +280,7 @@ class Orchestrator:
             loss += sum(x[0] for x in res)
             correct += sum(x[1] for x in res)
             total += sum(x[2] for x in res)
-        self._wait([r for g in self.groups for r in g.call("end_evaluation")])
+        self._wait([r for g in self.groups for r in g.end_evaluation()])
         return {
             "loss": loss / max(total, 1),
             "token_accuracy": correct / max(total, 1),
@@ -300,17 +299,17 @@ class Orchestrator:
 
     # -- state -------------------------------------------------------------------------------------------
     def full_state_dict(self, module: str) -> dict[str, Any]:
-        return self._wait(self.group(module).call("full_state_dict"))[0]
+        return self._wait(self.group(module).full_state_dict())[0]
 
     def full_grads(self, module: str) -> dict[str, Any]:
-        return self._wait(self.group(module).call("full_grads"))[0]
+        return self._wait(self.group(module).full_grads())[0]
 
     def save_full(self, path: str, sharded: bool = False) -> dict[str, dict[str, Any]]:
         """Every group writes its part of a checkpoint in the full form under
         ``path`` (``sharded``: each rank its own pieces); returns each written
         file's checksum by relative path."""
         files: dict[str, dict[str, Any]] = {}
-        for part in self._wait([r for g in self.groups for r in g.call("save_full", path, sharded)]):
+        for part in self._wait([r for g in self.groups for r in g.save_full(path, sharded)]):
             files.update(part)
         return files
 
@@ -318,7 +317,7 @@ class Orchestrator:
         """Every rank takes its part of the full form; ``restore_rng[module]``:
         the group's layout is the checkpoint's, so each rank continues its
         saved random streams."""
-        self._wait([r for g in self.groups for r in g.call("load_full", path, restore_rng[g.module])])
+        self._wait([r for g in self.groups for r in g.load_full(path, restore_rng[g.module])])
 
     def placement(self) -> dict[str, list[str]]:
         return {g.module: list(g.nodes) for g in self.groups}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.config.resolved import ResolvedConfig, role_of
+from disagg.config.resolved import ResolvedConfig, require_resolved, role_of
 from disagg.config.schema import Config
 from disagg.interfaces import Family, OptimSpec, PartGroup, Transport
 from disagg.interfaces.family import link_to_llm
@@ -96,14 +96,22 @@ def optim_for(cfg: Config, module: str, family: Family | None = None) -> OptimSp
     )
 
 
-def make_plan(resolved: ResolvedConfig | Config, registry: Registry, cluster_gpus: float) -> Plan:
+def make_plan(
+    resolved: ResolvedConfig, registry: Registry, cluster_gpus: float, cluster_cpus: float | None = None
+) -> Plan:
     """Group specs from the strategies, options and families validation
-    already resolved (nothing is looked up twice; a plain config is validated)."""
-    if not isinstance(resolved, ResolvedConfig):
-        from disagg.config.validate import validate
-
-        resolved = validate(resolved, registry)
+    already resolved (nothing is looked up or checked twice); only the checks
+    that need the cluster's devices run here (``cluster_cpus``: named in their messages)."""
+    resolved = require_resolved(resolved, "make_plan")
     cfg = resolved.config
+    from disagg.config.devices import cluster_gpu_problems
+
+    found = cluster_gpu_problems(cfg, cluster_gpus, cluster_cpus)
+    if found:
+        from disagg.config.errors import ConfigError, Problem
+        from disagg.config.source import dotted
+
+        raise ConfigError([Problem(dotted(path), message) for path, message in found])
     device, precision = resolve_device_precision(cfg.train.device, cfg.train.precision, cluster_gpus)
     if cfg.train.device == "auto" and cfg.train.precision == "auto":  # validation could not tell
         from disagg.config.errors import ConfigError, Problem
@@ -158,9 +166,6 @@ def resolve_transport(cfg: Config, registry: Registry, device: str) -> str:
     name = cfg.parallel.transport
     if name == "auto":
         name = auto_transport(layout_of(cfg, device), registry.transports)
-    elif registry.transports[name].unavailable_reason:  # validation already said so; a plain make_plan
-        reason = registry.transports[name].unavailable_reason
-        found.append((("parallel", "transport"), f"{name!r} cannot be used: {reason}"))
     if found:
         raise ConfigError([Problem(dotted(path), message) for path, message in found])
     return name

@@ -11,9 +11,8 @@ from typing import Any
 import ray
 
 from disagg.config.dump import dump_resolved
-from disagg.config.resolved import ResolvedConfig, reserved_cpus
+from disagg.config.resolved import ResolvedConfig, require_resolved, reserved_cpus
 from disagg.config.schema import Config
-from disagg.config.validate import validate
 from disagg.data.balance import balance
 from disagg.metrics.scalars import scalars
 from disagg.metrics.step import step_record, summarize
@@ -29,7 +28,7 @@ from disagg.runtime.tracking import start_trackers, stop_trackers
 
 
 def run_training(
-    cfg: Config | ResolvedConfig,
+    resolved: ResolvedConfig,
     *,
     address: str | None = None,
     registry: Registry | None = None,
@@ -39,13 +38,12 @@ def run_training(
 ) -> dict[str, Any]:
     """Train as ``cfg`` says; return the final summary (with ``run_dir``).
 
-    ``cfg`` is what :func:`disagg.config.validate.validate` returned (plugins
-    resolved once, nothing re-checked here); a plain :class:`Config` is
-    validated first. ``data_source`` / ``eval_source`` (anything with
+    ``resolved`` is what :func:`disagg.config.validate.validate` returned (plugins
+    resolved once, nothing re-checked here). ``data_source`` / ``eval_source`` (anything with
     ``samples()``) replace ``data.train`` / ``data.eval`` (tests, notebooks).
     """
     registry = registry or get_registry()
-    resolved = cfg if isinstance(cfg, ResolvedConfig) else validate(cfg, registry)
+    resolved = require_resolved(resolved, "run_training")
     cfg = resolved.config
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +60,8 @@ def run_training(
     failures = 0
     try:
         ensure_ray(address or cfg.ray.address, cfg.ray.num_cpus, reserved=reserved_cpus(resolved))
-        plan = make_plan(resolved, registry, ray.cluster_resources().get("GPU", 0.0))
+        total = ray.cluster_resources()
+        plan = make_plan(resolved, registry, total.get("GPU", 0.0), total.get("CPU"))
         if data_source is None:
             from disagg.data import build_data_source
 
@@ -109,6 +108,7 @@ def _start_groups(cfg: Config, plan: Any, registry: Registry) -> Orchestrator:
         transport=plan.transport,
         collective_timeout_s=cfg.parallel.collective_timeout_s,
         start_timeout_s=cfg.parallel.start_timeout_s,
+        placement_timeout_s=min(cfg.parallel.start_timeout_s, EMBEDDED_PLACEMENT_S) if _EMBEDDED else None,
         schedule=registry.schedules[cfg.train.schedule](),
         max_inflight=cfg.train.max_inflight,
         assign=balance if cfg.parallel.assign == "balanced" else contiguous,
@@ -183,6 +183,11 @@ def _save(
 
 #: logical CPUs a local Ray keeps free of training actors, for Ray Data's tasks
 SPARE_CPUS = 2
+#: how long groups wait to be placed on an embedded Ray: its resources never grow (no
+#: autoscaler, no other node joins), so a placement not met at once will never be
+EMBEDDED_PLACEMENT_S = 30.0
+#: this process started its own Ray (:func:`ensure_ray` without an address)
+_EMBEDDED = False
 
 
 def ensure_ray(address: str | None, num_cpus: int | None, reserved: float = 0) -> None:
@@ -198,7 +203,9 @@ def ensure_ray(address: str | None, num_cpus: int | None, reserved: float = 0) -
     # and two to spare: with every logical CPU held by a training actor, Ray
     # Data's streaming executor launched no preprocessing task and a run of
     # 8 actors on 8 logical CPUs (bench at degree 4) never reached step 1.
+    global _EMBEDDED
     spare = math.ceil(reserved) + SPARE_CPUS
+    _EMBEDDED = True
     ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1, spare), include_dashboard=False)
 
 

@@ -26,10 +26,7 @@ import torch.distributed as dist
 from disagg.interfaces import (
     RECIPES,
     EmbeddingShard,
-    Family,
     GroupContext,
-    OptimSpec,
-    StrategyOptions,
     dropout_seed,
 )
 from disagg.kit import Strategy
@@ -40,8 +37,9 @@ from disagg.runtime.actor import host_memory
 from disagg.runtime.actor.accounting import Accounting
 from disagg.runtime.actor.errors import WorkerError, worker_error
 from disagg.runtime.actor.process_group import init_group
+from disagg.runtime.actor.spec import WorkerSpec
 
-__all__ = ["ModuleWorker", "WorkerError"]
+__all__ = ["ModuleWorker", "WorkerError", "WorkerSpec"]
 
 
 def _named(fn: Callable) -> Callable:
@@ -75,35 +73,21 @@ def _for_wire(t: torch.Tensor, host: bool) -> torch.Tensor:
 class ModuleWorker:
     """One rank of a module group (instantiated as a Ray actor by ``groups``)."""
 
-    def __init__(
-        self,
-        module: str,
-        rank: int,
-        world_size: int,
-        degree: int,
-        replicas: int,
-        family: Family,
-        strategy_cls: type[Strategy],
-        options: StrategyOptions,
-        optim: OptimSpec | None,
-        device: str,
-        precision: str,
-        seed: int,
-        collective_timeout_s: float = 600.0,
-    ) -> None:
-        self.module, self.rank = module, rank
-        self.world_size, self.degree, self.replicas = world_size, degree, replicas
-        self.family, self.strategy_cls, self.options = family, strategy_cls, options
-        self.optim, self.seed = optim, seed
-        self.collective_timeout = timedelta(seconds=collective_timeout_s)
-        self.device_kind, self.precision = device, precision
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.module, self.rank = spec.module, spec.rank
+        self.world_size, self.degree, self.replicas = spec.world_size, spec.degree, spec.replicas
+        self.family, self.strategy_cls, self.options = spec.family, spec.strategy_cls, spec.options
+        self.optim, self.seed = spec.optim, spec.seed
+        self.collective_timeout = timedelta(seconds=spec.collective_timeout_s)
+        self.device_kind, self.precision = spec.device, spec.precision
         self.strategy: Strategy | None = None
         # microbatch -> (sample ids, shards) kept until their gradients arrive
         self.pending: dict[int, tuple[list[int], list[EmbeddingShard]]] = {}
         # microbatch -> (sample ids, embedding leaves per sample, source id -> [(sample, positions)])
         self.llm_leaves: dict[int, tuple[list[int], list[dict[str, torch.Tensor]], dict[int, list]]] = {}
         #: this step's figures (times, bytes), handed back by step()
-        self.acct = Accounting(module, rank, device == "cuda")
+        self.acct = Accounting(spec.module, spec.rank, spec.device == "cuda")
 
     # -- set-up -------------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -119,8 +103,15 @@ class ModuleWorker:
         return dict(self.setup_memory)
 
     def placement(self) -> dict[str, Any]:
+        """Where this rank runs: node, process, GPUs, and its actor id (hex, from Ray's
+        public runtime context), by which the driver names a rank whose process died."""
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids()}
+        return {
+            "node_id": ctx.get_node_id(),
+            "pid": os.getpid(),
+            "gpu_ids": ray.get_gpu_ids(),
+            "actor_id": ctx.get_actor_id(),
+        }
 
     @_named
     def setup(self, master_addr: str, master_port: int) -> None:
