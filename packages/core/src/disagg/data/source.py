@@ -14,12 +14,14 @@ starts preprocessing exactly where the interrupted one stopped.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
 from disagg.config.schema import Config, DatasetEntry
+from disagg.data.dataset_info import Columns, resolve
 from disagg.data.errors import DataError
 from disagg.data.formats import VideoError
 from disagg.data.index import DatasetIndex, index_dataset
@@ -186,6 +188,7 @@ class RayDataSource:
 
 
 def dataset_entries(cfg: Config, split: str) -> list[DatasetEntry]:
+    """The ``split``'s entries as written: paths, or dataset names under ``data.dataset_dir``."""
     if cfg.data is None:
         raise ValueError("data: missing; set data.train to a JSON/JSONL dataset")
     if split == "train":
@@ -197,6 +200,39 @@ def dataset_entries(cfg: Config, split: str) -> list[DatasetEntry]:
     else:
         raise ValueError(f"split {split!r} unknown; allowed: train, eval")
     return [DatasetEntry(path=spec)] if isinstance(spec, str) else list(spec)
+
+
+@dataclass
+class DatasetFile:
+    """One dataset of a split, resolved: its file, media root and how its rows read."""
+
+    path: str
+    media_root: str
+    format: str
+    weight: float = 1.0
+    #: a LLaMA-Factory dataset_info.json entry's columns and tags (``data.dataset_dir``)
+    columns: Columns | None = None
+
+
+def dataset_files(cfg: Config, split: str) -> list[DatasetFile]:
+    """The ``split``'s datasets; names under ``data.dataset_dir`` are looked up in its
+    ``dataset_info.json`` (raises DataError naming the entry's key it cannot honour)."""
+    data = cfg.data
+    out = []
+    for e in dataset_entries(cfg, split):
+        root = e.media_root if e.media_root is not None else data.media_root
+        if data.dataset_dir is None:
+            out.append(DatasetFile(e.path, root, e.format or data.format, e.weight))
+            continue
+        path, columns = resolve(data.dataset_dir, e.path)
+        if e.media_root is None and "media_root" not in data.model_fields_set:
+            root = data.dataset_dir  # LLaMA-Factory's media_dir defaults to its dataset_dir
+        out.append(DatasetFile(path, root, columns.formatting, e.weight, columns))
+    return out
+
+
+def index_file(f: DatasetFile) -> DatasetIndex:
+    return index_dataset(f.path, f.media_root, f.format, f.columns)
 
 
 def build_data_source(
@@ -219,18 +255,17 @@ def build_data_source(
     reported at its row as the stream reaches it, as ``disagg data check`` does).
     """
     data = cfg.data
-    entries = dataset_entries(cfg, split)
+    files = dataset_files(cfg, split)
     indexes = []
-    for entry in entries:
-        root = entry.media_root if entry.media_root is not None else data.media_root
-        ix = index_dataset(entry.path, root, entry.format or data.format)
+    for f in files:
+        ix = index_file(f)
         log.info("%s: %d samples; %s", ix.path, ix.size, ix.how)
         indexes.append(ix)
         if refuse_video:
             _refuse_video(ix)
     if sum(ix.size for ix in indexes) == 0:
-        files = ", ".join(str(Path(e.path)) for e in entries)
-        raise DataError(files, "no samples: the dataset files are empty")
+        names = ", ".join(str(Path(f.path)) for f in files)
+        raise DataError(names, "no samples: the dataset files are empty")
     import ray
 
     if not ray.is_initialized():
@@ -250,7 +285,7 @@ def build_data_source(
     )
     return RayDataSource(
         indexes,
-        [e.weight for e in entries],
+        [f.weight for f in files],
         stream_cfg,
         batch_size=data.batch_size,
         seed=cfg.train.seed,
