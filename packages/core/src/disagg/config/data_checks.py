@@ -56,7 +56,7 @@ def check_dataset_dir(cfg: Config, out: Problems) -> None:
     its first rows read (a row the entry cannot read is named by file and row)."""
     from disagg.data.dataset_info import INFO_FILE, entry_mismatch, resolve
     from disagg.data.errors import DataError
-    from disagg.data.source import DatasetFile, index_file
+    from disagg.data.files import DatasetFile, index_file, is_plain_file
 
     d = cfg.data
     if not (Path(d.dataset_dir) / INFO_FILE).is_file():
@@ -86,15 +86,17 @@ def check_dataset_dir(cfg: Config, out: Problems) -> None:
                 f"{e.format!r} is set, but {INFO_FILE} says the dataset's formatting; remove it",
             )
     for path, name in named:
+        if is_plain_file(d.dataset_dir, name):
+            continue  # a dataset file beside the named ones: read like data.train's files
         try:
             file, columns = resolve(d.dataset_dir, name)
             ix = index_file(DatasetFile(file, d.dataset_dir, columns.formatting, columns=columns))
             # the first row against the entry: a key the entry names that the file's rows lack
             why = next((entry_mismatch(loc, row, columns) for loc, row in ix.first_rows(1)), None)
             if why:
-                out.add(path, f"dataset {name!r}: {why}")
+                out.add(path, why)
         except DataError as exc:
-            out.add(path, f"dataset {name!r}: {exc}")
+            out.add(path, str(exc))
 
 
 def check_evaluation(cfg: Config, out: Problems) -> None:
@@ -136,7 +138,7 @@ def with_epoch_steps(cfg: Config) -> Config:
     """``cfg`` with ``train.steps`` derived from ``train.epochs``:
     ceil(epochs x samples in data.train / data.batch_size); ``epochs`` is
     then cleared, so the resolved config runs as written."""
-    from disagg.data.source import dataset_files, index_file
+    from disagg.data.files import dataset_files, index_file
 
     assert cfg.data is not None and cfg.train.epochs is not None
     samples = sum(index_file(f).size for f in dataset_files(cfg, "train"))
