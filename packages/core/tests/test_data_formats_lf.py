@@ -369,3 +369,19 @@ def test_data_check_names_file_row_and_key(root, lf_dir, tmp_path, ray_local, di
         ]
     )
     assert f"{f}: sharegpt (dataset_info.json entry 'bad' (formatting: sharegpt))" in report["formats"]
+
+
+def test_docs_examples_read_as_their_form(root):
+    """docs/data.md's examples of the forms beyond llava/sharegpt rows: each is detected as the
+    form it illustrates and reads as its LLaVA twin."""
+    import re
+
+    page = (Path(__file__).resolve().parents[3] / "docs" / "data.md").read_text()
+    found = re.findall(r"<!-- data-example: (\w+) -->\n```json\n(.*?)\n```", page, re.S)
+    assert [f for f, _ in found] == ["sharegpt", "alpaca", "query_response"]
+    write_image(root / "shapes" / "red_square.png", 8, 8)
+    for fmt, text in found:
+        item = json.loads(text)
+        assert detect_format([("docs/data.md", item)])[0] == fmt
+        messages, media = parse_sample(item, "docs/data.md", root, {"image"}, fmt)
+        assert len(media["image"]) == 1 and messages[-1] == ("assistant", "A red square.")
