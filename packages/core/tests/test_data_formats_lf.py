@@ -385,3 +385,18 @@ def test_docs_examples_read_as_their_form(root):
         assert detect_format([("docs/data.md", item)])[0] == fmt
         messages, media = parse_sample(item, "docs/data.md", root, {"image"}, fmt)
         assert len(media["image"]) == 1 and messages[-1] == ("assistant", "A red square.")
+
+
+def test_make_tiny_data_dir_is_a_llama_factory_dir(tmp_path):
+    """The demo data's dataset_info.json reads its LLaVA rows through LLaMA-Factory's sharegpt
+    defaults (the ``image`` key as the images column): the same turns and files as read as llava."""
+    from disagg.data.demo_data import make_demo_data
+
+    files = make_demo_data(tmp_path, train_per_class=1, eval_per_class=1)
+    for split in ("train", "eval"):
+        path, columns = resolve(tmp_path, f"demo_{split}")
+        assert path == str(files[split])
+        rows = [json.loads(x) for x in Path(path).read_text().splitlines()]
+        for i, row in enumerate(rows):
+            lf = parse_sample(row, f"r{i}", tmp_path, {"image"}, "sharegpt", "", columns)
+            assert lf == parse_sample(row, f"r{i}", tmp_path, {"image"}, "llava") and lf[1]["image"]

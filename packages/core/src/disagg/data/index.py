@@ -117,7 +117,7 @@ def index_dataset(
         raise DataError(
             str(path),
             "data.format: hf needs a Hugging Face dataset dir (save_to_disk) or parquet file(s); "
-            "for a JSON/JSONL file use auto, llava or sharegpt",
+            "for a JSON/JSONL file use auto or a row format (llava, sharegpt, alpaca, query_response)",
         )
     if table is not None:
         ix = DatasetIndex(str(path), str(media_root), table=table)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.data.errors import DataError
-from disagg.data.formats import MEDIA_KEYS, VideoError
+from disagg.data.formats import MEDIA_KEYS
 
 #: media kind -> the text that marks where one item goes in a turn
 PLACEHOLDERS: dict[str, str] = {"image": "<image>", "audio": "<audio>"}
@@ -203,8 +203,6 @@ def _pairs(
     out = Turns(messages)
     for kind, key in media_keys.items():
         out.media[kind], out.keys[kind] = media_list(item.get(key), loc, key), f"'{key}'"
-    if item.get("videos") or item.get("video"):
-        raise VideoError(loc, "sample has 'videos', but video is not supported yet")
     return out
 
 
