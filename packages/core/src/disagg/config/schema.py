@@ -144,7 +144,7 @@ class ParallelConfig(Strict):
     """Choose the groups, placement and microbatches with the planner (``parallel: auto``)."""
 
 
-DataFormat = Literal["auto", "llava", "sharegpt", "hf"]
+DataFormat = Literal["auto", "llava", "sharegpt", "alpaca", "query_response", "hf"]
 
 
 class DatasetEntry(Strict):
@@ -161,16 +161,24 @@ class DatasetEntry(Strict):
 
 class DataConfig(Strict):
     train: str | list[DatasetEntry]
-    """One dataset path, or a list of ``{path, weight, media_root}``."""
+    """One dataset path, or a list of ``{path, weight, media_root}``; with ``dataset_dir``, a
+    dataset's name in its ``dataset_info.json`` (a list entry's ``path`` is a name)."""
     eval: str | None = None
-    """Held-out dataset for evaluation."""
+    """Held-out dataset for evaluation (a name with ``dataset_dir``)."""
+    dataset_dir: str | None = None
+    """A LLaMA-Factory data dir: ``train``/``eval`` name entries of its ``dataset_info.json``
+    (``file_name``, ``formatting``: ``alpaca`` or ``sharegpt``, ``columns``, ``tags``), read as
+    LLaMA-Factory reads them; media paths are relative to it unless ``media_root`` is set."""
     media_root: str = "."
     """Dir that media paths in the datasets are relative to."""
     format: DataFormat = "auto"
     """Row format: ``llava`` (``conversations`` + ``image``/``audio``), ``sharegpt``
     (LLaMA-Factory / ms-swift: ``messages`` + ``images``/``audios``, optional ``system``),
-    ``hf`` (a Hugging Face dataset dir or parquet whose rows are either), or ``auto``
-    (a dir or parquet is ``hf``; the row format is detected from the first row with media)."""
+    ``alpaca`` (``instruction``/``input``/``output`` + ``images``, optional ``system``,
+    ``history``), ``query_response`` (ms-swift: ``query``/``response``/``history`` +
+    ``images``/``audios``), ``hf`` (a Hugging Face dataset dir or parquet whose rows are any
+    of these), or ``auto`` (a dir or parquet is ``hf``; the row format is detected from the
+    first rows' keys)."""
     min_pixels: PositiveInt | None = None
     """Smallest image area the image processor resizes to (Qwen2.5-VL style processors);
     ``null``: the processor's own setting."""

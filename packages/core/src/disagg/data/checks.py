@@ -48,7 +48,8 @@ def data_problems(cfg: Config, families: dict[str, Any]) -> list[Problem]:
                 (
                     path,
                     f"{file!r} is a {p.suffix or 'plain'} file but data.format is hf (a Hugging Face dataset "
-                    "dir or .parquet); use auto, llava or sharegpt for JSON/JSONL",
+                    "dir or .parquet); use auto or a row format (llava, sharegpt, alpaca, query_response) "
+                    "for JSON/JSONL",
                 )
             )
     return out

@@ -6,7 +6,9 @@ tokenizers are trained on. With audio, tones of three pitches are captioned
 by pitch, and ``omni_*.jsonl`` mixes image-only, audio-only, image+audio and
 text-only samples in one file, for a vision + audio + LLM model. Everything
 is drawn from a seed, so two machines generate byte-identical files. No
-model code here: only files in the LLaVA-style format the pipeline reads.
+model code here: only files in the LLaVA-style format the pipeline reads, and a
+LLaMA-Factory ``dataset_info.json`` naming the image splits (``demo_train``,
+``demo_eval``), so the dir also works as ``data.dataset_dir``.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def make_demo_data(
         # one shuffled order in the file, so file order (shuffle off, eval) mixes classes
         random.Random(split_seed + 1).shuffle(rows)
         written[split] = _write_jsonl(out / f"{split}.jsonl", rows)
+    _write_dataset_info(out)
     if audio:
         (out / "audio").mkdir(exist_ok=True)
         for split, per_class, split_seed in (
@@ -178,6 +181,14 @@ def _sample(kind: str, path: str, prompt: str, answer: str) -> dict[str, Any]:
         kind: path,
         "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}],
     }
+
+
+def _write_dataset_info(out: Path) -> None:
+    """The image splits as LLaMA-Factory entries: its sharegpt defaults (``from``/``value``,
+    ``human``/``gpt``) read the LLaVA rows, with the singular ``image`` key as the images column."""
+    entry = {"formatting": "sharegpt", "columns": {"messages": "conversations", "images": "image"}}
+    info = {f"demo_{split}": {"file_name": f"{split}.jsonl", **entry} for split in ("train", "eval")}
+    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

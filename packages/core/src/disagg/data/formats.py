@@ -16,6 +16,19 @@ media keys are what differ, singular in LLaVA, plural in ShareGPT, so a row
 with media says which format it is. A key of the other format is refused, not
 ignored: its media would otherwise be lost.
 
+``alpaca`` (LLaMA-Factory, ms-swift)::
+
+    {"instruction": "<image>Describe.", "input": "", "output": "A red square.",
+     "images": ["a.png"], "system": "optional", "history": [["earlier prompt", "earlier answer"]]}
+
+``query_response`` (ms-swift)::
+
+    {"query": "<image>Describe.", "response": "A red square.", "images": ["a.png"],
+     "history": [["earlier query", "earlier response"]], "system": "optional"}
+
+How each reads into turns is :mod:`disagg.data.rows`. Qwen's inline content parts
+(``{"type": "image", "image": "a.png"}``) carry their own media in either chat format.
+
 Video is not trained yet: a row with ``video``/``videos``, a ``<video>`` marker
 or a video content part is refused (:class:`VideoError`), never read as text.
 """
@@ -27,11 +40,16 @@ from typing import Any
 from disagg.data.errors import DataError
 
 #: row formats of JSON/JSONL files and Hugging Face datasets (``data.format``)
-ROW_FORMATS = ("llava", "sharegpt")
+ROW_FORMATS = ("llava", "sharegpt", "alpaca", "query_response")
+#: the formats whose rows are conversations (``conversations``/``messages``); they differ in
+#: their media keys only
+CHAT_FORMATS = ("llava", "sharegpt")
 #: row format -> media kind -> the key its files are listed under
 MEDIA_KEYS: dict[str, dict[str, str]] = {
     "llava": {"image": "image", "audio": "audio"},
     "sharegpt": {"image": "images", "audio": "audios"},
+    "alpaca": {"image": "images", "audio": "audios"},
+    "query_response": {"image": "images", "audio": "audios"},
 }
 VIDEO_KEYS = ("video", "videos")
 #: rows the driver reads to detect a format when the first ones have no media
@@ -55,7 +73,7 @@ def video_problem(item: Any) -> str | None:
         if isinstance(content, str) and "<video>" in content:
             return "has a <video> marker"
         for part in content if isinstance(content, list) else []:
-            if isinstance(part, dict) and part.get("type") == "video":
+            if isinstance(part, dict) and part.get("type") in ("video", "video_url"):
                 return "has a video content part"
     return None
 
@@ -71,18 +89,24 @@ def refuse_video(item: Any, loc: str) -> None:
 
 
 def row_format(item: Any) -> str | None:
-    """``llava`` / ``sharegpt`` as the row's media keys say, None for a row without media.
+    """The row's format as its keys say, None for a conversation row without media (LLaVA and
+    ShareGPT read it alike).
 
-    Raises ValueError for a row that is not a conversation or uses both spellings."""
+    Raises ValueError for a row of no known form or one that uses both chat spellings."""
     if not isinstance(item, dict):
         raise ValueError(f"a sample must be a JSON object, got {type(item).__name__}")
     if "conversations" not in item and "messages" not in item:
+        if "instruction" in item:
+            return "alpaca"
+        if "query" in item and "response" in item:
+            return "query_response"
         keys = ", ".join(sorted(map(str, item))) or "none"
         raise ValueError(
             f"unknown row format (keys: {keys}); allowed: llava ('conversations' + 'image'/'audio'), "
-            "sharegpt ('messages' or 'conversations' + 'images'/'audios')"
+            "sharegpt ('messages' or 'conversations' + 'images'/'audios'), alpaca ('instruction'/"
+            "'input'/'output'), query_response ('query'/'response'/'history')"
         )
-    found = [f for f in ROW_FORMATS if any(item.get(k) is not None for k in MEDIA_KEYS[f].values())]
+    found = [f for f in CHAT_FORMATS if any(item.get(k) is not None for k in MEDIA_KEYS[f].values())]
     if isinstance(item.get("system"), str):
         found = sorted(set(found) | {"sharegpt"})
     if len(found) > 1:
@@ -90,7 +114,21 @@ def row_format(item: Any) -> str | None:
             "ambiguous row: it has both llava keys ('image'/'audio') and sharegpt keys "
             "('images'/'audios'/'system'); use one spelling, or set data.format"
         )
+    if not found and _has_inline_media(item):
+        return "sharegpt"  # Qwen's content parts name their own files: the chat form, no media key
     return found[0] if found else None
+
+
+def _has_inline_media(item: dict[str, Any]) -> bool:
+    turns = item.get("conversations", item.get("messages"))
+    for turn in turns if isinstance(turns, list) else []:
+        content = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and any(
+                part.get(k) for k in ("image", "image_url", "audio", "url", "path")
+            ):
+                return True
+    return False
 
 
 def detect_format(rows: list[tuple[str, Any]]) -> tuple[str, str]:
@@ -113,8 +151,10 @@ def detect_format(rows: list[tuple[str, Any]]) -> tuple[str, str]:
 
 
 def other_format_key(item: dict[str, Any], fmt: str) -> str | None:
-    """A media key of another format that ``item`` uses, or None."""
-    for other in ROW_FORMATS:
+    """A media key of another chat format that ``item`` uses (``fmt`` is one of them), or None."""
+    if fmt not in CHAT_FORMATS:
+        return None
+    for other in CHAT_FORMATS:
         if other == fmt:
             continue
         for key in MEDIA_KEYS[other].values():
@@ -128,4 +168,4 @@ def other_format_key(item: dict[str, Any], fmt: str) -> str | None:
 def format_of_key(key: str) -> str:
     if key == "system":
         return "sharegpt"
-    return next(f for f in ROW_FORMATS if key in MEDIA_KEYS[f].values())
+    return next(f for f in CHAT_FORMATS if key in MEDIA_KEYS[f].values())

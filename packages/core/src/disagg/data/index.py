@@ -45,6 +45,8 @@ class DatasetIndex:
     how: str = ""
     #: parquet / Hugging Face dataset dir: the table's files and rows per file
     table: Any = None
+    #: a LLaMA-Factory dataset_info.json entry's columns and tags (:mod:`disagg.data.dataset_info`)
+    columns: Any = None
 
     @property
     def size(self) -> int:
@@ -58,7 +60,7 @@ class DatasetIndex:
         return f"{self.path}:{int(self.lines[i])}" if self.offsets is not None else f"{self.path}[{i}]"
 
     def spec(self) -> DatasetSpec:
-        return DatasetSpec(self.path, self.media_root, self.format, self.how, self.table)
+        return DatasetSpec(self.path, self.media_root, self.format, self.how, self.table, self.columns)
 
     def first_rows(self, n: int) -> list[tuple[str, Any]]:
         """``(location, parsed row)`` of those of the first ``n`` rows that parse (for format
@@ -98,10 +100,14 @@ class DatasetSpec:
     format: str
     how: str
     table: Any = None
+    columns: Any = None
 
 
-def index_dataset(path: str | Path, media_root: str | Path, fmt: str = "auto") -> DatasetIndex:
-    """Index one dataset and settle its row format (``fmt``: a ``data.format`` value)."""
+def index_dataset(
+    path: str | Path, media_root: str | Path, fmt: str = "auto", columns: Any = None
+) -> DatasetIndex:
+    """Index one dataset and settle its row format (``fmt``: a ``data.format`` value; ``columns``:
+    a dataset_info.json entry's, which decides it)."""
     from disagg.data.formats import detect_format
     from disagg.data.tables import open_table
 
@@ -111,13 +117,16 @@ def index_dataset(path: str | Path, media_root: str | Path, fmt: str = "auto") -
         raise DataError(
             str(path),
             "data.format: hf needs a Hugging Face dataset dir (save_to_disk) or parquet file(s); "
-            "for a JSON/JSONL file use auto, llava or sharegpt",
+            "for a JSON/JSONL file use auto or a row format (llava, sharegpt, alpaca, query_response)",
         )
     if table is not None:
         ix = DatasetIndex(str(path), str(media_root), table=table)
     else:
         ix = _index_json(p, str(path), str(media_root))
-    if fmt in ("auto", "hf"):
+    if columns is not None:
+        ix.columns = columns
+        ix.format, ix.how = columns.formatting, columns.describe()
+    elif fmt in ("auto", "hf"):
         ix.format, ix.how = detect_format(ix.first_rows(DETECT_ROWS)) if ix.size else ("llava", "")
         if table is not None:
             ix.how += f" ({table.kind})"

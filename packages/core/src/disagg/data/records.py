@@ -1,10 +1,8 @@
 """Dataset rows into validated records: turns normalized, media resolved.
 
-The row formats (``llava``, ``sharegpt``) are described in
-:mod:`disagg.data.formats`; turns are ``conversations`` (``from``/``value``)
-or ``messages`` (``role``/``content``, content also a list of
-``{"type": "text"|"image"|"audio", ...}`` parts) in both. Every structural
-problem (no media decoded yet) is found here, with the row's location.
+The row formats are described in :mod:`disagg.data.formats` and read into turns
+by :mod:`disagg.data.rows`. Every structural problem (no media decoded yet) is
+found here, with the row's location.
 """
 
 from __future__ import annotations
@@ -15,18 +13,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from disagg.data.errors import DataError
-from disagg.data.formats import MEDIA_KEYS, format_of_key, other_format_key, refuse_video
+from disagg.data.formats import (
+    CHAT_FORMATS,
+    MEDIA_KEYS,
+    ROW_FORMATS,
+    format_of_key,
+    other_format_key,
+    refuse_video,
+)
+from disagg.data.rows import PLACEHOLDERS, ROLES, to_turns
 
-#: media kind -> the text that marks where one item goes in a turn
-PLACEHOLDERS: dict[str, str] = {"image": "<image>", "audio": "<audio>"}
-#: accepted spellings of each role (LLaVA's ``from`` and chat ``role``)
-ROLES: dict[str, str] = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-}
+__all__ = ["PLACEHOLDERS", "ROLES", "Record", "parse_sample", "read_dataset"]
 
 
 @dataclass
@@ -101,47 +98,29 @@ def parse_sample(
     modalities: set[str],
     fmt: str = "llava",
     how: str = "",
+    columns: Any = None,
 ) -> tuple[list[tuple[str, str]], dict[str, list[str | bytes]]]:
-    """Normalize one sample of row format ``fmt`` and check everything that needs no decoding.
+    """Normalize one sample of row format ``fmt`` (or of the dataset_info.json entry
+    ``columns``) and check everything that needs no decoding.
 
     ``how`` says why the dataset is read as ``fmt`` (for the error when a row is not)."""
     if not isinstance(item, dict):
         raise DataError(loc, f"a sample must be a JSON object, got {type(item).__name__}")
     refuse_video(item, loc)
-    other = other_format_key(item, fmt)
-    if other is not None:
-        raise DataError(
-            loc,
-            f"sample has {other!r}, a {format_of_key(other)} key, but the dataset is read as {fmt} "
-            f"({how or 'data.format: ' + fmt}); set data.format: {format_of_key(other)} "
-            "(allowed: auto, llava, sharegpt, hf)",
-        )
-    turns = item.get("conversations", item.get("messages"))
-    if turns is None:
-        raise DataError(loc, "no 'conversations' or 'messages' list")
-    if not isinstance(turns, list) or not turns:
-        raise DataError(loc, "empty conversation: 'conversations'/'messages' must be a non-empty list")
-    messages = [_turn(t, loc, i) for i, t in enumerate(turns)]
-    system = item.get("system") if fmt == "sharegpt" else None
-    if system is not None:
-        if not isinstance(system, str):
-            raise DataError(loc, f"'system' must be a string, got {type(system).__name__}")
-        if messages[0][0] == "system":
-            raise DataError(loc, "both a 'system' key and a system turn; keep one")
-        if system:
-            messages.insert(0, ("system", system))
+    if columns is None:
+        _check_keys(item, loc, fmt, how)
+    turns = to_turns(item, loc, fmt, columns)
+    messages = turns.messages
     if not any(role == "assistant" for role, _ in messages):
         raise DataError(loc, "no assistant ('gpt') turn: the sample has nothing to learn")
 
     media: dict[str, list[str | bytes]] = {}
     for kind, marker in PLACEHOLDERS.items():
-        key = MEDIA_KEYS[fmt][kind]
-        files = _media_list(item.get(key), loc, key)
+        files, key = turns.media.get(kind, []), turns.keys.get(kind, f"the {kind} column")
         count = sum(text.count(marker) for _, text in messages)
         if count != len(files):
             raise DataError(
-                loc,
-                f"{count} {marker} placeholder(s) in the text but {len(files)} {kind} file(s) in '{key}'",
+                loc, f"{count} {marker} placeholder(s) in the text but {len(files)} {kind} file(s) in {key}"
             )
         for role, text in messages:
             if role == "assistant" and marker in text:
@@ -161,6 +140,30 @@ def parse_sample(
     return messages, media
 
 
+def _check_keys(item: dict[str, Any], loc: str, fmt: str, how: str) -> None:
+    """A key of another format is refused, not ignored: its media or turns would be lost."""
+    other = other_format_key(item, fmt)
+    if other is not None:
+        raise DataError(
+            loc,
+            f"sample has {other!r}, a {format_of_key(other)} key, but the dataset is read as {fmt} "
+            f"({how or 'data.format: ' + fmt}); set data.format: {format_of_key(other)} "
+            f"(allowed: auto, {', '.join(ROW_FORMATS)}, hf)",
+        )
+    if fmt in CHAT_FORMATS:
+        return
+    for key in ("conversations", "messages"):
+        if key in item:
+            raise DataError(
+                loc,
+                f"sample has {key!r}, a conversation, but the dataset is read as {fmt} "
+                f"({how or 'data.format: ' + fmt}); set data.format: sharegpt",
+            )
+    for kind, key in MEDIA_KEYS[fmt].items():
+        if item.get(kind) is not None:
+            raise DataError(loc, f"{fmt} rows list their {kind} files under {key!r}, not {kind!r}")
+
+
 def _resolve(f: str | dict[str, Any], media_root: Path, loc: str, kind: str) -> str | bytes:
     """A file name under ``media_root`` -> its absolute path; a Hugging Face ``Image``/``Audio``
     value (``{"bytes", "path"}``) -> its bytes, or its path when it holds none."""
@@ -177,43 +180,3 @@ def _resolve(f: str | dict[str, Any], media_root: Path, loc: str, kind: str) -> 
     if not full.is_file():
         raise DataError(loc, f"missing {kind} file {f!r} (looked for {full})")
     return str(full)
-
-
-def _turn(turn: Any, loc: str, i: int) -> tuple[str, str]:
-    if not isinstance(turn, dict):
-        raise DataError(loc, f"turn {i} must be an object, got {type(turn).__name__}")
-    role = turn.get("from", turn.get("role"))
-    if role not in ROLES:
-        allowed = ", ".join(ROLES)
-        raise DataError(loc, f"turn {i} has unknown role {role!r}; allowed: {allowed}")
-    content = turn.get("value", turn.get("content"))
-    if isinstance(content, list):
-        content = "".join(_part(p, loc, i) for p in content)
-    if not isinstance(content, str):
-        raise DataError(
-            loc, f"turn {i} has no text: 'value'/'content' must be a string, got {type(content).__name__}"
-        )
-    return ROLES[role], content
-
-
-def _part(part: Any, loc: str, i: int) -> str:
-    """One OpenAI-style content part -> text with our placeholder markers."""
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    if kind in PLACEHOLDERS:
-        return PLACEHOLDERS[kind]
-    raise DataError(
-        loc, f"turn {i} has a content part {part!r}; allowed types: text, {', '.join(PLACEHOLDERS)}"
-    )
-
-
-def _media_list(value: Any, loc: str, key: str) -> list[str | dict[str, Any]]:
-    if value is None:
-        return []
-    if isinstance(value, (str, dict)):
-        value = [value]
-    if isinstance(value, list) and all(isinstance(v, (str, dict)) for v in value):
-        return list(value)
-    shown = repr(value) if len(repr(value)) < 200 else repr(value)[:200] + "..."
-    raise DataError(loc, f"'{key}' must be a file name or a list of file names, got {shown}")

@@ -19,10 +19,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from disagg.config.schema import Config, DatasetEntry
+from disagg.config.schema import Config
 from disagg.data.errors import DataError
+from disagg.data.files import dataset_files, index_file
 from disagg.data.formats import VideoError
-from disagg.data.index import DatasetIndex, index_dataset
+from disagg.data.index import DatasetIndex
 from disagg.data.order import StreamOrder, file_order
 from disagg.data.preprocess import modality_modules
 from disagg.data.stream import FIRST_CHUNK, SampleStream, StreamConfig
@@ -185,20 +186,6 @@ class RayDataSource:
         return dict(self._stats)
 
 
-def dataset_entries(cfg: Config, split: str) -> list[DatasetEntry]:
-    if cfg.data is None:
-        raise ValueError("data: missing; set data.train to a JSON/JSONL dataset")
-    if split == "train":
-        spec = cfg.data.train
-    elif split == "eval":
-        if cfg.data.eval is None:
-            raise ValueError("data.eval: not set; cannot build the 'eval' split")
-        spec = cfg.data.eval
-    else:
-        raise ValueError(f"split {split!r} unknown; allowed: train, eval")
-    return [DatasetEntry(path=spec)] if isinstance(spec, str) else list(spec)
-
-
 def build_data_source(
     cfg: Config,
     families: dict[str, Any],
@@ -219,18 +206,17 @@ def build_data_source(
     reported at its row as the stream reaches it, as ``disagg data check`` does).
     """
     data = cfg.data
-    entries = dataset_entries(cfg, split)
+    files = dataset_files(cfg, split)
     indexes = []
-    for entry in entries:
-        root = entry.media_root if entry.media_root is not None else data.media_root
-        ix = index_dataset(entry.path, root, entry.format or data.format)
+    for f in files:
+        ix = index_file(f)
         log.info("%s: %d samples; %s", ix.path, ix.size, ix.how)
         indexes.append(ix)
         if refuse_video:
             _refuse_video(ix)
     if sum(ix.size for ix in indexes) == 0:
-        files = ", ".join(str(Path(e.path)) for e in entries)
-        raise DataError(files, "no samples: the dataset files are empty")
+        names = ", ".join(str(Path(f.path)) for f in files)
+        raise DataError(names, "no samples: the dataset files are empty")
     import ray
 
     if not ray.is_initialized():
@@ -250,7 +236,7 @@ def build_data_source(
     )
     return RayDataSource(
         indexes,
-        [e.weight for e in entries],
+        [f.weight for f in files],
         stream_cfg,
         batch_size=data.batch_size,
         seed=cfg.train.seed,

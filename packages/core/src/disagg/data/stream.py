@@ -79,7 +79,9 @@ def preprocess_one(cfg: StreamConfig, pos: int, uid: int, d: int, loc: str, off:
     ds = cfg.datasets[d]
     try:
         item = read_entry(loc, ds.path, off, length, text, ds.table)
-        messages, media = parse_sample(item, loc, Path(ds.media_root), cfg.modalities, ds.format, ds.how)
+        messages, media = parse_sample(
+            item, loc, Path(ds.media_root), cfg.modalities, ds.format, ds.how, ds.columns
+        )
         out = preprocess_record(
             Record(uid, d, loc, messages, media),
             cfg.families,
