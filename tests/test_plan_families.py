@@ -81,7 +81,7 @@ def test_llava_plans(tmp_path, capsys):
             "llm": {"family": "llama", "path": "llava", "config": LLAVA},
         },
     )
-    ranked = _plan(cfg, tmp_path, "--vision-tokens", "577")
+    ranked = _plan(cfg, tmp_path, "--vision-patches", "577")
     assert ranked and "best: vision=" in capsys.readouterr().out
     best = ranked[0]["groups"]
     # the CLIP tower's parameters (23 of its 24 layers run) and Llama-7B's, as the families list them

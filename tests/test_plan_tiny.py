@@ -46,7 +46,7 @@ def test_plan_writes_a_config_train_accepts(tiny: Path, capsys):
 
     (tiny / "base.yaml").write_text(yaml.safe_dump(config(tiny, "{}")))
     out = tiny / "plan.yaml"
-    argv = ["plan", str(tiny / "base.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-tokens", "256"]
+    argv = ["plan", str(tiny / "base.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-patches", "256"]
     assert (
         main(
             [*argv, "--text-tokens", "32", "--top", "4", "--write", str(out), "--json", str(tiny / "p.json")]
@@ -78,8 +78,7 @@ def test_parallel_auto_trains_and_records_the_layout(tiny: Path, ray_local):
 
     cfg = config(
         tiny,
-        "{auto: {cluster: cpu, vision_tokens: 256, text_tokens: 32, "
-        "strategies: [ulysses, megatron_tp, ddp]}}",
+        "{auto: {cluster: cpu, vision_tokens: 64, text_tokens: 32, strategies: [ulysses, megatron_tp, ddp]}}",
     )
     cfg["output_dir"] = str(tiny / "auto")
     (tiny / "auto.yaml").write_text(yaml.safe_dump(cfg))
@@ -120,7 +119,7 @@ def test_profile_reranks_when_measurement_disagrees(tiny: Path, capsys, monkeypa
 
     monkeypatch.setattr(Bench, "run", fake_run)
     (tiny / "prof.yaml").write_text(yaml.safe_dump(config(tiny, "{}")))
-    argv = ["plan", str(tiny / "prof.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-tokens", "256"]
+    argv = ["plan", str(tiny / "prof.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-patches", "256"]
     # ZeRO's stages tie on the tiny model (every tensor is under DeepSpeed's
     # persistence threshold, so stage 3 moves what stage 2 does): a predicted
     # order with ties has no Spearman of -1 to show; nor do ddp and ulysses vision at 256
@@ -152,7 +151,7 @@ def test_plan_write_carries_every_recompute_the_prediction_assumed(tiny: Path, c
 
     (tiny / "base_rc.yaml").write_text(yaml.safe_dump(config(tiny, "{}")))
     out, js = tiny / "plan_rc.yaml", tiny / "p_rc.json"
-    argv = ["plan", str(tiny / "base_rc.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-tokens", "256"]
+    argv = ["plan", str(tiny / "base_rc.yaml"), "--cluster", "cpu", "--gpus", "2", "--vision-patches", "256"]
     assert main([*argv, "--text-tokens", "32", "--recompute", "--write", str(out), "--json", str(js)]) == 0
     assert "recompute=" in capsys.readouterr().out  # each row prints the recompute it assumes
     ranked = json.loads(js.read_text())["ranked"]
@@ -188,7 +187,7 @@ def test_plan_of_a_lora_config_fits_where_full_training_does_not(tiny: Path):
         if lora:
             c["train"]["modules"] = {"llm": {"lora": {"r": 8, "targets": targets}}}
         cfg = Config.model_validate(c)
-        work = config_workload(cfg, vision_tokens=256, text_tokens=32, registry=reg)
+        work = config_workload(cfg, vision_patches=256, text_tokens=32, registry=reg)
         assert (work.lora["llm"].targets == tuple(targets)) if lora else not work.lora
         result = plan(work, cluster, reg.strategies, config_families(cfg, reg))
         best[lora] = result.ranked[0] if result.ranked else None

@@ -54,7 +54,7 @@ def key(x):  # type: ignore[no-untyped-def]
 def planned(config: str, cluster):  # type: ignore[no-untyped-def]
     cfg = load_config(config, ["data.batch_size=2"])
     reg = get_registry()
-    work = config_workload(cfg, vision_tokens=256, text_tokens=32)
+    work = config_workload(cfg, vision_patches=256, text_tokens=32)
     res = plan(work, cluster, reg.strategies, config_families(cfg, reg))
     by_key = {key(x): x for x in res.ranked}
     chosen = [by_key[(v, lm, p)] for v, lm, p in WANT if (v, lm, p) in by_key]

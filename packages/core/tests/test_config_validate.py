@@ -336,3 +336,36 @@ def test_auto_precision_on_an_auto_device_is_checked_by_the_plan(reg, workdir):
     with pytest.raises(ConfigError) as info:
         make_plan(resolved, get_registry(), cluster_gpus=8)
     assert "train.precision" in str(info.value) and "'cfgtest_sp'" in str(info.value)
+
+
+def test_schema_and_plugin_problems_come_in_one_pass(reg, workdir):
+    """A refused value (the schema's check) and an unknown strategy (a check that needs the
+    plugins) in one config: ``load_checked`` reports both, each located, and nothing about
+    the refused key's default; ``disagg train`` prints both and exits 2."""
+    from disagg.cli.main import main
+    from disagg.config.validate import load_checked
+
+    cfg = base()
+    cfg["train"]["lr"] = -1
+    cfg["train"]["lrr"] = 1
+    cfg["parallel"]["llm"]["strategy"] = "no_such_strategy"
+    cfg["parallel"]["vision"]["degree"] = 0
+    p = workdir / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    with pytest.raises(ConfigError) as info:
+        load_checked(p, ["train.steps=0"], get_registry())
+    found = {x.key: x for x in info.value.problems}
+    assert set(found) == {
+        "train.lr",
+        "train.lrr",
+        "train.steps",
+        "parallel.vision.degree",
+        "parallel.llm.strategy",
+    }
+    assert "no_such_strategy" in found["parallel.llm.strategy"].message
+    assert found["parallel.llm.strategy"].where.startswith(f"{p}:")
+    assert found["train.steps"].where == "--set train.steps=0"
+    assert main(["train", str(p)]) == 2
+    p.write_text(yaml.safe_dump(base(), sort_keys=False))  # a sound config comes back as loaded
+    loaded, source = load_checked(p, [], get_registry())
+    assert loaded.parallel.vision.strategy == "cfgtest_sp" and source.where(("train", "steps"))

@@ -11,6 +11,7 @@ form the actors write (no Ray): what is under test is export, not training.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,19 @@ def test_export_in_bf16_then_refit_into_one_file(toy_registry, tmp_path):
     assert not (out / INDEX).exists()
     assert_exact(load_file(str(out / "model.safetensors")), trained, "fp32 re-export ")
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_exported_files_are_readable_by_others(toy_registry, tmp_path):
+    """Every exported file gets the umask's mode (0644 under 022), not safetensors' 0600."""
+    ckpt, _ = _big_checkpoint(tmp_path / "m", hidden=64, layers=2, vocab=256)
+    old = os.umask(0o022)
+    try:
+        export_checkpoint(ckpt, tmp_path / "export", toy_registry, max_shard_size="20KB")
+    finally:
+        os.umask(old)
+    files = [f for f in (tmp_path / "export").rglob("*") if f.is_file()]
+    assert any(f.suffix == ".safetensors" for f in files)
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: "0o644" for f in files}
 
 
 def test_shard_sizes_parse_like_save_pretrained():

@@ -13,3 +13,9 @@ except PackageNotFoundError:  # running from a source tree without install
 hookimpl = pluggy.HookimplMarker("disagg")
 
 __all__ = ["hookimpl", "__version__"]
+
+# known third-party console noise, filtered in every process that imports disagg (driver,
+# actors, Ray Data tasks) unless DISAGG_VERBOSE=1; see disagg.noise
+from disagg import noise as _noise  # noqa: E402
+
+_noise.install()

@@ -33,12 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every sample is usable, 1 when some are not (listed with file and line)."""
-    from disagg.config.load import load_config_and_source
-    from disagg.config.validate import validate
+    from disagg.config.validate import load_checked, validate
     from disagg.plugins import get_registry
 
     registry = get_registry()
-    cfg, source = load_config_and_source(args.config, args.overrides)
+    cfg, source = load_checked(args.config, args.overrides, registry)
     validate(cfg, registry, source=source)
     from disagg.data.check import check_data, format_report
     from disagg.runtime.plan import families_for

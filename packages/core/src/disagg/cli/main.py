@@ -31,6 +31,16 @@ COMMANDS: dict[str, str] = {
     "plot": "disagg.cli.plot",
 }
 
+#: commands that load the plugins before their first output, and what they are doing
+SLOW_START: dict[str, str] = {
+    "train": "checking the config (loading plugins)...",
+    "data": "checking the config (loading plugins)...",
+    "plan": "reading the model configs (loading plugins)...",
+    "bench": "checking the config (loading plugins)...",
+    "export": "loading plugins...",
+    "plugins": "loading plugins...",
+}
+
 EXIT_RUNTIME_ERROR = 1
 EXIT_CONFIG_ERROR = 2
 
@@ -46,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--traceback", action="store_true", help="show the full traceback on errors (or DISAGG_TRACEBACK=1)"
     )
+    common.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the third-party warnings and log lines disagg filters as noise (or DISAGG_VERBOSE=1)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
@@ -58,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     show_tb = args.traceback or os.environ.get("DISAGG_TRACEBACK", "") not in ("", "0")
+    if args.verbose:
+        from disagg import noise
+
+        noise.set_verbose()
+    if args.command in SLOW_START:
+        # loading the plugins (torch, megatron-core, deepspeed) takes seconds: say so at once
+        print(f"disagg {args.command}: {SLOW_START[args.command]}", file=sys.stderr, flush=True)
     from disagg.config.errors import ConfigError
 
     try:

@@ -45,12 +45,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--compute-units", "SMs running attention blocks at once (0: no wave quantization), e.g. 132"),
     ):
         parser.add_argument(flag, default=None, help=what)
-    parser.add_argument("--vision-tokens", type=int, default=1024, help="patches per image (default 1024)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
+        "--vision-tokens",
+        type=int,
+        default=None,
+        help="vision tokens per sample: the merged rows the LLM sees, as `disagg data check` prints "
+        "them (Qwen2.5-VL: one per 28x28 pixels, 4 patches). Default: the most one image gives under "
+        "data.max_pixels, else 1024 patches' worth",
+    )
+    size.add_argument(
+        "--vision-patches",
+        type=int,
+        default=None,
+        help="the vision size in patches per image instead (the positions the vision encoder "
+        "attends over: vision tokens x the spatial merge²)",
+    )
     parser.add_argument(
         "--audio-tokens",
         type=int,
         default=None,
-        help="encoder positions per clip of an audio module (default: --vision-tokens)",
+        help="encoder positions per clip of an audio module (default: the vision patches)",
     )
     parser.add_argument("--text-tokens", type=int, default=128, help="text tokens per sample (default 128)")
     parser.add_argument(
@@ -87,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from disagg.config.errors import ConfigError, Problem
     from disagg.config.load import load_config
     from disagg.config.model_path import with_local_model_paths
-    from disagg.plan.explain import table, why, write_plan
+    from disagg.plan.explain import own_line, table, why, write_plan
     from disagg.plugins import get_registry
 
     cfg = with_local_model_paths(load_config(args.config, args.overrides))  # hub ids -> snapshot dirs
@@ -121,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         print(table(result, args.top))
     if result.ranked:
         print("\n".join(why(result)))
+    own = _own(cfg, result, registry)
+    print(own_line(own, result))
     if args.write and result.ranked:
         print(f"wrote {write_plan(result.best, args.write, result)}")
     if args.json:
@@ -131,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                     "ranked": [x.to_dict() for x in result.ranked],
                     "oom": [x.to_dict() for x in result.oom[: args.top]],
                     "skipped": result.skipped,
+                    "own": own.layout.to_dict() if own.layout else {"why": own.why},
                 },
                 indent=1,
             )
@@ -187,6 +205,7 @@ def plan_for_config(cfg, registry, args):  # type: ignore[no-untyped-def]
     work = config_workload(
         cfg,
         vision_tokens=args.vision_tokens,
+        vision_patches=getattr(args, "vision_patches", None),
         text_tokens=args.text_tokens,
         samples=args.samples,
         recompute=args.recompute,
@@ -205,3 +224,10 @@ def plan_for_config(cfg, registry, args):  # type: ignore[no-untyped-def]
         strategies = {n: c for n, c in strategies.items() if n in names}
     result = plan(work, cluster, strategies, config_families(cfg, registry), placements)
     return result, cluster
+
+
+def _own(cfg, result, registry):  # type: ignore[no-untyped-def]
+    """The config's own ``parallel`` layout, scored like the candidates."""
+    from disagg.plan.own import own_layout
+
+    return own_layout(cfg, result.workload, result.cluster, registry.strategies)

@@ -35,10 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from disagg.config.load import load_config_and_source
-    from disagg.config.validate import validate
+    from disagg.config.validate import load_checked, validate
     from disagg.plugins import get_registry
 
-    cfg, source = load_config_and_source(args.config, args.overrides)
+    cfg, source = load_checked(args.config, args.overrides, get_registry())  # schema + checks: one pass
     if args.resume:
         path = _resume_path(args.resume, cfg.output_dir)
         if path is not None:

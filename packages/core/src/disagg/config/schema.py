@@ -99,8 +99,10 @@ class AutoPlan(Strict):
     """Cluster preset (``h100x8``, ``h200x8``, ``cpu``; ``cpu-local``: ``cpu`` measured on
     this machine) or a JSON file from ``disagg plan --calibrate FILE``; default: the
     Ray cluster's devices."""
-    vision_tokens: PositiveInt = 1024
-    """Patches per image the plan assumes."""
+    vision_tokens: PositiveInt | None = None
+    """Vision tokens per sample the plan assumes: the merged rows the LLM sees, as
+    ``disagg data check`` prints them; default: the most one image gives under
+    ``data.max_pixels``, else 1024 patches' worth."""
     text_tokens: PositiveInt = 128
     """Text tokens per sample the plan assumes."""
     recompute: bool = False

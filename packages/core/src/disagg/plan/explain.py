@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from disagg.interfaces import EncoderShape
 from disagg.plan.model import Layout
+from disagg.plan.own import OwnLayout
 from disagg.plan.search import PlanResult
 
 GiB = 2**30
@@ -42,8 +44,13 @@ def table(result: PlanResult, top: int) -> str:
 
 def _workload(result: PlanResult) -> str:
     w = result.workload
+    vision = w.shapes.get("vision")
+    size = ""
+    if isinstance(vision, EncoderShape):
+        # tokens as `disagg data check` counts them (the LLM's rows); patches: the encoder's positions
+        size = f"{w.vision_tokens // vision.unit} vision tokens ({w.vision_tokens} patches) + "
     return (
-        f"workload: {w.samples} samples/step, {w.vision_tokens} vision patches + {w.text_tokens} text tokens "
+        f"workload: {w.samples} samples/step, {size}{w.text_tokens} text tokens "
         f"per sample, recompute {'required where a strategy can' if w.recompute else 'searched per module'}; "
         f"{len(result.ranked)} layouts fit, {len(result.oom)} out of memory"
     )
@@ -77,6 +84,24 @@ def why(result: PlanResult, rivals: int = 3) -> list[str]:
         if len(shown) >= rivals:
             break
     return lines
+
+
+def own_line(own: OwnLayout, result: PlanResult) -> str:
+    """The config's own layout beside the best: its predicted time, memory and place."""
+    if own.layout is None:
+        return f"yours: not scored: {own.why}"
+    x = own.layout
+    text = (
+        f"yours: {x.name()}, {x.microbatches} mb, {x.schedule}: {x.step_time_s:.4g} s/step predicted, "
+        f"{x.memory_bytes / GiB:.2f} of {result.cluster.memory_budget / GiB:.2f} GiB per device"
+    )
+    rank = own.rank(result)
+    if rank is None:
+        return text + " (out of memory)"
+    text += f"; #{rank} of {len(result.ranked)} fitting layouts"
+    if result.ranked and result.best.step_time_s < x.step_time_s:
+        text += f", {x.step_time_s / result.best.step_time_s:.3f}x the best's time"
+    return text
 
 
 def _mix(x: Layout) -> tuple[str, ...]:

@@ -1,4 +1,10 @@
-"""A train config as the planner sees it: module shapes, families, the step's workload."""
+"""A train config as the planner sees it: module shapes, families, the step's workload.
+
+Vision sizes have two units: *vision tokens*, the merged rows the LLM sees per sample
+(what ``disagg data check`` prints, and what ``data.max_pixels`` bounds), and *patches*,
+the positions the vision encoder attends over (``tokens x merge²`` on Qwen2.5-VL).
+:class:`~disagg.plan.model.Workload` holds patches; :func:`patches_per_image` converts.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from typing import Any
 
 from disagg.config.schema import Config
 from disagg.cost.shapes import shapes_for
-from disagg.interfaces import Family
+from disagg.interfaces import EncoderShape, Family
 from disagg.interfaces.cost import Shape
 from disagg.interfaces.family import link_to_llm
 from disagg.interfaces.lora import LoraSpec
@@ -85,23 +91,60 @@ def config_training(
     return lora, frozen
 
 
+#: patches per image a plan assumes when neither a size nor ``data.max_pixels`` says
+DEFAULT_VISION_PATCHES = 1024
+
+
+def patches_per_image(
+    cfg: Config,
+    shapes: dict[str, Shape],
+    *,
+    vision_tokens: int | None = None,
+    patches: int | None = None,
+) -> int:
+    """Patches per image entering the vision encoder.
+
+    ``vision_tokens``: merged tokens the LLM sees (``patches = tokens x unit``);
+    ``patches``: as given. Neither: the most one image gives under ``data.max_pixels``
+    (one token per ``(patch x merge)²`` pixels, as the Qwen2.5-VL processor resizes), else
+    :data:`DEFAULT_VISION_PATCHES`."""
+    if vision_tokens is not None and patches is not None:
+        raise ValueError("give vision tokens or vision patches, not both")
+    shape = shapes.get("vision")
+    unit = shape.unit if isinstance(shape, EncoderShape) else 1
+    if patches is not None:
+        return patches
+    if vision_tokens is not None:
+        return vision_tokens * unit
+    max_pixels = cfg.data.max_pixels if cfg.data else None
+    if isinstance(shape, EncoderShape) and shape.patch and max_pixels:
+        side = shape.patch * shape.merge
+        return (max_pixels // (side * side)) * unit
+    return DEFAULT_VISION_PATCHES
+
+
 def config_workload(
     cfg: Config,
     *,
-    vision_tokens: int,
     text_tokens: int,
+    vision_tokens: int | None = None,
+    vision_patches: int | None = None,
     samples: int | None = None,
     recompute: bool = False,
     registry: Registry | None = None,
     **extra: Any,
 ) -> Workload:
+    """The step ``cfg`` trains, for the planner. ``vision_tokens`` (merged, per sample) or
+    ``vision_patches`` (per image) size the vision input; neither: see :func:`patches_per_image`."""
     lora, frozen = config_training(cfg, registry)
+    shapes = config_shapes(cfg, registry)
+    patches = patches_per_image(cfg, shapes, vision_tokens=vision_tokens, patches=vision_patches)
     return Workload(
-        shapes=config_shapes(cfg, registry),
+        shapes=shapes,
         lora=lora,
         frozen=frozen,
         precision=None if cfg.train.precision == "auto" else cfg.train.precision,
-        vision_tokens=vision_tokens,
+        vision_tokens=patches,
         text_tokens=text_tokens,
         samples=samples or (cfg.data.batch_size if cfg.data else 1),
         recompute=recompute,

@@ -19,6 +19,7 @@ streams the tensors into HF sharded safetensors (:mod:`disagg.runtime.hf_shards`
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,20 @@ def export_checkpoint(
         entry = manifest["modules"][m]
         entry["lora"] = "merged" if merge else adapters[m].relative_to(out_dir).as_posix()
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    _readable_modes(out_dir)
     return written
+
+
+def _readable_modes(out_dir: Path) -> None:
+    """Every file the umask allows others to read (0644 under the usual 022): safetensors
+    writes its files 0600 and ``copy2`` keeps a source's mode, but an export is meant to be
+    shared (a serving user, a Hub upload, a colleague's ``from_pretrained``)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = 0o666 & ~umask
+    for f in out_dir.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(mode)
 
 
 def _module_entries(family: Family, full: Path) -> dict[str, Entry]:
