@@ -27,7 +27,14 @@ SOURCES = {
     # full model") and identically in the Cosmos-Reason2-8B port; the model card says 8.77B
     # parameters, which the meta-device count below reproduces (8,767,123,696).
     "qwen3_vl_8b.json": "huggingface.co/Qwen/Qwen3-VL-8B-Instruct/blob/main/config.json",
+    # Qwen/Qwen2.5-Omni-7B config.json, its thinker_config (the talker and token2wav are never
+    # planned): text and audio values as quoted in alibaba/rtp-llm's Qwen2.5-Omni thinker test,
+    # the tower's as Qwen2.5-VL-7B's (1280 wide, 3420 MLP, 32 blocks, full attention at 7/15/23/31,
+    # window 112, merger to 3584), the token ids and audio window (n_window 100, 1500 positions)
+    # as transformers' Qwen2_5OmniThinkerConfig documents them for this checkpoint.
+    "qwen2_5_omni_7b.json": "huggingface.co/Qwen/Qwen2.5-Omni-7B/blob/main/config.json",
 }
+OMNI = {"vision": "qwen2_5_omni", "audio": "qwen2_5_omni_audio", "llm": "qwen2_5_omni"}
 
 
 def _config(name: str) -> dict:
@@ -123,3 +130,59 @@ def test_plan_ranks_qwen3_vl_8b(tmp_path, capsys):
     assert best["vision"]["sent_bytes"] % (4 * 4096) == 0 and best["llm"]["flops"] > 0
     strategies = {m: {r["parallel"][m]["strategy"] for r in ranked} for m in ("vision", "llm")}
     assert {"ulysses", "megatron_tp"} <= strategies["vision"] and "megatron_tp" in strategies["llm"]
+
+
+def test_qwen2_5_omni_shapes_list_the_real_parameter_tensors():
+    """Tiny Qwen2.5-Omni thinker: the vision tower's shape (q/k/v apart) and the audio
+    tower's (its own ln_post/proj tail, the bos/eos table) name every HF parameter."""
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    from disagg_audio.families.shapes import qwen2_5_omni_audio_shape
+    from disagg_vision_sp.families.shapes import qwen2_5_omni_vision_shape
+
+    config = Qwen2_5OmniThinkerConfig(
+        text_config=dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
+                           fullatt_block_indexes=[1], window_size=56),
+        audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+                          num_mel_bins=16, output_dim=48),
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Qwen2_5OmniThinkerForConditionalGeneration(config)
+    cfg = {"thinker_config": config.to_dict()}  # a whole Omni dir's nesting
+    vision = {t.name: t.shape for t in qwen2_5_omni_vision_shape(cfg).tensors()}
+    assert vision == _names(model.model.visual)
+    audio = {t.name: t.shape for t in qwen2_5_omni_audio_shape(cfg).tensors()}
+    assert audio == _names(model.model.audio_tower)
+
+
+def test_qwen2_5_omni_7b_planning_shapes_count_every_parameter():
+    """The published Qwen2.5-Omni-7B thinker on the meta device: the three modules'
+    planning shapes hold exactly its parameters (vision, audio, and the rest: the LLM)."""
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    from disagg.cost.shapes import shapes_for
+
+    cfg = _config("qwen2_5_omni_7b.json")
+    with torch.device("meta"):
+        model = Qwen2_5OmniThinkerForConditionalGeneration(Qwen2_5OmniThinkerConfig(**cfg["thinker_config"]))
+    shapes = shapes_for(dict.fromkeys(OMNI, cfg), OMNI)
+    planned = {m: sum(t.numel for t in s.tensors()) for m, s in shapes.items()}
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    audio = sum(p.numel() for p in model.model.audio_tower.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert planned == {"vision": vision, "audio": audio, "llm": total - vision - audio}
+    assert total == 8_931_813_888
+
+
+def test_plan_ranks_qwen2_5_omni_7b(tmp_path):
+    cfg = _config("qwen2_5_omni_7b.json")
+    model = {m: {"family": f, "config_dir": "qwen2_5_omni_7b", "config": cfg} for m, f in OMNI.items()}
+    plan = _plan(tmp_path, model, "--vision-tokens", "4096", "--audio-tokens", "1500")
+    ranked = plan["ranked"]
+    assert len(ranked) > 1 and ranked[0]["step_time_s"] == min(r["step_time_s"] for r in ranked)
+    best = ranked[0]["groups"]
+    assert set(best) == {"vision", "audio", "llm"} and all(best[m]["flops"] > 0 for m in best)
+    # 1500 audio positions pooled by 2: 750 rows of the LLM's 3584 columns
+    assert best["audio"]["sent_bytes"] % (750 * 3584) == 0

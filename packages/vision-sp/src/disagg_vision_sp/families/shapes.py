@@ -3,6 +3,7 @@ numbers and parameter tensors from a ``config.json``'s values, no weights."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from disagg.interfaces.shapes import EncoderShape, ParamTensor, config_int
@@ -231,3 +232,20 @@ def qwen3_vl_shape(cfg: dict[str, Any]) -> EncoderShape:
         # every merger saves what the Qwen merger does (an estimate beyond state and bytes)
         head_saves=(1 + k) * (6 * h + 2),
     )
+
+
+def qwen2_5_omni_vision_shape(cfg: dict[str, Any]) -> EncoderShape:
+    """The Qwen2.5-Omni thinker's tower (a whole Omni dir's ``thinker_config.vision_config``):
+    Qwen2.5-VL's with separate biased ``q``/``k``/``v`` linears in place of ``qkv``. Its
+    RMSNorms upcast like Qwen2.5-VL's, so the cost rules see it as that family's tower."""
+    thinker = cfg.get("thinker_config") or cfg
+    base = qwen2_5_vl_shape(thinker.get("vision_config") or thinker)
+    params: list[ParamTensor] = []
+    for t in base.params:
+        if ".attn.qkv." not in t.name:
+            params.append(t)
+            continue
+        h = t.shape[0] // 3
+        for p in ("q", "k", "v"):
+            params.append(ParamTensor(t.name.replace(".qkv.", f".{p}."), (h, *t.shape[1:]), "column"))
+    return replace(base, params=tuple(params))
