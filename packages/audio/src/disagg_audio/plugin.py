@@ -11,8 +11,10 @@ from disagg import hookimpl
 
 @hookimpl
 def disagg_register_families(register: Callable[[type], None]) -> None:
+    from disagg_audio.families.qwen2_5_omni import Qwen2_5OmniAudioFamily
     from disagg_audio.families.qwen2_audio import Qwen2AudioFamily
     from disagg_audio.families.whisper import WhisperAudioFamily
 
     register(WhisperAudioFamily)
     register(Qwen2AudioFamily)
+    register(Qwen2_5OmniAudioFamily)

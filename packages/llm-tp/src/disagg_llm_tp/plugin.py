@@ -18,6 +18,7 @@ def disagg_register_strategies(register: Callable[[type], None]) -> None:
 def disagg_register_families(register: Callable[[type], None]) -> None:
     from disagg_llm_tp.families.llama import LlamaFamily
     from disagg_llm_tp.families.qwen2 import Qwen2Family
+    from disagg_llm_tp.families.qwen2_5_omni import Qwen25OmniLanguageFamily
     from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
     from disagg_llm_tp.families.qwen2_audio import Qwen2AudioLanguageFamily
     from disagg_llm_tp.families.qwen2_vl import Qwen2VLLanguageFamily
@@ -29,3 +30,4 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     register(Qwen2AudioLanguageFamily)
     register(Qwen2VLLanguageFamily)
     register(Qwen3VLLanguageFamily)
+    register(Qwen25OmniLanguageFamily)

@@ -17,6 +17,7 @@ def disagg_register_strategies(register: Callable[[type], None]) -> None:
 @hookimpl
 def disagg_register_families(register: Callable[[type], None]) -> None:
     from disagg_vision_sp.families.llava import LlavaVision
+    from disagg_vision_sp.families.qwen2_5_omni import Qwen2_5OmniVision
     from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
     from disagg_vision_sp.families.qwen2_vl import Qwen2VLVision
     from disagg_vision_sp.families.qwen3_vl import Qwen3VLVision
@@ -25,3 +26,4 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     register(LlavaVision)
     register(Qwen2VLVision)
     register(Qwen3VLVision)
+    register(Qwen2_5OmniVision)

@@ -97,3 +97,26 @@ def qwen2_audio_shape(cfg: dict[str, Any]) -> EncoderShape:
         ParamTensor("multi_modal_projector.linear.bias", (out,)),
     ]
     return _encoder("qwen2_audio", a, params, layers, mel, out, 2)
+
+
+def qwen2_5_omni_audio_shape(cfg: dict[str, Any]) -> EncoderShape:
+    """``qwen2_5_omni_audio``: the thinker's audio tower (a whole Omni dir's
+    ``thinker_config.audio_config``): Whisper's layers with sinusoidal positions (a
+    buffer, no parameter), the ``audio_bos_eos_token`` table (a lookup), then its own
+    tail (``ln_post``, pooling by 2, ``proj`` to ``output_dim``). HF attends within
+    windows of ``n_window`` positions; planned as full attention (an upper bound on
+    attention FLOPs, exact on state and bytes)."""
+    thinker = cfg.get("thinker_config") or cfg
+    a = thinker.get("audio_config") or thinker
+    params, layers, mel = _whisper_tensors(a)
+    d, out = config_int(a, "d_model"), config_int(a, "output_dim")
+    params = [t for t in params if not t.name.startswith(("embed_positions.", "layer_norm."))]
+    params[4:4] = [ParamTensor("audio_bos_eos_token.weight", (2, out), rows=(0, 1))]
+    per_row = (1, 2)
+    params += [
+        ParamTensor("ln_post.weight", (d,)),
+        ParamTensor("ln_post.bias", (d,)),
+        ParamTensor("proj.weight", (out, d), "replicated", rows=per_row),
+        ParamTensor("proj.bias", (out,)),
+    ]
+    return _encoder("qwen2_5_omni_audio", a, params, layers, mel, out, 2)

@@ -39,6 +39,12 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
 
         return Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_llm_tp.families.shapes import qwen3_decoder_shape
+
+        return qwen3_decoder_shape(config)
+
     def deepstack_layers(self) -> int:
         return len(self.config.vision_config.deepstack_visual_indexes)
 

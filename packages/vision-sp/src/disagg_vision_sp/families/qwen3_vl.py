@@ -32,7 +32,9 @@ class Qwen3VLVision(Qwen2VLVision):
 
     @classmethod
     def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
-        return None  # not described for planning yet (DeepStack mergers)
+        from disagg_vision_sp.families.shapes import qwen3_vl_shape
+
+        return qwen3_vl_shape(config)
 
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
 

@@ -3,6 +3,7 @@ numbers and parameter tensors from a ``config.json``'s values, no weights."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from disagg.interfaces.shapes import EncoderShape, ParamTensor, config_int
@@ -166,3 +167,85 @@ def llava_shape(cfg: dict[str, Any]) -> EncoderShape:
         mlp_mid=2,
         head_saves=h + 2 * out,  # the projector's input, linear_1's output and its activation
     )
+
+
+def qwen3_vl_shape(cfg: dict[str, Any]) -> EncoderShape:
+    """A Qwen3-VL tower: a biased patch embedding, a learned position grid (a lookup,
+    resampled per token), full attention in every block, LayerNorms, a GELU
+    ``linear_fc1``/``linear_fc2`` MLP, the 2x2 merger and one DeepStack merger per
+    ``deepstack_visual_indexes`` entry (normed after the 2x2 shuffle, so over
+    ``4·hidden``). Each exchanged row carries the merger's output and every DeepStack
+    merger's (``(1 + K)·out_hidden_size`` wide, what the family's ``encode`` sends)."""
+    v = cfg.get("vision_config") or cfg
+    h, i = config_int(v, "hidden_size"), config_int(v, "intermediate_size")
+    depth, out = config_int(v, "depth"), config_int(v, "out_hidden_size")
+    patch, tp = config_int(v, "patch_size"), config_int(v, "temporal_patch_size")
+    merge, chans = config_int(v, "spatial_merge_size"), int(v.get("in_channels", 3))
+    if "deepstack_visual_indexes" not in v:
+        raise ValueError(f"config key 'deepstack_visual_indexes' is missing (have: {', '.join(sorted(v))})")
+    k = len(v["deepstack_visual_indexes"])
+    positions = config_int(v, "num_position_embeddings")
+    m = h * merge * merge
+    params = [
+        ParamTensor("patch_embed.proj.weight", (h, chans, tp, patch, patch)),
+        ParamTensor("patch_embed.proj.bias", (h,)),
+        # four bilinear neighbours looked up per token: no matmul
+        ParamTensor("pos_embed.weight", (positions, h), rows=(0, 1)),
+    ]
+    for b in range(depth):
+        p = f"blocks.{b}."
+        params += [
+            *(ParamTensor(p + f"norm{n}.{w}", (h,)) for n in (1, 2) for w in ("weight", "bias")),
+            ParamTensor(p + "attn.qkv.weight", (3 * h, h), "column"),
+            ParamTensor(p + "attn.qkv.bias", (3 * h,), "column"),
+            ParamTensor(p + "attn.proj.weight", (h, h), "row"),
+            ParamTensor(p + "attn.proj.bias", (h,)),
+            ParamTensor(p + "mlp.linear_fc1.weight", (i, h), "column"),
+            ParamTensor(p + "mlp.linear_fc1.bias", (i,), "column"),
+            ParamTensor(p + "mlp.linear_fc2.weight", (h, i), "row"),
+            ParamTensor(p + "mlp.linear_fc2.bias", (h,)),
+        ]
+    merged = (1, merge * merge)
+    for prefix, norm in [("merger.", h), *((f"deepstack_merger_list.{j}.", m) for j in range(k))]:
+        params += [
+            ParamTensor(prefix + "norm.weight", (norm,)),
+            ParamTensor(prefix + "norm.bias", (norm,)),
+            ParamTensor(prefix + "linear_fc1.weight", (m, m), "column", rows=merged),
+            ParamTensor(prefix + "linear_fc1.bias", (m,), "column"),
+            ParamTensor(prefix + "linear_fc2.weight", (out, m), "row", rows=merged),
+            ParamTensor(prefix + "linear_fc2.bias", (out,)),
+        ]
+    return EncoderShape(
+        family="qwen3_vl",
+        hidden=h,
+        heads=config_int(v, "num_heads"),
+        depth=depth,
+        intermediate=i,
+        out_hidden=out * (1 + k),
+        full_blocks=tuple(range(depth)),
+        params=tuple(params),
+        input_elems=chans * tp * patch**2,
+        patch=patch,
+        merge=merge,
+        mlp_in=1,
+        mlp_mid=2,
+        # every merger saves what the Qwen merger does (an estimate beyond state and bytes)
+        head_saves=(1 + k) * (6 * h + 2),
+    )
+
+
+def qwen2_5_omni_vision_shape(cfg: dict[str, Any]) -> EncoderShape:
+    """The Qwen2.5-Omni thinker's tower (a whole Omni dir's ``thinker_config.vision_config``):
+    Qwen2.5-VL's with separate biased ``q``/``k``/``v`` linears in place of ``qkv``. Its
+    RMSNorms upcast like Qwen2.5-VL's, so the cost rules see it as that family's tower."""
+    thinker = cfg.get("thinker_config") or cfg
+    base = qwen2_5_vl_shape(thinker.get("vision_config") or thinker)
+    params: list[ParamTensor] = []
+    for t in base.params:
+        if ".attn.qkv." not in t.name:
+            params.append(t)
+            continue
+        h = t.shape[0] // 3
+        for p in ("q", "k", "v"):
+            params.append(ParamTensor(t.name.replace(".qkv.", f".{p}."), (h, *t.shape[1:]), "column"))
+    return replace(base, params=tuple(params))

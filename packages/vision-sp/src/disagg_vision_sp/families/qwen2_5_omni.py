@@ -1,0 +1,84 @@
+"""``qwen2_5_omni`` vision family: the thinker's ``visual`` tower of a Qwen2.5-Omni dir.
+
+A whole Qwen2.5-Omni dir (``model_type: qwen2_5_omni``, the thinker's tensors under
+``thinker.*``; talker and token2wav, if present, are never read) or a thinker dir
+(``qwen2_5_omni_thinker``) serves three modules at once: this tower, the audio
+tower (``qwen2_5_omni_audio``, disagg-audio) and the language model
+(``qwen2_5_omni``, disagg-llm-tp). The tower is Qwen2.5-VL's (window attention
+except ``fullatt_block_indexes``, RMSNorm SwiGLU blocks, the 2x2 merger) with
+separate ``q``/``k``/``v`` linears, so the Qwen2.5-VL hook points run it as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces import LayerMap
+from disagg.interfaces.hf import checkpoint_keys, find_prefix, quiet_transformers
+from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
+
+
+class Qwen2_5OmniVision(Qwen2_5_VLVision):
+    """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
+
+    name: ClassVar[str] = "qwen2_5_omni"
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_omni", "qwen2_5_omni_thinker")
+    #: where the tower lives in the dir's files: whole Omni, thinker, transformers-5 thinker
+    prefixes: ClassVar[tuple[str, ...]] = ("thinker.visual.", "visual.", "model.visual.", "")
+
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_vision_sp.families.shapes import qwen2_5_omni_vision_shape
+
+        return qwen2_5_omni_vision_shape(config)
+
+    def vision_config(self) -> Any:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(self.path)
+        cfg = getattr(cfg, "thinker_config", cfg)  # a whole Omni dir nests the thinker
+        return getattr(cfg, "vision_config", cfg)
+
+    def tower_class(self) -> type:
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniVisionEncoder
+
+        return Qwen2_5OmniVisionEncoder
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        # Load only the tower's tensors: key_mapping strips the dir's prefix.
+        with quiet_transformers():
+            return self.tower_class().from_pretrained(
+                self.path,
+                config=self.vision_config(),
+                key_mapping={r"^thinker\.visual\.": "", r"^model\.visual\.": "", r"^visual\.": ""},
+                dtype=dtype,
+                attn_implementation=self.options.get("attn_implementation", "sdpa"),
+            )
+
+    def checkpoint_name(self, name: str) -> str:
+        # the inverse of build()'s key_mapping
+        if getattr(self, "_prefix", None) is None:
+            keys = checkpoint_keys(self.path)
+            self._prefix = find_prefix(keys, "patch_embed.proj.weight", self.prefixes)
+        return self._prefix + name
+
+    def layer_map(self) -> LayerMap:
+        base = super().layer_map()
+        qkv = "blocks.*.attn.qkv"
+        return dataclasses.replace(
+            base,
+            column=tuple(c for c in base.column if c != qkv)
+            + tuple(f"blocks.*.attn.{p}" for p in ("q", "k", "v")),
+            column_chunks={},
+        )
+
+    @classmethod
+    def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
+        from disagg_vision_sp.families.tiny_qwen2_5_omni import make_tiny_qwen2_5_omni
+
+        return make_tiny_qwen2_5_omni(Path(out_dir))
