@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import EncoderFamily
-from disagg.interfaces.hf import (
+from disagg.kit.hf import (
     check_attn_implementation,
     checkpoint_keys,
     empty_from_config,

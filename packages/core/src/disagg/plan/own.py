@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.config.schema import Config
-from disagg.interfaces import Strategy
+from disagg.kit import Strategy
 from disagg.plan.cluster import Cluster
 from disagg.plan.model import Group, Layout, Workload, evaluate, module_cost
 from disagg.plan.search import PlanResult

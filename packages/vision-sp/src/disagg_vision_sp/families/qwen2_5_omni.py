@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import LayerMap
-from disagg.interfaces.hf import checkpoint_keys, find_prefix, quiet_transformers
+from disagg.kit.hf import checkpoint_keys, find_prefix, quiet_transformers
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.interfaces import Family, OptimSpec, Strategy, StrategyOptions
+from disagg.interfaces import Family, OptimSpec, StrategyOptions
+from disagg.kit import Strategy
 
 
 @dataclass(frozen=True)
