@@ -149,10 +149,12 @@ def resolve(dataset_dir: str | Path, name: str) -> tuple[str, Columns]:
             here, f"'columns': '{pref[0]}' (preference/KTO data); disagg trains supervised fine-tuning only"
         )
     tag_map = {k: tags.get(k) for k in DEFAULT_TAGS} if tags is not None else dict(DEFAULT_TAGS)
-    needed = ("prompt", "response") if formatting == "alpaca" else ("messages",)
+    needed = ("response",) if formatting == "alpaca" else ("messages",)
     for key in needed:
         if not cols.get(key):
             raise DataError(here, f"'columns' names no {key!r} column, which {formatting} rows need")
+    if formatting == "alpaca" and not (cols.get("prompt") or cols.get("query")):
+        raise DataError(here, "'columns' names neither a 'prompt' nor a 'query' column: alpaca rows need one")
     if formatting == "sharegpt":
         for key in ("role_tag", "content_tag", "user_tag", "assistant_tag"):
             if not tag_map.get(key):
@@ -294,7 +296,7 @@ def entry_mismatch(loc: str, item: Any, spec: Columns) -> str | None:
         return f"{loc}: a sample must be a JSON object, got {type(item).__name__}"
     keys = ", ".join(sorted(map(str, item))) or "none"
     if spec.formatting == "alpaca":
-        need = [(c, spec.col(c)) for c in ("prompt", "response")]
+        need = [(c, spec.col(c)) for c in ("prompt", "response") if spec.col(c)]
     else:
         need = [("messages", spec.col("messages"))]
     for column, key in need:
