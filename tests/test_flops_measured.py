@@ -88,7 +88,7 @@ def test_group_flops_equal_flop_counter(measured):
         if name == "megatron_tp":
             ns = [max(ns)] * len(ns)  # one microbatch, padded to its longest sequence
         counted = sum(sum(r[k]["by_op"].values()) for r in ranks)  # the group: both ranks
-        assert all(r[k]["case"] == [name, module, degree, replicas] for r in ranks)
+        assert all(tuple(r[k]["case"]) == (name, module, degree, replicas) for r in ranks)
         want = sum(expected_counted(shape, n) for n in ns)
         checked[(name, module)] = counted / want - 1
         assert counted == pytest.approx(want, rel=REL), (name, module, counted, want)
