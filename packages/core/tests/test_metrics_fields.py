@@ -133,3 +133,45 @@ def test_train_log_line():
     assert "lr vision=0.0001,llm=2e-05" in step_line(
         {"step": 1, "lr": {"vision": 1e-4, "llm": 2e-5}}, None, None
     )
+
+
+def test_plot_draws_the_per_module_accounting(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    from PIL import Image
+
+    from disagg.metrics.plot import plot_run
+
+    groups, records = {"llm": reduce_group(_records())}, {"llm": _records()}
+    res = StepResult(2.0, 1.5, 10, 100, 4.0, groups, records, {"llm": 100})
+    rows = [step_record(s, res, {}, flops={"llm": 8e9}, peak_flops=1e9) for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = plot_run(tmp_path)
+    assert [p.name for p in written] == ["loss.png", "throughput.png", "memory.png", "modules.png"]
+    with Image.open(tmp_path / "plots" / "modules.png") as im:
+        assert im.format == "PNG" and im.size[0] > 500
+
+
+def test_train_log_keeps_the_runs_warnings(tmp_path):
+    import logging
+    import warnings
+
+    from disagg.metrics.textlog import TrainLog
+
+    before = warnings.showwarning
+    log = TrainLog()
+    log.disagg_run_started({"train": {"steps": 2}, "output_dir": str(tmp_path)}, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a driver warning", UserWarning, stacklevel=1)
+    logging.getLogger("some.library").warning("a library warning")
+    logging.getLogger("some.library").info("library chatter")  # below WARNING: not the run's log
+    row = {"step": 1, "loss": 2.0, "lr": {"llm": 0.1}, "grad_norm": 1.0, "step_time_s": 1.0}
+    log.disagg_log_metrics(1, row)
+    log.disagg_run_finished({"status": "ok", "steps": 1, "steps_run": 1})
+    text = (tmp_path / "train.log").read_text()
+    assert "warning UserWarning: a driver warning" in text
+    assert "warning some.library: a library warning" in text and "chatter" not in text
+    assert "step 1/2 loss 2.0000 lr 0.1 grad_norm 1 tokens/s ? eta 0:00:01" in text
+    assert warnings.showwarning is before and log._handler not in logging.getLogger().handlers

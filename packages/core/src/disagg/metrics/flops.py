@@ -87,9 +87,9 @@ class StepFlops:
 
         try:
             shapes = config_shapes(cfg, registry)
-        except ValueError as exc:
+            lora, frozen = config_training(cfg, registry) if cfg.train.modules else ({}, {})
+        except Exception as exc:  # noqa: BLE001 (a figure of the metrics never stops a run)
             return None, f"no per-group flops/mfu: {exc}"
-        lora, frozen = config_training(cfg, registry) if cfg.train.modules else ({}, {})
         modules = {
             m: ModuleFlops(shapes[m], getattr(cfg.parallel, m).recompute, lora.get(m), frozen.get(m, ()))
             for m in cfg.modules()
