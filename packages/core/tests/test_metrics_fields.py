@@ -175,3 +175,13 @@ def test_train_log_keeps_the_runs_warnings(tmp_path):
     assert "warning some.library: a library warning" in text and "chatter" not in text
     assert "step 1/2 loss 2.0000 lr 0.1 grad_norm 1 tokens/s ? eta 0:00:01" in text
     assert warnings.showwarning is before and log._handler not in logging.getLogger().handlers
+
+
+def test_mfu_peak_per_device_and_precision():
+    from disagg.metrics.peak import device_peak
+
+    assert device_peak("cpu", "fp32", {})[0] == 20e9  # the 'cpu' planning preset, per rank
+    assert device_peak("cuda", "bf16", {"GPU": 8.0, "accelerator_type:H200": 1.0})[0] == 989e12
+    assert device_peak("cuda", "fp32", {"accelerator_type:A100-80G": 1.0})[0] == 19.5e12
+    peak, why = device_peak("cuda", "bf16-pure", {"accelerator_type:T4": 1.0})
+    assert peak is None and "T4" in why

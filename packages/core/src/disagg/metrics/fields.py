@@ -61,7 +61,8 @@ class Field:
     #: the ``RankRecord`` attribute reduced (default: ``name`` less a ``_per_rank`` suffix)
     source: str | None = None
     #: fields computed on the driver: the value from the step's inputs (a group field: per
-    #: module, ``value(inputs, module)``; None leaves the module out)
+    #: module, ``value(inputs, module)``; None leaves the module out); an ``EVAL_FIELDS`` entry's
+    #: takes ``Orchestrator.evaluate``'s dict
     value: Callable[..., Any] | None = None
 
     @property
