@@ -153,6 +153,19 @@ def test_overlapped_gradient_reduction_equals_hf_model_every_step(ray_local, tin
     # every LLM replica's last microbatch has text: its bucket goes out inside that backward
     assert all(o["llm"] > 0 for o in overlapped), overlapped
     assert any(o["vision"] > 0 for o in overlapped), overlapped
+    # per-module accounting (docs/metrics.md): each group's model FLOPs, MFU against the CPU
+    # preset's peak per rank (train.log says which), active tokens per rank, idle fraction
+    from disagg.plan.cluster import PRESETS
+
+    peak = PRESETS["cpu"].peak_flops
+    assert "mfu: peak per device cpu: 20 GFLOP/s per rank" in (tmp_path / "run" / "train.log").read_text()
+    for x in lines:
+        assert set(x["flops"]) == set(x["mfu"]) == set(x["idle_fraction"]) == {"vision", "llm"}, x
+        for m, ranks in (("vision", 2), ("llm", 2)):
+            assert x["flops"][m] > 0 and 0 <= x["idle_fraction"][m] <= 1
+            assert x["mfu"][m] == pytest.approx(x["flops"][m] / (x["step_time_s"] * ranks * peak))
+            per_device = x["module_tokens"][m] / (x["step_time_s"] * ranks)
+            assert x["active_tokens_per_s_per_device"][m] == pytest.approx(per_device)
 
 
 def test_overlap_is_refused_where_the_strategy_reduces_its_own_way(tiny, tmp_path):

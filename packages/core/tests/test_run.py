@@ -54,6 +54,14 @@ def test_run_writes_metrics_checkpoints_and_exports(ray_local, toy_registry, tmp
         # two vision replicas all-reduce their gradients; shards and gradients cross groups
         assert r["comm_bytes"]["vision"] > 0 and r["comm_bytes"]["llm"] > 0
     assert any(run.glob("*.yaml")), "the resolved config is written to the run dir"
+    # busy time is the step's own (set-up and checkpoints were charged to a step: 9.2 s in 0.44 s)
+    for r in lines:
+        assert all(0 < b <= r["step_time_s"] for b in r["busy_s"].values()), (r["step"], r["busy_s"])
+    # train.log: one line per logged step with loss, lr and grad_norm, for tail -f
+    assert _train_log_steps(run) == [
+        f"step {r['step']}/4 loss {r['loss']:.4f} lr {r['lr']['llm']:.3g} grad_norm {r['grad_norm']:.4g}"
+        for r in lines
+    ]
     assert (run / "checkpoints" / "step-2" / "meta.json").exists()
     last = run / "checkpoints" / "step-4"
     out = export_checkpoint(last, tmp_path / "export", toy_registry)
@@ -79,13 +87,27 @@ def test_run_writes_metrics_checkpoints_and_exports(ray_local, toy_registry, tmp
         output_dir=str(tmp_path / "resumed"),
         checkpoint={"every": 0, "resume_from": str(run / "checkpoints" / "step-2")},
     )
-    run_training(
+    summary2 = run_training(
         validate(cfg2, toy_registry), registry=toy_registry, data_source=ToyDataSource(4), progress=False
     )
     resumed = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [3, 4]
+    # the summary counts the steps this invocation ran, not the checkpoint's
+    from disagg.cli.train import format_summary
+
+    assert (summary2["steps"], summary2["steps_run"]) == (4, 2)
+    assert format_summary(summary2).startswith("trained 2 steps (3-4, resumed at step 2)")
+    assert [x.split(" loss")[0] for x in _train_log_steps(tmp_path / "resumed")] == ["step 3/4", "step 4/4"]
     for a, b in zip(resumed, lines[2:]):
         assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])
+
+
+def _train_log_steps(run_dir) -> list[str]:
+    """train.log's step lines, from ``step`` up to ``tokens/s`` (time stamp and rate cut)."""
+    import re
+
+    text = (run_dir / "train.log").read_text()
+    return re.findall(r"^\S+ \S+ (step \d+/\d+ loss .*?) tokens/s ", text, re.M)
 
 
 def test_actor_failure_names_module_and_rank(ray_local, toy_registry, tmp_path):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "draw loss / eval loss, throughput and memory PNGs from a run dir's metrics.jsonl"
+HELP = (
+    "draw loss / eval loss, throughput, memory and per-module FLOPs / MFU / tokens / idle PNGs "
+    "from a run dir's metrics.jsonl"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

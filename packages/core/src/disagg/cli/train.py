@@ -82,12 +82,19 @@ def _resume_path(resume: str, output_dir: str) -> str | None:
     return str(path)
 
 
+def _steps_run(summary: dict) -> str:
+    """The steps this invocation ran: after ``--resume``, not the checkpoint's steps too."""
+    run, last = summary.get("steps_run", summary["steps"]), summary["steps"]
+    first = summary.get("first_step", 1)
+    return f"{run} steps" if first == 1 else f"{run} steps ({first}-{last}, resumed at step {first - 1})"
+
+
 def format_summary(summary: dict) -> str:
     """The final summary a person reads after the progress bar."""
     if not summary.get("steps"):
         return f"no steps run; run dir: {summary.get('run_dir')}"
     lines = [
-        f"trained {summary['steps']} steps: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
+        f"trained {_steps_run(summary)}: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
         f"mean throughput: {summary['mean_tokens_per_s']:.1f} tokens/s",
         *(
             [

@@ -25,8 +25,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     """Write ``loss.png`` (train loss, and eval loss where the run evaluated),
-    ``throughput.png`` (tokens/s) and ``memory.png`` (peak memory per module);
-    return their paths."""
+    ``throughput.png`` (tokens/s), ``memory.png`` (peak memory per module) and
+    ``modules.png`` (per module: FLOPs per step, MFU, active tokens/s per device and
+    idle fraction, where the run logged them); return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a CI machine
@@ -66,4 +67,23 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     ax.set(xlabel="step", ylabel="peak memory per rank (MiB)", title="memory")
     ax.legend()
     save(fig, "memory.png")
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    for ax, (key, label, scale) in zip(axes.flat, MODULE_PANELS):
+        for module in sorted({m for r in rows for m in r.get(key, {})}):
+            pts = [(r["step"], r[key][module] * scale) for r in rows if module in r.get(key, {})]
+            ax.plot(*zip(*pts), label=module)
+        ax.set(xlabel="step", ylabel=label, title=key)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    save(fig, "modules.png")
     return written
+
+
+#: ``modules.png``'s panels: record field, axis label, scale
+MODULE_PANELS = (
+    ("flops", "model TFLOPs per step", 1e-12),
+    ("mfu", "MFU (fraction of peak)", 1.0),
+    ("active_tokens_per_s_per_device", "active tokens / s / device", 1.0),
+    ("idle_fraction", "idle fraction of the step", 1.0),
+)

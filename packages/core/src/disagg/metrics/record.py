@@ -7,6 +7,7 @@ records with :func:`reduce_group` into the per-group figures of
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,27 +46,18 @@ class RankRecord:
     device_s: float = 0.0
     lr: float = 0.0
 
+    @property
+    def comm_bytes(self) -> int:
+        """Everything this rank sent: its collectives' bytes and its bytes to other groups."""
+        return sum(self.collective_bytes.values()) + self.sent_bytes
+
 
 def reduce_group(records: list[RankRecord]) -> dict[str, Any]:
-    """A group's figures: per-rank maxima (the slowest or fullest rank bounds
-    the group), totals where the sum is what is meant."""
-    per_rank_comm = [sum(r.collective_bytes.values()) + r.sent_bytes for r in records]
-    return {
-        "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
-        "peak_reserved_bytes": max(r.peak_reserved_bytes for r in records),
-        "device_s": max(r.device_s for r in records),
-        "comm_bytes": sum(per_rank_comm),
-        "comm_bytes_per_rank": max(per_rank_comm),
-        "collective_bytes_per_rank": _max_by_kind([r.collective_bytes for r in records]),
-        "collective_calls_per_rank": _max_by_kind([r.collective_calls for r in records]),
-        "overlapped_calls_per_rank": max(r.overlapped_calls for r in records),
-        "sent_bytes_per_rank": max(r.sent_bytes for r in records),
-        "busy_s": max(r.busy_s for r in records),
-        "wait_s": max(r.wait_s for r in records),
-        "activation_bytes_per_rank": max(r.activation_bytes for r in records),
-        "state_bytes_per_rank": max(r.state_bytes for r in records),
-        "lr": records[0].lr,
-    }
+    """A group's figures, one per reduced field of :data:`disagg.metrics.fields.FIELDS`: per-rank
+    maxima where the slowest or fullest rank bounds the group, totals where the sum is meant."""
+    from disagg.metrics.fields import REDUCED
+
+    return {f.name: _REDUCE[f.reduce](getattr(r, f.attribute) for r in records) for f in REDUCED}  # type: ignore[index]
 
 
 def per_gpu(records: dict[str, list[RankRecord]]) -> dict[str, dict[str, int]]:
@@ -83,10 +75,24 @@ def per_gpu(records: dict[str, list[RankRecord]]) -> dict[str, dict[str, int]]:
     return out
 
 
-def _max_by_kind(per_rank: list[dict[str, int]]) -> dict[str, int]:
+def _max_by_kind(values: Iterable[dict[str, int]]) -> dict[str, int]:
     """Per collective kind, the most any rank counted (a rank without it counts 0)."""
+    per_rank = list(values)
     kinds = sorted({k for counts in per_rank for k in counts})
     return {k: max(counts.get(k, 0) for counts in per_rank) for k in kinds}
+
+
+def _first(values: Iterable[Any]) -> Any:
+    return next(iter(values))
+
+
+#: :data:`disagg.metrics.fields.Reduction` -> how it reduces the ranks' values
+_REDUCE: dict[str, Callable[[Iterable[Any]], Any]] = {
+    "max": max,
+    "sum": sum,
+    "first": _first,
+    "max_by_kind": _max_by_kind,
+}
 
 
 @dataclass

@@ -1,46 +1,38 @@
-"""Turn an orchestrator step result into the ``metrics.jsonl`` record."""
+"""Turn an orchestrator step result into the ``metrics.jsonl`` record (its fields are
+:data:`disagg.metrics.fields.FIELDS`), and a run's records into its summary."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from disagg.metrics.record import StepResult, per_gpu
+from disagg.metrics.fields import EVAL_FIELDS, FIELDS, StepInputs
+from disagg.metrics.record import StepResult
 
 
-def step_record(step: int, res: StepResult, data_stats: dict[str, int]) -> dict[str, Any]:
-    """The fields every ``metrics.jsonl`` line carries, plus per-group detail."""
-    return {
-        "step": step,
-        "loss": res.loss,
-        "grad_norm": res.grad_norm,
-        "step_time_s": res.step_time_s,
-        "tokens_per_s": res.tokens / res.step_time_s if res.step_time_s > 0 else 0.0,
-        "tokens": res.tokens,
-        "label_tokens": res.label_tokens,
-        "module_tokens": dict(res.module_tokens),
-        "peak_mem_bytes": {m: g["peak_mem_bytes"] for m, g in res.groups.items()},
-        "peak_reserved_bytes": {m: g["peak_reserved_bytes"] for m, g in res.groups.items()},
-        # CUDA: per GPU, the reserved peaks of the processes on it summed, and its used memory
-        "gpu_mem_bytes": per_gpu(res.records),
-        # CUDA: GPU time of the slowest rank (CUDA events); busy_s is host time
-        "device_s": {m: g["device_s"] for m, g in res.groups.items()},
-        "comm_bytes": {m: g["comm_bytes"] for m, g in res.groups.items()},
-        "comm_bytes_per_rank": {m: g["comm_bytes_per_rank"] for m, g in res.groups.items()},
-        # the most any rank of the group sent, by collective kind / to other groups
-        "collective_bytes_per_rank": {m: g["collective_bytes_per_rank"] for m, g in res.groups.items()},
-        "collective_calls_per_rank": {m: g["collective_calls_per_rank"] for m, g in res.groups.items()},
-        "overlapped_calls_per_rank": {m: g["overlapped_calls_per_rank"] for m, g in res.groups.items()},
-        "sent_bytes_per_rank": {m: g["sent_bytes_per_rank"] for m, g in res.groups.items()},
-        "busy_s": {m: g["busy_s"] for m, g in res.groups.items()},
-        # time each group spent blocked on another (shards or gradients not yet there)
-        "wait_s": {m: g["wait_s"] for m, g in res.groups.items()},
-        "activation_bytes_per_rank": {m: g["activation_bytes_per_rank"] for m, g in res.groups.items()},
-        "state_bytes_per_rank": {m: g["state_bytes_per_rank"] for m, g in res.groups.items()},
-        "lr": {m: g["lr"] for m, g in res.groups.items()},
-        "skipped_samples": int(data_stats.get("skipped", 0)),
-        "dropped_too_long": int(data_stats.get("dropped_too_long", 0)),
-        "truncated_too_long": int(data_stats.get("truncated", 0)),
-    }
+def step_record(
+    step: int,
+    res: StepResult,
+    data_stats: dict[str, int],
+    flops: dict[str, float] | None = None,
+    peak_flops: float | None = None,
+) -> dict[str, Any]:
+    """Every field of :data:`~disagg.metrics.fields.FIELDS`, in its order: run-wide ones as
+    numbers, per-group ones as ``{module: value}`` (a module whose value is unknown left out).
+    ``flops``: per group, the step's model FLOPs (:mod:`disagg.metrics.flops`); ``peak_flops``:
+    one device's peak FLOP/s in the run's precision (:mod:`disagg.metrics.peak`)."""
+    x = StepInputs(step, res, data_stats, dict(flops or {}), peak_flops)
+    out: dict[str, Any] = {}
+    for f in FIELDS:
+        if f.per == "step":
+            out[f.name] = f.value(x)  # type: ignore[misc]
+            continue
+        values = {}
+        for m in res.groups:
+            v = res.groups[m][f.name] if f.reduce is not None else f.value(x, m)  # type: ignore[misc]
+            if v is not None:
+                values[m] = v
+        out[f.name] = values
+    return out
 
 
 #: names a field had in older ``metrics.jsonl`` files -> its name now
@@ -54,24 +46,23 @@ def upgrade(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def eval_fields(ev: dict[str, Any]) -> dict[str, Any]:
-    """The ``eval_*`` keys of a step's record, from ``Orchestrator.evaluate``."""
-    return {
-        "eval_loss": ev["loss"],
-        "eval_token_accuracy": ev["token_accuracy"],
-        "eval_label_tokens": ev["label_tokens"],
-        "eval_samples": ev["samples"],
-        "eval_module_tokens": dict(ev["tokens"]),
-        "eval_time_s": ev["time_s"],
-    }
+    """The ``eval_*`` keys of a step's record (:data:`~disagg.metrics.fields.EVAL_FIELDS`), from
+    ``Orchestrator.evaluate``."""
+    return {f.name: f.value(ev) for f in EVAL_FIELDS}  # type: ignore[misc]
 
 
 def summarize(records: list[dict[str, Any]], run_dir: str, status: str = "ok") -> dict[str, Any]:
+    """``records``: the steps this invocation ran (a resumed run's start at its checkpoint).
+    ``steps`` is the last step reached; ``steps_run`` how many of them this invocation ran,
+    from ``first_step``."""
     if not records:
-        return {"status": status, "steps": 0, "run_dir": run_dir}
+        return {"status": status, "steps": 0, "steps_run": 0, "run_dir": run_dir}
     tps = [r["tokens_per_s"] for r in records[1:]] or [records[0]["tokens_per_s"]]  # step 1 includes warm-up
     return {
         "status": status,
         "steps": records[-1]["step"],
+        "steps_run": len(records),
+        "first_step": records[0]["step"],
         "first_loss": records[0]["loss"],
         "last_loss": records[-1]["loss"],
         "mean_tokens_per_s": sum(tps) / len(tps),

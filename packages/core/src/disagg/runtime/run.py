@@ -14,6 +14,7 @@ from disagg.config.dump import dump_resolved
 from disagg.config.resolved import ResolvedConfig, require_resolved, reserved_cpus
 from disagg.config.schema import Config
 from disagg.data.balance import balance
+from disagg.metrics.flops import FlopCounting, flop_counting
 from disagg.metrics.scalars import scalars
 from disagg.metrics.step import step_record, summarize
 from disagg.plugins import Registry, get_registry, notify
@@ -62,6 +63,7 @@ def run_training(
         ensure_ray(address or cfg.ray.address, cfg.ray.num_cpus, reserved=reserved_cpus(resolved))
         total = ray.cluster_resources()
         plan = make_plan(resolved, registry, total.get("GPU", 0.0), total.get("CPU"))
+        counting = flop_counting(cfg, registry, plan.device, plan.precision)
         if data_source is None:
             from disagg.data import build_data_source
 
@@ -70,7 +72,7 @@ def run_training(
         while True:
             orch = _start_groups(cfg, plan, registry)
             try:
-                _train(orch, cfg, run_dir, data_source, evaluation, resume, records, pm, progress)
+                _train(orch, cfg, run_dir, data_source, evaluation, resume, records, pm, progress, counting)
                 break
             except ActorDied as exc:
                 # a rank's process or node is gone: new groups resume from the newest checkpoint
@@ -125,6 +127,7 @@ def _train(
     records: list[dict[str, Any]],
     pm: Any,
     progress: bool,
+    counting: FlopCounting | None = None,
 ) -> None:
     """Steps from ``resume`` (or the start) to ``train.steps``, appending to
     ``records`` (steps after ``resume`` from an earlier attempt are dropped)."""
@@ -137,7 +140,8 @@ def _train(
     try:
         for step, batch in zip(range(start + 1, cfg.train.steps + 1), batches):
             result = orch.step(batch)
-            record = step_record(step, result, data_source.stats())
+            flops, peak = counting.step(batch) if counting is not None else ({}, None)
+            record = step_record(step, result, data_source.stats(), flops, peak)
             if evaluation.due(step):  # after the step: the eval loss of the updated weights
                 record.update(evaluation.run(orch))
             records.append(record)

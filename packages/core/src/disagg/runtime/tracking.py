@@ -25,6 +25,11 @@ def start_trackers(cfg: Config, run_dir: Path, registry: Registry) -> list[Any]:
         pm.register(tracker, name=f"disagg.tracker.{name}:{id(tracker)}")
         trackers.append(tracker)
     trackers[0].open(run_dir)  # metrics.jsonl exists whatever another tracker does
+    from disagg.metrics.textlog import TrainLog
+
+    text = TrainLog()  # train.log: one line per step and the driver's warnings, every run
+    pm.register(text, name=f"disagg.train_log:{id(text)}")
+    trackers.append(text)
     notify("disagg_run_started", pm=pm, config=cfg.model_dump(mode="json"), run_dir=Path(run_dir))
     return trackers
 

@@ -24,6 +24,9 @@ DEVICE_TIMED = frozenset(
 )
 #: calls whose arguments are another group's outputs (their wait counts as ``wait_s``)
 CONSUMERS = frozenset({"loss_and_backward", "backward"})
+#: calls between steps (set-up, checkpoints): their time belongs to no step; counted, set-up
+#: (loading the weights) made step 1's ``busy_s`` exceed its ``step_time_s`` twentyfold
+OUTSIDE_STEPS = frozenset({"setup", "save_full", "load_full", "full_state_dict", "full_grads"})
 
 
 class Accounting:
@@ -44,6 +47,12 @@ class Accounting:
         """Time one actor call: ``busy_s`` is the time inside it minus what it
         spent blocked on another group, ``wait_s`` the idle time before a call
         that consumes another group's outputs."""
+        if name in OUTSIDE_STEPS:
+            try:
+                yield
+            finally:
+                self.idle_from = time.perf_counter()  # the next step's wait starts here, not before
+            return
         rec = self.record  # step() starts a new record; this call's time belongs to the old one
         t0, waited = time.perf_counter(), rec.wait_s
         start = self.timer.start() if name in DEVICE_TIMED else None  # CUDA: no sync
