@@ -31,6 +31,7 @@ def quiet(monkeypatch):
     """A process with the filters installed; the driver's state restored afterwards."""
     monkeypatch.delenv(noise.VERBOSE_ENV, raising=False)
     with warnings.catch_warnings():
+        warnings.resetwarnings()  # only disagg's filters (not pytest's -W / filterwarnings)
         noise.install()
         yield
     os.environ.pop(noise.VERBOSE_ENV, None)  # --verbose set it (not through monkeypatch)
