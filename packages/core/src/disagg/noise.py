@@ -73,10 +73,12 @@ def verbose() -> bool:
 
 def install() -> None:
     """Filter the known noise in this process (idempotent); nothing under ``DISAGG_VERBOSE``."""
-    if verbose() or _installed:
+    if verbose():
         return
-    for pattern, category in WARNINGS:
+    for pattern, category in WARNINGS:  # filterwarnings drops an equal filter before adding it
         warnings.filterwarnings("ignore", message=pattern, category=category)
+    if _installed:
+        return
     for name, patterns in LOG_RECORDS.items():
         logger = logging.getLogger(name)
         drop = _Drop(patterns)
