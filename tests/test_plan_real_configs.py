@@ -187,3 +187,35 @@ def test_plan_ranks_qwen2_5_omni_7b(tmp_path):
     assert set(best) == {"vision", "audio", "llm"} and all(best[m]["flops"] > 0 for m in best)
     # 1500 audio positions pooled by 2: 750 rows of the LLM's 3584 columns
     assert best["audio"]["sent_bytes"] % (750 * 3584) == 0
+
+
+def test_parallel_auto_places_qwen3_vl_8b(tmp_path):
+    """``parallel: auto`` on the published Qwen3-VL-8B config (config.json only): the planner's
+    best layout replaces ``auto`` in the config (what ``disagg train`` then runs)."""
+    from disagg.config.schema import Config
+    from disagg.plan.auto import resolve_auto
+    from disagg.plugins import get_registry
+
+    d = tmp_path / "qwen3_vl_8b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_config("qwen3_vl_8b.json")))
+    auto = {
+        "cluster": "h100x8",
+        "vision_tokens": 4096,
+        "text_tokens": 1024,
+        "strategies": ["ulysses", "megatron_tp"],
+    }
+    cfg = Config.model_validate(
+        {
+            "model": {m: {"family": "qwen3_vl", "path": str(d)} for m in ("vision", "llm")},
+            "parallel": {"auto": auto},
+            "data": {"train": str(tmp_path / "train.jsonl"), "batch_size": 8},
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    placed, record = resolve_auto(cfg, get_registry())
+    assert placed.parallel.auto is None and record["predicted"]["step_time_s"] > 0
+    chosen = {m: getattr(placed.parallel, m).strategy for m in ("vision", "llm")}
+    assert set(chosen.values()) <= {"ulysses", "megatron_tp"} and chosen == {
+        m: record["chosen"]["parallel"][m]["strategy"] for m in ("vision", "llm")
+    }
