@@ -102,7 +102,7 @@ def test_qwen3_vl_8b_planning_shapes_count_every_parameter():
     assert total == 8_767_123_696  # the model card's 8.77B
 
 
-def _plan(tmp: Path, model: dict, *extra: str) -> dict:
+def _plan(tmp: Path, model: dict, *extra: str, gpus: int = 4) -> dict:
     from disagg.cli.main import main
 
     for spec in model.values():
@@ -113,7 +113,7 @@ def _plan(tmp: Path, model: dict, *extra: str) -> dict:
     config = tmp / "config.yaml"
     config.write_text(yaml.safe_dump({"model": model, "output_dir": str(tmp / "run")}))
     out = tmp / "plan.json"
-    argv = ["plan", str(config), "--cluster", "h100x8", "--gpus", "4", "--samples", "4"]
+    argv = ["plan", str(config), "--cluster", "h100x8", "--gpus", str(gpus), "--samples", str(gpus)]
     assert main([*argv, "--text-tokens", "1024", *extra, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
@@ -179,10 +179,43 @@ def test_qwen2_5_omni_7b_planning_shapes_count_every_parameter():
 def test_plan_ranks_qwen2_5_omni_7b(tmp_path):
     cfg = _config("qwen2_5_omni_7b.json")
     model = {m: {"family": f, "config_dir": "qwen2_5_omni_7b", "config": cfg} for m, f in OMNI.items()}
-    plan = _plan(tmp_path, model, "--vision-tokens", "4096", "--audio-tokens", "1500")
+    # 2 devices: three modules' layouts multiply (~50k on 2 devices, ~250k on 4)
+    plan = _plan(tmp_path, model, "--vision-tokens", "4096", "--audio-tokens", "1500", gpus=2)
     ranked = plan["ranked"]
     assert len(ranked) > 1 and ranked[0]["step_time_s"] == min(r["step_time_s"] for r in ranked)
     best = ranked[0]["groups"]
     assert set(best) == {"vision", "audio", "llm"} and all(best[m]["flops"] > 0 for m in best)
     # 1500 audio positions pooled by 2: 750 rows of the LLM's 3584 columns
     assert best["audio"]["sent_bytes"] % (750 * 3584) == 0
+
+
+def test_parallel_auto_places_qwen3_vl_8b(tmp_path):
+    """``parallel: auto`` on the published Qwen3-VL-8B config (config.json only): the planner's
+    best layout replaces ``auto`` in the config (what ``disagg train`` then runs)."""
+    from disagg.config.schema import Config
+    from disagg.plan.auto import resolve_auto
+    from disagg.plugins import get_registry
+
+    d = tmp_path / "qwen3_vl_8b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_config("qwen3_vl_8b.json")))
+    auto = {
+        "cluster": "h100x8",
+        "vision_tokens": 4096,
+        "text_tokens": 1024,
+        "strategies": ["ulysses", "megatron_tp"],
+    }
+    cfg = Config.model_validate(
+        {
+            "model": {m: {"family": "qwen3_vl", "path": str(d)} for m in ("vision", "llm")},
+            "parallel": {"auto": auto},
+            "data": {"train": str(tmp_path / "train.jsonl"), "batch_size": 8},
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    placed, record = resolve_auto(cfg, get_registry())
+    assert placed.parallel.auto is None and record["predicted"]["step_time_s"] > 0
+    chosen = {m: getattr(placed.parallel, m).strategy for m in ("vision", "llm")}
+    assert set(chosen.values()) <= {"ulysses", "megatron_tp"} and chosen == {
+        m: record["chosen"]["parallel"][m]["strategy"] for m in ("vision", "llm")
+    }

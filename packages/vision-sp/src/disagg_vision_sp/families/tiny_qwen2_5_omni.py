@@ -107,6 +107,12 @@ def make_tiny_qwen2_5_omni(out_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Qwen2_5OmniForConditionalGeneration(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
+    # The class that loads this dir is the thinker's: the whole model's from_pretrained
+    # also wants the talker's speaker table (spk_dict.pt), which a thinker-only dir lacks.
+    cfg_path = out / "config.json"
+    saved = json.loads(cfg_path.read_text())
+    saved["architectures"] = ["Qwen2_5OmniThinkerForConditionalGeneration"]
+    cfg_path.write_text(json.dumps(saved, indent=2))
 
     proc = Qwen2VLImageProcessorPil(
         patch_size=VISION["patch_size"],
