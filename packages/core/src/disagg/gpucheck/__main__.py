@@ -36,6 +36,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated strategies or layouts part 1 leaves out (reported as excluded); a strategy "
         "whose plugin is missing and not excluded is a failure",
     )
+    p.add_argument(
+        "--work",
+        default=None,
+        help="keep part 1's tiny model dir and images here (default: a temporary dir, removed)",
+    )
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     return p.parse_args(argv)
 
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     report["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     exclude = {x.strip() for x in args.exclude.split(",") if x.strip()}
+    work = Path(args.work) if args.work else None
     t0 = time.perf_counter()
     init_world(device)
     try:
@@ -85,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             from disagg.gpucheck import correctness
             from disagg.plugins import get_registry
 
-            _part(report, "correctness", lambda: correctness.run(device, precision, get_registry(), exclude))
+            _part(
+                report,
+                "correctness",
+                lambda: correctness.run(device, precision, get_registry(), exclude, work),
+            )
         if "calibration" in wanted:
             from disagg.gpucheck import calibration
 

@@ -57,7 +57,9 @@ def compare(
     if len(got.losses) != len(ref.losses):
         failures.append(f"{len(got.losses)} steps, reference {len(ref.losses)}")
     for t, (a, b) in enumerate(zip(got.losses, ref.losses)):
-        m = _margin(lambda: assert_scalar_close(a, b, f"loss of step {t + 1}", loss_bound), failures)
+        m = _margin(
+            lambda a=a, b=b, t=t: assert_scalar_close(a, b, f"loss of step {t + 1}", loss_bound), failures
+        )
         margins["loss"] = max(margins["loss"], m)
     for t, (g, r) in enumerate(zip(got.grads, ref.grads)):
         if set(g) != set(r):
@@ -70,7 +72,9 @@ def compare(
         scales = module_scales(r)
         for n in r:
             m = _margin(
-                lambda n=n: assert_tensor_close(g[n], r[n], f"step {t + 1} grad {n}", precs[n], scales[n]),
+                lambda n=n, g=g, r=r, t=t, s=scales: assert_tensor_close(
+                    g[n], r[n], f"step {t + 1} grad {n}", precs[n], s[n]
+                ),
                 failures,
             )
             margins["grads"] = max(margins["grads"], m)

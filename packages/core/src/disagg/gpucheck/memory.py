@@ -79,7 +79,7 @@ def run(device: torch.device) -> dict[str, Any]:
     one = one_block(vshape)
     v_pred = n * block_elems(vshape) * e + fp32_internal_bytes(one, n, n, e)
     out["vision_block"] = {"predicted_bytes": int(v_pred), **_measure(block, vision_inputs, device)}
-    del block, cos, sin
+    del block
 
     dshape = shapes["llm"]
     layer, rotary = real_width.llm_layer(cfg, device, DTYPE)
