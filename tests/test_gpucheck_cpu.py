@@ -162,6 +162,12 @@ def test_calibration_file_feeds_the_planner(passed, capsys):
     calibrated = {x["name"]: x["step_time_s"] for x in best["calibrated"]["ranked"]}
     common = sorted(set(preset) & set(calibrated))
     assert common and all(calibrated[n] != preset[n] for n in common), (preset, calibrated)
+    # and the published prediction (disagg bench --predict --calibration) takes it too
+    from disagg.bench.published import predict_published
+
+    rows = {m: predict_published([4096], recompute=("full",), machine=m) for m in (None, cluster)}
+    assert [r["layout"] for r in rows[None]] == [r["layout"] for r in rows[cluster]]
+    assert all(a["step_time_s"] != b["step_time_s"] for a, b in zip(rows[None], rows[cluster]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a usable GPU is here: no error to show")

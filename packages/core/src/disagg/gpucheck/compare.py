@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,9 @@ def _margin(fn: Callable[[], float], failures: list[str]) -> float:
         return float(fn())
     except AssertionError as exc:
         failures.append(str(exc))
-        return float("inf")
+        # the policy's message carries the margin that failed; without one, a key or shape mismatch
+        found = re.search(r"\(margin ([0-9.e+-]+|inf)", str(exc))
+        return float(found.group(1)) if found else float("inf")
 
 
 def compare(
