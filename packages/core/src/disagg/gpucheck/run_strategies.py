@@ -44,8 +44,6 @@ def _strategy(registry: Any, name: str) -> type:
     try:
         return registry.strategies[name]
     except KeyError:
-        from disagg.plugins import provider_of  # noqa: F401  (the registry names installed ones)
-
         raise LookupError(
             f"strategy {name!r} is not registered (installed: {', '.join(sorted(registry.strategies))}); "
             "install its plugin (ulysses: disagg-vision-sp, megatron_tp: disagg-llm-tp, zero: "
