@@ -18,9 +18,15 @@ MEMORY_NOTE = (
 
 
 def write_outputs(
-    bench: Any, search: dict[str, Any] | None, degree: int, predict_lengths: list[int], usable: float = 1.0
+    bench: Any,
+    search: dict[str, Any] | None,
+    degree: int,
+    predict_lengths: list[int],
+    usable: float = 1.0,
+    calibration: Any = None,
 ) -> dict[str, Any]:
-    """``usable``: the fraction of the published setting's 80 GB a predicted layout may fill."""
+    """``usable``: the fraction of the published setting's 80 GB a predicted layout may fill;
+    ``calibration``: a :class:`~disagg.plan.cluster.Cluster` the prediction uses in place of its preset."""
     out: Path = bench.out_dir
     probes = [p for s in (search or {}).values() for p in s["probes"]]
     result: dict[str, Any] = {
@@ -65,7 +71,7 @@ def write_outputs(
     if predict_lengths:
         from disagg.bench.published_fit import fit_md, fit_table
 
-        rows = published.predict_published(predict_lengths, usable=usable)
+        rows = published.predict_published(predict_lengths, usable=usable, machine=calibration)
         ratios = published.ratios(rows)
         budget = published.usable_bytes(usable)
         fits = fit_table(budget, bench.registry.strategies if bench.registry is not None else None)

@@ -119,6 +119,7 @@ def predict_published(
     flat: bool = False,
     precision: str = "bf16",
     usable: float = 1.0,
+    machine: Any = None,
 ) -> list[dict[str, Any]]:
     """One row per recompute mode, layout and vision length: predicted step time,
     tokens/s, memory per GPU (and whether it fits 80 GB), bytes per GPU. Every strategy
@@ -132,10 +133,11 @@ def predict_published(
     from disagg.plan.efficiency import flat as flat_curve
     from disagg.plan.published import published_shapes
 
-    machine = PRESETS[CLUSTER]
+    if machine is None:  # ``machine``: a calibration (``disagg bench --calibration``) instead
+        machine = PRESETS[CLUSTER]
+        assert machine.peak_flops == PEAK_FLOPS
     if flat:
         machine = flat_curve(machine, MFU)
-    assert machine.peak_flops == PEAK_FLOPS
 
     if strategies is None:
         from disagg.plugins import get_registry

@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of each GPU's memory a predicted layout of the published setting may fill, "
         "e.g. 0.9 (default 1.0: the cost model's bytes against all 80 GB)",
     )
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="predict the published setting with this calibration file (python -m disagg.gpucheck) "
+        "in place of the h100x8 preset",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=None, help="output dir (default: OUTPUT_DIR/bench)")
 
@@ -118,6 +125,14 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.usable <= 1:
         problem = f"{args.usable} is not a fraction of device memory in (0, 1]"
         raise ConfigError([Problem("--usable", problem)])
+    calibration = None
+    if getattr(args, "calibration", None):
+        from disagg.plan.cluster import load_cluster
+
+        try:
+            calibration = load_cluster(args.calibration)
+        except ValueError as exc:
+            raise ConfigError([Problem("--calibration", str(exc))]) from None
     max_tokens = None
     if args.max_vision_tokens is not None:  # same spelling as --vision-tokens: 8k, 16384
         try:
@@ -154,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     search = (
         {name: bench.largest_under_budget(name) for name in layouts} if args.mem_budget is not None else None
     )
-    files = write_outputs(bench, search, degree, predict_lengths, args.usable)
+    files = write_outputs(bench, search, degree, predict_lengths, args.usable, calibration)
     print(files["table_text"])
     for key in ("json", "markdown", "throughput_png", "memory_png"):
         print(f"{key}: {files[key]}")

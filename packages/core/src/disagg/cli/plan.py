@@ -25,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "bandwidth, per-layer dispatch, gloo all-reduce latency and bandwidth, Ray call latency with --ray) "
         "over the cluster's figures; save them to FILE if given",
     )
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="a calibration file (python -m disagg.gpucheck writes one: the time model's terms measured "
+        "at the published layouts' shard shapes) in place of a preset; the flags below still override it",
+    )
     parser.add_argument("--ray", action="store_true", help="devices and memory from the running Ray cluster")
     for flag, what in (
         ("--gpus", "devices per node"),
@@ -188,8 +195,17 @@ def plan_for_config(cfg, registry, args):  # type: ignore[no-untyped-def]
 
         ensure_ray(cfg.ray.address, cfg.ray.num_cpus)
     calibrating = getattr(args, "calibrate", None)
+    source = args.cluster
+    if getattr(args, "calibration", None):
+        from disagg.plan.cluster import load_cluster
+
+        if args.cluster or calibrating:
+            raise ValueError(
+                "--calibration FILE replaces a preset: give it without --cluster and --calibrate"
+            )
+        source = load_cluster(args.calibration)
     cluster = cluster_from(
-        args.cluster or ("cpu" if calibrating else None),
+        source or ("cpu" if calibrating else None),
         # measured figures first, the command line's on top of them
         None if calibrating else overrides,
         ray_cluster=getattr(args, "ray", False),
