@@ -2,7 +2,7 @@
 the calibration file the planner loads (``disagg plan --calibration FILE``, ``disagg bench
 --predict --calibration FILE``) in place of a preset.
 
-Shapes come from the cost model itself (:mod:`disagg.interfaces.gemms`): Qwen2.5-VL-32B's
+Shapes come from the cost model itself (:mod:`disagg.kit.cost.gemms`): Qwen2.5-VL-32B's
 vision tower and LLM (:mod:`.real_width`, full width on CUDA) as one rank of each published
 split computes them: TP 1/2/4/8 (column and row splits of every linear) and the Ulysses
 sequence slices 2/4/8 of the tower. Measured on this device, in the compute dtype (bf16 on
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from disagg.gpucheck import real_width
 from disagg.gpucheck.device import peak_flops
 from disagg.gpucheck.timing import median_seconds
-from disagg.interfaces.gemms import AttentionCore, Split, decoder_compute, encoder_compute
+from disagg.interfaces.compute import AttentionCore, Split
+from disagg.kit.cost.gemms import decoder_compute, encoder_compute
 
 #: sequence slices and TP splits of the published layouts (8 GPUs)
 TP_SPLITS = (1, 2, 4, 8)

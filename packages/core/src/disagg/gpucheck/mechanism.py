@@ -92,7 +92,7 @@ def run(device: torch.device, correctness: dict[str, Any] | None) -> dict[str, A
     degree = min(8, cfg["vision_config"]["num_heads"])
     out: dict[str, Any] = {"tokens": n, "degree": degree, "dtype": "bfloat16", "autocast": False}
     shapes = real_width.shapes(cfg)
-    from disagg.interfaces.cost_rules import encoder_flops
+    from disagg.kit.cost.rules import encoder_flops
 
     # per rank: the tower's training FLOPs over the degree (the same for both layouts)
     flops = encoder_flops(shapes["vision"], n) / degree

@@ -7,8 +7,8 @@ Measured: ``torch.cuda.max_memory_allocated`` during the forward + backward, les
 allocated before it (weights, the input, the upstream gradient) and less the weight
 gradients (their bytes are exact: one per weight element): the bytes the replayed block holds
 at its peak. Predicted: the cost model's saved bytes of one block for the same tokens
-(:func:`~disagg.interfaces.cost_rules.block_elems` per token in the compute dtype, plus what HF's
-code keeps in float32, :func:`~disagg.interfaces.cost_rules.fp32_internal_bytes`), the term a
+(:func:`~disagg.kit.cost.rules.block_elems` per token in the compute dtype, plus what HF's
+code keeps in float32, :func:`~disagg.kit.cost.rules.fp32_internal_bytes`), the term a
 layout's activation memory under ``full`` recompute is made of. The ratio measured ÷ predicted
 says how far the per-layer count is from the allocator (transients of the backward, the
 attention kernel's workspace are not in the count). On CPU there is no allocator peak to read:
@@ -23,7 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from disagg.gpucheck import real_width
-from disagg.interfaces.cost_rules import block_elems, fp32_internal_bytes, one_block
+from disagg.kit.cost.rules import block_elems, fp32_internal_bytes, one_block
 
 DTYPE = torch.bfloat16
 
