@@ -40,6 +40,7 @@ from torch import nn
 from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, StrategyOptions, dropout_seed
 from disagg.kit import Strategy, agree_on_grads, sum_of_squares
 from disagg.kit.hf import head_split_problems
+from disagg.kit.masters import in_master_view
 from disagg.kit.recompute import Recompute
 from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp import lora
@@ -301,6 +302,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
     # -- gradients -------------------------------------------------------------------------------------
+    @in_master_view()
     def reduce_gradients(self) -> None:
         """Sum each parameter's gradient over the ranks that hold parts of it.
         Ranks first agree over the module's whole world which parameters got a
@@ -331,6 +333,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
+    @in_master_view()
     def grad_norm_sq(self) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         if self.ctx.replica == 0:  # replicas hold identical reduced gradients
