@@ -42,7 +42,8 @@ class ExampleDDP(Strategy):
     ``Strategy`` already keeps a whole replica per rank, sums gradients over
     the group, steps AdamW, holds the full form, and its default ``check``
     refuses a degree above ``max_degree``, so a plugin built only on
-    ``disagg.interfaces`` implements nothing more than ``parallelize``."""
+    ``disagg.interfaces`` (the contracts) and ``disagg.kit`` (the building blocks)
+    implements nothing more than ``parallelize``."""
 
     name: ClassVar[str] = "example_ddp"
     distribution: ClassVar[str] = "disagg-example-plugin"

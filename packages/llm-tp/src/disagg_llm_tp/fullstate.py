@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disagg.interfaces import GroupContext
+from disagg.kit.masters import in_master_view
 from disagg.kit.recompute.rng import ShardRNG
 from disagg.kit.roles.state import Layout
 from disagg_llm_tp.layers import ShardSpec, local_slice, merge
@@ -43,6 +44,7 @@ class TPFullState:
         dist.all_gather(pieces, t, group=self.tp_group)
         return pieces
 
+    @in_master_view()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         assert self.module is not None
         out = {}
@@ -53,6 +55,7 @@ class TPFullState:
             out[k] = self._gather(v, spec).cpu().clone()
         return out
 
+    @in_master_view()
     def full_grads(self) -> dict[str, torch.Tensor]:
         assert self.module is not None
         return {
@@ -61,6 +64,7 @@ class TPFullState:
             if p.grad is not None
         }
 
+    @in_master_view()
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW moments merged through each parameter's shard spec, like the
         weights; ranks agree which parameters have state (``agree_on_grads``
@@ -80,6 +84,7 @@ class TPFullState:
             }
         return out
 
+    @in_master_view(write=True)
     def load_full_state(
         self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
     ) -> None:

@@ -31,15 +31,16 @@ replica.
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, StrategyOptions, dropout_seed
+from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, LayerMap, StrategyOptions, dropout_seed
 from disagg.kit import Strategy, agree_on_grads, sum_of_squares
 from disagg.kit.hf import head_split_problems
+from disagg.kit.masters import in_master_view
 from disagg.kit.recompute import Recompute
 from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp import lora
@@ -153,13 +154,27 @@ class MegatronTPStrategy(TPFullState, Strategy):
         return self.family.build(torch.float32) if module is None else module
 
     def parallelize(self, module: nn.Module) -> nn.Module:
-        from megatron.core.model_parallel_config import ModelParallelConfig
-
+        """Ordered steps: tensor (and sequence) parallel linears, LoRA's adapters taken off
+        around them -> this rank's slices loaded (a module built empty) -> the TP dropout
+        streams -> LoRA's adapters back on the parallel linears -> recompute."""
         lmap = self.family.layer_map()
         if lmap is None:
             raise ValueError(
                 f"family {self.family.name!r} has no layer map; strategy 'megatron_tp' cannot split it"
             )
+        sites, sp, config = self.apply_tensor_parallel(module, lmap)
+        replica_rng = self.apply_dropout_streams(module, lmap, lora_dropout=any(s.dropout > 0 for s in sites))
+        self.apply_lora(module, lmap, sites, sp, config, replica_rng)
+        self.apply_recompute(module, sp, replica_rng)
+        return module.to(self.ctx.device)
+
+    def apply_tensor_parallel(self, module: nn.Module, lmap: LayerMap) -> tuple[list, Any, Any]:
+        """megatron-core's column / row / vocabulary layers in place of the layer map's
+        linears (PEFT's adapters come off first, ``lora.py``); a module built empty gets its
+        own slices from the stored tensors. Returns the LoRA sites, the sequence-parallel
+        region and megatron's config."""
+        from megatron.core.model_parallel_config import ModelParallelConfig
+
         self._init_megatron()
         dtype = next(module.parameters()).dtype
         config = ModelParallelConfig(
@@ -183,43 +198,61 @@ class MegatronTPStrategy(TPFullState, Strategy):
             # rest) from the stored tensors; nothing has been moved to the device yet
             load_local(module, self.family, self.ctx.shard, self.ctx.degree)
         self.kv_groups = self._kv_groups()
+        return sites, sp, config
+
+    def apply_dropout_streams(self, module: nn.Module, lmap: LayerMap, lora_dropout: bool) -> ShardRNG | None:
+        """Attention probabilities are a head shard on each TP rank: their dropout draws from
+        a stream per (replica, TP rank) (``rng.py``). Returns the stream every TP rank of the
+        replica shares for LoRA's dropout (None without it)."""
         replica_rng = None
         if self.ctx.degree > 1:
-            # Attention probabilities are a head shard on each TP rank: their
-            # dropout draws from a stream per (replica, TP rank); see rng.py.
             ctx = self.ctx
             self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
             fork_around(module, [*lmap.heads, *lmap.attention], self.rng)
             fork_between(module, lmap.feature_split, self.rng)
-            if any(s.dropout > 0 for s in sites):
+            if lora_dropout:
                 # a stream every TP rank of the replica shares, apart from the default one
                 replica_rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.degree), ctx.device)
         self.lora_rng = replica_rng  # checkpointed with the rest of the rank's streams (fullstate.py)
-        if sites:
-            rows = lmap.sequence_parallel.reduce_scatter if sp is not None and lmap.sequence_parallel else ()
-            sp_rows = {n for n, _ in module.named_modules() if n and any(fnmatchcase(n, p) for p in rows)}
-            lora.rewrap(
-                module,
-                sites,
-                self.ctx.shard,
-                self.ctx.degree,
-                config,
-                self.ctx.comm,
-                sp,
-                sp_rows,
-                replica_rng,
-                self.rng,
-            )
-        # A replayed block draws its attention masks from the TP stream again and
-        # gathers into the shape its forward saw (another microbatch's split may
-        # have changed the region's since: encoders run ahead).
+        return replica_rng
+
+    def apply_lora(
+        self,
+        module: nn.Module,
+        lmap: LayerMap,
+        sites: list,
+        sp: Any,
+        config: Any,
+        replica_rng: ShardRNG | None,
+    ) -> None:
+        """LoRA's adapters back on, around the parallel linears (``lora.py``)."""
+        if not sites:
+            return
+        rows = lmap.sequence_parallel.reduce_scatter if sp is not None and lmap.sequence_parallel else ()
+        sp_rows = {n for n, _ in module.named_modules() if n and any(fnmatchcase(n, p) for p in rows)}
+        lora.rewrap(
+            module,
+            sites,
+            self.ctx.shard,
+            self.ctx.degree,
+            config,
+            self.ctx.comm,
+            sp,
+            sp_rows,
+            replica_rng,
+            self.rng,
+        )
+
+    def apply_recompute(self, module: nn.Module, sp: Any, replica_rng: ShardRNG | None) -> None:
+        """A replayed block draws its attention masks from the TP stream again and gathers
+        into the shape its forward saw (another microbatch's split may have changed the
+        region's since: encoders run ahead)."""
         self.recompute = Recompute(
             self.options.recompute,
             rngs=[r for r in (self.rng, replica_rng) if r is not None],
             captures=[sp.capture_shape] if sp is not None else [],
         )
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
-        return module.to(self.ctx.device)
 
     # -- llm role --------------------------------------------------------------------------------------
     def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -301,6 +334,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
     # -- gradients -------------------------------------------------------------------------------------
+    @in_master_view()
     def reduce_gradients(self) -> None:
         """Sum each parameter's gradient over the ranks that hold parts of it.
         Ranks first agree over the module's whole world which parameters got a
@@ -331,6 +365,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
+    @in_master_view()
     def grad_norm_sq(self) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         if self.ctx.replica == 0:  # replicas hold identical reduced gradients

@@ -16,38 +16,50 @@ back to the bf16 weight afterwards. Inside the view the module *is* the float32 
 group's reduction, the global grad norm, clipping, AdamW (float32 moments), ZeRO-1's broadcasts,
 the checkpoint's full form (float32 masters) and a load all run unchanged on the parameter
 objects they already know, with their names and the attributes strategies set on them
-(``tp_spec``, megatron's ``sequence_parallel``, ...). The parallelizer enters the view around
-every method of the step and state (:data:`MASTER_VIEW`); leaving it after a method that writes
-the masters (:data:`MASTER_WRITES`: a step, a load) every master is copied into its bf16 weight,
-and after any other, those whose version counter moved. (The version counter alone would miss
-writes through ``.data``: ``ZeroRedundancyOptimizer`` broadcasts into ``param.data``.)
+(``tp_spec``, megatron's ``sequence_parallel``, ...).
+
+The masters live in the optimizer: :class:`MasterOptimizer` wraps the one a strategy builds
+over the masters and, as Megatron's mixed-precision optimizer and FSDP2's policy do, steps the
+float32 copies and writes the bf16 weights back (its ``step`` and ``zero_grad`` run in the
+view). What else reads or writes the masters says so where it is written: a method of the
+kit's defaults that reduces, measures, clips or saves the state runs in the view through
+:func:`in_master_view` (``write=True``: it writes the masters, e.g. a load, and every master
+is copied into its bf16 weight on leaving; after any other, those whose version counter
+moved). A strategy's own override of such a method is called as written; it enters the view
+with the same decorator or :meth:`~disagg.kit.roles.Parallelizer.masters` where it touches
+gradients or state. (The version counter alone would miss writes through ``.data``:
+``ZeroRedundancyOptimizer`` broadcasts into ``param.data``, inside the wrapper's step.)
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from disagg.interfaces.precision import Recipe
 
-#: the parallelizer / state-adapter methods that run inside :meth:`MasterWeights.view`
-MASTER_VIEW: tuple[str, ...] = (
-    "reduce_gradients",
-    "grad_norm_sq",
-    "step",
-    "zero_grad",
-    "state_bytes",
-    "full_state_dict",
-    "full_grads",
-    "full_optimizer_state",
-    "load_full_state",
-    "sharded_state",
-)
-#: those of :data:`MASTER_VIEW` that write the masters
-MASTER_WRITES: tuple[str, ...] = ("step", "load_full_state")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def in_master_view(write: bool = False) -> Callable[[F], F]:
+    """Run the decorated strategy method with its parameters seen as their float32 masters
+    (``self.masters(write)``; nothing under ``fp32`` and ``bf16-pure``). ``write``: the method
+    writes the masters (a load), so every bf16 weight is refreshed on leaving."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with self.masters(write):
+                return fn(self, *args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap
 
 
 def cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
@@ -161,3 +173,27 @@ def cast_inputs(inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
         k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and v.dtype != dtype else v
         for k, v in inputs.items()
     }
+
+
+class MasterOptimizer:
+    """The optimizer of a ``bf16`` module: ``inner`` (built over the parameters seen as their
+    float32 masters: AdamW, ZeRO-1, a strategy's own) steps the masters, and the bf16 weights
+    the forward uses are written back after each step. Everything else (``param_groups``,
+    ``state``, ``state_dict``, a ZeRO-1 ``consolidate_state_dict``...) is ``inner``'s; an LR
+    scheduler drives ``inner`` (torch's schedulers accept only a ``torch.optim.Optimizer``)."""
+
+    def __init__(self, inner: Any, masters: MasterWeights) -> None:
+        self.inner = inner
+        self.masters = masters
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        with self.masters.view(write=True):
+            return self.inner.step(closure) if closure is not None else self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        with self.masters.view():  # the float32 gradient sums are the ones to clear
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for what this class does not define: the inner optimizer's
+        return getattr(self.__dict__["inner"], name)

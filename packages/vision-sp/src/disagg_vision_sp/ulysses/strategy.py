@@ -78,6 +78,16 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
         self._pending: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def parallelize(self, module: nn.Module) -> nn.Module:
+        """Ordered steps: sequence-parallel attention -> its dropout stream -> recompute ->
+        the sharded state (``parallel.<module>.shard``)."""
+        self.apply_sequence_parallel(module)
+        self.apply_dropout_stream()
+        self.apply_recompute(module)
+        return self.shard_state(module)
+
+    def apply_sequence_parallel(self, module: nn.Module) -> None:
+        """Ulysses' all-to-all attention in every attention module the family names, over
+        this replica's ranks."""
         assert isinstance(self.family, UlyssesFamily)
         attention.register()
         for sub in self.family.ulysses_attention_modules(module):
@@ -86,21 +96,23 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
                 self.base_attention = impl or "sdpa"
                 sub.config._attn_implementation = attention.ATTN_NAME
         self.group = self._replica_group()
+
+    def apply_dropout_stream(self) -> None:
+        """Every activation of a ulysses forward differs across the ranks of a replica (own
+        tokens outside the all-to-all, a head shard inside), so the forward draws dropout from
+        a per-shard stream. Masks cannot equal the single-process encoder's: HF draws one
+        mask over all heads and tokens from one stream."""
         if self.ctx.degree > 1:
-            # Every activation of a ulysses forward differs across the ranks of a
-            # replica (own tokens outside the all-to-all, a head shard inside), so
-            # the forward draws dropout from a per-shard stream. Masks cannot equal
-            # the single-process encoder's: HF draws one mask over all heads and
-            # tokens from one stream.
             ctx = self.ctx
             self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
-        # A replayed block draws its masks from the shard stream again and runs inside
-        # the runtime (and spanning scope) its forward saw.
+
+    def apply_recompute(self, module: nn.Module) -> None:
+        """A replayed block draws its masks from the shard stream again and runs inside the
+        runtime (and spanning scope) its forward saw."""
         self.recompute = Recompute(
             self.options.recompute, rngs=[self.rng] if self.rng else [], captures=[_capture_runtime]
         )
         self.recompute.apply_full(module, f"family {self.family.name!r} tower")
-        return self.shard_state(module)
 
     def _replica_group(self) -> dist.ProcessGroup | None:
         ctx = self.ctx

@@ -13,17 +13,18 @@ step, and usually ``module_call``/``backprop``/``finish_setup`` (see ``zero``).
 
 Precision (``train.precision``, ``ctx.recipe``): :meth:`Parallelizer.setup` puts the
 parallelized module in the recipe's weights (:func:`~disagg.kit.masters.apply_recipe`);
-under ``bf16`` every method of :data:`~disagg.kit.masters.MASTER_VIEW` (a
-subclass's overrides included) runs with the parameters seen as their float32 masters, so the
-reduction, norm, clipping, step and state of every strategy work on float32 unchanged.
+under ``bf16`` the optimizer is a :class:`~disagg.kit.masters.MasterOptimizer` that steps
+the float32 masters and writes the bf16 weights back, and the defaults that reduce, measure,
+clip or save run with the parameters seen as their masters (:func:`~disagg.kit.masters.in_master_view`),
+so they work on float32 unchanged. An override is called as written: it enters the view
+itself where it touches gradients or state.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -34,7 +35,7 @@ from disagg.interfaces.family import Family
 from disagg.kit.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
 from disagg.kit.grads.overlap import OverlappedReducer
 from disagg.kit.lora import freeze_base
-from disagg.kit.masters import MASTER_VIEW, MASTER_WRITES, MasterWeights, apply_recipe
+from disagg.kit.masters import MasterOptimizer, MasterWeights, apply_recipe, in_master_view
 from disagg.kit.parts import freeze_parts, optimizer_groups
 from disagg.kit.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
 
@@ -53,18 +54,15 @@ class Parallelizer(ABC):
     scheduler: Any
     #: set up when ``overlap_grad_reduce`` is on: sums gradients while the last backward runs
     reducer: OverlappedReducer | None = None
-    #: the float32 masters under ``train.precision: bf16`` (None under the other recipes)
-    master_weights: MasterWeights | None = None
     #: set by a strategy whose ``parallelize`` applied the recipe itself (FSDP2's policy)
     precision_applied: bool = False
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # every override too: a strategy's own reduction or state code sees float32 masters
-        for name in MASTER_VIEW:
-            fn = getattr(cls, name, None)
-            if fn is not None and not getattr(fn, "_in_master_view", False):
-                setattr(cls, name, _in_master_view(fn))
+    @property
+    def master_weights(self) -> MasterWeights | None:
+        """The float32 masters under ``train.precision: bf16``, which the optimizer owns
+        (None under the other recipes, and for a frozen module)."""
+        opt = self.optimizer
+        return opt.masters if isinstance(opt, MasterOptimizer) else None
 
     def build_module(self) -> nn.Module:
         """This rank's module before :meth:`setup`, in fp32 (master weights): the family's
@@ -93,14 +91,15 @@ class Parallelizer(ABC):
                 freeze_base(self.module, optim.lora)
             self.freeze_parts(optim)
         recipe = self.ctx.recipe
+        masters = None
         if recipe is not None and not self.precision_applied:
-            self.master_weights = apply_recipe(self.module, recipe)
+            masters = apply_recipe(self.module, recipe)
         if optim is not None:
-            with self.masters():  # AdamW and ZeRO-1 take the float32 masters
-                self.optimizer = type(self).build_optimizer(
-                    self.param_groups(optim), optim, self.ctx, self.options
-                )
-            self.scheduler = make_scheduler(self.optimizer, optim)
+            # AdamW and ZeRO-1 are built over the float32 masters, which they step
+            with masters.view() if masters is not None else contextlib.nullcontext():
+                inner = type(self).build_optimizer(self.param_groups(optim), optim, self.ctx, self.options)
+            self.scheduler = make_scheduler(inner, optim)
+            self.optimizer = MasterOptimizer(inner, masters) if masters is not None else inner
             if getattr(self.options, "overlap_grad_reduce", False) and self.ctx.world_size > 1:
                 if self.master_weights is not None:  # validation refuses it (precision_problems)
                     raise ValueError(
@@ -177,6 +176,7 @@ class Parallelizer(ABC):
             self.reducer.arm()
 
     # -- after backward ---------------------------------------------------------------------------
+    @in_master_view()
     def reduce_gradients(self) -> None:
         """Sum gradients over every rank of the group (replicas and shards)."""
         if self.ctx.world_size == 1:
@@ -189,6 +189,7 @@ class Parallelizer(ABC):
         # flat buckets, as torch DDP's reducer: one call per 25 MiB, not per tensor
         all_reduce_bucketed([p.grad for p, keep in zip(params, present) if keep], self.ctx.comm)
 
+    @in_master_view()
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of the module's full gradient, each element once;
         identical on every rank of the group (fused norms, one host sync)."""
@@ -199,10 +200,11 @@ class Parallelizer(ABC):
         if self.optimizer is None:
             return
         if clip_coef < 1.0:
-            grads = [p.grad for p in self.trainable_parameters() if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, clip_coef)
-        self.optimizer.step()
+            with self.masters():
+                grads = [p.grad for p in self.trainable_parameters() if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, clip_coef)
+        self.optimizer.step()  # under bf16: the masters', then the weights written back
         if self.scheduler is not None:
             self.scheduler.step()
 
@@ -211,6 +213,7 @@ class Parallelizer(ABC):
             self.optimizer.zero_grad(set_to_none=True)
 
     # -- what the step's record reads -----------------------------------------------------------
+    @in_master_view()
     def state_bytes(self) -> int:
         """Bytes of parameters + gradients + optimizer state held by this rank."""
         assert self.module is not None
@@ -231,15 +234,3 @@ class Parallelizer(ABC):
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
-
-
-def _in_master_view(fn: Callable[..., Any]) -> Callable[..., Any]:
-    write = fn.__name__ in MASTER_WRITES
-
-    @functools.wraps(fn)
-    def call(self: Parallelizer, *args: Any, **kwargs: Any) -> Any:
-        with self.masters(write):
-            return fn(self, *args, **kwargs)
-
-    call._in_master_view = True  # type: ignore[attr-defined]
-    return call

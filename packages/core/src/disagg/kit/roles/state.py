@@ -12,7 +12,6 @@ of the local elements :meth:`StateAdapter.local_tensor` gives, gathered by
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces.context import GroupContext
+from disagg.kit.masters import in_master_view
 from disagg.kit.recompute.rng import ShardRNG
 
 #: where a rank's tensor lies in its full form: (full shape, [(offsets in the full
@@ -40,6 +40,9 @@ class StateAdapter:
 
         def module_call(self) -> AbstractContextManager[None]: ...
 
+        def masters(self, write: bool = False) -> AbstractContextManager[None]: ...
+
+    @in_master_view()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Merged, unpartitioned parameters named as in ``family.build()``'s
         module. Collective: call on every rank; rank 0's result is complete."""
@@ -47,6 +50,7 @@ class StateAdapter:
         with self.module_call():
             return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
+    @in_master_view()
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Merged gradients (after ``reduce_gradients``), named like
         :meth:`full_state_dict`; collective like it. A parameter that got no
@@ -56,6 +60,7 @@ class StateAdapter:
             n: p.grad.detach().cpu().clone() for n, p in self.module.named_parameters() if p.grad is not None
         }
 
+    @in_master_view()
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer state of every parameter that has some, merged like
         :meth:`full_state_dict` and under the same names:
@@ -72,6 +77,7 @@ class StateAdapter:
                 out[name] = {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
         return out
 
+    @in_master_view(write=True)
     def load_full_state(
         self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
     ) -> None:
@@ -114,6 +120,7 @@ class StateAdapter:
         full form. Default: every rank holds it whole."""
         return tuple(param.shape), [((0,) * param.dim(), ())]
 
+    @in_master_view()
     def sharded_state(self, saved: Mapping[str, Any] | None = None) -> Pieces | None:
         """This rank's parameters (``param/<name>``, every tensor of the module's state
         dict) and optimizer state (``optim/<name>/<state>``) as pieces of the full form,
@@ -123,8 +130,7 @@ class StateAdapter:
         strategy states no layout (it changed the full form but not
         :meth:`tensor_layout`); its checkpoints then hold the full form."""
         if (
-            # unwrapped: the parallelizer runs it inside the master-weight view (master_weights.py)
-            inspect.unwrap(type(self).full_state_dict) is not StateAdapter.full_state_dict
+            type(self).full_state_dict is not StateAdapter.full_state_dict
             and type(self).tensor_layout is StateAdapter.tensor_layout
         ):
             return None

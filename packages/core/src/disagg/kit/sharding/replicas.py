@@ -12,6 +12,7 @@ from torch import nn
 
 from disagg.interfaces.context import GroupContext
 from disagg.kit.grads import sum_of_squares
+from disagg.kit.masters import in_master_view
 from disagg.kit.sharding import fsdp
 from disagg.kit.sharding.modes import FSDP_MODES
 from disagg.kit.sharding.optimizer import build_optimizer
@@ -86,11 +87,13 @@ class ShardedReplicas:
         return int(counts.max())
 
     # -- the parallelizer's reduction, norm and step ------------------------------------------------
+    @in_master_view()
     def reduce_gradients(self) -> None:
         if self.fsdp:
             return  # FSDP2 reduce-scattered (summed) every block's gradients in backward
         super().reduce_gradients()  # type: ignore[misc]
 
+    @in_master_view()
     def grad_norm_sq(self) -> float:
         if not self.fsdp:
             return super().grad_norm_sq()  # type: ignore[misc]
@@ -116,6 +119,7 @@ class ShardedReplicas:
         if self.scheduler is not None:
             self.scheduler.step()
 
+    @in_master_view()
     def state_bytes(self) -> int:
         """Parameters + gradients + optimizer state this rank holds, from the tensors: shards
         under FSDP2 (plus the whole parameters a ``gradients`` step holds from forward to
@@ -134,6 +138,7 @@ class ShardedReplicas:
         return total + self._whole_bytes + self.precision_bytes()  # type: ignore[attr-defined]
 
     # -- the full form (checkpoints, export, tests) ---------------------------------------------------
+    @in_master_view()
     def sharded_state(self, saved: Any = None) -> Any:
         """Sharded checkpoints: whole replicas (``shard: none``) hold every tensor whole (one
         of them writes it); FSDP2 ranks their rows of each parameter and AdamW moment
@@ -169,12 +174,14 @@ class ShardedReplicas:
     def local_tensor(self, t: torch.Tensor) -> torch.Tensor:
         return fsdp.local(t)
 
+    @in_master_view()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if not self.fsdp:
             return super().full_state_dict()  # type: ignore[misc]
         assert self.module is not None
         return {k: fsdp.full(v) for k, v in self.module.state_dict().items()}
 
+    @in_master_view()
     def full_grads(self) -> dict[str, torch.Tensor]:
         if not self.fsdp:
             return super().full_grads()  # type: ignore[misc]
@@ -184,6 +191,7 @@ class ShardedReplicas:
     def _trainable_order(self) -> list[nn.Parameter]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    @in_master_view()
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         if self.shard_mode == "none" or self.optimizer is None or self.ctx.world_size == 1:
             return super().full_optimizer_state()  # type: ignore[misc]
@@ -209,6 +217,7 @@ class ShardedReplicas:
                 out[name] = {k: fsdp.full(v) for k, v in st.items() if torch.is_tensor(v)}
         return out
 
+    @in_master_view(write=True)
     def load_full_state(
         self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
     ) -> None:
