@@ -53,6 +53,10 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 def install_torch(session: nox.Session) -> None:
+    # Python 3.11's bundled pip (23.2) cannot resolve an editable package installed with extras
+    # (packages/core[test]) beside packages that require it plainly: it looks disagg-core up on
+    # the index and fails. A current pip resolves it to the checkout.
+    session.install("--upgrade", "pip>=24")
     index = os.environ.get("TORCH_INDEX_URL")
     session.install(TORCH, *(["--index-url", index] if index else []))
 
