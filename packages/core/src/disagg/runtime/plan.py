@@ -155,14 +155,17 @@ def resolve_device_precision(device: str, precision: str, cluster_gpus: float) -
 
 def resolve_transport(cfg: Config, registry: Registry, device: str) -> str:
     """The transport's name (``auto`` resolved for ``device`` and the layout),
-    after the checks that need the device: GPU shares and the transport's fit
+    after the checks that need the device when validation could not know it
+    (``train.device: auto``): GPU shares and the transport's fit
     (:mod:`disagg.config.devices`); raises :class:`ConfigError` naming the key."""
     from disagg.builtin.transports import auto_transport
-    from disagg.config.devices import gpu_share_problems, layout_of, transport_problems
+    from disagg.config.devices import Found, gpu_share_problems, layout_of, transport_problems
     from disagg.config.errors import ConfigError, Problem
     from disagg.config.source import dotted
 
-    found = gpu_share_problems(cfg, device) + transport_problems(cfg, registry, device)
+    found: Found = []
+    if cfg.train.device == "auto":  # validation checked a known device already; this one it could not
+        found = gpu_share_problems(cfg, device) + transport_problems(cfg, registry, device)
     name = cfg.parallel.transport
     if name == "auto":
         name = auto_transport(layout_of(cfg, device), registry.transports)
