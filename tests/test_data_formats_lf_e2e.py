@@ -234,15 +234,17 @@ def test_each_form_tokenizes_as_its_llava_twin(lf, tmp_path):
 
 
 def test_the_four_forms_train_together(ray_local, lf, tmp_path):
+    from disagg.config.validate import validate
     from disagg.data.files import dataset_files, index_file
     from disagg.data.order import StreamOrder
+    from disagg.plugins import get_registry
     from disagg.runtime.run import run_training
 
     cfg = _config(lf, tmp_path / "run")
     sizes = [index_file(f).size for f in dataset_files(cfg, "train")]
     ds, _ = StreamOrder(sizes, [1.0] * 4, seed=SEED, shuffle=False).take(0, STEPS * BATCH)
     assert set(ds.tolist()) == {0, 1, 2, 3}  # the run's samples come from every form
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)

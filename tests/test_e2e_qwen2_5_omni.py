@@ -110,6 +110,8 @@ def test_thinker_as_three_modules_from_one_dir(ray_local, omni, tmp_path):
     from hf_reference import assert_run_matches, batches_of, train_reference
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
+    from disagg.config.validate import validate
+    from disagg.plugins import get_registry
     from disagg.runtime.actor.state import read_module_state
     from disagg.runtime.run import run_training
 
@@ -119,7 +121,7 @@ def test_thinker_as_three_modules_from_one_dir(ray_local, omni, tmp_path):
         "llm": {"strategy": "megatron_tp", "degree": 2},
     }
     cfg = _config(omni, tmp_path / "run", parallel)
-    run_training(cfg, progress=False)
+    run_training(validate(cfg, get_registry()), progress=False)
 
     batches = batches_of(cfg, STEPS)
     kinds = [{("vision" in s, "audio" in s) for s in b} for b in batches]
