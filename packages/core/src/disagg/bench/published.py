@@ -67,6 +67,8 @@ PAPER = {
     "throughput_dhp_vs_tp": (1.26, 1.37),
     "zero3_oom_vision_tokens": 16 * 1024,
     "dhp_max_vision_tokens": 64 * 1024,  # "65k"
+    # the paper's recipe: bf16 weights, gradients and optimizer state (docs/benchmarks.md)
+    "precision": "bf16-pure",
 }
 #: H100 SXM dense bf16 peak, the fraction of it a well-tuned step reaches (the flat model's), NVLink
 #: ring bandwidth
@@ -249,35 +251,49 @@ def ratios(rows: list[dict[str, Any]], recompute: str = "full") -> list[dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m disagg.bench.published [LENGTHS] [--flat] [--precision P] [--usable F]``: the
-    published prediction's tables (``disagg bench --predict``'s, without a bench run), ratios under
-    both recompute modes in ``--precision`` (default ``bf16``), then the longest vision sequence that
-    fits per layout and recipe (:mod:`disagg.bench.published_fit`) within ``--usable`` of 80 GB."""
+    """``python -m disagg.bench.published [LENGTHS] [--precision P,..] [--usable F,..] [--flat] [--json]``:
+    per vision length, recipe and usable fraction, each DHP layout against the best homogeneous
+    layout the planner finds on the same 8 GPUs, like for like (:mod:`disagg.bench.published_compare`),
+    the paper's own comparison in its precision as a row of its own, the goals met or not; then the
+    longest vision sequence that fits per layout and recipe (:mod:`disagg.bench.published_fit`)."""
     import argparse
+    import json
 
     from disagg.bench.data import parse_tokens
-    from disagg.bench.published_fit import FIT_RECIPES, fit_md, fit_table
-    from disagg.bench.report import published_md
+    from disagg.bench.published_compare import compare_md, goal_lines, paper_md, run
+    from disagg.bench.published_fit import FIT_RECIPES, fit_goal_lines, fit_md, fit_table
+    from disagg.plan.cluster import PRESETS
+    from disagg.plan.efficiency import flat as flat_curve
 
     p = argparse.ArgumentParser(prog="python -m disagg.bench.published", description=main.__doc__)
-    p.add_argument("lengths", nargs="?", default="4k,16k,64k", help="vision tokens per image")
+    p.add_argument("lengths", nargs="?", default="16k,64k,128k", help="vision tokens per image")
     p.add_argument("--flat", action="store_true", help="every FLOP at MFU (the model before GEMM shapes)")
-    p.add_argument("--precision", default="bf16", help="train.precision of the throughput rows")
+    p.add_argument("--precision", default="bf16", help="train.precision recipes compared, comma-separated")
     p.add_argument(
-        "--usable", type=float, default=1.0, help="fraction of each GPU's memory a layout may fill (0, 1]"
+        "--usable", default="1.0", help="fractions of each GPU's memory a layout may fill, comma-separated"
     )
     p.add_argument("--fit-precisions", default=",".join(FIT_RECIPES), help="recipes of the longest-fit table")
+    p.add_argument("--json", action="store_true", help="the comparison as JSON (every row, every table)")
     args = p.parse_args(argv)
-    budget = usable_bytes(args.usable)
-    rows = predict_published(
-        parse_tokens(args.lengths), flat=args.flat, precision=args.precision, usable=args.usable
-    )
-    print(f"compute: {'every FLOP at MFU ' + str(MFU) if args.flat else 'by GEMM shape on ' + CLUSTER}")
-    print(f"precision {args.precision}, {budget / 1e9:.1f} GB usable per GPU")
-    for mode in ("full", "none"):
-        print(published_md([r for r in rows if r["recompute"] == mode], ratios(rows, mode), PAPER), "\n")
-    fits = fit_table(budget, precisions=tuple(x.strip() for x in args.fit_precisions.split(",") if x.strip()))
-    print(fit_md(fits, budget, PAPER))
+    usables = [float(x) for x in args.usable.split(",") if x.strip()]
+    for u in usables:
+        usable_bytes(u)  # a clear error before any search
+    precisions = [x.strip() for x in args.precision.split(",") if x.strip()]
+    cluster = flat_curve(PRESETS[CLUSTER], MFU) if args.flat else PRESETS[CLUSTER]
+    out = run(parse_tokens(args.lengths), precisions, usables, cluster)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"compute: {'every FLOP at MFU ' + str(MFU) if args.flat else 'by GEMM shape on ' + CLUSTER}\n")
+    for t in out["tables"]:
+        print(compare_md(t), "\n")
+    print(paper_md(out["paper"]), "\n")
+    print("\n".join(goal_lines(out["tables"])), "\n")
+    fit_recipes = tuple(x.strip() for x in args.fit_precisions.split(",") if x.strip())
+    for u in usables:
+        fits = fit_table(usable_bytes(u), precisions=fit_recipes)
+        print(fit_md(fits, usable_bytes(u), PAPER, usable=u))
+        print("\n".join(fit_goal_lines(fits, u)), "\n")
     return 0
 
 

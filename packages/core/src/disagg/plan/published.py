@@ -27,9 +27,11 @@ def plan_published(
     registry: Registry,
     cluster: Cluster | None = None,
     lora: dict[str, LoraSpec] | None = None,
+    precision: str | None = None,
 ) -> PlanResult:
     """The plan on ``cluster`` (default the ``h100x8`` preset); ``lora``: module -> adapters
-    (``train.modules.<m>.lora`` resolved), the rest of each module frozen."""
+    (``train.modules.<m>.lora`` resolved), the rest of each module frozen; ``precision``: the
+    ``train.precision`` recipe (None: the cluster's, ``bf16`` on ``h100x8``)."""
     from disagg.bench.published import QWEN2_5_VL_32B, SAMPLES, TEXT_TOKENS
 
     work = Workload(
@@ -39,6 +41,7 @@ def plan_published(
         samples=SAMPLES,
         recompute=True,
         lora=dict(lora or {}),
+        precision=precision,
     )
     return plan(work, cluster or cluster_from("h100x8"), registry.strategies, placements=("collocated",))
 
