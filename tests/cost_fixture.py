@@ -2,7 +2,7 @@
 
 ``python packages/core/tests/cost_fixture.py`` wrote ``data/cost_predictions.json.gz``
 before the cost formulas moved from core into the plugins (issue 24);
-``test_cost_fixture.py`` recomputes the same dict with the code at hand and asserts
+``test_cost_change_detector.py`` recomputes the same dict with the code at hand and asserts
 it equals the file exactly (re-recorded when a decoder's logits term became one loss chunk,
 ``parallel.llm.loss_chunk_tokens``, and when ``ddp``/``ulysses`` got ``parallel.<m>.shard``:
 its variants estimated and searched by the plans; when ``CostQuery.dtype`` became the
@@ -19,11 +19,12 @@ and ``disagg plan``'s full ranking on both, on clusters without the efficiency c
 ``by_shape`` (added with item 2, compute time by GEMM shape): the same on the ``h100x8``
 preset's curve: each estimate's compute seconds, ``bench --predict``'s rows and the
 published plan at 16k vision tokens, and the tiny model's plan on 2 such GPUs (beside its
-flat plan, which ``test_cost_fixture`` compares it with: only time moves).
+flat plan, which ``test_cost_time_only_moves`` compares it with: only time moves).
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import itertools
 import json
@@ -223,6 +224,14 @@ def dump(tiny: dict[str, Any]) -> dict[str, Any]:
         "plans": plans(tiny),
         "by_shape": by_shape(tiny, kept),
     }
+
+
+@functools.cache
+def recorded_and_current() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The recorded file and :func:`dump` of the code at hand on its tiny config, computed once per
+    session (the change detector and the only-time-moves invariant both read it)."""
+    recorded = json.loads(gzip.decompress(FIXTURE.read_bytes()))
+    return recorded, json.loads(json.dumps(dump(recorded["tiny_config"]), sort_keys=True))
 
 
 if __name__ == "__main__":

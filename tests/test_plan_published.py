@@ -3,11 +3,10 @@ H100 (80 GB), the paper's vision lengths, compute time by GEMM shape on the ``h1
 preset's efficiency curve, the ``bf16`` recipe (bf16 weights, fp32 masters, gradients and
 AdamW state: 18 B per parameter). The plan must put TP 8 on the LLM, rank Ulysses SP for the
 vision encoder (with a sharded state) first, ahead of uniform TP and ZeRO-3,
-predict ZeRO-3 out of memory at 16k vision tokens (where the paper saw it), charge the
-TP-split tower more compute time than the Ulysses one for the same FLOPs, and
-predict DHP faster than uniform TP by the step times docs/benchmarks.md records (1.10x
-at 16k, 1.11x at 32k), which is below the paper's measured 1.26-1.37x (the page
-says why). Pure computation from each strategy's cost hook."""
+predict ZeRO-3 out of memory at 16k vision tokens (where the paper saw it), and charge the
+TP-split tower more compute time than the Ulysses one for the same FLOPs. Pure computation from
+each strategy's cost hook. The recorded step times are a change detector of their own,
+``test_plan_published_change_detector.py``."""
 
 from __future__ import annotations
 
@@ -26,15 +25,9 @@ def results():
     return {n: plan_published(n, get_registry()) for n in (16 * 1024, 32 * 1024)}
 
 
-#: uniform TP and DHP predicted step seconds, as docs/benchmarks.md records them
-RECORDED_STEP_S = {16 * 1024: (3.147, 2.869), 32 * 1024: (6.059, 5.448)}
-#: their ratio, rounded
-RECORDED_SPEEDUP = {16 * 1024: 1.10, 32 * 1024: 1.11}
-
-
 @pytest.mark.parametrize("n", [16 * 1024, 32 * 1024])
 def test_plan_prefers_ulysses_vision_with_tp_llm(results, n):
-    from disagg.plan.published import named, summary
+    from disagg.plan.published import named
 
     result = results[n]
     best = result.best
@@ -57,12 +50,6 @@ def test_plan_prefers_ulysses_vision_with_tp_llm(results, n):
         sum(dhp.costs["vision"].comm_bytes_by_kind.values())
         < sum(tp.costs["vision"].comm_bytes_by_kind.values()) / 2
     )
-    from disagg.bench.published import PAPER
-
-    s = summary(result)
-    assert (round(tp.step_time_s, 3), round(dhp.step_time_s, 3)) == RECORDED_STEP_S[n]
-    assert s["speedup_dhp_vs_tp"] == pytest.approx(tp.step_time_s / dhp.step_time_s)
-    assert round(s["speedup_dhp_vs_tp"], 2) == RECORDED_SPEEDUP[n] < PAPER["throughput_dhp_vs_tp"][0]
     # the GEMM shapes: the same tower FLOPs per rank take longer split 8 ways by TP (narrow
     # products: a 1280-wide tower's projection has k = 160) than on 1/8 of the tokens at full width
     # (ulysses 8 beside the same LLM under the tower recompute TP's uses: DHP's fastest may differ)

@@ -1,15 +1,12 @@
-"""Predictions before and after the cost formulas moved into the plugins are equal:
-the first-party strategies' ``estimate`` on a grid of queries, ``disagg bench
---predict``'s rows and ``disagg plan``'s whole ranking, on the published
-Qwen2.5-VL-32B and the tiny Qwen2.5-VL, exactly as ``data/cost_predictions.json.gz``
-recorded them before (``cost_fixture.py`` wrote it), on clusters without the
-efficiency curve. With the curve (compute time by GEMM shape, ``by_shape``) only
-time moves: memory, bytes and calls stay what they were."""
+"""An invariant of the time model, checked on the code at hand (no recording involved): the
+efficiency curve (compute time by GEMM shape, :mod:`disagg.plan.efficiency`) changes step times
+and nothing else. Every ``bench --predict`` row's memory, fit and per-group costs (state,
+activations, bytes and calls by kind, FLOPs), and every planned layout's memory and costs, equal
+the flat model's (every FLOP at the MFU) on the published setting and the tiny model; the compute
+seconds do move. The predictions come from ``cost_fixture.dump`` on the recorded tiny config
+(computed once per session, shared with ``test_cost_change_detector.py``)."""
 
 from __future__ import annotations
-
-import gzip
-import json
 
 import pytest
 
@@ -17,40 +14,14 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 pytest.importorskip("disagg_zero")
 
-from cost_fixture import FIXTURE, dump  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def predicted():
-    recorded = json.loads(gzip.decompress(FIXTURE.read_bytes()))
-    return recorded, json.loads(json.dumps(dump(recorded["tiny_config"]), sort_keys=True))
-
-
-def test_predictions_equal_the_recorded_ones(predicted):
-    recorded, now = predicted
-    for e_now, e_then in zip(now["estimates"], recorded["estimates"], strict=True):
-        assert e_now == e_then, f"estimate {e_then['key']}"
-    assert now["bench_predict"] == recorded["bench_predict"]
-    for name, then in recorded["plans"].items():
-        for x_now, x_then in zip(now["plans"][name]["ranking"], then["ranking"], strict=True):
-            assert x_now == x_then, f"plan {name}"
-        assert now["plans"][name] == then
-    shaped, then = now["by_shape"], recorded["by_shape"]
-    for i, (c_now, c_then) in enumerate(zip(shaped["compute_s"], then["compute_s"], strict=True)):
-        assert c_now == c_then, f"compute seconds of estimate {now['estimates'][i]['key']}"
-    assert shaped == then
-
+from cost_fixture import recorded_and_current  # noqa: E402
 
 #: what a row of ``bench --predict`` or a planned layout states besides time
 MACHINE_FREE = ("memory_per_gpu", "fits", "groups", "layout", "recompute", "vision_tokens")
 
 
-def test_only_time_moves_with_the_gemm_shapes(predicted):
-    """On the published setting and the tiny model, the curve changes step times and
-    nothing else: every ``bench --predict`` row's memory, fit and per-group costs (state,
-    activations, bytes and calls by kind, FLOPs), and every planned layout's memory and
-    costs, equal the flat model's; the compute seconds do move."""
-    _, now = predicted
+def test_only_time_moves_with_the_gemm_shapes():
+    _, now = recorded_and_current()
     flat, shaped = now["bench_predict"]["rows"], now["by_shape"]["bench_predict"]["rows"]
     assert len(flat) == len(shaped)
     for a, b in zip(flat, shaped, strict=True):
