@@ -117,3 +117,35 @@ def test_no_ratio_when_no_homogeneous_layout_fits(result):
     assert all(r.get("vs_best_homogeneous") is None for r in t["rows"])
     md = compare_md(t)
     assert "usable 0.50 (40.0 GB per GPU)" in md and "none fits" in md
+
+
+def test_json_rows_state_layout_recipe_offload_usable_and_stop(result, monkeypatch, capsys):
+    import json
+
+    from disagg.bench import published, published_compare
+
+    def fake_run(lengths, precisions, usables, cluster=None):
+        assert (lengths, precisions, usables) == ([65536], ["bf16"], [0.9, 1.0])
+        return {
+            "tables": [
+                published_compare.compare(published_compare.refit(result, u), "bf16", u) for u in usables
+            ],
+            "paper": [],
+        }
+
+    monkeypatch.setattr(published_compare, "run", fake_run)
+    assert published.main(["64k", "--usable", "0.9,1.0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [t["usable"] for t in out["tables"]] == [0.9, 1.0]
+    for t in out["tables"]:
+        for r in t["rows"]:
+            assert {"layout", "precision", "offload", "usable", "stopped_by", "recompute"} <= set(r)
+            assert r["usable"] == t["usable"]
+
+
+def test_bad_usable_is_refused_before_any_search(monkeypatch):
+    from disagg.bench import published, published_compare
+
+    monkeypatch.setattr(published_compare, "run", lambda *a, **k: pytest.fail("searched"))
+    with pytest.raises(ValueError, match=r"--usable 1.5: a fraction of device memory in \(0, 1\]"):
+        published.main(["64k", "--usable", "1.5"])

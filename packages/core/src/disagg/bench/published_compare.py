@@ -201,11 +201,12 @@ def holds_back(dhp: Layout | None, best: Layout | None) -> list[dict[str, Any]]:
 
 
 def paper_row(result: PlanResult, precision: str, usable: float) -> dict[str, Any]:
-    """The paper's comparison, its named layouts (:func:`disagg.plan.published.named`) in its precision."""
+    """The paper's comparison, its named layouts (:func:`disagg.plan.published.named`: each its
+    fastest variant) in its precision, both with ``full`` recompute and no offload."""
     from disagg.bench.published import PAPER
     from disagg.plan.published import named
 
-    tp, dhp = named(result, "uniform_tp"), named(result, "dhp_ulysses_tp")
+    tp, dhp = (named(result, k, comparable) for k in ("uniform_tp", "dhp_ulysses_tp"))
     ok = tp.fits and dhp.fits
     return {
         "vision_tokens": result.workload.vision_tokens,

@@ -217,7 +217,7 @@ def fit_goal_lines(fits: list[Fit], usable: float) -> list[str]:
         if f is None:
             continue
         met = f.longest is not None and f.longest >= tokens
-        got = "not predicted" if f.longest is None else f"{f.longest // 1024}k"
+        got = "not predicted" if f.longest is None else f"{f.longest // 1024}k" if f.longest else "OOM at 1k"
         out.append(
             f"goal: {layout} fits {tokens // 1024}k vision tokens under `{precision}` "
             f"(usable {usable:.2f}): {'met' if met else 'not met'} (predicted {got})"

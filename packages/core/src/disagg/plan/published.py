@@ -4,6 +4,7 @@ activation recomputation (the paper's setting at these lengths)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from disagg.interfaces.lora import LoraSpec
@@ -46,9 +47,10 @@ def plan_published(
     return plan(work, cluster or cluster_from("h100x8"), registry.strategies, placements=("collocated",))
 
 
-def named(result: PlanResult, name: str) -> Layout:
+def named(result: PlanResult, name: str, keep: Callable[[Layout], bool] | None = None) -> Layout:
     """The fastest variant (options such as sequence parallelism) of one of the
-    paper's layouts (:data:`disagg.bench.published.NAMED`), preferring one that fits."""
+    paper's layouts (:data:`disagg.bench.published.NAMED`), preferring one that fits;
+    ``keep``: only variants it accepts (e.g. the same recompute in every module)."""
     from disagg.bench.published import NAMED
 
     want = NAMED[name]
@@ -60,14 +62,16 @@ def named(result: PlanResult, name: str) -> Layout:
             for m, g in x.groups.items()
         )
 
-    found = [x for x in result.ranked + result.oom if match(x)]
+    found = [x for x in result.ranked + result.oom if match(x) and (keep is None or keep(x))]
     if not found:
         raise ValueError(f"layout {name} was not searched")
     return min(found, key=lambda x: (not x.fits, x.step_time_s))
 
 
 def summary(result: PlanResult) -> dict[str, Any]:
-    """Per length: the plan's choice, the paper's layouts' predicted time/memory/fit, DHP vs TP."""
+    """Per length: the plan's choice, the paper's layouts' predicted time/memory/fit, and the paper's
+    own ratio DHP / uniform TP over its named layouts (each its fastest variant: not like for like,
+    :mod:`disagg.bench.published_compare` is). Recorded by the cost change detector."""
     from disagg.bench.published import NAMED
 
     rows = {name: named(result, name) for name in NAMED}
