@@ -38,14 +38,17 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "family:encoder:qwen2_vl": "disagg-vision-sp",
     "family:encoder:qwen3_vl": "disagg-vision-sp",
     "family:encoder:llava": "disagg-vision-sp",
+    "family:encoder:qwen2_5_omni": "disagg-vision-sp",
     "family:encoder:whisper": "disagg-audio",
     "family:encoder:qwen2_audio": "disagg-audio",
+    "family:encoder:qwen2_5_omni_audio": "disagg-audio",
     "family:llm:qwen2_5_vl": "disagg-llm-tp",
     "family:llm:qwen2_vl": "disagg-llm-tp",
     "family:llm:qwen3_vl": "disagg-llm-tp",
     "family:llm:qwen2": "disagg-llm-tp",
     "family:llm:llama": "disagg-llm-tp",
     "family:llm:qwen2_audio": "disagg-llm-tp",
+    "family:llm:qwen2_5_omni": "disagg-llm-tp",
 }
 
 
