@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from disagg.config.schema import MODULES, Config, GroupConfig
+from disagg.docblock import sync_block
 
 #: the page the reference lives in, relative to the repository root
 PAGE = "docs/configuration.md"
@@ -136,15 +137,7 @@ def _one_line(text: str | None) -> str:
 
 def sync(page: Path, write: bool) -> bool:
     """Whether ``page``'s block is up to date; with ``write``, make it so."""
-    text = page.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{page}: markers {START!r} and {END!r} not found")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{START}\n\n{render()}\n{END}{tail}"
-    if write and new != text:
-        page.write_text(new)
-    return new == text
+    return sync_block(page, START, END, render, write)
 
 
 if __name__ == "__main__":

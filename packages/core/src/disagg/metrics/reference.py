@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from disagg.docblock import sync_block
 from disagg.metrics.fields import EVAL_FIELDS, FIELDS, REDUCTIONS, Field
 
 #: the page the table lives in, relative to the repository root
@@ -49,15 +50,7 @@ def render() -> str:
 
 def sync(page: Path, write: bool) -> bool:
     """Whether ``page``'s block is up to date; with ``write``, make it so."""
-    text = page.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{page}: markers {START!r} and {END!r} not found")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{START}\n\n{render()}\n{END}{tail}"
-    if write and new != text:
-        page.write_text(new)
-    return new == text
+    return sync_block(page, START, END, render, write)
 
 
 if __name__ == "__main__":
