@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from disagg_vision_sp.families.tiny_qwen2_5_vl import PROCESSOR, ROPE, VISION
+from disagg_vision_sp.families.tiny_qwen2_5_vl import PROCESSOR, VISION, qwen_tokenizer, tiny_text_config
 
 #: Qwen2.5-Omni's special tokens (the published tokenizer spells them so)
 SPECIAL_TOKENS = [
@@ -62,35 +62,12 @@ def make_tiny_qwen2_5_omni(out_dir: Path, seed: int = 0) -> Path:
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration, WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from disagg.tiny import train_tokenizer
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(
-        out,
-        SPECIAL_TOKENS,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        vocab_size=400,
-        tokenizer_class="Qwen2TokenizerFast",
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    tok, ids = qwen_tokenizer(out, SPECIAL_TOKENS, CHAT_TEMPLATE)
     hidden = 48
     thinker = dict(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=hidden,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rope_parameters=ROPE,
-            bos_token_id=None,
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-        ),
+        text_config=tiny_text_config(tok, ids, hidden),
         vision_config=dict(VISION, out_hidden_size=hidden),
         audio_config=dict(AUDIO, output_dim=hidden),
         image_token_id=ids["<|IMAGE|>"],

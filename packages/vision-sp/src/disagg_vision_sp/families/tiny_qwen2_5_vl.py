@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -124,6 +125,40 @@ def make_tiny_qwen3_vl(out_dir: Path, seed: int = 0) -> Path:
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]}
 
 
+def qwen_tokenizer(out: Path, special_tokens: list[str], chat_template: str) -> tuple[Any, dict[str, int]]:
+    """The tiny Qwen-style tokenizer every tiny Qwen dir (VL and Omni) trains into ``out``, and
+    the ids of its special tokens."""
+    from disagg.tiny import train_tokenizer
+
+    tok = train_tokenizer(
+        out,
+        special_tokens,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=chat_template,
+        vocab_size=400,
+        tokenizer_class="Qwen2TokenizerFast",
+    )
+    return tok, {t: tok.convert_tokens_to_ids(t) for t in special_tokens}
+
+
+def tiny_text_config(tok: Any, ids: dict[str, int], hidden: int) -> dict[str, Any]:
+    """The tiny Qwen2 decoder the tiny VL and Omni dirs share (2 layers, GQA 4/2, MRoPE)."""
+    return dict(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_parameters=ROPE,
+        bos_token_id=None,
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+
+
 def _make_tiny(
     out: Path,
     config_cls: type,
@@ -137,35 +172,11 @@ def _make_tiny(
     """``out_key``: the vision config's name for the merger's output width (the LLM's)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from disagg.tiny import train_tokenizer
-
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(
-        out,
-        SPECIAL_TOKENS,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        vocab_size=400,
-        tokenizer_class="Qwen2TokenizerFast",
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    tok, ids = qwen_tokenizer(out, SPECIAL_TOKENS, CHAT_TEMPLATE)
     text_hidden = 48
     config = config_cls(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=text_hidden,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rope_parameters=ROPE,
-            bos_token_id=None,
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-        )
-        | (text or {}),
+        text_config=tiny_text_config(tok, ids, text_hidden) | (text or {}),
         vision_config=dict(vision, **{out_key: text_hidden}),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
