@@ -9,23 +9,29 @@ import torch
 from torch import nn
 
 from disagg.interfaces import Cost, CostQuery, EmbeddingShard, Family, ReplicatedOptions, StrategyOptions
-from disagg.kit import Strategy
+from disagg.kit import Strategy, context_parallel
+from disagg.kit.context_parallel import ContextParallelLanguage
 from disagg.kit.sharding import ShardedReplicas, placeholder_input, shard_problems
 
 
-class DDPStrategy(ShardedReplicas, Strategy):
+class DDPStrategy(ContextParallelLanguage, ShardedReplicas, Strategy):
     """Data parallelism: replicas read disjoint samples and gradients are summed
     across them (the loss is already normalised by the global label count,
     so a sum — not a mean — gives the single-process gradient). Everything but
     ``parallelize`` (and, under a sharded state, the encoder's forward) is the base
     :class:`~disagg.kit.Strategy`'s; ``max_degree = 1`` makes its default ``check``
-    refuse other degrees."""
+    refuse other degrees.
+
+    With ``parallel.llm.context_parallel: N`` a replica is N ranks, each with 1/N of every
+    sample's tokens (:mod:`disagg.kit.context_parallel`): to the gradient sum and to a sharded
+    state they are more data-parallel ranks (each holds partial gradients of every weight)."""
 
     name: ClassVar[str] = "ddp"
     max_degree: ClassVar[int | None] = 1
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "bf16-pure")
     options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
+    context_parallel_support: ClassVar[bool] = True
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
@@ -40,6 +46,8 @@ class DDPStrategy(ShardedReplicas, Strategy):
     def parallelize(self, module: nn.Module) -> nn.Module:
         # Gradient sum happens once per step, after (or, with overlap_grad_reduce, during) the
         # last microbatch's backward, which is what DistributedDataParallel's no_sync would do.
+        # torchtitan's order: context parallelism -> recompute -> sharding.
+        context_parallel.apply(module, self.ctx)
         self.recompute.apply_full(module, f"module {self.ctx.module!r}")
         return self.shard_state(module)
 

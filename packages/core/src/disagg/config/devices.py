@@ -6,6 +6,8 @@ transport that cannot work would fail at the first step."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from disagg.config.schema import Config
 from disagg.interfaces import Layout
 from disagg.plugins import Registry
@@ -14,11 +16,16 @@ from disagg.plugins import Registry
 Found = list[tuple[tuple[str, ...], str]]
 
 
+def group_size(group: Any) -> int:
+    """Ranks of a ``parallel.<m>`` group: ``degree * context_parallel * replicas``."""
+    return group.degree * getattr(group, "context_parallel", 1) * group.replicas
+
+
 def layout_of(cfg: Config, device: str) -> Layout:
     return Layout(
         device,
         cfg.parallel.placement,
-        {m: getattr(cfg.parallel, m).degree * getattr(cfg.parallel, m).replicas for m in cfg.modules()},
+        {m: group_size(getattr(cfg.parallel, m)) for m in cfg.modules()},
     )
 
 
@@ -67,7 +74,7 @@ def gpu_share_problems(cfg: Config, device: str) -> Found:
                     "sharing the GPU), or placement: disaggregated",
                 )
             )
-    sizes = {m: g.degree * g.replicas for m, g in groups.items()}
+    sizes = {m: group_size(g) for m, g in groups.items()}
     for i in range(max(sizes.values(), default=0)):
         members = [m for m in modules if sizes[m] > i]
         explicit = {m: groups[m].resources.num_gpus for m in members if groups[m].resources.num_gpus}

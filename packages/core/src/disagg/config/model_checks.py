@@ -70,12 +70,15 @@ def resolve_module(
     )
     if not Path(spec.path).exists():  # reported by local_model_paths (not a dir, not a resolvable id)
         family_cls = None  # families read their config from the path
-    if group.ranks is not None and group.ranks != group.degree * group.replicas:
+    size = group.degree * group.context_parallel * group.replicas
+    if group.ranks is not None and group.ranks != size:
         out.add(
             ("parallel", m, "ranks"),
-            f"{group.ranks} does not equal degree × replicas = {group.degree} × {group.replicas} "
-            f"= {group.degree * group.replicas}; set ranks to {group.degree * group.replicas} or drop it",
+            f"{group.ranks} does not equal degree × context_parallel × replicas = {group.degree} × "
+            f"{group.context_parallel} × {group.replicas} = {size}; set ranks to {size} or drop it",
         )
+    if group.context_parallel > 1:
+        _context_parallel(m, group, strategy_cls, family_cls, out)
     options = _options(m, group, strategy_cls, out) if strategy_cls else None
     if options is not None and strategy_cls is not None:
         _recompute(m, group, strategy_cls, options, out)
@@ -121,7 +124,37 @@ def resolve_module(
         )
     if len(out) > before:
         return None
-    return ResolvedModule(m, role, strategy_cls, options, family, group.degree, group.replicas)
+    return ResolvedModule(
+        m, role, strategy_cls, options, family, group.degree, group.replicas, group.context_parallel
+    )
+
+
+def _context_parallel(
+    m: str, group: GroupConfig, strategy_cls: type[Strategy] | None, family_cls: type | None, out: Problems
+) -> None:
+    """``parallel.<m>.context_parallel`` > 1: only a decoder splits its sequence, and only
+    with a strategy and a family that say they can (the heads need no extra divisibility:
+    keys and values are all-gathered whole, :mod:`disagg.kit.context_parallel`)."""
+    key, n = ("parallel", m, "context_parallel"), group.context_parallel
+    if m != "llm":
+        out.add(
+            key,
+            f"{n}: only the language model (parallel.llm) splits its sequence over context-parallel "
+            f"ranks; use 1 here (allowed: 1), or sequence parallelism through the strategy's degree",
+        )
+        return
+    if strategy_cls is not None and not getattr(strategy_cls, "context_parallel_support", False):
+        out.add(
+            key,
+            f"{n}: strategy {group.strategy!r} does not support context parallelism; "
+            f"use 1, or a strategy that does (ddp, megatron_tp)",
+        )
+    if family_cls is not None and not getattr(family_cls, "context_parallel_support", False):
+        out.add(
+            key,
+            f"{n}: family {getattr(family_cls, 'name', family_cls.__name__)!r} cannot split its "
+            f"sequence over context-parallel ranks; use 1 (families that can: qwen2, llama, qwen2_5_vl)",
+        )
 
 
 def _options(

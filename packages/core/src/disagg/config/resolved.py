@@ -20,6 +20,13 @@ class ResolvedModule:
     family: Family
     degree: int
     replicas: int
+    #: ``parallel.<m>.context_parallel`` (1 without a sequence split)
+    context_parallel: int = 1
+
+    @property
+    def size(self) -> int:
+        """Ranks of the group: ``degree * context_parallel * replicas``."""
+        return self.degree * self.context_parallel * self.replicas
 
 
 #: only :func:`disagg.config.validate.validate` holds this: it alone makes a :class:`ResolvedConfig`
@@ -55,10 +62,10 @@ def require_resolved(cfg: object, what: str) -> ResolvedConfig:
 
 
 def reserved_cpus(resolved: ResolvedConfig) -> float:
-    """Logical CPUs the training ranks reserve: degree x replicas x
+    """Logical CPUs the training ranks reserve: degree x context_parallel x replicas x
     ``resources.num_cpus`` per module."""
     return sum(
-        m.degree * m.replicas * getattr(resolved.config.parallel, name).resources.num_cpus
+        m.size * getattr(resolved.config.parallel, name).resources.num_cpus
         for name, m in resolved.modules.items()
     )
 

@@ -65,9 +65,13 @@ class GroupConfig(BaseModel):
     degree: PositiveInt = 1
     """Ranks that share the same samples (SP or TP size)."""
     replicas: PositiveInt = 1
-    """Data-parallel copies; the group has ``degree * replicas`` ranks."""
+    """Data-parallel copies; the group has ``degree * context_parallel * replicas`` ranks."""
+    context_parallel: PositiveInt = 1
+    """``parallel.llm`` only: ranks of one replica that split every sample's sequence
+    (context parallelism, load-balanced for causal attention; attention all-gathers the
+    keys and values over them); the strategy must support it (``ddp``, ``megatron_tp``)."""
     ranks: PositiveInt | None = None
-    """Optional cross-check: when set, must equal ``degree * replicas``."""
+    """Optional cross-check: when set, must equal ``degree * context_parallel * replicas``."""
     resources: Resources = Field(default_factory=Resources)
     """Ray resources per rank."""
     recompute: Literal["none", "full", "selective"] = "none"

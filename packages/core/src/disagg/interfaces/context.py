@@ -39,9 +39,13 @@ class OptimSpec:
 class GroupContext:
     """One rank of a module group.
 
-    Rank layout is fixed by core: ``rank = replica * degree + shard``. Ranks of
-    one replica (same samples) are contiguous; a strategy builds its
-    sub-groups from :meth:`shard_ranks` / :meth:`replica_peers`. The default
+    Rank layout is fixed by core:
+    ``rank = replica * (degree * context_parallel) + cp_rank * degree + shard``. Ranks of
+    one replica (same samples) are contiguous, and inside a replica the ranks that hold
+    the same tokens (one SP/TP group) are contiguous too; a strategy builds its
+    sub-groups from :meth:`shard_ranks` / :meth:`cp_peers` / :meth:`replica_peers`. To
+    core (routing, which rank returns embedding gradients) every rank of a replica is one
+    of its "shards": they all read the replica's samples. The default
     ``torch.distributed`` process group is exactly this module's group.
     """
 
@@ -66,6 +70,9 @@ class GroupContext:
     #: ``train.precision`` resolved (:mod:`disagg.interfaces.precision`); None: the recipe whose
     #: compute dtype is ``dtype`` (float32 -> ``fp32``, bfloat16 -> ``bf16``)
     recipe: Recipe | None = None
+    #: ``parallel.<module>.context_parallel``: ranks of a replica that each hold 1/N of
+    #: every sample's tokens (:mod:`disagg.kit.context_parallel`); 1 for no split
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.recipe is None:
@@ -74,24 +81,50 @@ class GroupContext:
             raise ValueError(f"dtype {self.dtype} is not recipe {self.recipe.name!r}'s {self.recipe.weights}")
 
     @property
+    def replica_size(self) -> int:
+        """Ranks of one replica: ``degree * context_parallel``."""
+        return self.degree * self.context_parallel
+
+    @property
     def shard(self) -> int:
-        """Index of this rank inside its replica (SP or TP rank)."""
+        """This rank's SP or TP rank (its index among the ranks holding the same tokens)."""
         return self.rank % self.degree
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index among its replica's context-parallel ranks (0 without CP)."""
+        return (self.rank // self.degree) % self.context_parallel
 
     @property
     def replica(self) -> int:
         """Data-parallel replica this rank belongs to."""
-        return self.rank // self.degree
+        return self.rank // self.replica_size
 
-    def shard_ranks(self, replica: int | None = None) -> list[int]:
+    def shard_ranks(self, replica: int | None = None, cp_rank: int | None = None) -> list[int]:
+        """Global ranks of one SP/TP group: one replica's ranks that hold the same tokens
+        (without context parallelism: the whole replica)."""
+        r = self.replica if replica is None else replica
+        c = self.cp_rank if cp_rank is None else cp_rank
+        start = r * self.replica_size + c * self.degree
+        return list(range(start, start + self.degree))
+
+    def replica_ranks(self, replica: int | None = None) -> list[int]:
         """Global ranks of one replica (they share samples)."""
         r = self.replica if replica is None else replica
-        return list(range(r * self.degree, (r + 1) * self.degree))
+        return list(range(r * self.replica_size, (r + 1) * self.replica_size))
 
-    def replica_peers(self, shard: int | None = None) -> list[int]:
-        """Global ranks holding the same shard index in every replica."""
+    def cp_peers(self, replica: int | None = None, shard: int | None = None) -> list[int]:
+        """Global ranks of one context-parallel group: the ranks of a replica with the same
+        SP/TP rank, in sequence-chunk order (just this rank without context parallelism)."""
+        r = self.replica if replica is None else replica
         s = self.shard if shard is None else shard
-        return [r * self.degree + s for r in range(self.replicas)]
+        return [r * self.replica_size + c * self.degree + s for c in range(self.context_parallel)]
+
+    def replica_peers(self, shard: int | None = None, cp_rank: int | None = None) -> list[int]:
+        """Global ranks holding the same shard index (and CP rank) in every replica."""
+        s = self.shard if shard is None else shard
+        c = self.cp_rank if cp_rank is None else cp_rank
+        return [r * self.replica_size + c * self.degree + s for r in range(self.replicas)]
 
 
 def dropout_seed(seed: int, replica: int, shard: int | None = None) -> int:

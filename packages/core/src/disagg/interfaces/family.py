@@ -243,6 +243,10 @@ class LanguageFamily(Family):
     """A causal language model that consumes text plus encoder embeddings."""
 
     role: ClassVar[Role] = "llm"
+    #: its ``forward`` splits the sequence over ``parallel.llm.context_parallel`` ranks
+    #: (:mod:`disagg.kit.context_parallel`: positions on the whole sequence, then the
+    #: load-balanced slice); a family without it is refused a context-parallel degree
+    context_parallel_support: ClassVar[bool] = False
 
     def hidden_size(self) -> int:
         """Width of the embeddings the LLM consumes (what encoders project to)."""

@@ -97,6 +97,9 @@ class StrategySpec:
     #: honours; a run whose recipe a module's strategy does not list is refused at validation,
     #: naming the module, the strategy and these
     precisions: ClassVar[tuple[str, ...]] = ("fp32",)
+    #: runs ``parallel.<module>.context_parallel`` > 1 (the sequence split over a replica's
+    #: ranks, :mod:`disagg.kit.context_parallel`); False: validation refuses a degree > 1
+    context_parallel_support: ClassVar[bool] = False
 
     # -- validation, before any actor starts -------------------------------------------------
     @classmethod

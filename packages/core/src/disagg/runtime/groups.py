@@ -30,10 +30,17 @@ class GroupSpec:
     optim: OptimSpec | None
     num_cpus: float = 1.0
     num_gpus: float | None = None
+    #: ranks of a replica splitting each sample's sequence (``parallel.<m>.context_parallel``)
+    context_parallel: int = 1
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks that read the same samples: ``degree * context_parallel``."""
+        return self.degree * self.context_parallel
 
     @property
     def size(self) -> int:
-        return self.degree * self.replicas
+        return self.replica_size * self.replicas
 
 
 @dataclass
@@ -178,6 +185,7 @@ def start_groups(
                         world_size=spec.size,
                         degree=spec.degree,
                         replicas=spec.replicas,
+                        context_parallel=spec.context_parallel,
                         family=spec.family,
                         strategy_cls=spec.strategy_cls,
                         options=spec.options,

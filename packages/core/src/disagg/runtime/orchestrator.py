@@ -92,14 +92,17 @@ class Orchestrator:
                 for r, actor_id in enumerate(g.actor_ids)
             }
         )
-        self._shapes = [GroupShape(g.module, g.spec.degree, g.spec.replicas) for g in self.encoders]
+        self._shapes = [GroupShape(g.module, g.spec.replica_size, g.spec.replicas) for g in self.encoders]
+        # to routing, a replica's context-parallel ranks are more of its shards (same samples)
         self._llm_shape = GroupShape(
-            self.llm.module, self.llm.spec.degree, self.llm.spec.replicas, self._grad_shard()
+            self.llm.module, self.llm.spec.replica_size, self.llm.spec.replicas, self._grad_shard()
         )
 
     def _grad_shard(self) -> int:
         """The LLM rank inside a replica whose embedding gradients go back."""
-        flags = ray.get([a.returns_input_grads.remote() for a in self.llm.actors[: self.llm.spec.degree]])
+        flags = ray.get(
+            [a.returns_input_grads.remote() for a in self.llm.actors[: self.llm.spec.replica_size]]
+        )
         if not any(flags):
             raise RuntimeError(f"strategy of module {self.llm.module!r}: no rank returns input gradients")
         return flags.index(True)

@@ -134,6 +134,7 @@ def make_plan(
                 options=r.options,
                 degree=r.degree,
                 replicas=r.replicas,
+                context_parallel=r.context_parallel,
                 optim=optim_for(cfg, m, r.family),
                 num_cpus=g.resources.num_cpus,
                 num_gpus=g.resources.num_gpus,

@@ -8,6 +8,7 @@ A family subclass says where the decoder lives in the module ``build`` returns
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from disagg.interfaces import AttentionSpec, LanguageFamily, LayerMap, SequenceParallelRegions
+from disagg.kit import context_parallel
 from disagg.kit.hf import checkpoint_keys, empty_from_config
 
 #: which first-party family reads a dir of each ``model_type`` (for "use family X" hints)
@@ -200,10 +202,15 @@ class HFDecoderFamily(LanguageFamily):
 
     # -- forward ---------------------------------------------------------------------------------------
     def pad_batch(
-        self, inputs: list[dict[str, torch.Tensor]], device: torch.device
+        self,
+        inputs: list[dict[str, torch.Tensor]],
+        device: torch.device,
+        length: Callable[[int], int] | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """Right-pad ragged samples: ids, attention mask, labels (-100 on padding)."""
+        """Right-pad ragged samples: ids, attention mask, labels (-100 on padding); ``length``:
+        the padded length for the longest sample's (context parallelism pads further)."""
         n = max(int(x["input_ids"].shape[-1]) for x in inputs)
+        n = length(n) if length is not None else n
         pad = self.text_config.pad_token_id
         pad = 0 if pad is None else int(pad)
         ids = torch.full((len(inputs), n), pad, dtype=torch.long, device=device)
@@ -241,11 +248,51 @@ class HFDecoderFamily(LanguageFamily):
         embeds: list[dict[str, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         device = next(module.parameters()).device
-        ids, mask, labels = self.pad_batch(inputs, device)
+        cp = context_parallel.current()
+        ids, mask, labels = self.pad_batch(inputs, device, cp.padded_length if cp is not None else None)
         x = self.scatter(module.get_input_embeddings()(ids), ids, self.placeholder_rows(embeds))
+        if cp is not None:
+            return self.forward_split(cp, module, ids, x, mask, labels, inputs)
         logits = self.run(module, ids, x, mask, inputs, embeds)
         logits = logits[:, :-1].reshape(-1, logits.shape[-1])
         return logits, labels[:, 1:].reshape(-1)
+
+    # -- context parallelism (parallel.llm.context_parallel) --------------------------------------------
+    context_parallel_support: ClassVar[bool] = True
+
+    def forward_split(
+        self,
+        cp: context_parallel.ContextParallel,
+        module: nn.Module,
+        ids: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        labels: torch.Tensor,
+        inputs: list[dict[str, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the padded batch: positions are computed on the whole sequence
+        and labels shifted (each token's label is the next token) *before* the load-balanced
+        split, which then takes the same tokens of embeddings, positions and labels."""
+        positions = self.position_ids(module, ids, mask, inputs)
+        shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+        mine = cp.begin(ids.shape[1], ids.device)
+        x = context_parallel.split(embeds, 1, mine)
+        pos = context_parallel.split(positions, positions.dim() - 1, mine)
+        logits = module(inputs_embeds=x, position_ids=pos, use_cache=False).logits
+        local = context_parallel.split(shifted, 1, mine)
+        return logits.reshape(-1, logits.shape[-1]), local.reshape(-1)
+
+    def position_ids(
+        self,
+        module: nn.Module,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        inputs: list[dict[str, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Rotary positions of the whole padded batch, as the HF forward computes them for
+        right-padded samples: ``0 .. length - 1`` per row (families with multimodal RoPE
+        override it with the model's own method)."""
+        return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
 
     def placeholder_rows(self, rows: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """What is scattered at each sample's placeholder tokens: the encoder rows as they come

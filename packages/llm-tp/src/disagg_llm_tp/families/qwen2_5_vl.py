@@ -71,6 +71,18 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
             use_cache=False,
         ).logits
 
+    def position_ids(self, module, ids, mask, inputs):
+        """HF's 3-D mRoPE positions ``(3, batch, tokens)`` of the whole padded batch, from the
+        model's own ``get_rope_index`` (what its forward computes from ``input_ids``); a
+        microbatch without images gets the text positions HF would infer."""
+        types, grid = self.mrope_inputs(ids, inputs)
+        if grid is None:
+            return super().position_ids(module, ids, mask, inputs)[None].expand(3, -1, -1)
+        positions, _ = module.model.get_rope_index(
+            ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask
+        )
+        return positions
+
     @classmethod
     def make_tiny(
         cls,

@@ -21,6 +21,9 @@ from disagg_llm_tp.families.base import HFDecoderFamily
 
 
 class Qwen2AudioLanguageFamily(HFDecoderFamily):
+    #: its forward is not split yet (its own positions/run are untested under context parallelism)
+    context_parallel_support: ClassVar[bool] = False
+
     name: ClassVar[str] = "qwen2_audio"
     vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen2_audio",)
     placeholder_tokens: ClassVar[dict[str, str]] = {"audio": "<|AUDIO|>"}

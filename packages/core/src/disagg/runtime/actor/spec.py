@@ -18,7 +18,7 @@ class WorkerSpec:
     rank: int
     """This rank's index in its group's world, ``0 .. world_size - 1``."""
     world_size: int
-    """Ranks in the group: ``degree x replicas``."""
+    """Ranks in the group: ``degree x context_parallel x replicas``."""
     degree: int
     """Ranks that share the same samples (the strategy's SP or TP size)."""
     replicas: int
@@ -39,3 +39,6 @@ class WorkerSpec:
     """``train.seed``: weights are built under it, dropout draws from a per-replica seed derived from it."""
     collective_timeout_s: float = 600.0
     """How long a collective may wait for its peers (``parallel.collective_timeout_s``)."""
+    context_parallel: int = 1
+    """Ranks of a replica splitting each sample's sequence (``parallel.<m>.context_parallel``);
+    the group then has ``degree x context_parallel x replicas`` ranks."""

@@ -135,6 +135,7 @@ class ModuleWorker:
             seed=self.seed,
             collective_timeout=self.collective_timeout,
             recipe=recipe,
+            context_parallel=self.spec.context_parallel,
         )
         self.strategy = self.strategy_cls(ctx, self.family, self.options)
         memory = host_memory.start()

@@ -1,0 +1,117 @@
+"""Context parallelism for the LLM (``parallel.llm.context_parallel``) end to end through
+``run_training`` against the single-process Hugging Face Qwen2.5-VL at every step (loss,
+gradient norm, evaluation loss, every weight after the run), on the mixed dataset: images of
+three sizes, a two-image sample whose placeholders straddle a context-parallel boundary, text-only
+samples and a text-only global batch, two microbatches, weight decay on.
+
+Layouts are combined into few runs (CI time): the tower under ``ulysses`` 2 with the LLM at
+``ddp`` CP 2 (recompute full) and CP 2 with ``shard: parameters`` over 2 replicas.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("disagg_vision_sp")
+pytest.importorskip("disagg_llm_tp")
+
+from hf_reference import (  # noqa: E402
+    batches_of,
+    eval_set_of,
+    exported_state,
+    qwen2_5_vl_kwargs,
+    run_eval_losses,
+    run_metrics,
+    train_reference,
+)
+from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
+
+from disagg.config.schema import Config  # noqa: E402
+from disagg.config.validate import validate  # noqa: E402
+from disagg.plugins import get_registry  # noqa: E402
+from disagg.testing.reference import capture_first_grads  # noqa: E402
+from disagg.testing.tolerance import assert_params_close, assert_scalar_close  # noqa: E402
+
+STEPS = 3
+FAMILY = "qwen2_5_vl"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    manifest = make_mixed_tiny(tmp_path_factory.mktemp("tiny"), FAMILY)
+    rows = Path(manifest["train"]).read_text().splitlines()
+    held = Path(manifest["train"]).with_name("eval.jsonl")
+    held.write_text("\n".join(rows[-4:]) + "\n")
+    manifest["eval"] = str(held)
+    return manifest
+
+
+def _config(tiny: dict, out: Path, vision: dict, llm: dict, **train: object) -> Config:
+    model = {m: {"family": FAMILY, "path": tiny["models"][FAMILY]} for m in ("vision", "llm")}
+    return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS, eval_every=1, **train)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_local, tiny, tmp_path_factory):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    cfg = _config(tiny, tmp_path_factory.mktemp("ref"), {"strategy": "ddp"}, {"strategy": "ddp"})
+    batches = batches_of(cfg, STEPS)
+    assert [all("vision" not in s for s in b) for b in batches] == [False, True, False]
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny["models"][FAMILY], dtype=torch.float32)
+    with capture_first_grads(model) as grads:
+        run = train_reference(
+            model,
+            batches,
+            qwen2_5_vl_kwargs(model.config.image_token_id),
+            cfg.train,
+            eval_set=eval_set_of(cfg),
+        )
+    return run, grads, cfg.train
+
+
+def _assert_matches(run_dir: Path, reference, tmp_path: Path) -> None:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    run, grads, train = reference
+    losses, norms = run_metrics(run_dir)
+    assert len(losses) == len(norms) == len(run.losses) == STEPS
+    for step in range(STEPS):
+        assert_scalar_close(losses[step], run.losses[step], f"step {step + 1} loss")
+        assert_scalar_close(norms[step], run.grad_norms[step], f"step {step + 1} grad norm")
+    evals = run_eval_losses(run_dir)
+    assert len(evals) == len(run.eval_losses) == STEPS
+    for step, (got, want) in enumerate(zip(evals, run.eval_losses), 1):
+        assert_scalar_close(got, want, what=f"eval loss after step {step}")
+    got = exported_state(run_dir, STEPS, tmp_path / "export", Qwen2_5_VLForConditionalGeneration)
+    assert_params_close(
+        got,
+        run.state,
+        lr=train.lr,
+        steps=STEPS,
+        grads=grads,
+        what=f"after {STEPS} steps: ",
+        eps=train.eps,
+        betas=tuple(train.betas),
+    )
+
+
+LAYOUTS = {
+    "ulysses2+ddp_cp2_recompute": (
+        {"strategy": "ulysses", "degree": 2},
+        {"strategy": "ddp", "context_parallel": 2, "recompute": "full"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path, name):
+    from disagg.runtime.run import run_training
+
+    vision, llm = LAYOUTS[name]
+    cfg = _config(tiny, tmp_path / "run", vision, llm)
+    run_training(validate(cfg, get_registry()), progress=False)
+    _assert_matches(tmp_path / "run", reference, tmp_path)
