@@ -104,6 +104,16 @@ LAYOUTS = {
         {"strategy": "ulysses", "degree": 2},
         {"strategy": "ddp", "context_parallel": 2, "recompute": "full"},
     ),
+    "ulysses2+tp2xcp2": (
+        {"strategy": "ulysses", "degree": 2},
+        {"strategy": "megatron_tp", "degree": 2, "context_parallel": 2},
+    ),
+    # 2 replicas x CP 2, the optimizer state sharded over all 4 (ZeRO-1): CP ranks are more
+    # data-parallel ranks (ddp shards an LLM's optimizer state only)
+    "ddp+ddp_cp2x2_shard_optimizer": (
+        {"strategy": "ddp"},
+        {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "shard": "optimizer"},
+    ),
 }
 
 

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, LayerMap, StrategyOptions, dropout_seed
-from disagg.kit import Strategy, agree_on_grads, sum_of_squares
+from disagg.kit import Strategy, agree_on_grads, context_parallel, sum_of_squares
+from disagg.kit.context_parallel import ContextParallelLanguage
 from disagg.kit.hf import head_split_problems
 from disagg.kit.masters import in_master_view
 from disagg.kit.recompute import Recompute
@@ -60,8 +61,14 @@ class MegatronTPOptions(StrategyOptions):
     family whose layer map declares its regions."""
 
 
-class MegatronTPStrategy(TPFullState, Strategy):
-    """Tensor parallelism with megatron-core layers swapped into the HF module."""
+class MegatronTPStrategy(ContextParallelLanguage, TPFullState, Strategy):
+    """Tensor parallelism with megatron-core layers swapped into the HF module.
+
+    With ``parallel.llm.context_parallel: N`` (TP x CP): megatron's parallel state is built
+    with ``context_parallel_size=N`` on core's layout (TP ranks contiguous, then CP, then
+    replicas: megatron's ``tp-cp-ep-dp-pp`` order), the attention all-gathers each TP rank's
+    key/value heads over its CP group (:mod:`disagg.kit.context_parallel`), and every
+    gradient is summed over CP as over replicas (megatron's data-parallel-with-CP group)."""
 
     name: ClassVar[str] = "megatron_tp"
     distribution: ClassVar[str] = "disagg-llm-tp"
@@ -72,6 +79,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "bf16-pure")
     #: adapters on the column and row linears it splits (lora.py: column/row-parallel adapters)
     lora_support: ClassVar[tuple[str, ...]] = ("column", "row")
+    context_parallel_support: ClassVar[bool] = True
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
@@ -115,21 +123,28 @@ class MegatronTPStrategy(TPFullState, Strategy):
     def _init_megatron(self) -> None:
         from megatron.core import parallel_state as ps
 
-        d = self.ctx.degree
-        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() != d:
+        d, cp = self.ctx.degree, self.ctx.context_parallel
+        if ps.model_parallel_is_initialized() and (
+            ps.get_tensor_model_parallel_world_size() != d or ps.get_context_parallel_world_size() != cp
+        ):
             ps.destroy_model_parallel()
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=d,
+                context_parallel_size=cp,
                 create_gloo_process_groups=False,
                 # a collective some peer never joins fails after parallel.collective_timeout_s
                 distributed_timeout_minutes=self.ctx.collective_timeout.total_seconds() / 60,
             )
         self.tp_group = ps.get_tensor_model_parallel_group()
-        self.dp_group = ps.get_data_parallel_group()
+        # CP ranks hold partial gradients of the same slices, like replicas: one sum over both
+        self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         assert dist.get_process_group_ranks(self.tp_group) == self.ctx.shard_ranks(), (
             "megatron TP group != core layout"
         )
+        if cp > 1:
+            cp_ranks = dist.get_process_group_ranks(ps.get_context_parallel_group())
+            assert cp_ranks == self.ctx.cp_peers(), "megatron CP group != core layout"
 
     def _kv_groups(self) -> dict[int, dist.ProcessGroup]:
         """One group per replicated key/value head: its copies in every replica."""
@@ -139,9 +154,10 @@ class MegatronTPStrategy(TPFullState, Strategy):
         groups = {}
         for h in range(kv):  # every rank creates every group, in the same order
             ranks = [
-                r * self.ctx.degree + s
+                rank
                 for r in range(self.ctx.replicas)
-                for s in range(h * share, (h + 1) * share)
+                for c in range(self.ctx.context_parallel)
+                for rank in self.ctx.shard_ranks(r, c)[h * share : (h + 1) * share]
             ]
             groups[h] = dist.new_group(ranks, timeout=self.ctx.collective_timeout)
         return groups
@@ -155,14 +171,16 @@ class MegatronTPStrategy(TPFullState, Strategy):
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         """Ordered steps: tensor (and sequence) parallel linears, LoRA's adapters taken off
-        around them -> this rank's slices loaded (a module built empty) -> the TP dropout
-        streams -> LoRA's adapters back on the parallel linears -> recompute."""
+        around them -> this rank's slices loaded (a module built empty) -> context
+        parallelism -> the TP dropout streams -> LoRA's adapters back on the parallel
+        linears -> recompute."""
         lmap = self.family.layer_map()
         if lmap is None:
             raise ValueError(
                 f"family {self.family.name!r} has no layer map; strategy 'megatron_tp' cannot split it"
             )
         sites, sp, config = self.apply_tensor_parallel(module, lmap)
+        context_parallel.apply(module, self.ctx)
         replica_rng = self.apply_dropout_streams(module, lmap, lora_dropout=any(s.dropout > 0 for s in sites))
         self.apply_lora(module, lmap, sites, sp, config, replica_rng)
         self.apply_recompute(module, sp, replica_rng)
@@ -351,7 +369,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
                 buckets.setdefault(("kv", spec.head), []).append(p.grad)
             elif spec.sp_partial:
                 buckets.setdefault("all", []).append(p.grad)
-            elif self.ctx.replicas > 1:
+            elif self.ctx.replicas * self.ctx.context_parallel > 1:
                 buckets.setdefault("dp", []).append(p.grad)
         groups = {"dp": self.dp_group, "all": None}  # None: the module's own world
         for key, grads in buckets.items():
@@ -368,7 +386,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
     @in_master_view()
     def grad_norm_sq(self) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        if self.ctx.replica == 0:  # replicas hold identical reduced gradients
+        if self.ctx.replica == 0 and self.ctx.cp_rank == 0:  # replicas (and CP ranks) hold the same sums
             params = self.trainable_parameters()
             owned = [p.grad for p in params if p.grad is not None and self._owns(p.tp_spec)]
             total = sum_of_squares(owned).to(self.ctx.device) if owned else total
