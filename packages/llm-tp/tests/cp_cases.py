@@ -1,0 +1,102 @@
+"""Rank function of the context-parallel test (spawned ranks import it by name): one step of
+``ddp`` or ``megatron_tp`` with ``context_parallel`` on text-only Qwen2 samples, against the
+single-process Hugging Face model (computed by every rank, same weights)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tp_cases import family_cls
+
+from disagg.interfaces import GroupContext, OptimSpec
+from disagg.kit.context_parallel import current, padded_length
+from disagg.kit.context_parallel.cost import kv_exchange
+from disagg.testing import ranks
+from disagg.testing.ranks import dumps, loads
+
+
+def text_batch(vocab: int, lengths: tuple[int, ...], seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Ragged text-only samples (one shorter than the CP degree when ``lengths`` has one)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(20, vocab, (n,), generator=g)
+        labels = ids.clone()
+        labels[: min(2, n - 1)] = -100  # a prompt, and at least one label
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def reference(path: str, samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Sum of the token losses / global label count and the weight gradients of the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    labels = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
+    total = 0.0
+    for s in samples:
+        out = model(input_ids=s["input_ids"][None], use_cache=False)
+        logits = out.logits[0, :-1]
+        loss = torch.nn.functional.cross_entropy(logits, s["labels"][1:], ignore_index=-100, reduction="sum")
+        (loss / labels).backward()
+        total += float(loss)
+    return {"loss": total, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def one_step(strategy: str, path: str, samples: list, rank: int, degree: int, cp: int, replicas: int) -> dict:
+    ctx = GroupContext(
+        "llm",
+        rank,
+        degree * cp * replicas,
+        degree,
+        replicas,
+        torch.device("cpu"),
+        torch.float32,
+        context_parallel=cp,
+    )
+    fam = family_cls("qwen2")(path)
+    opts: dict[str, Any] = {"loss_chunk_tokens": None}
+    if strategy == "megatron_tp":
+        from disagg_llm_tp.strategy import MegatronTPStrategy as cls
+    else:
+        from disagg.builtin.ddp import DDPStrategy as cls
+    strat: Any = ranks.strategy_rank(cls, fam, ctx, options=opts, optim=OptimSpec(lr=1e-3))
+    mine = samples[ctx.replica :: replicas]  # uneven replicas when len(samples) is odd
+    labels = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
+    ctx.comm.reset()
+    loss = ranks.loss_and_backward(strat, 0, mine, [{} for _ in mine], 1.0 / labels)
+    gathered = dict(ctx.comm.bytes_by_op), dict(ctx.comm.calls_by_op)
+    norm_sq = ranks.reduce(strat)
+    tc = fam.text_config
+    longest = max(len(s["input_ids"]) for s in mine)
+    est = kv_exchange(
+        tc.num_hidden_layers,
+        len(mine),
+        padded_length(longest, cp),
+        tc.num_key_value_heads // degree,
+        tc.hidden_size // tc.num_attention_heads,
+        cp,
+        4,
+    )
+    return {
+        "rank": rank,
+        "replica": ctx.replica,
+        "cp_rank": ctx.cp_rank,
+        "loss": loss,
+        "grads": ranks.full_grads(strat),
+        "norm_sq": norm_sq,
+        "bytes": gathered[0],
+        "calls": gathered[1],
+        "estimate": est,
+        "active": current() is not None,
+    }
+
+
+def cp_rank(rank: int, payload: bytes) -> bytes:
+    """``payload``: (path, samples, cases); a case is (strategy, degree, cp, replicas)."""
+    path, samples, cases = loads(payload)
+    out = [one_step(s, path, samples, rank, d, c, r) for s, d, c, r in cases]
+    if rank == 0:
+        out.append(reference(path, samples))
+    return dumps(out)
