@@ -89,8 +89,10 @@ def test_best_homogeneous_is_the_fastest_that_fits_and_oom_never_enters_a_ratio(
         "uniform_tp",
         "uniform_tp_sp",
         "uniform_zero3",
-        *("dhp_ulysses8_tp8", "dhp_ulysses8_tp8_sp", "dhp_best"),
+        *("dhp_ulysses8_tp8", "dhp_ulysses8_tp8_sp", "dhp_tp_cp", "dhp_fsdp_cp", "dhp_best"),
     }
+    # no context-parallel layout was searched here: those rows say so and enter no ratio
+    assert rows["dhp_tp_cp"]["layout"] is None and rows["dhp_tp_cp"]["stopped_by"] == "not searched"
     assert (
         rows["uniform_zero3"]["fits"] is False and "memory 90.0 GB >" in rows["uniform_zero3"]["stopped_by"]
     )
@@ -104,6 +106,8 @@ def test_best_homogeneous_is_the_fastest_that_fits_and_oom_never_enters_a_ratio(
     assert t["dhp_vs_best_homogeneous"] == pytest.approx(best_s / 7.0)
     for r in rows.values():
         assert r["recompute"] == "full" and r["offload"] == "none" and r["usable"] == usable
+        if r["layout"] is None:
+            continue
         assert sum(sum(v.values()) for v in r["split"].values()) == pytest.approx(r["step_time_s"])
     # the ceiling if DHP's tower took no time: 7.5 / (5.0 + 0.5)
     assert t["ceiling_if_vision_free"] == pytest.approx(7.5 / 5.5)
@@ -133,9 +137,31 @@ def test_json_rows_state_layout_recipe_offload_usable_and_stop(result, monkeypat
             "paper": [],
         }
 
+    from disagg.bench import published_fit
+
+    def fake_fits(budget, strategies=None, precisions=published_fit.FIT_RECIPES, layouts=None):
+        return [
+            published_fit.Fit("dhp_sp", p, 2048, budget // 2, "r", stopped_by="llm state") for p in precisions
+        ]
+
     monkeypatch.setattr(published_compare, "run", fake_run)
+    monkeypatch.setattr(published_fit, "fit_table", fake_fits)
     assert published.main(["64k", "--usable", "0.9,1.0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
+    # the longest-fit table, machine-readable: each row its layout, recipe, offload, usable and stop
+    assert {(f["recipe"], f["offload"], f["usable"]) for f in out["fits"]} == {
+        (r, o, u)
+        for r, o in (
+            ("fp32", "none"),
+            ("bf16", "none"),
+            ("bf16", "optimizer"),
+            ("bf16-pure", "none"),
+            ("bf16-pure", "optimizer"),
+        )
+        for u in (0.9, 1.0)
+    }
+    for f in out["fits"]:
+        assert f["layout"] == "dhp_sp" and f["stopped_by"] == "llm state" and f["parallel"]
     assert [t["usable"] for t in out["tables"]] == [0.9, 1.0]
     for t in out["tables"]:
         for r in t["rows"]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.cost import DecoderShape, EncoderShape, predict
+from disagg.kit.cost.memory import device_memory
 
 QWEN2_5_VL_32B: dict[str, Any] = {
     "vision_config": {
@@ -120,7 +121,7 @@ def predict_published(
     strategies: dict[str, Any] | None = None,
     flat: bool = False,
     precision: str = "bf16",
-    usable: float = 1.0,
+    usable: float = 0.9,
     machine: Any = None,
 ) -> list[dict[str, Any]]:
     """One row per recompute mode, layout and vision length: predicted step time,
@@ -152,17 +153,19 @@ def predict_published(
     for mode, n in ((m, n) for m in recompute for n in vision_tokens):
         llm_len = n // vision.unit + TEXT_TOKENS
         for name, layout in layouts.items():
-            costs, seconds, memory = {}, 0.0, 0
+            costs, seconds = {}, 0.0
             try:
-                predicted = predict_layout(layout, n, mode, precision, strategies)
+                predicted = predict_groups(layout, n, mode, precision, strategies)
             except ValueError:
                 if name in LAYOUTS_32B:
                     raise
                 continue  # a third party's strategy that states no cost for this module
-            for module, cost in predicted.items():
+            for module, got in predicted.items():
+                cost = got.cost
                 costs[module] = cost.to_dict()
                 seconds += compute_seconds(cost, machine) + cost.comm_bytes / LINK_BYTES_PER_S
-                memory += cost.memory_bytes
+            device = device_memory([g.memory for g in predicted.values()])
+            memory = device.total
             if len(costs) < 2:
                 continue
             tokens = SAMPLES * llm_len
@@ -181,10 +184,10 @@ def predict_published(
     return rows
 
 
-def usable_bytes(usable: float = 1.0) -> int:
-    """What a GPU of the published setting may fill: its 80 GB times ``usable`` (the fraction
-    left after the CUDA context, communicator buffers and allocator fragmentation, which the
-    cost model does not count; 1.0: all of it)."""
+def usable_bytes(usable: float = 0.9) -> int:
+    """What a GPU of the published setting may fill: its 80 GB times ``usable`` (headroom kept
+    beyond what the memory model counts: the CUDA contexts, NCCL buffers, the step's transient
+    and fragmentation are counted, :mod:`disagg.kit.cost.memory`; default 0.9)."""
     if not 0 < usable <= 1:
         raise ValueError(f"--usable {usable}: a fraction of device memory in (0, 1]")
     return int(PAPER["gpu_memory_bytes"] * usable)
@@ -201,6 +204,21 @@ def predict_layout(
     ``parallel.<module>`` keys) at ``n`` vision tokens per image, as the published rows ask
     (8 samples, one per replica per microbatch, ``recompute`` in both modules); a strategy
     that states no cost for a module is a ``ValueError``."""
+    return {m: g.cost for m, g in predict_groups(layout, n, recompute, precision, strategies).items()}
+
+
+def predict_groups(
+    layout: dict[str, dict[str, Any]],
+    n: int,
+    recompute: str,
+    precision: str,
+    strategies: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """:func:`predict_layout` with each group's allocator view and offload
+    (:class:`disagg.plan.extended.GroupCost`): ``context_parallel`` and ``offload`` keys included."""
+    from dataclasses import replace
+
+    from disagg.plan.extended import extended_cost
     from disagg.plan.published import published_shapes
 
     shapes = published_shapes(QWEN2_5_VL_32B)
@@ -210,25 +228,53 @@ def predict_layout(
     for module, shape, seq in (("vision", vision, n), ("llm", llm, n // vision.unit + TEXT_TOKENS)):
         g = layout[module]
         degree, replicas = int(g.get("degree", 1)), int(g.get("replicas", 1))
-        kw = (
-            {}
-            if module == "vision"
-            else {"exchanged_rows": n // vision.unit, "exchanged_width": vision.out_hidden}
-        )
-        out[module] = predict(
+        width = None if module == "vision" else vision.out_hidden
+
+        def ask(
+            *,
+            shape,
+            degree,
+            replicas,
+            seq_len,
+            samples,
+            options,
+            recompute,
+            exchanged_rows,
+            _s=g["strategy"],
+            _w=width,
+        ):
+            return predict(
+                shape,
+                _s,
+                degree,
+                replicas,
+                seq_len,
+                precision,
+                samples=samples,
+                microbatches=samples // replicas,  # one sample per replica per microbatch
+                options=options,
+                recompute=recompute,
+                strategies=strategies,
+                exchanged_rows=exchanged_rows,
+                exchanged_width=_w,
+            )
+
+        got = extended_cost(
+            ask,
             shape,
             g["strategy"],
             degree,
             replicas,
             seq,
             precision,
-            samples=SAMPLES,
-            microbatches=SAMPLES // replicas,  # one sample per replica per microbatch
-            options={k: v for k, v in g.items() if k not in ("strategy", "degree", "replicas")},
-            recompute=recompute,
-            strategies=strategies,
-            **kw,
+            SAMPLES,
+            SAMPLES // replicas,
+            {k: v for k, v in g.items() if k not in ("strategy", "degree", "replicas")},
+            recompute,
+            None if module == "vision" else n // vision.unit,
         )
+        got.memory = replace(got.memory, module=module)
+        out[module] = got
     return out
 
 
@@ -270,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flat", action="store_true", help="every FLOP at MFU (the model before GEMM shapes)")
     p.add_argument("--precision", default="bf16", help="train.precision recipes compared, comma-separated")
     p.add_argument(
-        "--usable", default="1.0", help="fractions of each GPU's memory a layout may fill, comma-separated"
+        "--usable", default="0.9", help="fractions of each GPU's memory a layout may fill, comma-separated"
     )
     p.add_argument("--fit-precisions", default=",".join(FIT_RECIPES), help="recipes of the longest-fit table")
     p.add_argument("--json", action="store_true", help="the comparison as JSON (every row, every table)")
@@ -281,7 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     precisions = [x.strip() for x in args.precision.split(",") if x.strip()]
     cluster = flat_curve(PRESETS[CLUSTER], MFU) if args.flat else PRESETS[CLUSTER]
     out = run(parse_tokens(args.lengths), precisions, usables, cluster)
+    fit_recipes = tuple(x.strip() for x in args.fit_precisions.split(",") if x.strip())
+    fits = {u: fit_table(usable_bytes(u), precisions=fit_recipes) for u in usables}
     if args.json:
+        out["fits"] = [f.to_dict(u) for u, rows in fits.items() for f in rows]
+        out["fit_goals"] = [line for u, rows in fits.items() for line in fit_goal_lines(rows, u)]
         print(json.dumps(out, indent=1))
         return 0
     print(f"compute: {'every FLOP at MFU ' + str(MFU) if args.flat else 'by GEMM shape on ' + CLUSTER}\n")
@@ -289,11 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         print(compare_md(t), "\n")
     print(paper_md(out["paper"]), "\n")
     print("\n".join(goal_lines(out["tables"])), "\n")
-    fit_recipes = tuple(x.strip() for x in args.fit_precisions.split(",") if x.strip())
-    for u in usables:
-        fits = fit_table(usable_bytes(u), precisions=fit_recipes)
-        print(fit_md(fits, usable_bytes(u), PAPER, usable=u))
-        print("\n".join(fit_goal_lines(fits, u)), "\n")
+    for u, rows in fits.items():
+        print(fit_md(rows, usable_bytes(u), PAPER, usable=u))
+        print("\n".join(fit_goal_lines(rows, u)), "\n")
     return 0
 
 

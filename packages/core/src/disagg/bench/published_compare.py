@@ -4,9 +4,12 @@ Qwen2.5-VL-32B on the 8 GPUs of the ``h100x8`` preset (:func:`disagg.plan.publis
 8 samples of one image + 512 text tokens, collocated). The planner searches every layout; a layout
 is *homogeneous* when both modules run the same ``parallel.<module>`` section (strategy, degree,
 replicas and options: uniform TP, TP+SP, ZeRO-1/2/3, DDP and its sharded variants, a third
-party's), and *DHP* when the tower runs ``ulysses`` and the LLM ``megatron_tp``. Both sides come
+party's; the LLM's context-parallel ranks count as the tower's replicas, so uniform TP x CP and FSDP +
+CP are homogeneous), and *DHP* when the tower runs ``ulysses`` and the LLM ``megatron_tp`` (TP, TP+SP,
+TP x CP) or ``ddp`` with FSDP + CP (:mod:`disagg.plan.extended`). Both sides come
 from the same search under the same recipe (``train.precision``), the same recompute (``full`` in
-every module; a strategy that cannot recompute is left out), no optimizer offload, and the same
+every module; a strategy that cannot recompute is left out), the same optimizer offload (``none`` in
+every group, or ``optimizer`` in every group: a table each), and the same
 usable memory (``80 GB x usable``). A layout that does not fit is shown as not fitting, with the
 memory term that stops it, and never enters a ratio.
 
@@ -39,24 +42,54 @@ def section(layout: Layout, module: str) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(layout.groups[module].section().items()))
 
 
-def comparable(layout: Layout) -> bool:
-    """Same recompute (``full`` in every group) and no optimizer offload."""
-    return all(
-        dict(g.options).get("recompute", "none") == RECOMPUTE and not dict(g.options).get("offload_optimizer")
-        for g in layout.groups.values()
+def group_offload(options: dict[str, Any]) -> str:
+    """``parallel.<m>.offload`` (``zero``'s own ``offload_optimizer`` counts as ``optimizer``)."""
+    if options.get("offload_optimizer"):
+        return "optimizer"
+    return str(options.get("offload", "none"))
+
+
+def offload_of(layout: Layout) -> str | None:
+    """``optimizer`` where every group offloads it, ``none`` where none does, None when mixed."""
+    found = {group_offload(dict(g.options)) for g in layout.groups.values()}
+    return found.pop() if len(found) == 1 else None
+
+
+def comparable(layout: Layout, offload: str = "none") -> bool:
+    """Same recompute (``full`` in every group) and the same ``offload`` in every group."""
+    return offload_of(layout) == offload and all(
+        dict(g.options).get("recompute", "none") == RECOMPUTE for g in layout.groups.values()
     )
 
 
+def homogeneous_section(layout: Layout, module: str) -> tuple[tuple[str, Any], ...]:
+    """``parallel.<module>`` with the LLM's context-parallel ranks counted as replicas: a tower
+    under TP t x ``r`` replicas and an LLM under TP t x CP ``r`` run one layout on every GPU."""
+    sec = dict(layout.groups[module].section())
+    cp = int(sec.pop("context_parallel", 1) or 1)
+    sec["replicas"] = sec["replicas"] * cp
+    return tuple(sorted(sec.items()))
+
+
 def family(layout: Layout) -> str | None:
-    """``dhp`` / ``dhp_sp`` (LLM sequence parallelism), the homogeneous family's name, or None."""
+    """``dhp`` / ``dhp_sp`` (LLM sequence parallelism) / ``dhp_tp_cp`` / ``dhp_fsdp_cp`` (the LLM's
+    context parallelism), the homogeneous family's name, or None."""
     v, llm = layout.groups["vision"], layout.groups["llm"]
+    cp = llm.context_parallel > 1
     if v.strategy == "ulysses" and llm.strategy == "megatron_tp":
+        if cp:
+            return "dhp_tp_cp"
         return "dhp_sp" if dict(llm.options).get("sequence_parallel") else "dhp"
-    if section(layout, "vision") != section(layout, "llm"):
+    if v.strategy == "ulysses" and llm.strategy == "ddp" and cp:
+        return "dhp_fsdp_cp"
+    if homogeneous_section(layout, "vision") != homogeneous_section(layout, "llm"):
         return None
     opts = dict(v.options)
     if v.strategy == "megatron_tp":
-        return "uniform_tp_sp" if opts.get("sequence_parallel") else "uniform_tp"
+        base = "uniform_tp_sp" if opts.get("sequence_parallel") else "uniform_tp"
+        return base + ("_cp" if cp else "")
+    if v.strategy == "ddp" and cp:
+        return "uniform_fsdp_cp"
     if v.strategy == "zero":
         return f"uniform_zero{opts.get('stage', 1)}"
     if v.strategy == "ddp":
@@ -89,7 +122,12 @@ def stopped_by(layout: Layout, budget: int) -> str:
     from disagg.bench.published_fit import terms
 
     if not layout.fits:
-        parts = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in terms(layout.costs)[:2])
+        listed = (
+            sorted(layout.memory_terms.items(), key=lambda kv: -kv[1])
+            if layout.memory_terms
+            else terms(layout.costs)
+        )
+        parts = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in listed[:2])
         return f"memory {layout.memory_bytes / 1e9:.1f} GB > {budget / 1e9:.1f} GB ({parts})"
     m, part, s = max(((m, p, s) for m, t in layout.times.items() for p, s in t.items()), key=lambda kv: kv[2])
     return f"time: {m} {part} {s:.2f} s of {layout.step_time_s:.2f} s"
@@ -103,25 +141,48 @@ def split(layout: Layout) -> dict[str, dict[str, float]]:
             "comm_exposed_s": t["collective_s"],
             "comm_overlapped_s": 0.0,  # the model overlaps nothing inside a group
             "other_s": t["overhead_s"] + t["transfer_s"],
+            "offload_s": t.get("offload_s", 0.0),
             "idle_s": 0.0,  # collocated: each GPU runs every module in turn
         }
         for m, t in layout.times.items()
     }
 
 
-def row(label: str, x: Layout | None, budget: int, precision: str, usable: float) -> dict[str, Any]:
+def row(
+    label: str,
+    x: Layout | None,
+    budget: int,
+    precision: str,
+    usable: float,
+    tokens: int = 0,
+    offload: str = "none",
+) -> dict[str, Any]:
+    """One table row; ``tokens``: LLM tokens per step (what tokens/s counts); ``offload``: the
+    table's (a row with no layout states it)."""
     if x is None:
-        return {"row": label, "layout": None, "fits": False, "stopped_by": "not searched"}
+        return {
+            "row": label,
+            "layout": None,
+            "precision": precision,
+            "recompute": RECOMPUTE,
+            "offload": offload,
+            "usable": usable,
+            "fits": False,
+            "stopped_by": "not searched",
+        }
     return {
         "row": label,
         "layout": x.name(),
         "parallel": x.parallel_section(),
         "precision": precision,
         "recompute": RECOMPUTE,
-        "offload": "none",
+        "offload": offload_of(x),
         "usable": usable,
         "step_time_s": x.step_time_s,
+        "tokens_per_s": tokens / x.step_time_s if x.step_time_s and tokens else None,
         "memory_bytes": x.memory_bytes,
+        "memory_terms": dict(x.memory_terms),
+        "host_bytes_per_node": x.host_bytes * 8,
         "fits": x.fits,
         "stopped_by": stopped_by(x, budget),
         "split": split(x),
@@ -136,43 +197,57 @@ def best_of(layouts: list[Layout]) -> Layout | None:
     return min(layouts, key=lambda x: x.memory_bytes, default=None)
 
 
-def compare(result: PlanResult, precision: str, usable: float) -> dict[str, Any]:
+DHP_FAMILIES = ("dhp", "dhp_sp", "dhp_tp_cp", "dhp_fsdp_cp")
+
+
+def compare(result: PlanResult, precision: str, usable: float, offload: str = "none") -> dict[str, Any]:
     """One table: every family's best variant, the best homogeneous layout, each DHP row's
-    speedup over it (None where either side does not fit)."""
+    speedup over it (None where either side does not fit); ``offload``: the ``offload`` of every
+    group on both sides (``none`` or ``optimizer``)."""
+    from disagg.bench.published import SAMPLES, TEXT_TOKENS
+
     budget = int(result.cluster.device_memory * usable)
+    tokens = SAMPLES * (result.workload.rows() + TEXT_TOKENS)
     by: dict[str, list[Layout]] = {}
     for x in result.ranked + result.oom:
-        f = family(x) if comparable(x) else None
+        f = family(x) if comparable(x, offload) else None
         if f is not None:
             by.setdefault(f, []).append(x)
     homogeneous = {f: best_of(v) for f, v in sorted(by.items()) if f.startswith("uniform_")}
     fitting = [x for x in homogeneous.values() if x is not None and x.fits]
     best_h = min(fitting, key=lambda x: x.step_time_s) if fitting else None
-    # the paper's DHP mesh (ulysses 8 + TP 8), with and without LLM SP, and the planner's fastest DHP
+    # the paper's DHP mesh (ulysses 8 + TP 8), with and without LLM SP, each CP family's best, and
+    # the planner's fastest DHP
     eight = [
         x for x in by.get("dhp", []) + by.get("dhp_sp", []) if all(g.degree == 8 for g in x.groups.values())
     ]
     dhp = {
         "dhp_ulysses8_tp8": best_of([x for x in eight if family(x) == "dhp"]),
         "dhp_ulysses8_tp8_sp": best_of([x for x in eight if family(x) == "dhp_sp"]),
-        "dhp_best": best_of(by.get("dhp", []) + by.get("dhp_sp", [])),
+        "dhp_tp_cp": best_of(by.get("dhp_tp_cp", [])),
+        "dhp_fsdp_cp": best_of(by.get("dhp_fsdp_cp", [])),
+        "dhp_best": best_of([x for f in DHP_FAMILIES for x in by.get(f, [])]),
     }
-    rows = [row(f, x, budget, precision, usable) for f, x in homogeneous.items()]
+    rows = [row(f, x, budget, precision, usable, tokens, offload) for f, x in homogeneous.items()]
     for label, x in dhp.items():
-        r = row(label, x, budget, precision, usable)
+        r = row(label, x, budget, precision, usable, tokens, offload)
         ok = x is not None and x.fits and best_h is not None
         r["vs_best_homogeneous"] = best_h.step_time_s / x.step_time_s if ok else None
+        tp_sp = homogeneous.get("uniform_tp_sp")
+        ok = x is not None and x.fits and tp_sp is not None and tp_sp.fits
+        r["vs_uniform_tp_sp"] = tp_sp.step_time_s / x.step_time_s if ok else None
         rows.append(r)
     best_dhp = dhp["dhp_best"]
     return {
         "vision_tokens": result.workload.vision_tokens,
         "precision": precision,
         "recompute": RECOMPUTE,
-        "offload": "none",
+        "offload": offload,
         "usable": usable,
         "budget_bytes": budget,
         "best_homogeneous": None if best_h is None else family(best_h),
         "best_homogeneous_layout": None if best_h is None else best_h.name(),
+        "dhp_best_layout": None if best_dhp is None else best_dhp.name(),
         "dhp_vs_best_homogeneous": next(r["vs_best_homogeneous"] for r in rows if r["row"] == "dhp_best"),
         "holds_back": holds_back(best_dhp, best_h),
         # the ratio's ceiling if the tower cost DHP nothing: the LLM's seconds bound it
@@ -206,7 +281,7 @@ def paper_row(result: PlanResult, precision: str, usable: float) -> dict[str, An
     from disagg.bench.published import PAPER
     from disagg.plan.published import named
 
-    tp, dhp = (named(result, k, comparable) for k in ("uniform_tp", "dhp_ulysses_tp"))
+    tp, dhp = (named(result, k, comparable) for k in ("uniform_tp", "dhp_ulysses_tp"))  # no offload
     ok = tp.fits and dhp.fits
     return {
         "vision_tokens": result.workload.vision_tokens,
@@ -230,17 +305,21 @@ def compare_md(t: dict[str, Any]) -> str:
         f"best homogeneous {t['best_homogeneous'] or 'none fits'}; "
         f"DHP ÷ best homogeneous {ratio(t['dhp_vs_best_homogeneous'])}",
         "",
-        "| row | layout | step s | memory GB | fits | ÷ best homogeneous | stopped by |",
-        "|---|---|---|---|---|---|---|",
+        "| row | layout | step s | tokens/s | memory GB | fits | ÷ best homogeneous | ÷ uniform TP+SP "
+        "| stopped by |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in t["rows"]:
         if r["layout"] is None:
-            lines.append(f"| {r['row']} | — | — | — | no | — | {r['stopped_by']} |")
+            lines.append(f"| {r['row']} | — | — | — | — | no | — | — | {r['stopped_by']} |")
             continue
         sp = ratio(r["vs_best_homogeneous"]) if "vs_best_homogeneous" in r else ""
+        tp = ratio(r["vs_uniform_tp_sp"]) if "vs_uniform_tp_sp" in r else ""
+        tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "—"
         lines.append(
-            f"| {r['row']} | {r['layout']} | {r['step_time_s']:.3f} | {r['memory_bytes'] / 1e9:.1f} | "
-            f"{'yes' if r['fits'] else 'no'} | {sp} | {r['stopped_by']} |"
+            f"| {r['row']} | {r['layout']} | {r['step_time_s']:.3f} | {tps} | "
+            f"{r['memory_bytes'] / 1e9:.1f} | {'yes' if r['fits'] else 'no'} | {sp} | {tp} | "
+            f"{r['stopped_by']} |"
         )
     if t["holds_back"]:
         lines += ["", "Where the time goes, best DHP vs best homogeneous (s):", ""]
@@ -286,15 +365,20 @@ def goal_lines(tables: list[dict[str, Any]]) -> list[str]:
         why = "no comparison (a side does not fit)" if got is None else f"{got:.2f}×"
         out.append(
             f"goal: DHP ≥ {GOAL_SPEEDUP}× the best homogeneous layout at {GOAL_TOKENS // 1024}k "
-            f"(`{t['precision']}`, usable {t['usable']:.2f}): {verdict} ({why})"
+            f"(`{t['precision']}`, offload {t['offload']}, usable {t['usable']:.2f}): {verdict} ({why})"
         )
     return out
 
 
 def run(
-    lengths: list[int], precisions: list[str], usables: list[float], cluster: Any = None
+    lengths: list[int],
+    precisions: list[str],
+    usables: list[float],
+    cluster: Any = None,
+    offloads: tuple[str, ...] = ("none", "optimizer"),
 ) -> dict[str, Any]:
-    """Every table: one search per length and recipe, judged under each usable fraction."""
+    """Every table: one search per length and recipe, judged under each usable fraction and
+    offload setting."""
     from disagg.bench.published import PAPER
     from disagg.plan.published import plan_published
     from disagg.plugins import get_registry
@@ -308,7 +392,7 @@ def run(
             for u in usables:
                 judged = refit(result, u)
                 if p in precisions:
-                    tables.append(compare(judged, p, u))
+                    tables += [compare(judged, p, u, o) for o in offloads]
                 if p == PAPER["precision"]:
                     paper.append(paper_row(judged, p, u))
     return {"tables": tables, "paper": paper}

@@ -73,10 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--usable",
         type=float,
-        default=1.0,
+        default=0.9,
         metavar="FRACTION",
-        help="fraction of each GPU's memory a predicted layout of the published setting may fill, "
-        "e.g. 0.9 (default 1.0: the cost model's bytes against all 80 GB)",
+        help="fraction of each GPU's memory a predicted layout of the published setting may fill "
+        "(default 0.9; the allocator's terms are counted on top of the tensors)",
     )
     parser.add_argument(
         "--calibration",

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--inter-bw", "bytes/s a device sends across nodes, e.g. 50GB/s"),
         ("--flops", "peak FLOP/s per device, e.g. 989T"),
         ("--mfu", "fraction of the peak the largest matmuls reach (the efficiency curve's top), e.g. 0.8"),
-        ("--usable", "fraction of device memory a plan may fill, e.g. 0.9"),
+        ("--usable", "fraction of device memory a plan may fill (default 0.9 on GPU presets, 1.0 on CPU)"),
         ("--intra-latency", "seconds per collective message step inside a node (alpha), e.g. 2us"),
         ("--inter-latency", "seconds per collective message step across nodes, e.g. 5us"),
         ("--layer-overhead", "fixed seconds per layer per microbatch (launch/dispatch), e.g. 0.2ms"),

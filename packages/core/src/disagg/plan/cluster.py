@@ -71,6 +71,10 @@ class Cluster:
     mem_bw: float = 0.0
     #: where the figures come from: ``preset`` or ``measured on <host> ...``
     source: str = "preset"
+    #: devices are CUDA GPUs: a device's memory counts the allocator's view (CUDA contexts, NCCL
+    #: buffers, the step's transient, fragmentation: :mod:`disagg.kit.cost.memory`); on CPU
+    #: actors only the tensors count
+    cuda_allocator: bool = False
 
     @property
     def devices(self) -> int:
@@ -141,6 +145,10 @@ _GPU_LATENCY = {
     "layer_overhead": 2e-4,
     "async_launch": True,
     "call_latency": 5e-4,
+    "cuda_allocator": True,
+    # a plan on GPUs keeps 10% of each device beyond what the memory model counts (contexts, NCCL
+    # buffers, the transient and fragmentation are counted: disagg.kit.cost.memory)
+    "usable": 0.9,
 }
 PRESETS: dict[str, Cluster] = {
     "h100x8": Cluster(

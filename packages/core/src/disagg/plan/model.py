@@ -46,15 +46,18 @@ activations at a time (``max_inflight`` of them under ``encoders_ahead``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from disagg.interfaces import Cost, CostQuery, EncoderShape, StrategyOptions
 from disagg.interfaces.cost import Shape
 from disagg.interfaces.lora import LoraSpec
 from disagg.kit import Strategy
+from disagg.kit.cost.memory import device_memory
+from disagg.kit.cost.offload import offload_seconds
 from disagg.plan.cluster import Cluster
 from disagg.plan.efficiency import compute_seconds
+from disagg.plan.extended import KEYS, GroupCost, extended_cost
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class Workload:
     lora: dict[str, LoraSpec] = field(default_factory=dict)
     #: module -> ``train.modules.<m>.freeze``'s parameter-name patterns
     frozen: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: offer ``context_parallel`` and ``offload`` layouts by the cost model alone, whether or not
+    #: the strategies' runtimes take the keys yet (analytic tables: the published setting)
+    modelled_keys: bool = False
 
     def seq_len(self, module: str) -> int:
         if module == "llm":
@@ -106,8 +112,12 @@ class Group:
     options: tuple[tuple[str, Any], ...] = ()
 
     @property
+    def context_parallel(self) -> int:
+        return int(dict(self.options).get("context_parallel", 1) or 1)
+
+    @property
     def ranks(self) -> int:
-        return self.degree * self.replicas
+        return self.degree * self.context_parallel * self.replicas
 
     def label(self) -> str:
         opts = "".join(f",{k}={v}" for k, v in self.options)
@@ -140,6 +150,10 @@ class Layout:
     fits: bool = True
     #: measured by ``--profile`` (tokens/s), when it ran
     measured: dict[str, Any] | None = None
+    #: the worst device's memory by named term (:class:`disagg.kit.cost.memory.DeviceMemory`)
+    memory_terms: dict[str, int] = field(default_factory=dict)
+    #: host bytes per device of what is offloaded
+    host_bytes: int = 0
 
     def name(self) -> str:
         return " + ".join(f"{m}={g.label()}" for m, g in self.groups.items()) + f" [{self.placement}]"
@@ -180,28 +194,64 @@ def module_cost(
     precision: str,
 ) -> Cost | None:
     """The group's cost per rank from its strategy's own hook."""
+    got = group_cost(strategy_cls, group, options, work, layout, precision)
+    return None if got is None else got.cost
+
+
+def group_cost(
+    strategy_cls: type[Strategy],
+    group: Group,
+    options: StrategyOptions,
+    work: Workload,
+    layout: Layout,
+    precision: str,
+) -> GroupCost | None:
+    """:func:`module_cost` with the group's allocator view and ``context_parallel`` / ``offload``
+    (:mod:`disagg.plan.extended`, which asks the strategy's hook)."""
     shape = work.shapes[group.module]
     vision = isinstance(shape, EncoderShape)
     inflight = 1
     if vision and layout.schedule == "encoders_ahead":
         inflight = min(work.max_inflight, layout.microbatches)
-    query = CostQuery(
-        shape=shape,
-        degree=group.degree,
-        replicas=group.replicas,
-        seq_len=work.seq_len(group.module),
-        precision=precision,
-        samples=work.samples,
-        microbatches=layout.microbatches,
-        inflight=inflight,
-        exchanged_rows=None if vision else work.rows(),
-        exchanged_width=None if vision else _encoder_width(work),
-        # what the group's own options apply: nothing plans memory the run does not save
-        recompute=getattr(options, "recompute", "none"),
-        lora=work.lora.get(group.module),
-        frozen=work.frozen.get(group.module, ()),
+    opts = dict(group.options)
+
+    def ask(*, shape, degree, replicas, seq_len, samples, options, recompute, exchanged_rows):  # type: ignore[no-untyped-def]
+        model = strategy_cls.options_model(**options) if options != base else options_obj
+        query = CostQuery(
+            shape=shape,
+            degree=degree,
+            replicas=replicas,
+            seq_len=seq_len,
+            precision=precision,
+            samples=samples,
+            microbatches=layout.microbatches,
+            inflight=inflight,
+            exchanged_rows=exchanged_rows,
+            exchanged_width=None if vision else _encoder_width(work),
+            recompute=recompute,
+            lora=work.lora.get(group.module),
+            frozen=work.frozen.get(group.module, ()),
+        )
+        return strategy_cls.estimate(query, model)
+
+    base = {k: v for k, v in opts.items() if k not in KEYS}
+    options_obj = options
+    # what the group's own options apply: nothing plans memory the run does not save
+    mode = getattr(options, "recompute", "none")
+    return extended_cost(
+        ask,
+        shape,
+        group.strategy,
+        group.degree,
+        group.replicas,
+        work.seq_len(group.module),
+        precision,
+        work.samples,
+        layout.microbatches,
+        opts,
+        mode,
+        None if vision else work.rows(),
     )
-    return strategy_cls.estimate(query, options)
 
 
 def _encoder_width(work: Workload) -> int | None:
@@ -253,10 +303,16 @@ def overhead_seconds(shape: Shape, microbatches: int, cluster: Cluster, compute_
 
 
 def evaluate(
-    layout: Layout, costs: dict[str, Cost], cluster: Cluster, work: Workload | None = None
+    layout: Layout,
+    costs: dict[str, Cost],
+    cluster: Cluster,
+    work: Workload | None = None,
+    groups: dict[str, GroupCost] | None = None,
 ) -> Layout:
     """Fill ``layout``'s time and memory from its groups' ``costs`` on ``cluster``
-    (``work``: the module shapes, for the per-layer overhead; without it none is charged)."""
+    (``work``: the module shapes, for the per-layer overhead; without it none is charged;
+    ``groups``: each group's allocator view and offload (:func:`group_cost`): on a
+    ``cuda_allocator`` cluster the memory is the allocator's, and offload's exposed seconds count)."""
     layout.costs = costs
     total_ranks = sum(g.ranks for g in layout.groups.values())
     spans = total_ranks if layout.placement == "disaggregated" else 1
@@ -271,6 +327,12 @@ def evaluate(
             "overhead_s": overhead_seconds(work.shapes[name], m, cluster, compute) if work else 0.0,
             "transfer_s": c.sent_bytes / across + m * hop,
         }
+        got = (groups or {}).get(name)
+        if got is not None and got.offload is not None:
+            ranks_per_node = min(cluster.devices_per_node, g.ranks)
+            layout.times[name]["offload_s"] = offload_seconds(
+                compute_s=compute, ranks_per_node=ranks_per_node, **got.offload
+            )["exposed_s"]
     per = {name: sum(t.values()) for name, t in layout.times.items()}
     encoders = [per[name] for name in layout.groups if name != "llm"]
     if layout.placement == "disaggregated" and layout.schedule == "encoders_ahead" and encoders:
@@ -278,7 +340,19 @@ def evaluate(
         layout.step_time_s = max(stages) + min(stages) / m
     else:
         layout.step_time_s = sum(per.values())
-    mems = [c.memory_bytes for c in costs.values()]
-    layout.memory_bytes = sum(mems) if layout.placement == "collocated" else max(mems)
+    if groups and cluster.cuda_allocator:
+        views = [replace(groups[n].memory, module=n) for n in layout.groups]
+        per_device = (
+            [device_memory(views)]
+            if layout.placement == "collocated"
+            else [device_memory([v]) for v in views]
+        )
+        worst = max(per_device, key=lambda d: d.total)
+        layout.memory_bytes, layout.memory_terms = worst.total, dict(worst.terms)
+        layout.host_bytes = worst.host_per_device
+    else:
+        mems = [c.memory_bytes for c in costs.values()]
+        layout.memory_bytes = sum(mems) if layout.placement == "collocated" else max(mems)
+        layout.host_bytes = sum(g.memory.host for g in (groups or {}).values())
     layout.fits = layout.memory_bytes <= cluster.memory_budget
     return layout

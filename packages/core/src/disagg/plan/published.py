@@ -43,6 +43,7 @@ def plan_published(
         recompute=True,
         lora=dict(lora or {}),
         precision=precision,
+        modelled_keys=True,
     )
     return plan(work, cluster or cluster_from("h100x8"), registry.strategies, placements=("collocated",))
 

@@ -9,7 +9,8 @@ from typing import Any
 from disagg.interfaces import Cost, Family, StrategyOptions
 from disagg.kit import Strategy
 from disagg.plan.cluster import Cluster
-from disagg.plan.model import Group, Layout, Workload, evaluate, module_cost
+from disagg.plan.extended import GroupCost
+from disagg.plan.model import Group, Layout, Workload, evaluate, group_cost, module_cost
 
 PLACEMENTS = ("collocated", "disaggregated")
 
@@ -134,15 +135,71 @@ def _module_groups(
             options = cls.options_model(**variant)
         except Exception:  # a third party's options may not accept our variant
             continue
-        opts = tuple(sorted(variant.items()))
-        if _probe(cls, Group(module, name, 1, 1, opts), options, work, cluster) is None:
-            continue
-        found = True
-        for d, r in _meshes(cluster.devices, work.samples):
-            group = Group(module, name, d, r, opts)
-            if _valid(cls, group, options, work, family, checked):
-                out.append((group, options))
+        for extra in layout_variants(name, module, variant, work, cluster, cls):
+            g_opts = tuple(sorted({**variant, **extra}.items()))
+            cp = int(extra.get("context_parallel", 1))
+            # FSDP + CP is costed where the strategy alone states no FSDP for a decoder: probe each
+            if _probe(cls, Group(module, name, 1, 1, g_opts), options, work, cluster) is None:
+                continue
+            found = True
+            for d, r in _meshes(cluster.devices // cp, work.samples):
+                group = Group(module, name, d, r, g_opts)
+                if _valid(cls, group, options, work, family, checked):
+                    out.append((group, options))
     return out, found
+
+
+#: strategies whose optimizer offload the planner models (:mod:`disagg.kit.cost.offload`)
+OFFLOAD_STRATEGIES = ("megatron_tp", "ddp", "ulysses", "zero")
+
+
+def accepts(cls: type[Strategy] | None, key: str, value: Any) -> bool:
+    """The strategy's options take ``key: value`` (its runtime implements it)."""
+    if cls is None:
+        return False
+    try:
+        cls.options_model(**{key: value})
+    except Exception:
+        return False
+    return True
+
+
+def layout_variants(
+    strategy: str,
+    module: str,
+    variant: dict[str, Any],
+    work: Workload,
+    cluster: Cluster,
+    cls: type[Strategy] | None = None,
+) -> list[dict[str, Any]]:
+    """The planner's own layout keys on top of a strategy's variant (:mod:`disagg.plan.extended`):
+    ``context_parallel`` 2, 4, ... for a decoder under TP (TP x CP) or ``ddp`` with
+    ``shard: parameters`` (FSDP + CP), and ``offload: optimizer`` where the cluster is GPUs (host
+    memory beside them) — both for full training only (no LoRA, nothing frozen), and only where
+    the strategy's options take the key (its runtime runs it) or the workload is analytic
+    (``Workload.modelled_keys``: the published setting's tables), so that a plan never writes a
+    layout ``disagg train`` refuses."""
+    from disagg.interfaces.shapes import DecoderShape
+    from disagg.plan.extended import CP_STRATEGIES
+
+    out: list[dict[str, Any]] = [{}]
+    if work.lora.get(module) or work.frozen.get(module):
+        return out
+    cp_run = work.modelled_keys or accepts(cls, "context_parallel", 2)
+    offload_run = work.modelled_keys or accepts(cls, "offload", "optimizer")
+    shape = work.shapes[module]
+    cp_ok = isinstance(shape, DecoderShape) and strategy in CP_STRATEGIES
+    if strategy == "ddp":
+        cp_ok = cp_ok and variant.get("shard") == "parameters"
+    if cp_ok and cp_run:
+        c = 2
+        while c <= cluster.devices:
+            if cluster.devices % c == 0:
+                out.append({"context_parallel": c})
+            c *= 2
+    if cluster.cuda_allocator and strategy in OFFLOAD_STRATEGIES and offload_run:
+        out += [{**x, "offload": "optimizer"} for x in list(out)]
+    return out
 
 
 # -- stage 2: layouts from the candidates, placed and costed ----------------------------------------
@@ -157,7 +214,7 @@ def evaluate_layouts(
     evaluated (unsorted); combinations a strategy reports no cost for are left out."""
     modules = list(per_module)
     encoders = [m for m in modules if m != "llm"]
-    cache: dict[tuple[Any, ...], Cost | None] = {}
+    cache: dict[tuple[Any, ...], GroupCost | None] = {}
     out: list[Layout] = []
     for combo in itertools.product(*(per_module[m] for m in modules)):
         groups = {g.module: g for g, _ in combo}
@@ -172,9 +229,10 @@ def evaluate_layouts(
                 "encoders_ahead" if placement == "disaggregated" and micro > 1 and encoders else "sequential"
             )
             layout = Layout(groups=groups, placement=placement, microbatches=micro, schedule=schedule)
-            costs = _costs(combo, layout, work, cluster, strategies, cache)
-            if costs is not None:
-                out.append(evaluate(layout, costs, cluster, work))
+            got = _costs(combo, layout, work, cluster, strategies, cache)
+            if got is not None:
+                costs = {m: c.cost for m, c in got.items()}
+                out.append(evaluate(layout, costs, cluster, work, got))
     return out
 
 
@@ -198,22 +256,22 @@ def _costs(
     work: Workload,
     cluster: Cluster,
     strategies: dict[str, type[Strategy]],
-    cache: dict[tuple[Any, ...], Cost | None],
-) -> dict[str, Cost] | None:
+    cache: dict[tuple[Any, ...], GroupCost | None],
+) -> dict[str, GroupCost] | None:
     """Each group's cost in ``layout`` (cached by group, microbatches and whether its
     activations wait in flight); None when a strategy reports none."""
-    costs: dict[str, Cost] = {}
+    costs: dict[str, GroupCost] = {}
     for g, options in combo:
         inflight = layout.schedule == "encoders_ahead" and g.module != "llm"
         key = (g, layout.microbatches, inflight)
         if key not in cache:
-            cache[key] = module_cost(
+            cache[key] = group_cost(
                 strategies[g.strategy], g, options, work, layout, work.precision or cluster.precision
             )
-        cost = cache[key]
-        if cost is None:
+        got = cache[key]
+        if got is None:
             return None
-        costs[g.module] = cost
+        costs[g.module] = got
     return costs
 
 

@@ -1,0 +1,192 @@
+"""A group's cost with the layout keys the planner models on top of a strategy's own hook:
+``context_parallel`` (a decoder's sequence over N ranks, :mod:`disagg.kit.cost.context_parallel`)
+and ``offload: optimizer`` (:mod:`disagg.kit.cost.offload`), and its device memory as the
+allocator holds it (:mod:`disagg.kit.cost.memory`).
+
+The strategy is asked as usual, with these two keys left out of its options; a CP group is asked
+for its equivalent data-parallel query (``T/N`` tokens, ``N`` times the replicas and samples) and
+the CP terms added; an offloaded group's state is recounted by the offload rule. Both assume full
+training (no LoRA, nothing frozen): the planner offers them only then. When the strategies state
+these keys' cost themselves (the context-parallel and offload issues), :func:`extended_cost`
+is where to ask them instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from disagg.interfaces import Cost
+from disagg.interfaces.precision import RECIPES
+from disagg.interfaces.shapes import DecoderShape, Shape
+from disagg.kit.cost import context_parallel as cpm
+from disagg.kit.cost import offload as off
+from disagg.kit.cost.memory import GroupMemory, communicators
+from disagg.kit.cost.rules import one_block
+
+#: the layout keys this module models (left out of the strategy's options)
+KEYS = ("context_parallel", "offload")
+#: strategies whose CP composition is modelled: TP x CP, and FSDP + CP (``ddp`` with ``shard: parameters``)
+CP_STRATEGIES = ("megatron_tp", "ddp")
+#: strategies whose state sharding the offload rule knows, by option
+SHARD_OF_STAGE = {1: "optimizer", 2: "gradients", 3: "parameters"}
+
+
+@dataclass
+class GroupCost:
+    """A group's cost per rank, the allocator's view of it, and what offload adds."""
+
+    cost: Cost
+    memory: GroupMemory
+    #: :func:`disagg.kit.cost.offload.offload_seconds`' keyword arguments (no ``compute_s``); None: no offload
+    offload: dict[str, Any] | None = None
+
+
+def shards(
+    strategy: str, options: dict[str, Any], degree: int, replicas: int, cp: int
+) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) shard counts of a rank's (tensor-parallel) slice."""
+    if strategy == "megatron_tp":
+        return cpm.state_shards(cp, replicas) if cp > 1 else (1, 1, 1)
+    mode = options.get("shard", "none")
+    if strategy == "zero":
+        mode = SHARD_OF_STAGE[int(options.get("stage", 1))]
+    n = degree * replicas * cp
+    return {
+        "none": (1, 1, 1),
+        "optimizer": (1, 1, n),
+        "gradients": (1, n, n),
+        "parameters": (n, n, n),
+    }[mode]
+
+
+def elements(shape: Shape, strategy: str, degree: int) -> tuple[int, int]:
+    """Trained elements a rank's slice holds before any ZeRO sharding, and the tensors."""
+    tensors = shape.tensors()
+    tp = degree if strategy == "megatron_tp" else 1
+    return sum(t.local_numel(tp) for t in tensors), len(tensors)
+
+
+def _fsdp(
+    cost: Cost, shape: Shape, precision: str, world: int, microbatches: int, seq: int, samples: int
+) -> Cost:
+    """FSDP2 (``shard: parameters``) over ``world`` ranks on top of a replicated decoder's cost: its
+    all-gathers and reduce-scatters replace the gradient all-reduce
+    (:func:`disagg.kit.sharding.cost.step_comm`), and two units are held gathered (the one computing
+    and the one prefetched: FSDP2's default forward prefetch of one unit)."""
+    from disagg.interfaces.cost import Workload
+    from disagg.kit.sharding.cost import step_comm
+
+    r = RECIPES[precision]
+    w = Workload(1, world, seq, samples, microbatches, r.activation_bytes, 0, 0, precision)
+    units = shape.layers + 1  # type: ignore[attr-defined]
+    shapes = [t.shape for t in shape.tensors()]
+    comm, calls = step_comm(shapes, "parameters", w, units, cost.comm_bytes_by_kind, cost.comm_calls_by_kind)
+    layer = sum(t.numel for t in one_block(shape).tensors() if ".layers." in f".{t.name}")
+    head = max(t.numel for t in shape.tensors())
+    gathered = r.weights.itemsize * (max(layer, head) + layer)
+    return replace(cost, comm_bytes_by_kind=comm, comm_calls_by_kind=calls, gathered_bytes=gathered)
+
+
+def extended_cost(
+    ask: Callable[..., Cost],
+    shape: Shape,
+    strategy: str,
+    degree: int,
+    replicas: int,
+    seq_len: int,
+    precision: str,
+    samples: int,
+    microbatches: int,
+    options: dict[str, Any],
+    recompute: str,
+    exchanged_rows: int | None,
+) -> GroupCost | None:
+    """``ask(shape=, degree=, replicas=, seq_len=, samples=, options=, recompute=, exchanged_rows=)``
+    is the strategy's hook for one query (None: it states no cost for the module); ``options`` may
+    hold :data:`KEYS`."""
+    cp = int(options.get("context_parallel", 1) or 1)
+    offload = options.get("offload", "none") == "optimizer"
+    base = {k: v for k, v in options.items() if k not in KEYS}
+    if cp > 1 and (not isinstance(shape, DecoderShape) or strategy not in CP_STRATEGIES):
+        raise ValueError(
+            f"context_parallel {cp}: only a decoder under {' or '.join(CP_STRATEGIES)} (got {strategy})"
+        )
+    q = {
+        "degree": degree,
+        "replicas": replicas * cp,
+        "seq_len": cpm.local_tokens(seq_len, cp),
+        "samples": samples * cp,
+        "options": base,
+        "exchanged_rows": None if exchanged_rows is None else exchanged_rows // cp,
+    }
+    fsdp_cp = cp > 1 and strategy == "ddp"
+    if fsdp_cp:  # ddp states FSDP2 for encoders only: asked replicated, the FSDP terms added below
+        if base.get("shard") != "parameters":
+            raise ValueError("context_parallel with ddp: FSDP + CP needs shard: parameters")
+        q["options"] = {k: v for k, v in base.items() if k != "shard"}
+    cost = ask(shape=shape, recompute=recompute, **q)
+    if cost is None:
+        return None
+    one = ask(shape=one_block(shape), recompute="none", **q)
+    transient = one.activation_bytes if one is not None else 0
+    act = RECIPES[precision].activation_bytes
+    per_rank_samples = -(-samples // replicas)
+    state = cost.state_bytes
+    host = 0
+    split = shards(strategy, base, degree, replicas, cp)
+    n_el, n_t = elements(shape, strategy, degree)
+    if cp > 1:
+        assert isinstance(shape, DecoderShape)
+        kinds, calls = cpm.kv_exchange(shape, seq_len, cp, degree, act, per_rank_samples, recompute)
+        comm = dict(cost.comm_bytes_by_kind)
+        ncalls = dict(cost.comm_calls_by_kind)
+        for k, v in kinds.items():
+            comm[k] = comm.get(k, 0) + v
+            ncalls[k] = ncalls.get(k, 0) + calls[k]
+        compute = cost.compute
+        flops = cost.flops
+        if compute is not None:
+            widened = cpm.attention(compute, cp)
+            flops += widened.flops - compute.flops
+            compute = widened
+        gathered_kv = cpm.kv_gathered_bytes(shape, seq_len, cp, degree, act, recompute)
+        cost = replace(
+            cost,
+            comm_bytes_by_kind=comm,
+            comm_calls_by_kind=ncalls,
+            compute=compute,
+            flops=flops,
+            activation_bytes=cost.activation_bytes + gathered_kv,
+        )
+        if strategy == "megatron_tp":  # the replicas' full copy becomes ZeRO-1 over the CP ranks
+            state = off.state_split(n_el, precision, False, *split, tensors=n_t).device
+        if fsdp_cp:
+            cost = _fsdp(cost, shape, precision, replicas * cp, microbatches, q["seq_len"], samples * cp)
+            state = off.state_split(n_el, precision, False, *split, tensors=n_t).device
+    if offload:  # the offload rule's count replaces the strategy's (full training only)
+        moved = off.state_split(n_el, precision, True, *split, tensors=n_t)
+        state, host = moved.device, moved.host
+    cost = replace(cost, state_bytes=state)
+    alltoall = degree - 1 if cost.comm_bytes_by_kind.get("all_to_all") else 0
+    memory = GroupMemory(
+        module="",
+        state=cost.state_bytes,
+        gathered=cost.gathered_bytes,
+        saved=cost.activation_bytes,
+        transient=transient,
+        communicators=communicators(degree, cp, replicas),
+        alltoall_peers=alltoall,
+        host=host,
+    )
+    info = None
+    if offload:
+        info = {
+            "elements": n_el,
+            "precision": precision,
+            "microbatches": microbatches,
+            "grads_over": split[1],
+            "optim_over": split[2],
+        }
+    return GroupCost(cost, memory, info)
