@@ -19,7 +19,7 @@ parameter bytes, ``m`` microbatches:
   backward; an encoder's pass is one root call per sample, the LLM's one per microbatch); the persistent
   ones re-gathered once after the step; gradients reduce-scattered in every backward, each
   tensor padded the same way (``m·(n-1)·Σ ceil(numel/n)``); plus the group's agreement on its
-  calls (:mod:`disagg_zero.lockstep`: an encoder's vote per root call and one more per
+  calls (:mod:`disagg.kit.lockstep`: an encoder's vote per root call and one more per
   microbatch, the LLM's sample and chunk counts), 8-byte all-reduces. Not modelled:
   DeepSpeed's trace checks (a few small all-reduces and broadcasts at a root forward while
   it records its trace), and gathers saved when a parameter is kept for reuse
@@ -123,7 +123,7 @@ ZERO_STEP_SCALARS = {1: (4, 4), 2: (4, 4), 3: (8, 8)}
 DEEPSPEED_PREFETCH = 50_000_000
 DEEPSPEED_MAX_LIVE = 1_000_000_000
 DEEPSPEED_REUSE = 1_000_000_000
-#: bytes of one agreement all-reduce of :mod:`disagg_zero.lockstep` (one int64)
+#: bytes of one agreement all-reduce of :mod:`disagg.kit.lockstep` (one int64)
 VOTE_BYTES = 8
 #: searched by ``disagg plan``
 OPTION_VARIANTS: list[dict[str, Any]] = [{"stage": 1}, {"stage": 2}, {"stage": 3}]

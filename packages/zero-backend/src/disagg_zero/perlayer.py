@@ -6,7 +6,7 @@ backward produces them. A mixin of :class:`disagg_zero.strategy.ZeroStrategy` fo
 
 The exactness contract (every rank makes the same collectives in the same order whatever its
 samples, an empty rank included; gradients summed once; each element once in the norm) rests
-on :mod:`disagg_zero.lockstep`: the ranks agree on their root calls (encoder), samples and loss
+on :mod:`disagg.kit.lockstep`: the ranks agree on their root calls (encoder), samples and loss
 chunks (LLM) and the short ones run placeholders whose gradient is exactly zero, so every rank
 calls the same submodules in the same order and back-propagates the same graph (its
 parameters' gradients, hence DeepSpeed's reduction hooks and buckets, come in the same order).
@@ -32,10 +32,16 @@ from torch import nn
 from disagg.interfaces import EmbeddingShard
 from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
 from disagg.kit import chunked_loss
-from disagg.kit.sharding import placeholder_input
+from disagg.kit.lockstep import (
+    Lockstep,
+    RootCalls,
+    agreed_max,
+    padded_spans,
+    placeholder_sample,
+    without_dropout,
+)
 from disagg_zero import runtime
 from disagg_zero.comm import counted
-from disagg_zero.lockstep import RootCalls, agreed_max, padded_spans, placeholder_sample, without_dropout
 
 
 class _CallDone(torch.autograd.Function):
@@ -133,10 +139,9 @@ class PerLayer:
     _seed_scale: float
 
     def _per_layer_init(self) -> None:
-        #: microbatch -> outputs of the placeholder root calls this rank ran (zero gradient)
-        self._fill: dict[int, list[torch.Tensor]] = {}
-        #: the family's placeholder image, preprocessed (None: not yet, or it has none)
-        self._placeholder: dict[str, torch.Tensor] | None = None
+        #: the placeholder root calls this rank ran, per microbatch (zero gradient), and the
+        #: family's placeholder image (fp32: DeepSpeed casts the module's inputs itself)
+        self.lockstep = Lockstep(self.family)
         #: this rank's last input that made exactly one root call (the fallback placeholder)
         self._one_call: dict[str, torch.Tensor] | None = None
         self._hooks: list[Any] = []
@@ -196,20 +201,18 @@ class PerLayer:
         """One root call whose gradient will be zero: the family's placeholder image (one
         black image), or, for a family that cannot preprocess one, this rank's last input
         that made one root call."""
-        if self._placeholder is None:
-            try:
-                self._placeholder = placeholder_input(self.family)
-            except Exception as exc:  # before any root call: the peers wait at this rank's vote
-                if self._one_call is None:
-                    raise RuntimeError(
-                        f"ZeRO-3 group {self.ctx.module!r}: rank {self.ctx.rank} must make a placeholder "
-                        f"call but has had no one-call input yet, and family {self.family.name!r} "
-                        f"cannot preprocess the placeholder image: {exc}"
-                    ) from exc
-                with self._placeholder_forward():
-                    return self.family.encode(self.module, self._one_call)
+        try:
+            image = self.lockstep.placeholder()
+        except Exception as exc:  # before any root call: the peers wait at this rank's vote
+            if self._one_call is None:
+                raise RuntimeError(
+                    f"ZeRO-3 group {self.ctx.module!r}: rank {self.ctx.rank} must make a placeholder "
+                    f"call but has had no one-call input yet, and family {self.family.name!r} "
+                    f"cannot preprocess the placeholder image: {exc}"
+                ) from exc
+            image = self._one_call
         with self._placeholder_forward():
-            return self.family.encode(self.module, self._placeholder)
+            return self.family.encode(self.module, image)
 
     def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         if not self.per_layer:
@@ -223,20 +226,18 @@ class PerLayer:
                 outs.append(self.family.encode(self.module, x))
                 if roots.real_calls - before == 1:
                     self._one_call = x
-            fill = roots.finish()
-        if torch.is_grad_enabled():
-            self._fill[mb] = fill
+            self.lockstep.keep(mb, roots.finish())
         return [EmbeddingShard.whole(o) for o in outs]
 
     def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         if not self.per_layer:
             return super().backward(mb, outputs, grads)  # type: ignore[misc]
         pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
-        pairs += [(o, torch.zeros_like(o)) for o in self._fill.pop(mb, [])]
+        pairs += self.lockstep.zero_seeds(mb)
         self.backprop([o for o, _ in pairs], [g for _, g in pairs], [])
 
     def release(self, mb: int) -> None:
-        self._fill.pop(mb, None)
+        self.lockstep.release(mb)
         super().release(mb)  # type: ignore[misc]
 
     # -- LLM role ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ its share of a microbatch (any split, including none), by construction:
   prefetch, live-parameter and reuse limits (:mod:`disagg_zero.perlayer`), and gradients are
   reduce-scattered by its hooks during the one backward of each call. Those hooks are
   collectives in the order of the submodule calls, which follow the data; so the ranks agree
-  on their calls first (:mod:`disagg_zero.lockstep`: the encoder votes before each root call,
+  on their calls first (:mod:`disagg.kit.lockstep`: the encoder votes before each root call,
   the LLM on its sample and loss-chunk counts) and the short ones make placeholder calls whose
   gradient is exactly zero. Only ``full_state_dict``, ``load_full_state`` and the full
   gradients gather the whole module (``GatheredParameters``).

@@ -11,7 +11,8 @@ from torch import nn
 from disagg.interfaces import Cost, CostQuery, EmbeddingShard, Family, ReplicatedOptions, StrategyOptions
 from disagg.kit import Strategy, context_parallel
 from disagg.kit.context_parallel import ContextParallelLanguage
-from disagg.kit.sharding import ShardedReplicas, placeholder_input, shard_problems
+from disagg.kit.lockstep import Lockstep, agreed_max
+from disagg.kit.sharding import ShardedReplicas, shard_problems
 
 
 class DDPStrategy(ContextParallelLanguage, ShardedReplicas, Strategy):
@@ -39,9 +40,8 @@ class DDPStrategy(ContextParallelLanguage, ShardedReplicas, Strategy):
 
     def __init__(self, ctx: Any, family: Family, options: StrategyOptions) -> None:
         super().__init__(ctx, family, options)
-        #: microbatch -> outputs of the placeholder forwards this rank ran to match the group's
-        self._fill: dict[int, list[torch.Tensor]] = {}
-        self._placeholder: dict[str, torch.Tensor] | None = None
+        #: the placeholder forwards a rank with fewer samples runs under FSDP2 (disagg.kit.lockstep)
+        self.lockstep = Lockstep(family, ctx.dtype)
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         # Gradient sum happens once per step, after (or, with overlap_grad_reduce, during) the
@@ -55,14 +55,9 @@ class DDPStrategy(ContextParallelLanguage, ShardedReplicas, Strategy):
     def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
         if not self.fsdp:
             return super().encode(mb, inputs)
-        assert self.module is not None
-        n = self.max_count(len(inputs))
-        if n > len(inputs) and self._placeholder is None:
-            self._placeholder = placeholder_input(self.family, self.ctx.dtype)
-        items = list(inputs) + [self._placeholder] * (n - len(inputs))  # type: ignore[list-item]
-        outs = [self.sharded_call(self.family.encode, x) for x in items]  # type: ignore[attr-defined]
-        if torch.is_grad_enabled():
-            self._fill[mb] = outs[len(inputs) :]
+        n = agreed_max(len(inputs), self.ctx.device, self.ctx.comm)
+        outs = [self.sharded_call(self.family.encode, x) for x in self.lockstep.pad(inputs, n)]
+        self.lockstep.keep(mb, outs[len(inputs) :])
         return [EmbeddingShard.whole(o) for o in outs[: len(inputs)]]
 
     def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -70,11 +65,11 @@ class DDPStrategy(ContextParallelLanguage, ShardedReplicas, Strategy):
             return super().backward(mb, outputs, grads)
         pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
         # the placeholder forwards' backward adds exact zeros, and issues the group's collectives
-        pairs += [(o, torch.zeros_like(o)) for o in self._fill.pop(mb, [])]
+        pairs += self.lockstep.zero_seeds(mb)
         self.backprop([o for o, _ in pairs], [g for _, g in pairs], [])
 
     def release(self, mb: int) -> None:
-        self._fill.pop(mb, None)
+        self.lockstep.release(mb)
 
     @classmethod
     def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:

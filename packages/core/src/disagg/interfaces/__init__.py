@@ -19,7 +19,7 @@ from disagg.interfaces.parts import PartGroup
 from disagg.interfaces.precision import PRECISIONS, RECIPES, Recipe, compute_dtype, resolve_precision
 from disagg.interfaces.sequence import AttentionScope, SeqLayout, UlyssesFamily
 from disagg.interfaces.shard import EmbeddingShard
-from disagg.interfaces.strategy import ReplicatedOptions, StrategyOptions, StrategySpec
+from disagg.interfaces.strategy import RankStrategy, ReplicatedOptions, StrategyOptions, StrategySpec
 from disagg.interfaces.tracker import Tracker, TrackerOptions
 from disagg.interfaces.transport import Layout, Transport
 
@@ -51,6 +51,7 @@ __all__ = [
     "SequenceParallelRegions",
     "ReplicatedOptions",
     "StrategyOptions",
+    "RankStrategy",
     "StrategySpec",
     "Tracker",
     "TrackerOptions",

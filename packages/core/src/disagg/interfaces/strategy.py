@@ -8,14 +8,26 @@ every rank holds whole) are in :mod:`disagg.kit`."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
+import torch
 from pydantic import BaseModel, ConfigDict, PositiveInt
+from torch import nn
 
+from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.cost import Cost, CostQuery
 from disagg.interfaces.family import Family
+from disagg.interfaces.shard import EmbeddingShard
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "RecomputeMode", "ReplicatedOptions", "StrategyOptions", "StrategySpec"]
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "RankStrategy",
+    "RecomputeMode",
+    "ReplicatedOptions",
+    "StrategyOptions",
+    "StrategySpec",
+]
 
 #: values of ``parallel.<module>.recompute``
 RecomputeMode = Literal["none", "full", "selective"]
@@ -140,3 +152,61 @@ class StrategySpec:
         ``parallel.<module>`` keys (the rest keep their defaults; ``recompute`` is
         searched on top of these from :attr:`recompute_modes`)."""
         return [{}]
+
+
+@runtime_checkable
+class RankStrategy(Protocol):
+    """Exactly what core's actor (``disagg.runtime.actor``: the worker, its checkpoint state
+    and step accounting) uses of a strategy on its rank, in the order of a step; a test holds
+    the actor to it and every first-party strategy to its signatures. :class:`disagg.kit.Strategy`
+    implements it for a module every rank holds whole; a strategy built otherwise must too."""
+
+    ctx: GroupContext
+    #: this rank's module after :meth:`setup` (the actor reads its train mode and saved bytes)
+    module: nn.Module | None
+    #: what a checkpoint's schedule state reads and restores
+    optimizer: Any
+    scheduler: Any
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def build_module(self) -> nn.Module: ...
+    def setup(self, module: nn.Module, optim: OptimSpec | None) -> None: ...
+
+    # -- encoder role ------------------------------------------------------------------------------
+    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]: ...
+    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None: ...
+    def release(self, mb: int) -> None: ...
+
+    # -- language-model role -----------------------------------------------------------------------
+    def loss_and_backward(
+        self,
+        mb: int,
+        inputs: list[dict[str, torch.Tensor]],
+        embeds: list[dict[str, torch.Tensor]],
+        loss_scale: float,
+    ) -> float: ...
+    def evaluate(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> tuple[float, int, int]: ...
+    def returns_input_grads(self) -> bool: ...
+
+    # -- after backward ----------------------------------------------------------------------------
+    def arm_last_backward(self) -> None: ...
+    def reduce_gradients(self) -> None: ...
+    def grad_norm_sq(self) -> float: ...
+    def step(self, clip_coef: float) -> None: ...
+    def zero_grad(self) -> None: ...
+    def current_lr(self) -> float: ...
+    def state_bytes(self) -> int: ...
+
+    # -- the full form, sharded checkpoints, random streams ----------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def full_grads(self) -> dict[str, torch.Tensor]: ...
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]: ...
+    def load_full_state(
+        self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
+    ) -> None: ...
+    def sharded_state(self, saved: Mapping[str, Any] | None = None) -> Any: ...
+    def refresh_weights(self) -> None: ...
+    def rng_state(self) -> dict[str, torch.Tensor]: ...
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None: ...

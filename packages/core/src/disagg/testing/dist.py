@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_mod
 import socket
 import traceback
 from typing import Any, Callable
@@ -67,7 +68,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     errors: list[str] = []
     try:
         for _ in range(world_size):
-            rank, ok, out = queue.get(timeout=timeout)
+            try:
+                rank, ok, out = queue.get(timeout=timeout)
+            except queue_mod.Empty:  # some rank waits at a collective its peers never make
+                missing = sorted(set(range(world_size)) - set(results))
+                errors.append(f"ranks {missing} gave no result within {timeout} s (a hung collective?)")
+                break
             if ok:
                 results[rank] = pickle.loads(out)
             else:

@@ -31,9 +31,10 @@ from disagg.interfaces import (
     dropout_seed,
 )
 from disagg.kit import Strategy
+from disagg.kit.lockstep import Lockstep
 from disagg.kit.recompute import Recompute
 from disagg.kit.recompute.rng import ShardRNG
-from disagg.kit.sharding import ShardedReplicas, placeholder_input, shard_problems
+from disagg.kit.sharding import ShardedReplicas, shard_problems
 from disagg_vision_sp.ulysses import attention
 from disagg_vision_sp.ulysses.layout import plan_bounds
 
@@ -76,6 +77,8 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
         self.rng: ShardRNG | None = None
         #: microbatch -> (local output rows, the shard values cut from them), until its backward
         self._pending: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        #: an empty replica's placeholder forward under a sharded state (disagg.kit.lockstep)
+        self.lockstep = Lockstep(family, ctx.dtype)
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         """Ordered steps: sequence-parallel attention -> its dropout stream -> recompute ->
@@ -131,12 +134,12 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
         fam = self.family
         assert isinstance(fam, UlyssesFamily) and self.module is not None
         placeholder = not inputs
-        if placeholder:
-            if not (self.fsdp and self.ctx.replicas > 1):
-                return []  # a replica without images this microbatch: its ranks all skip together
-            # FSDP2 gathers over every replica: this one forwards a placeholder image (zero
-            # gradient in backward) so that its ranks issue the same all-gathers as the others
-            inputs = [placeholder_input(fam, self.ctx.dtype)]
+        if placeholder and not (self.fsdp and self.ctx.replicas > 1):
+            return []  # a replica without images this microbatch: its ranks all skip together
+        # FSDP2 gathers over every replica, and every replica makes one forward per microbatch
+        # (its samples concatenated): an empty one forwards a placeholder image (zero gradient
+        # in backward), so its ranks issue the same all-gathers as the others
+        inputs = self.lockstep.pad(inputs, 1)
         layout = fam.ulysses_layout(inputs)
         bounds = plan_bounds(layout.cuts, layout.n_tokens, self.ctx.degree)
         if any(b % layout.unit for b in bounds):
@@ -160,8 +163,7 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
             else:
                 rows = fam.ulysses_forward(self.module, inputs, layout, lo, hi, runtime)
         if placeholder:
-            if rows.requires_grad:
-                self._pending[mb] = (rows, [])
+            self.lockstep.keep(mb, [rows])
             return []
         shards, picks = self._split(rows, layout, lo // layout.unit, hi // layout.unit)
         if rows.requires_grad:
@@ -192,10 +194,17 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
 
     def release(self, mb: int) -> None:
         self._pending.pop(mb, None)
+        self.lockstep.release(mb)
 
     def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Backward of one encoded microbatch. Runs even when this rank's rows
         are empty: the all-to-all backward needs every rank of the replica."""
+        seeds = self.lockstep.zero_seeds(mb)
+        if seeds:  # an empty replica's placeholder forward: its zero-gradient backward
+            if grads:
+                raise ValueError(f"{len(grads)} gradients for the empty microbatch {mb}")
+            torch.autograd.backward([o for o, _ in seeds], [g for _, g in seeds])
+            return
         if mb not in self._pending:
             return
         rows, picks = self._pending.pop(mb)

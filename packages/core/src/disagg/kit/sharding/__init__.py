@@ -15,15 +15,17 @@ a forward to its backward); ``parameters`` 16P/N plus one block gathered at a ti
 
 FSDP's all-gathers follow the module's forwards, so every rank of the group must run the same
 forwards: a rank with fewer samples than another in a microbatch (none included) runs
-:func:`placeholder_input` forwards whose output gradient is zero (they add exact zeros). The
-group's ranks agree on the count with one small all-reduce (``ddp``); ``ulysses`` runs one
-forward per replica and microbatch, so only an empty replica needs one.
+:func:`placeholder_input` forwards whose output gradient is zero (they add exact zeros), by
+:mod:`disagg.kit.lockstep`. The group's ranks agree on the count with one small all-reduce
+(``ddp``); ``ulysses`` runs one forward per replica and microbatch, so only an empty replica
+needs one.
 """
 
+from disagg.kit.lockstep import placeholder_input
 from disagg.kit.sharding.cost import comm, shard_rows, state_bytes, step_comm, zero1_partition, zero1_tensors
 from disagg.kit.sharding.modes import FSDP_MODES, MODES, ShardMode, module_key, shard_problems
 from disagg.kit.sharding.optimizer import build_optimizer
-from disagg.kit.sharding.replicas import ShardedReplicas, placeholder_input
+from disagg.kit.sharding.replicas import ShardedReplicas
 
 __all__ = [
     "FSDP_MODES",

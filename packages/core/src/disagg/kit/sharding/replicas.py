@@ -1,7 +1,7 @@
 """The mixin a replicated strategy (``ddp``, ``ulysses``) takes for ``parallel.<module>.shard``:
 its state sharded at set-up, the reduction, norm and step of the shards, and the full form of
-the sharded state (checkpoints, export, tests); the placeholder forward a rank without samples
-runs so that every rank makes the same FSDP2 all-gathers."""
+the sharded state (checkpoints, export, tests). The placeholder forwards that keep a group's
+FSDP2 all-gathers in step are :mod:`disagg.kit.lockstep`'s."""
 
 from __future__ import annotations
 
@@ -16,16 +16,6 @@ from disagg.kit.masters import in_master_view
 from disagg.kit.sharding import fsdp
 from disagg.kit.sharding.modes import FSDP_MODES
 from disagg.kit.sharding.optimizer import build_optimizer
-
-
-def placeholder_input(family: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """One black image, preprocessed by the family (what a rank without samples forwards), its
-    pixels in the compute dtype ``dtype`` as the worker casts real inputs."""
-    from PIL import Image
-
-    from disagg.kit.masters import cast_inputs
-
-    return cast_inputs(family.preprocess([Image.new("RGB", (28, 28))]), dtype)
 
 
 def _state_bytes(states: Any) -> int:
@@ -78,13 +68,6 @@ class ShardedReplicas:
         """After a module call's forward: what ``gradients`` keeps gathered until backward."""
         if self.fsdp and self.shard_mode == "gradients" and self.module is not None:
             self._whole_bytes = max(self._whole_bytes, fsdp.whole_param_bytes(self.module))
-
-    def max_count(self, n: int) -> int:
-        """The most forwards any rank of the group runs in this call (one small all-reduce)."""
-        counts = torch.zeros(self.ctx.world_size, dtype=torch.int64, device=self.ctx.device)
-        counts[self.ctx.rank] = n
-        self.ctx.comm.all_reduce(counts)  # a sum of one-hot counts: every rank's count
-        return int(counts.max())
 
     # -- the parallelizer's reduction, norm and step ------------------------------------------------
     @in_master_view()
