@@ -104,3 +104,75 @@ def test_measured_bytes_equal_the_analytic_count(bench: Path):
     for row in result["targets"]["per_length"]:
         ratio = row["vision_bytes_ulysses_vs_tp"]
         assert ratio["measured"] == pytest.approx(ratio["analytic"], rel=1e-12)
+
+
+def test_predicted_over_measured_comes_from_the_run(bench: Path):
+    """Each point's predicted ÷ measured: the measured side read back from the layout's own
+    ``metrics.jsonl`` (medians of the timed steps, the last step's bytes and calls, the run's
+    per-group ``flops``), the predicted side the planner's model of the run's own resolved config
+    (``disagg.plan.own``) on the ``cpu`` time model, and the machine's load recorded beside them."""
+    import os
+    import statistics
+
+    import yaml
+
+    from disagg.config.schema import Config
+    from disagg.metrics.flops import sample_flops
+    from disagg.plan.cluster import PRESETS
+    from disagg.plan.model import Workload
+    from disagg.plan.own import own_layout
+    from disagg.plan.workload import config_shapes
+    from disagg.plugins import get_registry
+
+    result = json.loads((bench / "bench.json").read_text())
+    host = result["machine"]
+    assert host["cores"] == os.cpu_count()
+    for key in ("load_start", "load_end"):
+        assert len(host[key]["loadavg_1_5_15"]) == 3 and host[key]["cores"] == os.cpu_count()
+    assert result["time_model"]["name"] == "cpu"
+    rows = {(r["layout"], r["vision_tokens"]): r for r in result["predicted_vs_measured"]}
+    assert set(rows) == {(p["layout"], p["vision_tokens"]) for p in result["points"]}
+    assert json.loads((bench / "versus.json").read_text())["rows"] == result["predicted_vs_measured"]
+    md = (bench / "versus.md").read_text()
+    assert md.count("| uniform_tp |") == len(LENGTHS) and "load" in md
+    for name in ("uniform_tp", "dhp_ulysses_tp"):
+        run = bench / "runs" / f"{name}-{'-'.join(map(str, LENGTHS))}"
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        assert len(records) == 2 * len(LENGTHS)
+        cfg = Config.model_validate(yaml.safe_load((run / "config.yaml").read_text()))
+        shapes = config_shapes(cfg)
+        for k, n in enumerate(LENGTHS):
+            mine, row = records[2 * k : 2 * k + 2], rows[(name, n)]
+            timed, last = mine[1:], mine[-1]
+            want_time = statistics.median(r["step_time_s"] for r in timed)
+            assert row["step_time_s"]["measured"] == want_time
+            rows_per_sample = n // shapes["vision"].unit
+            work = Workload(
+                shapes=shapes,
+                vision_tokens=n,
+                text_tokens=last["tokens"] // 2 - rows_per_sample,
+                samples=2,
+                precision="fp32",
+                max_inflight=cfg.train.max_inflight,
+            )
+            own = own_layout(cfg, work, PRESETS["cpu"], get_registry().strategies)
+            assert own.layout is not None, own.why
+            assert row["step_time_s"]["predicted"] == pytest.approx(own.layout.step_time_s, rel=1e-12)
+            assert row["step_time_s"]["ratio"] == pytest.approx(own.layout.step_time_s / want_time, rel=1e-12)
+            assert row["load_after"]["cores"] == os.cpu_count()
+            for m in ("vision", "llm"):
+                g = row["groups"][m]
+                assert g["comm_bytes_per_rank"]["measured"] == last["comm_bytes_per_rank"][m]
+                calls = sum(last["collective_calls_per_rank"][m].values())
+                assert g["collective_calls_per_rank"]["measured"] == calls > 0
+                # the planner states every call the ranks make (test_measured_bytes_equal_...)
+                assert g["collective_calls_per_rank"]["ratio"] == 1.0
+                flops = statistics.median(r["flops"][m] for r in timed)
+                assert g["flops"]["measured"] == flops > 0
+                # predicted: the cost hooks' count of the nominal sample (sample_flops), 2 samples
+                seq = n if m == "vision" else last["tokens"] // 2
+                assert g["flops"]["predicted"] == pytest.approx(2 * sample_flops(shapes[m], seq), rel=1e-9)
+                # the nominal sample (every image the same size, one length of text) is the run's
+                assert g["flops"]["ratio"] == pytest.approx(1.0, rel=0.02), (name, n, m, g["flops"])
+                for q in g.values():
+                    assert q["ratio"] == pytest.approx(q["predicted"] / q["measured"], rel=1e-12)

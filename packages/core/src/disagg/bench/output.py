@@ -9,6 +9,7 @@ from typing import Any
 from disagg.bench import published
 from disagg.bench.plots import plot
 from disagg.bench.report import points_table, published_md, targets, targets_md
+from disagg.bench.versus import machine, machine_load, versus_md, versus_rows
 
 MEMORY_NOTE = (
     "Memory per rank is saved-activation bytes (autograd's saved tensors) + parameter, gradient and "
@@ -29,6 +30,14 @@ def write_outputs(
     ``calibration``: a :class:`~disagg.plan.cluster.Cluster` the prediction uses in place of its preset."""
     out: Path = bench.out_dir
     probes = [p for s in (search or {}).values() for p in s["probes"]]
+    host = {
+        **machine(),
+        "load_start": getattr(bench, "load_start", None) or machine_load(),
+        "load_end": machine_load(),
+    }
+    cluster = bench.time_model()
+    time_model = {"name": cluster.name, "source": cluster.source, "cluster": cluster.to_dict()}
+    versus = versus_rows(bench.points + probes)
     result: dict[str, Any] = {
         "config": {
             "precision": bench.precision,
@@ -40,6 +49,9 @@ def write_outputs(
             "mem_budget_bytes": bench.budget,
         },
         "layouts": bench.layouts,
+        "machine": host,
+        "time_model": time_model,
+        "predicted_vs_measured": versus,
         "memory_note": MEMORY_NOTE,
         "points": bench.points,
         "budget_search": (
@@ -68,6 +80,8 @@ def write_outputs(
     ]
     if probes:
         md += ["", "## Budget probes", "", points_table(probes, bench.budget)]
+    versus_text = versus_md(versus, time_model, host)
+    md += ["", "#" + versus_text]  # a section of bench.md, and a page of its own
     if predict_lengths:
         from disagg.bench.published_fit import fit_md, fit_table
 
@@ -96,9 +110,16 @@ def write_outputs(
     json_path, md_path = out / "bench.json", out / "bench.md"
     json_path.write_text(json.dumps(result, indent=2, default=str))
     md_path.write_text("\n".join(md) + "\n")
+    versus_json, versus_path = out / "versus.json", out / "versus.md"
+    versus_json.write_text(
+        json.dumps({"machine": host, "time_model": time_model, "rows": versus}, indent=2, default=str)
+    )
+    versus_path.write_text(versus_text + "\n")
     return {
         "json": json_path,
         "markdown": md_path,
+        "versus_json": versus_json,
+        "versus_markdown": versus_path,
         "throughput_png": pngs[0],
         "memory_png": pngs[1],
         "table_text": "\n".join(md),

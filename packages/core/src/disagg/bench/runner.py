@@ -150,6 +150,8 @@ def summarize(records: list[dict[str, Any]], warmup: int = 1) -> dict[str, Any]:
             "state_bytes_per_rank": last["state_bytes_per_rank"][m],
             "activation_bytes_per_rank": max(r["activation_bytes_per_rank"][m] for r in records),
             "peak_mem_bytes": max(r["peak_mem_bytes"][m] for r in records),
+            # the driver's count over the step's real samples (absent where the family has no shape)
+            "flops": median("flops", m) if m in (last.get("flops") or {}) else None,
         }
     return {
         "steps": len(records),

@@ -11,6 +11,7 @@ from typing import Any
 from disagg.bench.data import grid_for, private_model_dir, snap_length, write_sweep_data
 from disagg.bench.fit_search import longest_fitting
 from disagg.bench.runner import Progress, layout_config, memory_per_rank, run_layout, summarize
+from disagg.bench.versus import machine_load, point_versus
 from disagg.config.schema import Config
 from disagg.cost import EncoderShape, predict
 from disagg.plugins import Registry
@@ -34,6 +35,9 @@ class Bench:
     #: the budget search never probes past this length (default: 4 x the longest swept)
     max_vision_tokens: int | None = None
     progress: Progress | None = None
+    #: the time model of the predicted step times (:class:`~disagg.plan.cluster.Cluster`;
+    #: default the ``cpu`` preset; ``--calibrate``: this machine measured)
+    cluster: Any = None
     points: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -164,6 +168,9 @@ class Bench:
                 point["error"] = error or "no step ran"
             tokens = point.get("measured", {}).get("tokens_per_step")
             point["predicted"] = self.predict(name, n, tokens)
+            point["predicted"]["step_time_s"], why = self.predict_step_time(name, n, tokens)
+            if why:
+                point["predicted"]["step_time_why"] = why
             point["memory_per_rank"] = {"predicted": point["predicted"]["memory_per_rank"]}
             if "measured" in point:
                 point["memory_per_rank"]["measured"] = memory_per_rank(
@@ -171,6 +178,9 @@ class Bench:
                 )
             if self.budget is not None:
                 point["fits_budget"] = _fits(point, self.budget)
+            if "measured" in point:
+                point["predicted_vs_measured"] = point_versus(point)
+            point["load_after"] = machine_load()  # timed figures depend on what else ran
             points.append(point)
         if self.progress:
             done = ", ".join(
@@ -211,14 +221,57 @@ class Bench:
                 recompute=group.get("recompute", "none"),
                 **kw,
             )
-            out["groups"][module] = {**cost.to_dict(), "recompute": group.get("recompute", "none")}
+            out["groups"][module] = {
+                **cost.to_dict(),
+                "recompute": group.get("recompute", "none"),
+                "ranks": int(group.get("degree", 1)) * int(group.get("replicas", 1)),
+            }
         figures = [g["memory_bytes"] for g in out["groups"].values()]
         out["memory_per_rank"] = sum(figures) if self.placement == "collocated" else max(figures)
         return out
 
+    def time_model(self) -> Any:
+        """The cluster the step times are predicted on: :attr:`cluster`, or the ``cpu`` preset."""
+        from disagg.plan.cluster import PRESETS
+
+        return self.cluster if self.cluster is not None else PRESETS["cpu"]
+
+    def predict_step_time(self, name: str, n: int, tokens_per_step: int | None) -> tuple[float | None, str]:
+        """The planner's step time of layout ``name`` at ``n`` patches per image (the model
+        ``disagg plan`` ranks with, :func:`~disagg.plan.own.own_layout`), or None and why not.
+        The time model gets as many devices as the layout's groups take: the bench runs
+        them whatever the machine's cores (its load is recorded beside the times)."""
+        from dataclasses import replace
+
+        from disagg.plan.model import Workload
+        from disagg.plan.own import own_layout
+
+        rows = n // self.vision.unit
+        text = tokens_per_step // self.samples - rows if tokens_per_step else 32
+        cfg = self._validated[name][0] if name in self._validated else self.config(name, [n])
+        work = Workload(
+            shapes=self.shapes,
+            vision_tokens=n,
+            text_tokens=text,
+            samples=self.samples,
+            precision=self.precision,
+            max_inflight=cfg.train.max_inflight,
+        )
+        groups = [g for g in self.layouts[name].values() if isinstance(g, dict)]
+        ranks = [int(g.get("degree", 1)) * int(g.get("replicas", 1)) for g in groups]
+        need = sum(ranks) if self.placement == "disaggregated" else max(ranks)
+        cluster = self.time_model()
+        if cluster.devices < need:
+            cluster = replace(cluster, devices_per_node=need, nodes=1)
+        own = own_layout(cfg, work, cluster, self.registry.strategies)
+        if own.layout is None:
+            return None, own.why
+        return float(own.layout.step_time_s), ""
+
     # -- the sweep and the budget search ----------------------------------------------------------
     def sweep(self) -> list[dict[str, Any]]:
         (self.out_dir / "points.jsonl").unlink(missing_ok=True)  # this bench's points only
+        self.load_start = machine_load()
         for name in self.layouts:
             got = self.run(name, self.vision_tokens)
             self.points += got

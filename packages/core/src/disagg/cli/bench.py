@@ -9,6 +9,8 @@ from typing import Any
 HELP = "sweep parallel layouts over vision lengths; measured vs analytic bytes, memory, throughput, plots"
 
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+#: vision lengths of the published-setting prediction, unless ``--predict`` names others
+PREDICT_LENGTHS = "4k,16k,64k"
 
 
 def parse_bytes(text: str) -> int:
@@ -28,7 +30,11 @@ def parse_bytes(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "config", help="a train config (model, data, train); its parallel and data sections are replaced"
+        "config",
+        nargs="?",
+        default=None,
+        help="a train config (model, data, train); its parallel and data sections are replaced "
+        "(not needed with --predict --json)",
     )
     parser.add_argument(
         "--preset",
@@ -66,9 +72,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--predict",
-        default="4k,16k,64k",
+        nargs="?",
+        const=PREDICT_LENGTHS,
+        default=PREDICT_LENGTHS,
         metavar="TOKENS",
-        help="vision lengths for the published Qwen2.5-VL-32B / 8-GPU prediction ('none' skips it)",
+        help="vision lengths for the published Qwen2.5-VL-32B / 8-GPU prediction ('none' skips it; "
+        f"default {PREDICT_LENGTHS})",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="with --predict: print the model's published-setting rows as JSON (each with its layout, "
+        "recipe, usable fraction and offload) and run nothing",
+    )
+    parser.add_argument(
+        "--precision",
+        default="bf16",
+        help="with --predict --json: train.precision recipes of the rows, comma-separated (default bf16)",
     )
     parser.add_argument(
         "--usable",
@@ -77,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="fraction of each GPU's memory a predicted layout of the published setting may fill "
         "(default 0.9; the allocator's terms are counted on top of the tensors)",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="predict the runs' step times on this machine measured now (disagg plan --calibrate's "
+        "sweep) instead of the cpu preset",
     )
     parser.add_argument(
         "--calibration",
@@ -89,8 +115,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="output dir (default: OUTPUT_DIR/bench)")
 
 
+def _problem(key: str, message: str) -> Exception:
+    from disagg.config.errors import ConfigError, Problem
+
+    return ConfigError([Problem(key, message)])
+
+
+def _calibration(args: argparse.Namespace) -> Any:
+    if not getattr(args, "calibration", None):
+        return None
+    from disagg.plan.cluster import load_cluster
+
+    try:
+        return load_cluster(args.calibration)
+    except ValueError as exc:
+        raise _problem("--calibration", str(exc)) from None
+
+
+def predict_json(args: argparse.Namespace) -> int:
+    """``--predict --json``: the model's rows, nothing run."""
+    import json
+
+    from disagg.bench.data import parse_tokens
+    from disagg.bench.predict_rows import predict_rows
+    from disagg.interfaces.precision import RECIPES
+
+    try:
+        lengths = parse_tokens(args.predict)
+    except ValueError as exc:
+        raise _problem("--predict", str(exc)) from None
+    recipes = [x.strip() for x in args.precision.split(",") if x.strip()]
+    bad = [r for r in recipes if r not in RECIPES]
+    if bad or not recipes:
+        raise _problem("--precision", f"{bad or args.precision!r}; allowed: {', '.join(RECIPES)}")
+    print(json.dumps(predict_rows(lengths, recipes, args.usable, _calibration(args)), indent=1, default=str))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
+
+    if not 0 < args.usable <= 1:
+        raise _problem("--usable", f"{args.usable} is not a fraction of device memory in (0, 1]")
+    if args.json:
+        if args.predict.strip().lower() == "none":
+            raise _problem("--json", "prints the --predict rows: give --predict [TOKENS], not none")
+        return predict_json(args)
+    if args.config is None:
+        raise _problem("config", "a train config is needed to run layouts (only --predict --json runs none)")
 
     from disagg.bench.plots import require_matplotlib
 
@@ -122,17 +194,7 @@ def run(args: argparse.Namespace) -> int:
         predict_lengths = [] if args.predict.strip().lower() == "none" else parse_tokens(args.predict)
     except ValueError as exc:
         raise ConfigError([Problem("--vision-tokens", str(exc))]) from None
-    if not 0 < args.usable <= 1:
-        problem = f"{args.usable} is not a fraction of device memory in (0, 1]"
-        raise ConfigError([Problem("--usable", problem)])
-    calibration = None
-    if getattr(args, "calibration", None):
-        from disagg.plan.cluster import load_cluster
-
-        try:
-            calibration = load_cluster(args.calibration)
-        except ValueError as exc:
-            raise ConfigError([Problem("--calibration", str(exc))]) from None
+    calibration = _calibration(args)
     max_tokens = None
     if args.max_vision_tokens is not None:  # same spelling as --vision-tokens: 8k, 16384
         try:
@@ -160,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
             budget=args.mem_budget,
             max_vision_tokens=max_tokens,
             progress=Progress(len(layouts) + extra),
+            cluster=_time_model(args),
         )
     except ValueError as exc:  # a length the model's windows or processor cannot take; no vision model
         key = "--vision-tokens" if str(exc).startswith("--vision-tokens") else "model.vision"
@@ -171,9 +234,19 @@ def run(args: argparse.Namespace) -> int:
     )
     files = write_outputs(bench, search, degree, predict_lengths, args.usable, calibration)
     print(files["table_text"])
-    for key in ("json", "markdown", "throughput_png", "memory_png"):
+    for key in ("json", "markdown", "versus_json", "versus_markdown", "throughput_png", "memory_png"):
         print(f"{key}: {files[key]}")
     return 0
+
+
+def _time_model(args: argparse.Namespace) -> Any:
+    """The cluster the runs' step times are predicted on: this machine measured
+    (``--calibrate``), else the ``cpu`` preset (:meth:`disagg.bench.sweep.Bench.time_model`)."""
+    if not args.calibrate:
+        return None
+    from disagg.plan.cluster import cluster_from
+
+    return cluster_from("cpu-local")
 
 
 def _cluster_precision(cfg: Any, layouts: dict[str, dict[str, Any]]) -> str:
