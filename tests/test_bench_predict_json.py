@@ -41,6 +41,16 @@ def test_predict_json_rows_are_the_models(capsys):
             assert r["step_time_s"] == pytest.approx(w["step_time_s"], rel=1e-12)
             assert r["memory_per_gpu"] == w["memory_per_gpu"]
             assert r["fits"] == (r["memory_per_gpu"] <= 0.9 * 80e9)
+            # a row that does not fit names what fills the GPU: its largest term is the model's
+            assert (r["stops_it"] == "") == r["fits"]
+            if not r["fits"]:
+                sizes = {
+                    f"{m} {label}": g[f"{k}_bytes"]
+                    for m, g in r["groups"].items()
+                    for k, label in (("state", "state"), ("activation", "activations"))
+                }
+                top = max(sizes, key=sizes.get)
+                assert f"{top} {sizes[top] / 1e9:.1f} GB" in r["stops_it"], (r["stops_it"], sizes)
     fits = fit_table(published.usable_bytes(0.9), precisions=("bf16", "bf16-pure"))
     assert [(f["layout"], f["recipe"], f["longest_vision_tokens"]) for f in got["longest_fit"]] == [
         (f.layout, f.precision, f.longest) for f in fits

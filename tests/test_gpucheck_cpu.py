@@ -76,6 +76,17 @@ def test_cpu_check_passes_without_ray(passed):
         rec = parts["memory"][part]
         assert rec["measured_bytes"] is None and "not available on cpu" in rec["measured"]
         assert rec["predicted_bytes"] > 0
+    # per layout, the allocator's peak (not read on cpu, and it says so) beside the model's bytes
+    predicted = {}
+    for name, rec in corr["layouts"].items():
+        mem = rec["memory"]
+        assert mem["measured_bytes"] is None and "not available on cpu" in mem["measured"], name
+        if mem["predicted_bytes"] is not None:
+            p = mem["predicted_bytes"]
+            assert p["total"] == p["vision"] + p["llm"] and p["vision"] > 0 and p["llm"] > 0, name
+            predicted[name] = p["total"]
+    assert set(predicted) >= want - {"shard_parameters"}, predicted  # ddp's LLM states no cost sharded
+    assert predicted["zero3"] > predicted["zero1"]  # stage 3 also charges its gathered weights
     mech = parts["mechanism"]
     assert mech["ulysses_over_tp_throughput"] > 0 and set(mech["strategy_mfu"]) == want
     assert Path(parts["calibration"]["file"]).is_file()
@@ -168,6 +179,31 @@ def test_calibration_file_feeds_the_planner(passed, capsys):
     rows = {m: predict_published([4096], recompute=("full",), machine=m) for m in (None, cluster)}
     assert [r["layout"] for r in rows[None]] == [r["layout"] for r in rows[cluster]]
     assert all(a["step_time_s"] != b["step_time_s"] for a, b in zip(rows[None], rows[cluster]))
+
+
+def test_allocator_peak_is_the_cuda_peak_above_what_was_there(monkeypatch):
+    """The CUDA reading of :func:`disagg.gpucheck.layout_memory.allocator_peak`, on an allocator
+    faked on CPU: the peak over the block less what was allocated before it, and the ratio to the
+    prediction; the peak statistics are reset at the block's start (a stale peak is not read)."""
+    from disagg.gpucheck import layout_memory as L
+
+    state = {"allocated": 1000, "peak": 9000, "resets": 0}
+
+    def reset(device):
+        state["resets"] += 1
+        state["peak"] = state["allocated"]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    with L.allocator_peak(torch.device("cuda", 0)) as peak:
+        state["peak"] = 5000  # the layout's steps
+        state["allocated"] = 1200
+    assert state["resets"] == 1
+    assert peak["measured_bytes"] == 4000 and peak["allocated_before_bytes"] == 1000
+    rec = L.memory_record(peak, {"vision": 1500, "llm": 500, "total": 2000})
+    assert rec["measured_over_predicted"] == 2.0 and rec["predicted_bytes"]["total"] == 2000
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a usable GPU is here: no error to show")

@@ -25,6 +25,24 @@ def _spec(group: Any) -> dict[str, Any]:
     return {"strategy": strategy, "degree": degree, "replicas": replicas, **options}
 
 
+def stops_it(row: dict[str, Any], budget: int) -> str:
+    """Why a speed row does not fit (empty when it does): its memory against the budget and its
+    largest terms, module by module (state, saved activations, gathered weights)."""
+    if row["fits"]:
+        return ""
+    terms = sorted(
+        (
+            (g.get(f"{kind}_bytes") or 0, f"{m} {label}")
+            for m, g in row["groups"].items()
+            for kind, label in (("state", "state"), ("activation", "activations"), ("gathered", "gathered"))
+        ),
+        reverse=True,
+    )
+    top = ", ".join(f"{name} {b / 1e9:.1f} GB" for b, name in terms[:3] if b)
+    total = row["memory_per_gpu"] / 1e9
+    return f"out of memory: {total:.1f} GB per GPU > {budget / 1e9:.1f} GB usable ({top})"
+
+
 def predict_rows(
     lengths: list[int], recipes: list[str], usable: float, calibration: Any = None
 ) -> dict[str, Any]:
@@ -35,6 +53,7 @@ def predict_rows(
 
     strategies = get_registry().strategies
     layouts = {**published.LAYOUTS_32B, **published.third_party_layouts(strategies)}
+    budget = published.usable_bytes(usable)
     speed = []
     for recipe in recipes:
         for row in published.predict_published(
@@ -50,9 +69,9 @@ def predict_rows(
                     "usable": usable,
                     "offload": row.get("offload") or _offload(parallel),
                     **{k: v for k, v in row.items() if k not in ("layout", "offload")},
+                    "stops_it": stops_it(row, budget),
                 }
             )
-    budget = published.usable_bytes(usable)
     fits = []
     for fit in fit_table(budget, strategies, precisions=tuple(recipes)):
         layout = FIT_LAYOUTS.get(fit.layout)

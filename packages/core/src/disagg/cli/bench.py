@@ -102,14 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibrate",
         action="store_true",
         help="predict the runs' step times on this machine measured now (disagg plan --calibrate's "
-        "sweep) instead of the cpu preset",
+        "sweep) instead of the cpu preset (or the --calibration file)",
     )
     parser.add_argument(
         "--calibration",
         default=None,
         metavar="FILE",
         help="predict the published setting with this calibration file (python -m disagg.gpucheck) "
-        "in place of the h100x8 preset",
+        "in place of the h100x8 preset, and the runs' step times with it unless --calibrate",
     )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=None, help="output dir (default: OUTPUT_DIR/bench)")
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             budget=args.mem_budget,
             max_vision_tokens=max_tokens,
             progress=Progress(len(layouts) + extra),
-            cluster=_time_model(args),
+            cluster=_time_model(args, calibration),
         )
     except ValueError as exc:  # a length the model's windows or processor cannot take; no vision model
         key = "--vision-tokens" if str(exc).startswith("--vision-tokens") else "model.vision"
@@ -239,11 +239,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _time_model(args: argparse.Namespace) -> Any:
+def _time_model(args: argparse.Namespace, calibration: Any) -> Any:
     """The cluster the runs' step times are predicted on: this machine measured
-    (``--calibrate``), else the ``cpu`` preset (:meth:`disagg.bench.sweep.Bench.time_model`)."""
+    (``--calibrate``), else the ``--calibration`` file (a GPU's, from ``python -m
+    disagg.gpucheck``, for runs on that GPU), else the ``cpu`` preset
+    (:meth:`disagg.bench.sweep.Bench.time_model`). Its name and source go in ``bench.json``."""
     if not args.calibrate:
-        return None
+        return calibration
     from disagg.plan.cluster import cluster_from
 
     return cluster_from("cpu-local")

@@ -8,7 +8,8 @@ nothing ran:
    the run's precision recipe, against the Hugging Face model on the same device and recipe:
    loss, gradients and parameters (in learning-rate units, with the reference's gradients)
    after 2 steps on images that matter; two injected faults (a skipped optimizer step, images
-   replaced by noise) must both be caught.
+   replaced by noise) must both be caught; per layout, ``torch.cuda.max_memory_allocated``
+   over its steps beside the cost model's bytes for the same batch (:mod:`.layout_memory`).
 2. ``calibration`` (:mod:`.calibration`): the time model's terms measured at the shard shapes
    of the published layouts, written as a cluster file ``disagg plan --calibration`` loads.
 3. ``memory`` (:mod:`.memory`): one vision block and one LLM layer of Qwen2.5-VL-32B at a long

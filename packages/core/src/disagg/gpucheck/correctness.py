@@ -25,6 +25,7 @@ import torch
 
 from disagg.gpucheck import inputs
 from disagg.gpucheck.compare import compare, precisions
+from disagg.gpucheck.layout_memory import allocator_peak, memory_record, predicted_bytes
 from disagg.gpucheck.reference import train_hf
 from disagg.gpucheck.run_strategies import FAULTS, Layout, run_layout
 from disagg.interfaces import OptimSpec
@@ -125,12 +126,17 @@ def run(
         for lay in layouts:
             rec: dict[str, Any] = {"vision": _describe(lay.vision), "llm": _describe(lay.llm)}
             try:
-                got = run_layout(lay, registry, families, batch.samples, STEPS, OPTIM, precision, device)
+                with allocator_peak(device) as peak:
+                    got = run_layout(lay, registry, families, batch.samples, STEPS, OPTIM, precision, device)
             except Exception as exc:  # a missing plugin or a crash is this layout's failure
                 rec.update(ok=False, failures=[f"{type(exc).__name__}: {exc}"])
                 out["layouts"][lay.name] = rec
                 continue
             rec.update(compare(got, ref, precision, OPTIM, precs))
+            rec["memory"] = _memory(lay, model_dir, batch.samples, precision, peak)
+            if device.type == "cuda" and not (rec["memory"].get("measured_bytes") or 0) > 0:
+                rec["failures"].append("memory: no allocator peak was read")  # never a silent pass
+                rec["ok"] = False
             step_s = got.seconds[-1]  # the second step: kernels chosen, memory reserved
             rec.update(
                 losses=got.losses,
@@ -151,6 +157,15 @@ def run(
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+def _memory(layout: Layout, model_dir: Path, samples: list, precision: str, peak: dict) -> dict[str, Any]:
+    """The allocator's peak beside the cost model's bytes (:mod:`.layout_memory`)."""
+    try:
+        predicted = predicted_bytes(layout, model_dir, samples, precision)
+    except Exception as exc:  # a strategy that states no cost: the measurement still stands
+        return {**peak, "predicted_bytes": None, "predicted": f"{type(exc).__name__}: {exc}"}
+    return memory_record(peak, predicted)
 
 
 def ref_dtype(precision: str) -> torch.dtype:

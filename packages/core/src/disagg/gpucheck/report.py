@@ -67,6 +67,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"grads {m.get('grads', float('nan')):.3g} params {m.get('params', float('nan')):.3g} "
             f"mfu {rec.get('mfu') or 0:.3g}"
         )
+    for name, rec in (corr.get("layouts") or {}).items():
+        mem = rec.get("memory") or {}
+        if mem:
+            pred = (mem.get("predicted_bytes") or {}).get("total")
+            lines.append(
+                f"memory {name:18s} max_memory_allocated {mem.get('measured_bytes')} predicted {pred} "
+                f"ratio {mem.get('measured_over_predicted')}"
+            )
     for fault, rec in (corr.get("faults") or {}).items():
         lines.append(
             f"fault {fault:14s} {'caught' if rec.get('caught') else 'NOT CAUGHT'}: {rec.get('first_failure')}"
