@@ -168,6 +168,9 @@ class Layout:
             "train": {"microbatches": self.microbatches, "schedule": self.schedule},
             "step_time_s": self.step_time_s,
             "memory_bytes": self.memory_bytes,
+            # the worst device's peak by term where the allocator's view is counted (GPU clusters)
+            **({"memory_terms": dict(self.memory_terms)} if self.memory_terms else {}),
+            **({"host_bytes_per_device": self.host_bytes} if self.host_bytes else {}),
             "fits": self.fits,
             "groups": {
                 m: {
