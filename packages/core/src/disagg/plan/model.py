@@ -85,9 +85,10 @@ class Workload:
     lora: dict[str, LoraSpec] = field(default_factory=dict)
     #: module -> ``train.modules.<m>.freeze``'s parameter-name patterns
     frozen: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    #: offer ``context_parallel`` and ``offload`` layouts by the cost model alone, whether or not
-    #: the strategies' runtimes take the keys yet (analytic tables: the published setting)
-    modelled_keys: bool = False
+    #: strategy -> :class:`disagg.plan.extended.Traits`: offer ``context_parallel`` and ``offload``
+    #: layouts for these strategies by the cost model alone, before their runtimes and cost hooks
+    #: state the keys (analytic tables: the published setting, :data:`disagg.bench.published.MODELLED`)
+    modelled: dict[str, Any] = field(default_factory=dict)
 
     def seq_len(self, module: str) -> int:
         if module == "llm":
@@ -244,7 +245,7 @@ def group_cost(
     return extended_cost(
         ask,
         shape,
-        group.strategy,
+        work.modelled.get(group.strategy),
         group.degree,
         group.replicas,
         work.seq_len(group.module),

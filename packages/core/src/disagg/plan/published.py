@@ -34,9 +34,9 @@ def plan_published(
     """The plan on ``cluster`` (default the ``h100x8`` preset); ``lora``: module -> adapters
     (``train.modules.<m>.lora`` resolved), the rest of each module frozen; ``precision``: the
     ``train.precision`` recipe (None: the cluster's, ``bf16`` on ``h100x8``); ``modelled_keys``:
-    search ``context_parallel`` and ``offload`` layouts by the cost model
-    (:attr:`disagg.plan.model.Workload.modelled_keys`)."""
-    from disagg.bench.published import QWEN2_5_VL_32B, SAMPLES, TEXT_TOKENS
+    search ``context_parallel`` and ``offload`` layouts by the cost model for the strategies
+    :data:`disagg.bench.published.MODELLED` describes (:attr:`disagg.plan.model.Workload.modelled`)."""
+    from disagg.bench.published import MODELLED, QWEN2_5_VL_32B, SAMPLES, TEXT_TOKENS
 
     work = Workload(
         shapes=published_shapes(QWEN2_5_VL_32B, registry),
@@ -46,7 +46,7 @@ def plan_published(
         recompute=True,
         lora=dict(lora or {}),
         precision=precision,
-        modelled_keys=modelled_keys,
+        modelled=dict(MODELLED) if modelled_keys else {},
     )
     return plan(work, cluster or cluster_from("h100x8"), registry.strategies, placements=("collocated",))
 
