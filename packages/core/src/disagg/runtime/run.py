@@ -21,6 +21,7 @@ from disagg.plugins import Registry, get_registry, notify
 from disagg.runtime.checkpoint import load_checkpoint, save_checkpoint
 from disagg.runtime.evaluation import Evaluation, eval_samples
 from disagg.runtime.failures import ActorDied
+from disagg.runtime.feature_cache import feature_caches
 from disagg.runtime.orchestrator import Orchestrator
 from disagg.runtime.plan import make_plan
 from disagg.runtime.recovery import recover
@@ -114,6 +115,7 @@ def _start_groups(cfg: Config, plan: Any, registry: Registry) -> Orchestrator:
         schedule=registry.schedules[cfg.train.schedule](),
         max_inflight=cfg.train.max_inflight,
         assign=balance if cfg.parallel.assign == "balanced" else contiguous,
+        caches=feature_caches(cfg, plan.precision),
     )
 
 
