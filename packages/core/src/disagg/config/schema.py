@@ -93,6 +93,11 @@ class GroupConfig(BaseModel):
     feature_cache_dir: str | None = None
     """``feature_cache: disk``: the dir of the entries (every node must see it); default
     ``<output_dir>/feature_cache/<module>``."""
+    feature_cache_ahead: int = Field(0, ge=0, le=8)
+    """With a feature cache: the encoder works through the next this many global batches into
+    the cache while the LLM trains on the current one, so that the LLM finds them cached and never
+    waits for the encoder (0: only the current batch; each batch ahead holds its outputs in the
+    cache a step earlier)."""
 
     def strategy_options(self) -> dict[str, Any]:
         """The strategy's own keys, plus core's keys applied by the strategy (``recompute``,

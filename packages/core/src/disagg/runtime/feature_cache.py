@@ -61,6 +61,8 @@ class FeatureCache:
     precision: str
     preprocessing: dict[str, Any]
     directory: Path | None = None
+    #: global batches the encoder works through ahead of the LLM (``feature_cache_ahead``)
+    ahead: int = 0
     _entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)
     #: (keys, each rank's sizes ref) of entries written this step, settled at its end
     _pending: list[tuple[list[str], list[Any]]] = field(default_factory=list)
@@ -237,5 +239,6 @@ def feature_caches(cfg: Any, precision: str) -> dict[str, FeatureCache]:
             precision,
             preprocessing,
             cache_dir(cfg, m) if g.feature_cache == "disk" else None,
+            g.feature_cache_ahead,
         )
     return out

@@ -160,6 +160,46 @@ class Orchestrator:
                     cached.setdefault(s.index, {})[module] = parts
         return _Flight(self._next_mb(), samples, self.route(samples, cached), cached=cached, keys=keys)
 
+    def _run_ahead(self, upcoming: list[list[SampleRefs]]) -> None:
+        """Each cached encoder encodes the samples of the next batches (up to its ``ahead``) that
+        its cache lacks, into the cache, behind this step's own encoder calls: the encoder works
+        while the LLM trains, and those samples hit when their step comes. Lookups here are not
+        counted (the step that uses an entry counts its hit)."""
+        for distance, batch in enumerate(upcoming, 1):
+            for module, cache in self.caches.items():
+                if cache.ahead < distance:
+                    continue
+                todo: dict[str, SampleRefs] = {}
+                for s in batch:
+                    digest = s.media_digest.get(module)
+                    if module in s.inputs and digest is not None:
+                        key = cache.key(digest)
+                        if key not in cache and key not in todo:
+                            todo.setdefault(key, s)
+                if todo:
+                    self._encode_into(module, cache, todo)
+
+    def _encode_into(self, module: str, cache: FeatureCache, todo: dict[str, SampleRefs]) -> None:
+        """Encode ``todo`` (key -> sample) on every replica of ``module``'s group (each with its
+        share, collectives matched) and keep the outputs; nothing goes to the LLM."""
+        g = self.group(module)
+        shape = next(s for s in self._shapes if s.module == module)
+        infos = [
+            SampleInfo(s.index, {module: s.num_media_tokens.get(module, 0)}, s.num_tokens)
+            for s in todo.values()
+        ]
+        r = route(infos, [shape], self._llm_shape, self.assign)
+        mb, key_of = self._next_mb(), {s.index: k for k, s in todo.items()}
+        by_index = {s.index: s for s in todo.values()}
+        for task in r.encodes:
+            ids = list(task.samples)
+            refs = [by_index[i].inputs[module] for i in ids]
+            self._side_refs += g.encode(mb, ids, refs, False, False, ranks=list(task.ranks))
+            if ids:
+                cache.store([g.actors[rank] for rank in task.ranks], mb, ids, [key_of[i] for i in ids])
+        for rank in r.encoded_ranks(module):
+            g.actors[rank].drop.remote(mb)
+
     def _bind_caches(self) -> None:
         """Each cache keys on its group's weights as loaded (after a resume's checkpoint too)."""
         for module, cache in self.caches.items():
@@ -167,7 +207,9 @@ class Orchestrator:
                 cache.bind_weights(self._wait([a.weights_digest.remote() for a in self.group(module).actors]))
 
     # -- one optimizer step ----------------------------------------------------------------------------
-    def step(self, batch: list[SampleRefs]) -> StepResult:
+    def step(self, batch: list[SampleRefs], ahead: list[list[SampleRefs]] | None = None) -> StepResult:
+        """One optimizer step over ``batch``; ``ahead``: the next global batches, which cached
+        frozen encoders encode into their caches meanwhile (``feature_cache_ahead``)."""
         t0 = time.perf_counter()
         label_tokens = sum(s.num_label_tokens for s in batch)
         if label_tokens == 0:
@@ -195,6 +237,7 @@ class Orchestrator:
                 loss_refs += self._llm(f, loss_scale)
             else:
                 self._backward(f)
+        self._run_ahead(ahead or [])
         self._wait(self._side_refs)  # root causes first: an encoder error, not its consequence in the LLM
         self._side_refs = []
         # every rank runs the reduction collectives; by contract all ranks of a
