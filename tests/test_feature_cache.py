@@ -118,17 +118,19 @@ def test_host_cache_equals_uncached_and_skips_the_tower_after_epoch_1(tiny, unca
 def test_disk_cache_equals_uncached_and_a_resume_reuses_it(tiny, uncached, tmp_path):
     ref, ref_records = uncached
     cache = {"feature_cache": "disk", "feature_cache_dir": str(tmp_path / "features")}
-    first = _run(_config(tiny, tmp_path / "disk", cache, steps=EPOCH))
-    assert sum(r["cache_misses"]["vision"] for r in first) == DISTINCT
-    # a new run (new groups, new driver) resumes at the end of epoch 1 from the files alone
-    cfg = _config(tiny, tmp_path / "disk", cache)
+    # epoch 1 one batch ahead: its checkpoints must still name the trained batches' end
+    first = _run(_config(tiny, tmp_path / "disk", {**cache, "feature_cache_ahead": 1}, steps=EPOCH))
+    assert [r["cache_misses"]["vision"] for r in first] == [2, 0, 0]
+    # a new run (new groups, new driver; not ahead) resumes at the end of epoch 1 from the files alone
+    # (epoch 2 only: the host case runs all three epochs)
+    cfg = _config(tiny, tmp_path / "disk", cache, steps=2 * EPOCH)
     cfg.checkpoint.resume_from = str(tmp_path / "disk" / "checkpoints" / f"step-{EPOCH}")
     resumed = _run(cfg)[EPOCH:]
-    assert [r["step"] for r in resumed] == list(range(EPOCH + 1, STEPS + 1))
-    _assert_equal_runs(tmp_path / "disk", first + resumed, ref, ref_records, range(1, STEPS + 1))
-    assert _calls(resumed) == [0] * (2 * EPOCH)
+    assert [r["step"] for r in resumed] == list(range(EPOCH + 1, 2 * EPOCH + 1))
+    _assert_equal_runs(tmp_path / "disk", first + resumed, ref, ref_records, range(1, 2 * EPOCH + 1))
+    assert _calls(resumed) == [0] * EPOCH
     assert sum(r["cache_misses"]["vision"] for r in resumed) == 0
-    assert sum(r["cache_hits"]["vision"] for r in resumed) == 2 * IMAGE_SAMPLES
+    assert sum(r["cache_hits"]["vision"] for r in resumed) == IMAGE_SAMPLES
 
     # another pixel limit, or other tower weights: every entry misses (step 1: two image samples).
     # 6272 resizes none of the images (the processor's own limits are 3136..12544 and every
