@@ -184,6 +184,18 @@ def _other_tower(src: Path, out: Path) -> Path:
             "parallel.vision.feature_cache_gb",
             ["1e-09 GB", "one global batch", "allowed: >="],
         ),
+        (
+            {"feature_cache": "host", "feature_cache_dir": "{tmp}/features"},
+            {"vision": {"freeze": True}},
+            "parallel.vision.feature_cache_dir",
+            ["'host'", "only disk uses a dir"],
+        ),
+        (
+            {"feature_cache_ahead": 2},
+            {},
+            "parallel.vision.feature_cache_ahead",
+            ["2 batches", "host or disk"],
+        ),
     ],
 )
 def test_a_cache_that_cannot_work_is_a_config_error(tiny, tmp_path, cache, train, key, needles):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from disagg.config.problems import Problems
 from disagg.config.schema import Config
@@ -27,6 +28,7 @@ def cache_dir(cfg: Config, module: str) -> Path:
 def check_feature_cache(cfg: Config, registry: Registry, out: Problems) -> None:
     for m in cfg.modules():
         g = getattr(cfg.parallel, m)
+        _settings_without_cache(g, m, out)
         if g.feature_cache == "none":
             continue
         key = ("parallel", m, "feature_cache")
@@ -45,6 +47,22 @@ def check_feature_cache(cfg: Config, registry: Registry, out: Problems) -> None:
         if g.feature_cache == "disk":
             _writable(cfg, m, out)
         _room_for_a_batch(cfg, registry, m, out)
+
+
+def _settings_without_cache(g: Any, m: str, out: Problems) -> None:
+    """A cache setting that the chosen kind ignores is a mistake, not a no-op."""
+    if g.feature_cache_dir is not None and g.feature_cache != "disk":
+        out.add(
+            ("parallel", m, "feature_cache_dir"),
+            f"is set but parallel.{m}.feature_cache is {g.feature_cache!r}; only disk uses a dir "
+            "(allowed: feature_cache: disk, or remove feature_cache_dir)",
+        )
+    if g.feature_cache_ahead and g.feature_cache == "none":
+        out.add(
+            ("parallel", m, "feature_cache_ahead"),
+            f"{g.feature_cache_ahead} batches ahead need a feature cache to put them in; set "
+            f"parallel.{m}.feature_cache: host or disk, or feature_cache_ahead: 0",
+        )
 
 
 def _writable(cfg: Config, m: str, out: Problems) -> None:
