@@ -125,3 +125,37 @@ def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference,
     cfg = _config(tiny, tmp_path / "run", vision, llm)
     run_training(validate(cfg, get_registry()), progress=False)
     _assert_matches(tmp_path / "run", reference, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "vision,llm,key,needle",
+    [
+        (
+            {"strategy": "ddp", "context_parallel": 2},
+            {"strategy": "ddp"},
+            "parallel.vision.context_parallel",
+            "only the language model",
+        ),
+        (
+            {"strategy": "ddp"},
+            {"strategy": "zero", "stage": 2, "context_parallel": 2},
+            "parallel.llm.context_parallel",
+            "does not support context parallelism",
+        ),
+        (
+            {"strategy": "ddp"},
+            {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "ranks": 2},
+            "parallel.llm.ranks",
+            "degree × context_parallel × replicas",
+        ),
+    ],
+)
+def test_bad_context_parallel_is_a_config_error(tiny, tmp_path, vision, llm, key, needle):
+    """Refused by validation, before any actor starts, naming the key and what is allowed."""
+    from disagg.config.errors import ConfigError
+
+    if llm["strategy"] == "zero":
+        pytest.importorskip("disagg_zero")
+    with pytest.raises(ConfigError) as err:
+        _config(tiny, tmp_path, vision, llm)
+    assert key in str(err.value) and needle in str(err.value), str(err.value)
