@@ -27,8 +27,29 @@ LENGTHS = (13, 3, 22)  # the 3-token sample is shorter than CP 4; 3 samples over
 def results(tiny_dirs):
     path = tiny_dirs["qwen2"]
     samples = text_batch(family_cls("qwen2")(path).text_config.vocab_size, LENGTHS)
-    out = [loads(b) for b in run_ranks(cp_rank, 4, dumps((path, samples, CASES)))]
+    out = [loads(b) for b in run_ranks(cp_rank, 4, dumps((path, samples, CASES, "bf16")))]
     return out, out[0][-1]
+
+
+def test_bf16_context_parallel_equals_one_rank(results):
+    """``train.precision: bf16`` (fp32 masters), 5 steps: ddp CP 4 equals ddp on one rank under
+    the same recipe (``disagg.testing.recipes``' bounds)."""
+    from dropout_cases import BF16_OPTIM
+
+    from disagg.testing.recipes import assert_same_recipe
+
+    per_rank, _ = results
+    want = per_rank[0][len(CASES) + 1]
+    for r in per_rank:
+        assert_same_recipe(
+            r[len(CASES)],
+            want,
+            "bf16",
+            lr=BF16_OPTIM.lr,
+            betas=BF16_OPTIM.betas,
+            eps=BF16_OPTIM.eps,
+            what="ddp cp4 ",
+        )
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
