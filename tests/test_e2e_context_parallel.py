@@ -49,9 +49,9 @@ def tiny(tmp_path_factory):
     return manifest
 
 
-def _config(tiny: dict, out: Path, vision: dict, llm: dict, **train: object) -> Config:
+def _config(tiny: dict, out: Path, vision: dict, llm: dict, every: int = 0, **train: object) -> Config:
     model = {m: {"family": FAMILY, "path": tiny["models"][FAMILY]} for m in ("vision", "llm")}
-    return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS, eval_every=1, **train)
+    return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS, every, eval_every=1, **train)
 
 
 @pytest.fixture(scope="module")
@@ -73,19 +73,20 @@ def reference(ray_local, tiny, tmp_path_factory):
     return run, grads, cfg.train
 
 
-def _assert_matches(run_dir: Path, reference, tmp_path: Path) -> None:
+def _assert_matches(run_dir: Path, reference, tmp_path: Path, first: int = 1) -> None:
+    """Steps ``first .. STEPS`` (a resumed run logs only those) and the weights after them."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     run, grads, train = reference
     losses, norms = run_metrics(run_dir)
-    assert len(losses) == len(norms) == len(run.losses) == STEPS
-    for step in range(STEPS):
-        assert_scalar_close(losses[step], run.losses[step], f"step {step + 1} loss")
-        assert_scalar_close(norms[step], run.grad_norms[step], f"step {step + 1} grad norm")
+    assert len(losses) == len(norms) == STEPS - first + 1
+    for i, step in enumerate(range(first, STEPS + 1)):
+        assert_scalar_close(losses[i], run.losses[step - 1], f"step {step} loss")
+        assert_scalar_close(norms[i], run.grad_norms[step - 1], f"step {step} grad norm")
     evals = run_eval_losses(run_dir)
-    assert len(evals) == len(run.eval_losses) == STEPS
-    for step, (got, want) in enumerate(zip(evals, run.eval_losses), 1):
-        assert_scalar_close(got, want, what=f"eval loss after step {step}")
+    assert len(evals) == STEPS - first + 1
+    for i, step in enumerate(range(first, STEPS + 1)):
+        assert_scalar_close(evals[i], run.eval_losses[step - 1], what=f"eval loss after step {step}")
     got = exported_state(run_dir, STEPS, tmp_path / "export", Qwen2_5_VLForConditionalGeneration)
     assert_params_close(
         got,
@@ -97,6 +98,12 @@ def _assert_matches(run_dir: Path, reference, tmp_path: Path) -> None:
         eps=train.eps,
         betas=tuple(train.betas),
     )
+
+
+@pytest.fixture(scope="module")
+def resume_dir(tmp_path_factory) -> Path:
+    """Where the first layout's run keeps every step's checkpoint, for the resume test."""
+    return tmp_path_factory.mktemp("cp2-run") / "run"
 
 
 LAYOUTS = {
@@ -118,13 +125,33 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path, name):
+def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference, resume_dir, tmp_path, name):
+    """The first layout also keeps its step-2 checkpoint for the resume below (every: 1)."""
     from disagg.runtime.run import run_training
 
     vision, llm = LAYOUTS[name]
-    cfg = _config(tiny, tmp_path / "run", vision, llm)
+    out = resume_dir if name == FIRST else tmp_path / "run"
+    cfg = _config(tiny, out, vision, llm, every=1 if name == FIRST else 0)
     run_training(validate(cfg, get_registry()), progress=False)
-    _assert_matches(tmp_path / "run", reference, tmp_path)
+    _assert_matches(out, reference, tmp_path)
+
+
+FIRST = next(iter(LAYOUTS))
+
+
+def test_cp2_checkpoint_resumes_at_cp1(ray_local, tiny, reference, resume_dir, tmp_path):
+    """The CP 2 run's step-2 checkpoint, resumed with the LLM at CP 1 (a layout change): step 3
+    and the weights after it equal the HF model's, like the uninterrupted run."""
+    from disagg.runtime.run import run_training
+
+    ckpt = resume_dir / "checkpoints" / "step-2"
+    if not ckpt.is_dir():
+        pytest.skip(f"needs test_context_parallel_equals_hf_model_every_step[{FIRST}] first")
+    vision, _ = LAYOUTS[FIRST]
+    cfg = _config(tiny, tmp_path / "run", vision, {"strategy": "ddp"})
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume_from": str(ckpt)})})
+    run_training(validate(cfg, get_registry()), progress=False)
+    _assert_matches(tmp_path / "run", reference, tmp_path, first=3)
 
 
 @pytest.mark.parametrize(
