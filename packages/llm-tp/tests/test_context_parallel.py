@@ -109,7 +109,7 @@ def test_strategy_estimate_states_the_measured_kv_traffic(results, tiny_dirs, ca
     strategy, degree, cp, replicas = CASES[case]
     cls = MegatronTPStrategy if strategy == "megatron_tp" else DDPStrategy
     fam = family_cls("qwen2")(tiny_dirs["qwen2"])
-    shape = fam.planning_shape(fam.text_config)
+    shape = fam.planning_shape(fam.text_config.to_dict())
     options = cls.options_model(loss_chunk_tokens=None)
     query = CostQuery(shape, degree, replicas, max(LENGTHS), precision="fp32", samples=len(LENGTHS))
     cost = cls.estimate(dataclasses.replace(query, context_parallel=cp), options)
