@@ -4,8 +4,9 @@ gradient norm, evaluation loss, every weight after the run), on the mixed datase
 three sizes, a two-image sample whose placeholders straddle a context-parallel boundary, text-only
 samples and a text-only global batch, two microbatches, weight decay on.
 
-Layouts are combined into few runs (CI time): the tower under ``ulysses`` 2 with the LLM at
-``ddp`` CP 2 (recompute full) and CP 2 with ``shard: parameters`` over 2 replicas.
+Layouts are combined into few runs (CI time), the tower under ``ulysses`` 2 in both: the LLM at
+``ddp`` CP 2 x 2 replicas with ``shard: optimizer`` and ``recompute: full``, and at
+``megatron_tp`` TP 2 x CP 2; the first run's step-2 checkpoint is resumed at CP 1.
 """
 
 from __future__ import annotations
@@ -107,19 +108,16 @@ def resume_dir(tmp_path_factory) -> Path:
 
 
 LAYOUTS = {
-    "ulysses2+ddp_cp2_recompute": (
+    # the LLM at CP 2 x 2 replicas with the optimizer state sharded over all 4 ranks (ZeRO-1:
+    # CP ranks are more data-parallel ranks; ddp shards an LLM's optimizer state only) and every
+    # block recomputed (uneven replicas: packages/llm-tp/tests/test_context_parallel.py)
+    "ulysses2+ddp_cp2x2_shard_optimizer_recompute": (
         {"strategy": "ulysses", "degree": 2},
-        {"strategy": "ddp", "context_parallel": 2, "recompute": "full"},
+        {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "shard": "optimizer", "recompute": "full"},
     ),
     "ulysses2+tp2xcp2": (
         {"strategy": "ulysses", "degree": 2},
         {"strategy": "megatron_tp", "degree": 2, "context_parallel": 2},
-    ),
-    # 2 replicas x CP 2, the optimizer state sharded over all 4 (ZeRO-1): CP ranks are more
-    # data-parallel ranks (ddp shards an LLM's optimizer state only)
-    "ddp+ddp_cp2x2_shard_optimizer": (
-        {"strategy": "ddp"},
-        {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "shard": "optimizer"},
     ),
 }
 
