@@ -169,6 +169,12 @@ def test_cp2_checkpoint_resumes_at_cp1(ray_local, tiny, reference, resume_dir, t
         ),
         (
             {"strategy": "ddp"},
+            {"strategy": "megatron_tp", "degree": 2, "context_parallel": 2, "sequence_parallel": True},
+            "parallel.llm.context_parallel",
+            "sequence_parallel: false",
+        ),
+        (
+            {"strategy": "ddp"},
             {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "ranks": 2},
             "parallel.llm.ranks",
             "degree × context_parallel × replicas",

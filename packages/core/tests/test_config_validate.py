@@ -92,7 +92,10 @@ def test_many_problems_are_collected(reg, workdir):
         "train.scheduler",
     }
     assert "did you mean 'chunks'" in found["parallel.vision.chunkz"]
-    allowed = "allowed: strategy, degree, replicas, context_parallel, ranks, resources, recompute, loss_chunk_tokens, chunks"
+    allowed = (
+        "allowed: strategy, degree, replicas, context_parallel, ranks, resources, recompute, "
+        "loss_chunk_tokens, chunks"
+    )
     assert allowed in found["parallel.vision.chunkz"]
     assert "did you mean 'object_store'" in found["parallel.transport"]
     assert "c.yaml:" in found["data.train"]
