@@ -7,7 +7,8 @@ two-image sample, text-only samples and a text-only global batch; two
 microbatches whose samples split unevenly between the decoder's replicas: one
 replica's sample has images, the other's none; weight decay on). Loss and
 gradient norm of every step, and every parameter after the last step read back
-from ``disagg export`` through ``from_pretrained``.
+from ``disagg export`` through ``from_pretrained``. ``recompute: full`` on the decoder in
+one layout and on the tower in the other.
 
 ``megatron_tp`` and context parallelism are refused for the decoder before any
 actor starts, each with its reason (``disagg_llm_tp.families.qwen3_5``).
@@ -39,16 +40,24 @@ from disagg.testing.tolerance import assert_params_close, assert_scalar_close, f
 
 STEPS = 3
 TOWER = {"strategy": "ulysses", "degree": 2}
+#: (tower, decoder) per layout; recompute: full in one module of each (HF's checkpointing layers:
+#: the decoder's linear- and full-attention layers, the tower's blocks, replayed in backward)
 LAYOUTS = {
     # core allows an LLM under ddp to shard its optimizer state only (parameters: zero or megatron_tp)
-    "ulysses2+ddp2-shard": {"strategy": "ddp", "replicas": 2, "shard": "optimizer"},
-    # persistence threshold 0: every parameter is partitioned and gathered for real
-    "ulysses2+zero3x2": {
-        "strategy": "zero",
-        "stage": 3,
-        "replicas": 2,
-        "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
-    },
+    "ulysses2+ddp2-shard": (
+        TOWER,
+        {"strategy": "ddp", "replicas": 2, "shard": "optimizer", "recompute": "full"},
+    ),
+    "ulysses2+zero3x2": (
+        {**TOWER, "recompute": "full"},
+        # persistence threshold 0: every parameter is partitioned and gathered for real
+        {
+            "strategy": "zero",
+            "stage": 3,
+            "replicas": 2,
+            "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+        },
+    ),
 }
 
 
@@ -83,7 +92,7 @@ def test_qwen3_5_equals_hf_model_every_step(ray_local, qwen3_5, tmp_path, layout
 
     tiny, want = qwen3_5
     run = tmp_path / "run"
-    cfg = _config(tiny, run, TOWER, LAYOUTS[layout])
+    cfg = _config(tiny, run, *LAYOUTS[layout])
     run_training(validate(cfg, get_registry()), progress=False)
     losses, norms = run_metrics(run)
     assert len(losses) == len(norms) == len(want.losses) == STEPS
