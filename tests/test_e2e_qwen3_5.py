@@ -128,3 +128,13 @@ def test_what_cannot_be_exact_is_refused_with_the_reason(qwen3_5, tmp_path, llm,
         _config(tiny, tmp_path / "run", TOWER, llm)  # validates
     for w in words:
         assert w in str(err.value), (w, str(err.value))
+
+
+def test_a_qwen3_5_dir_under_another_family_names_qwen3_5(qwen3_5):
+    from disagg_llm_tp.families.qwen3_vl import Qwen3VLLanguageFamily
+    from disagg_vision_sp.families.qwen3_vl import Qwen3VLVision
+
+    path = qwen3_5[0]["models"]["qwen3_5"]
+    for family in (Qwen3VLVision(path), Qwen3VLLanguageFamily(path)):
+        (problem,) = family.check("ddp", 1, 1)
+        assert "'qwen3_5' model" in problem and "use family 'qwen3_5'" in problem, problem
