@@ -22,6 +22,7 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
     from disagg_llm_tp.families.qwen2_audio import Qwen2AudioLanguageFamily
     from disagg_llm_tp.families.qwen2_vl import Qwen2VLLanguageFamily
+    from disagg_llm_tp.families.qwen3_5 import Qwen35LanguageFamily
     from disagg_llm_tp.families.qwen3_vl import Qwen3VLLanguageFamily
 
     register(Qwen2Family)
@@ -31,3 +32,4 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     register(Qwen2VLLanguageFamily)
     register(Qwen3VLLanguageFamily)
     register(Qwen25OmniLanguageFamily)
+    register(Qwen35LanguageFamily)

@@ -20,6 +20,7 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     from disagg_vision_sp.families.qwen2_5_omni import Qwen2_5OmniVision
     from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
     from disagg_vision_sp.families.qwen2_vl import Qwen2VLVision
+    from disagg_vision_sp.families.qwen3_5 import Qwen3_5Vision
     from disagg_vision_sp.families.qwen3_vl import Qwen3VLVision
 
     register(Qwen2_5_VLVision)
@@ -27,3 +28,4 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     register(Qwen2VLVision)
     register(Qwen3VLVision)
     register(Qwen2_5OmniVision)
+    register(Qwen3_5Vision)

@@ -28,6 +28,7 @@ FAMILY_OF_MODEL_TYPE = {
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen3_vl": "qwen3_vl",
+    "qwen3_5": "qwen3_5",
     "qwen2_audio": "qwen2_audio",
 }
 

@@ -1,0 +1,133 @@
+"""``qwen3_5`` (role llm): the hybrid decoder and ``lm_head`` inside a whole Qwen3.5 dir.
+
+``build`` loads ``Qwen3_5ForConditionalGeneration`` and drops its tower (the
+vision group owns it), so parameter names stay the checkpoint's and the
+forward is HF's: ``Qwen3_5Model`` computes the interleaved mRoPE positions
+from ``input_ids``, ``mm_token_type_ids`` and ``image_grid_thw`` and runs the
+layers in ``layer_types`` order: gated-delta-net (linear attention) layers
+and gated full-attention layers. The image rows the ``qwen3_5`` vision family
+sends are one merged embedding per placeholder (no DeepStack).
+
+What it runs under: ``ddp`` (and its ``shard``), ``zero``. Refused, with the
+reason, before any actor starts:
+
+- ``megatron_tp``: the gated-delta-net layer would need its heads split where
+  the layer map cannot say so: ``in_proj_qkv`` fuses blocks of unequal width
+  (queries and keys ``linear_num_key_heads · linear_key_head_dim`` each,
+  values ``linear_num_value_heads · linear_value_head_dim``) where
+  ``column_chunks`` cuts equal blocks; the depthwise ``conv1d`` over those
+  channels, and ``dt_bias``/``A_log`` per value head, are neither linears nor
+  replicas. Declaring them replicated would run every rank's heads on the
+  wrong channels.
+- context parallelism: a linear-attention layer carries a recurrent state
+  along the whole sequence (and its causal conv looks back 3 tokens), so a
+  rank holding a later slice needs every earlier rank's final state, which
+  ``disagg.kit.context_parallel``'s K/V exchange does not pass.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from disagg.interfaces import AttentionSpec, LayerMap
+from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
+
+#: why megatron_tp is refused (validation's message; see the module docstring)
+TP_REFUSED = (
+    "its gated-delta-net layers cannot be split by heads yet: in_proj_qkv fuses query, key and value "
+    "blocks of unequal widths ({keys}, {keys}, {values}) that the layer map's equal column_chunks "
+    "cannot cut per head, and the depthwise conv1d over those channels and the per-value-head "
+    "dt_bias/A_log have no tensor-parallel split"
+)
+
+
+class Qwen35LanguageFamily(Qwen25VLLanguageFamily):
+    name: ClassVar[str] = "qwen3_5"
+    vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen3_5",)
+    # a linear-attention layer's recurrent state spans the whole sequence (module docstring)
+    context_parallel_support: ClassVar[bool] = False
+    # Qwen3.5's attention keeps no head count (it reshapes with -1)
+    head_attrs: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def hf_classes(cls) -> tuple[type, type]:
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        return Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_llm_tp.families.qwen3_5_shape import qwen3_5_decoder_shape
+
+        return qwen3_5_decoder_shape(config)
+
+    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        problems = super().check(strategy, degree, replicas)
+        if problems or strategy != "megatron_tp":
+            return problems
+        tc = self.text_config
+        keys = tc.linear_num_key_heads * tc.linear_key_head_dim
+        values = tc.linear_num_value_heads * tc.linear_value_head_dim
+        return [
+            f"parallel.llm.strategy='megatron_tp': family 'qwen3_5' ({self.path}) "
+            + TP_REFUSED.format(keys=keys, values=values)
+            + "; use strategy 'ddp' (optionally with shard: parameters) or 'zero'"
+        ]
+
+    def layer_map(self) -> LayerMap:
+        """Every parameter's kind, as LoRA and the chunked loss read it (``megatron_tp`` is
+        refused by :meth:`check`, so no strategy cuts the linear layers by this map)."""
+        tc, p = self.text_config, self.prefix
+        attn, lin = f"{p}.layers.*.self_attn", f"{p}.layers.*.linear_attn"
+        heads = AttentionSpec(num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads)
+        return LayerMap(
+            column=(
+                f"{attn}.q_proj",
+                f"{attn}.k_proj",
+                f"{attn}.v_proj",
+                *(f"{lin}.in_proj_{x}" for x in ("qkv", "z", "b", "a")),
+                f"{p}.layers.*.mlp.gate_proj",
+                f"{p}.layers.*.mlp.up_proj",
+            ),
+            row=(f"{attn}.o_proj", f"{lin}.out_proj", f"{p}.layers.*.mlp.down_proj"),
+            vocab=(f"{p}.embed_tokens",),
+            output=("lm_head",),
+            attention={attn: heads},
+            replicated=(
+                f"{p}.layers.*.input_layernorm.*",
+                f"{p}.layers.*.post_attention_layernorm.*",
+                f"{p}.norm.*",
+                f"{lin}.conv1d.*",
+                f"{lin}.dt_bias",
+                f"{lin}.A_log",
+            ),
+            head_replicated=(f"{attn}.q_norm.*", f"{attn}.k_norm.*", f"{lin}.norm.*"),
+        )
+
+    @classmethod
+    def tiny_vision(cls, out_hidden: int) -> dict:
+        # Qwen3-VL's tiny tower (learned position grid) without windows or DeepStack
+        tower = super().tiny_vision(out_hidden)
+        del tower["window_size"], tower["fullatt_block_indexes"]
+        return {**tower, "num_position_embeddings": 16}
+
+    @classmethod
+    def tiny_text(cls) -> dict:
+        # both layer kinds (a linear one after the full one too), 2 key heads serving 4 value
+        # heads in the linear layers; head_dim 16, half rotated: 4 frequencies over (t, h, w)
+        return {
+            "num_hidden_layers": 3,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+                "partial_rotary_factor": 0.5,
+            },
+        }
