@@ -229,17 +229,6 @@ class PerLayer:
             self.lockstep.keep(mb, roots.finish())
         return [EmbeddingShard.whole(o) for o in outs]
 
-    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        if not self.per_layer:
-            return super().backward(mb, outputs, grads)  # type: ignore[misc]
-        pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
-        pairs += self.lockstep.zero_seeds(mb)
-        self.backprop([o for o, _ in pairs], [g for _, g in pairs], [])
-
-    def release(self, mb: int) -> None:
-        self.lockstep.release(mb)
-        super().release(mb)  # type: ignore[misc]
-
     # -- LLM role ---------------------------------------------------------------------------------
     def _padded(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]], n: int

@@ -5,23 +5,21 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
-from disagg.interfaces import Cost, CostQuery, EmbeddingShard, Family, ReplicatedOptions, StrategyOptions
+from disagg.interfaces import Cost, CostQuery, Family, ReplicatedOptions, StrategyOptions
 from disagg.kit import Strategy, context_parallel
 from disagg.kit.context_parallel import ContextParallelLanguage
-from disagg.kit.lockstep import Lockstep, agreed_max
-from disagg.kit.sharding import ShardedReplicas, shard_problems
+from disagg.kit.sharding import shard_problems
 
 
-class DDPStrategy(ContextParallelLanguage, ShardedReplicas, Strategy):
+class DDPStrategy(ContextParallelLanguage, Strategy):
     """Data parallelism: replicas read disjoint samples and gradients are summed
     across them (the loss is already normalised by the global label count,
     so a sum — not a mean — gives the single-process gradient). Everything but
-    ``parallelize`` (and, under a sharded state, the encoder's forward) is the base
-    :class:`~disagg.kit.Strategy`'s; ``max_degree = 1`` makes its default ``check``
-    refuse other degrees.
+    ``parallelize`` is the base :class:`~disagg.kit.Strategy`'s, the sharded state
+    (``parallel.<module>.shard``) and its lockstep included; ``max_degree = 1`` makes its
+    default ``check`` refuse other degrees.
 
     With ``parallel.llm.context_parallel: N`` a replica is N ranks, each with 1/N of every
     sample's tokens (:mod:`disagg.kit.context_parallel`): to the gradient sum and to a sharded
@@ -38,11 +36,6 @@ class DDPStrategy(ContextParallelLanguage, ShardedReplicas, Strategy):
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
         return super().check(family, degree, replicas, options) + shard_problems(family, options)
 
-    def __init__(self, ctx: Any, family: Family, options: StrategyOptions) -> None:
-        super().__init__(ctx, family, options)
-        #: the placeholder forwards a rank with fewer samples runs under FSDP2 (disagg.kit.lockstep)
-        self.lockstep = Lockstep(family, ctx.dtype)
-
     def parallelize(self, module: nn.Module) -> nn.Module:
         # Gradient sum happens once per step, after (or, with overlap_grad_reduce, during) the
         # last microbatch's backward, which is what DistributedDataParallel's no_sync would do.
@@ -50,26 +43,6 @@ class DDPStrategy(ContextParallelLanguage, ShardedReplicas, Strategy):
         context_parallel.apply(module, self.ctx)
         self.recompute.apply_full(module, f"module {self.ctx.module!r}")
         return self.shard_state(module)
-
-    # -- encoder role under FSDP2: every rank runs as many forwards as the busiest ----------------------
-    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
-        if not self.fsdp:
-            return super().encode(mb, inputs)
-        n = agreed_max(len(inputs), self.ctx.device, self.ctx.comm)
-        outs = [self.sharded_call(self.family.encode, x) for x in self.lockstep.pad(inputs, n)]
-        self.lockstep.keep(mb, outs[len(inputs) :])
-        return [EmbeddingShard.whole(o) for o in outs[: len(inputs)]]
-
-    def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        if not self.fsdp:
-            return super().backward(mb, outputs, grads)
-        pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if o.requires_grad and o.numel()]
-        # the placeholder forwards' backward adds exact zeros, and issues the group's collectives
-        pairs += self.lockstep.zero_seeds(mb)
-        self.backprop([o for o, _ in pairs], [g for _, g in pairs], [])
-
-    def release(self, mb: int) -> None:
-        self.lockstep.release(mb)
 
     @classmethod
     def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:

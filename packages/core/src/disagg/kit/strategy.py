@@ -13,6 +13,7 @@ from torch import nn
 from disagg.interfaces.context import GroupContext
 from disagg.interfaces.family import Family
 from disagg.interfaces.strategy import StrategyOptions, StrategySpec
+from disagg.kit.lockstep import Lockstep
 from disagg.kit.recompute import Recompute
 from disagg.kit.roles import EncoderRole, LanguageRole, Parallelizer, StateAdapter
 
@@ -60,6 +61,8 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter, StrategySp
         self.scheduler: Any = None
         #: this module's ``recompute`` (strategies add their streams and captures)
         self.recompute = Recompute(getattr(options, "recompute", "none"))
+        #: placeholder calls that keep the group's collectives in step (:mod:`disagg.kit.lockstep`)
+        self.lockstep = Lockstep(family, ctx.dtype)
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

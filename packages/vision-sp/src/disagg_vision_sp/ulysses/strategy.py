@@ -31,15 +31,14 @@ from disagg.interfaces import (
     dropout_seed,
 )
 from disagg.kit import Strategy
-from disagg.kit.lockstep import Lockstep
 from disagg.kit.recompute import Recompute
 from disagg.kit.recompute.rng import ShardRNG
-from disagg.kit.sharding import ShardedReplicas, shard_problems
+from disagg.kit.sharding import shard_problems
 from disagg_vision_sp.ulysses import attention
 from disagg_vision_sp.ulysses.layout import plan_bounds
 
 
-class UlyssesStrategy(ShardedReplicas, Strategy):
+class UlyssesStrategy(Strategy):
     name: ClassVar[str] = "ulysses"
     distribution: ClassVar[str] = "disagg-vision-sp"
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full", "selective")
@@ -77,8 +76,6 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
         self.rng: ShardRNG | None = None
         #: microbatch -> (local output rows, the shard values cut from them), until its backward
         self._pending: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        #: an empty replica's placeholder forward under a sharded state (disagg.kit.lockstep)
-        self.lockstep = Lockstep(family, ctx.dtype)
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         """Ordered steps: sequence-parallel attention -> its dropout stream -> recompute ->
@@ -194,7 +191,7 @@ class UlyssesStrategy(ShardedReplicas, Strategy):
 
     def release(self, mb: int) -> None:
         self._pending.pop(mb, None)
-        self.lockstep.release(mb)
+        super().release(mb)  # an empty replica's placeholder forward (disagg.kit.lockstep)
 
     def backward(self, mb: int, outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Backward of one encoded microbatch. Runs even when this rank's rows

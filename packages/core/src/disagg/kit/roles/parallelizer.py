@@ -37,14 +37,18 @@ from disagg.kit.grads.overlap import OverlappedReducer
 from disagg.kit.lora import freeze_base
 from disagg.kit.masters import MasterOptimizer, MasterWeights, apply_recipe, in_master_view
 from disagg.kit.parts import freeze_parts, optimizer_groups
-from disagg.kit.roles.optimizer import OptimizerBuilder, adamw, make_scheduler
+from disagg.kit.roles.optimizer import OptimizerBuilder, make_scheduler
+from disagg.kit.sharding import fsdp
+from disagg.kit.sharding.modes import FSDP_MODES
+from disagg.kit.sharding.optimizer import build_optimizer
 
 
 class Parallelizer(ABC):
     """Set-up, gradient reduction, norm and step of one rank's module."""
 
-    #: makes the optimizer from the trainable parameter groups (see :mod:`.optimizer`)
-    build_optimizer: ClassVar[OptimizerBuilder] = staticmethod(adamw)  # type: ignore[assignment]
+    #: makes the optimizer from the trainable parameter groups (see :mod:`.optimizer`): AdamW,
+    #: inside torch's ``ZeroRedundancyOptimizer`` under ``shard: optimizer``
+    build_optimizer: ClassVar[OptimizerBuilder] = staticmethod(build_optimizer)  # type: ignore[assignment]
 
     ctx: GroupContext
     family: Family
@@ -56,6 +60,10 @@ class Parallelizer(ABC):
     reducer: OverlappedReducer | None = None
     #: set by a strategy whose ``parallelize`` applied the recipe itself (FSDP2's policy)
     precision_applied: bool = False
+    #: the FSDP2 root unit around the module (``shard: gradients | parameters``; :meth:`shard_state`)
+    fsdp_root: nn.Module | None = None
+    #: the largest whole-parameter bytes a ``gradients`` forward left gathered (held until backward)
+    whole_bytes: int = 0
 
     @property
     def master_weights(self) -> MasterWeights | None:
@@ -146,6 +154,36 @@ class Parallelizer(ABC):
         where = f"train.modules.{self.ctx.module}"
         return optimizer_groups(self.module, self.trainable_parameters(), optim.groups, where)
 
+    # -- parallel.<module>.shard: the state sharded over the group (disagg.kit.sharding) ---------
+    @property
+    def shard_mode(self) -> str:
+        return getattr(self.options, "shard", "none")
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters and gradients are FSDP2 shards (``gradients``/``parameters`` over >1 rank)."""
+        return self.shard_mode in FSDP_MODES and self.ctx.world_size > 1
+
+    def shard_state(self, module: nn.Module) -> nn.Module:
+        """The last step of a ``parallelize`` whose ranks hold the whole module otherwise: FSDP2
+        units under ``gradients``/``parameters`` (``optimizer``: :attr:`build_optimizer`'s
+        ZeRO-1). The reduction, norm, step and full form below work on shards and whole
+        tensors alike, and :meth:`encode` keeps the group's gathers in lockstep."""
+        if self.fsdp:
+            # FSDP2 applies train.precision itself: its policy casts the fp32 shards (bf16), or
+            # the shards are bf16 (bf16-pure)
+            self.fsdp_root = fsdp.shard_module(module, self.ctx, self.shard_mode)
+            self.precision_applied = True
+        return module
+
+    def sharded_call(self, fn: Any, *args: Any) -> Any:
+        """``fn(module, *args)`` under the FSDP2 root unit; then what ``gradients`` keeps gathered."""
+        assert self.fsdp_root is not None and self.module is not None
+        out = fsdp.call(self.fsdp_root, fn, *args)
+        if self.shard_mode == "gradients":
+            self.whole_bytes = max(self.whole_bytes, fsdp.whole_param_bytes(self.module))
+        return out
+
     # -- the two hooks every forward and backward goes through ---------------------------------
     @contextlib.contextmanager
     def module_call(self) -> Iterator[None]:
@@ -178,8 +216,9 @@ class Parallelizer(ABC):
     # -- after backward ---------------------------------------------------------------------------
     @in_master_view()
     def reduce_gradients(self) -> None:
-        """Sum gradients over every rank of the group (replicas and shards)."""
-        if self.ctx.world_size == 1:
+        """Sum gradients over every rank of the group (replicas and shards); FSDP2 summed them
+        (reduce-scatter) in backward already."""
+        if self.ctx.world_size == 1 or self.fsdp:
             return
         if self.reducer is not None:
             self.reducer.finish()
@@ -192,8 +231,15 @@ class Parallelizer(ABC):
     @in_master_view()
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of the module's full gradient, each element once;
-        identical on every rank of the group (fused norms, one host sync)."""
-        return float(sum_of_squares([p.grad for p in self.trainable_parameters() if p.grad is not None]))
+        identical on every rank of the group (fused norms, one host sync; FSDP2 shards
+        summed over the group, their padding left out)."""
+        total = sum_of_squares(
+            [fsdp.local(p.grad) for p in self.trainable_parameters() if p.grad is not None]
+        )
+        if self.fsdp:
+            total = total.to(self.ctx.device).reshape(1)
+            self.ctx.comm.all_reduce(total)
+        return float(total)
 
     def step(self, clip_coef: float) -> None:
         """Scale gradients by ``clip_coef`` (computed from the global norm) and step."""
@@ -201,7 +247,7 @@ class Parallelizer(ABC):
             return
         if clip_coef < 1.0:
             with self.masters():
-                grads = [p.grad for p in self.trainable_parameters() if p.grad is not None]
+                grads = [fsdp.local(p.grad) for p in self.trainable_parameters() if p.grad is not None]
                 if grads:
                     torch._foreach_mul_(grads, clip_coef)
         self.optimizer.step()  # under bf16: the masters', then the weights written back
@@ -215,17 +261,24 @@ class Parallelizer(ABC):
     # -- what the step's record reads -----------------------------------------------------------
     @in_master_view()
     def state_bytes(self) -> int:
-        """Bytes of parameters + gradients + optimizer state held by this rank."""
+        """Bytes of parameters + gradients + optimizer state held by this rank, from the
+        tensors: shards under FSDP2 (plus the whole parameters a ``gradients`` step holds from
+        forward to backward), this rank's partition of the AdamW state under ZeRO-1."""
         assert self.module is not None
         total = 0
         for p in self.module.parameters():
-            total += p.numel() * p.element_size()
+            total += fsdp.local(p).numel() * p.element_size()
             if p.grad is not None:
-                total += p.grad.numel() * p.grad.element_size()
-        if self.optimizer is not None:
-            for st in self.optimizer.state.values():
-                total += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
-        return total + self.precision_bytes()
+                total += fsdp.local(p.grad).numel() * p.grad.element_size()
+        opt = self.optimizer
+        if opt is not None and self.shard_mode == "optimizer" and self.ctx.world_size > 1:
+            opt = opt.optim  # ZeroRedundancyOptimizer: its local AdamW holds this rank's partition
+        if opt is not None:
+            for st in opt.state.values():
+                total += sum(
+                    fsdp.local(v).numel() * v.element_size() for v in st.values() if torch.is_tensor(v)
+                )
+        return total + self.whole_bytes + self.precision_bytes()
 
     def precision_bytes(self) -> int:
         """State the recipe adds beyond parameters, gradients and optimizer state as seen in the

@@ -22,6 +22,7 @@ from torch import nn
 from disagg.interfaces.context import GroupContext
 from disagg.kit.masters import in_master_view
 from disagg.kit.recompute.rng import ShardRNG
+from disagg.kit.sharding import fsdp, zero1
 
 #: where a rank's tensor lies in its full form: (full shape, [(offsets in the full
 #: tensor, index of the local tensor)]); several ranks may list the same piece
@@ -31,11 +32,18 @@ Pieces = dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tens
 
 
 class StateAdapter:
-    """Defaults for a module whose parameters and AdamW state every rank holds whole."""
+    """Defaults for a module whose parameters and AdamW state every rank holds whole, or
+    sharded over the group by :meth:`~.parallelizer.Parallelizer.shard_state` (FSDP2 shards
+    are gathered, ZeRO-1's partitions consolidated: :mod:`disagg.kit.sharding`)."""
+
+    def _zero1(self) -> bool:
+        """``shard: optimizer`` over more than one rank: the AdamW state is partitioned."""
+        return self.shard_mode == "optimizer" and self.optimizer is not None and self.ctx.world_size > 1
 
     ctx: GroupContext
     module: nn.Module | None
     optimizer: Any
+    shard_mode: str
     if TYPE_CHECKING:
 
         def module_call(self) -> AbstractContextManager[None]: ...
@@ -48,7 +56,7 @@ class StateAdapter:
         module. Collective: call on every rank; rank 0's result is complete."""
         assert self.module is not None
         with self.module_call():
-            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+            return {k: fsdp.full(v) for k, v in self.module.state_dict().items()}
 
     @in_master_view()
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -56,9 +64,7 @@ class StateAdapter:
         :meth:`full_state_dict`; collective like it. A parameter that got no
         gradient anywhere is left out."""
         assert self.module is not None
-        return {
-            n: p.grad.detach().cpu().clone() for n, p in self.module.named_parameters() if p.grad is not None
-        }
+        return {n: fsdp.full(p.grad) for n, p in self.module.named_parameters() if p.grad is not None}
 
     @in_master_view()
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -70,11 +76,13 @@ class StateAdapter:
         if self.optimizer is None:
             return {}
         assert self.module is not None
+        if self._zero1():
+            return zero1.full_state(self.optimizer, self.module, self.ctx.rank)
         out = {}
         for name, p in self.module.named_parameters():
             st = self.optimizer.state.get(p)
             if st:
-                out[name] = {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
+                out[name] = {k: fsdp.full(v) for k, v in st.items() if torch.is_tensor(v)}
         return out
 
     @in_master_view(write=True)
@@ -90,14 +98,17 @@ class StateAdapter:
             for name, t in self.module.state_dict(keep_vars=True).items():
                 if name not in params:
                     raise KeyError(f"checkpoint has no tensor {name!r} for module {self.ctx.module!r}")
-                t.copy_(params[name].to(t.device, t.dtype))
+                fsdp.local(t).copy_(fsdp.local(fsdp.like(t, params[name])))
         if self.optimizer is None:
+            return
+        if self._zero1():
+            zero1.load_partition(self.optimizer, self.module, optim_state)
             return
         for name, p in self.module.named_parameters():
             if name in optim_state:
                 self.optimizer.state[p] = {
                     # torch AdamW keeps its (non-capturable) step count on the CPU
-                    k: v.clone() if k == "step" else v.to(p.device, p.dtype).clone()
+                    k: v.clone() if k == "step" else fsdp.like(p, v)
                     for k, v in optim_state[name].items()
                 }
 
@@ -117,7 +128,10 @@ class StateAdapter:
     # -- sharded checkpoints ----------------------------------------------------------------------
     def tensor_layout(self, param: torch.Tensor) -> Layout:
         """Where this rank's ``param`` (and each optimizer state of its shape) lies in the
-        full form. Default: every rank holds it whole."""
+        full form. Default: every rank holds it whole, or its FSDP2 rows
+        (:func:`disagg.kit.sharding.fsdp.rows`)."""
+        if fsdp.is_sharded(param):
+            return fsdp.rows(param)
         return tuple(param.shape), [((0,) * param.dim(), ())]
 
     @in_master_view()
@@ -134,6 +148,10 @@ class StateAdapter:
             and type(self).tensor_layout is StateAdapter.tensor_layout
         ):
             return None
+        if self._zero1():  # whole parameters, and the AdamW state of this rank's own partition
+            inner = self.optimizer.optim
+            owned = {id(p) for g in inner.param_groups for p in g["params"]}
+            return self.layout_pieces(saved, optimizer=inner, owned=owned)
         return self.layout_pieces(saved)
 
     def layout_pieces(
@@ -169,8 +187,8 @@ class StateAdapter:
 
     def local_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The elements of ``t`` this rank stores, as :meth:`tensor_layout`'s indices index
-        them: ``t`` itself by default (a DTensor's local shard under FSDP2)."""
-        return t
+        them: ``t`` itself, a DTensor's local shard under FSDP2."""
+        return fsdp.local(t)
 
     def _pieces(self, param: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], list]:
         size, where = self.tensor_layout(param)

@@ -25,13 +25,11 @@ from disagg.kit.lockstep import placeholder_input
 from disagg.kit.sharding.cost import comm, shard_rows, state_bytes, step_comm, zero1_partition, zero1_tensors
 from disagg.kit.sharding.modes import FSDP_MODES, MODES, ShardMode, module_key, shard_problems
 from disagg.kit.sharding.optimizer import build_optimizer
-from disagg.kit.sharding.replicas import ShardedReplicas
 
 __all__ = [
     "FSDP_MODES",
     "MODES",
     "ShardMode",
-    "ShardedReplicas",
     "build_optimizer",
     "comm",
     "module_key",

@@ -42,7 +42,7 @@ def shard_rows(shape: tuple[int, ...], world: int) -> int:
 
 def state_bytes(shapes: list[tuple[int, ...]], mode: str, world: int, recipe: Recipe | None = None) -> int:
     """Parameter + gradient + AdamW bytes on the busiest rank of an ``N``-rank group under
-    ``parallel.<module>.shard`` (equal to :meth:`ShardedReplicas.state_bytes` measured at a step's
+    ``parallel.<module>.shard`` (equal to :meth:`disagg.kit.Strategy.state_bytes` measured at a step's
     end in fp32; ``gradients`` adds the whole parameters held from a forward to its backward), in
     ``recipe``'s dtypes (default ``fp32``). ZeRO-1 keeps the weights, gradients and (``bf16``) the
     fp32 masters whole and partitions the moments: torch's ZeroRedundancyOptimizer steps each

@@ -140,6 +140,26 @@ def is_sharded(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def rows(param: torch.Tensor) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[slice, ...]]]]:
+    """Where a FSDP2 parameter (a ``Shard(0)`` DTensor over the group) and its AdamW moments
+    lie in the full form: this rank's rows, ``torch.chunk``'s ``ceil(D / N)`` per rank (FSDP2's
+    split; a rank past the end holds none), as a checkpoint layout (full shape, pieces)."""
+    from torch.distributed.tensor import Shard
+
+    full = tuple(param.shape)
+    placements, mesh = param.placements, param.device_mesh  # type: ignore[attr-defined]
+    if tuple(placements) != (Shard(0),):
+        raise ValueError(f"a sharded checkpoint expects FSDP2's Shard(0), got {placements}")
+    per_rank = -(-full[0] // mesh.size())
+    start = min(mesh.get_local_rank() * per_rank, full[0])
+    held = local(param).shape[0]
+    if held != min(full[0], start + per_rank) - start:
+        raise ValueError(f"FSDP2 shard of {held} rows at row {start} of {full}: not torch.chunk's split")
+    if held == 0:
+        return full, []
+    return full, [((start,) + (0,) * (len(full) - 1), ())]
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's elements of ``t`` (its shard; FSDP's padding excluded)."""
     return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
