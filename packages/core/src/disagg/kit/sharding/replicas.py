@@ -13,6 +13,7 @@ from torch import nn
 from disagg.interfaces.context import GroupContext
 from disagg.kit.grads import sum_of_squares
 from disagg.kit.masters import in_master_view
+from disagg.kit.offload import offloaded
 from disagg.kit.sharding import fsdp
 from disagg.kit.sharding.modes import FSDP_MODES
 from disagg.kit.sharding.optimizer import build_optimizer
@@ -49,6 +50,8 @@ class ShardedReplicas:
     _whole_bytes: int = 0
     #: the FSDP2 root unit around the module (``gradients``/``parameters``)
     fsdp_root: nn.Module | None = None
+    #: FSDP2 keeps the shards and the AdamW state in host memory (``offload: optimizer``)
+    offload_policy: bool | None = None
 
     @property
     def shard_mode(self) -> str:
@@ -63,7 +66,9 @@ class ShardedReplicas:
         if self.fsdp:
             # FSDP2 applies train.precision itself: its policy casts the fp32 shards (bf16), or
             # the shards are bf16 (bf16-pure)
-            self.fsdp_root = fsdp.shard_module(module, self.ctx, self.shard_mode)
+            offload = offloaded(self.options)
+            self.fsdp_root = fsdp.shard_module(module, self.ctx, self.shard_mode, offload)
+            self.offload_policy = offload or None
             self.precision_applied = True
         return module
 
