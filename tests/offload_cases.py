@@ -119,7 +119,12 @@ def _train(layout: str, strat: Any, data: dict[str, Any], steps: range, out: dic
         out.setdefault("grads", []).append(ranks.full_grads(strat))
         ranks.step(strat, norm_sq, max_norm=0.5, zero_grad=False)  # clipping on
         if step == steps[-1] and not layout.startswith("zero"):
-            out["resident"] = resident_bytes(strat)
+            out["resident"] = resident_bytes(strat)  # gradients still held: the step's peak state
+            census = ranks.state_census(strat)  # stepped (AdamW state) and idle (no gradient) elements
+            with strat.masters():
+                state = strat.optimizer.state
+                stepped = [p for p in strat.module.parameters() if p.requires_grad and state.get(p)]
+            out.update(census, shapes=[tuple(p.shape) for p in stepped], tensors=len(stepped))
         ranks.zero_grad(strat)
         out.setdefault("params", []).append(ranks.full_state(strat))
 

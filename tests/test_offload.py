@@ -145,3 +145,39 @@ def test_offload_resumes_from_a_checkpoint_written_without_it(offload_case, layo
     assert resumed["loss"] == base["loss"][STEPS - 1 :]
     assert_exact(resumed["grads"][0], base["grads"][STEPS - 1], f"{layout} resumed grads: ")
     assert_exact(resumed["params"][0], base["params"][STEPS - 1], f"{layout} resumed params: ")
+
+
+#: the kit's layouts and the ``parallel.<m>.shard`` mode (and world) their state is sharded in
+KIT = {"ddp": ("none", 1), "ulysses-fsdp": ("parameters", 2), "megatron_tp-sp": ("none", 1)}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layout", list(KIT))
+def test_device_and_host_bytes_equal_the_model(offload_case, layout, precision) -> None:
+    """What a rank holds where at the step's end (gradients still held), measured from its tensors
+    (:func:`disagg.kit.offload.resident_bytes`), equals the state rule the cost files use without
+    offload (:func:`disagg.kit.sharding.state_bytes`; megatron_tp: the recipe's bytes per element
+    of its TP slices) and, with it, :func:`disagg.kit.sharding.cost.offload_split`: under fp32
+    the device keeps 4 of 16 bytes per element, under bf16 2 of 18 (FSDP2: nothing at rest)."""
+    from disagg.interfaces import RECIPES
+    from disagg.kit.sharding import cost
+
+    recipe = RECIPES[precision]
+    base, off = offload_case[(layout, precision, False)], offload_case[(layout, precision, True)]
+    mode, world = KIT[layout]
+    n, tensors, idle = base["stepped_elements"], base["tensors"], base["idle_elements"]
+    # a layer the tower never runs (LLaVA reads the next-to-last layer's features) trains idle:
+    # its weight (and master) held, no gradient, no moments
+    stepped = (recipe.master or recipe.weights).itemsize
+    if layout == "megatron_tp-sp":
+        without = recipe.state_bytes_per_element(True) * n + 4 * tensors
+    else:
+        without = cost.state_bytes(base["shapes"], mode, world, recipe)
+    without += idle * (stepped if mode != "none" else recipe.weights.itemsize + recipe.master_bytes)
+    assert base["resident"] == {"device": without, "host": 0}
+    device, host = cost.offload_split(without, n, tensors, mode, recipe, idle=idle)
+    assert off["resident"] == {"device": device, "host": host}
+    if mode == "none":  # only the working weights stay: 4/16 (fp32), 2/18 (bf16) per element
+        assert device == recipe.weights.itemsize * (n + idle)
+    else:
+        assert device == 0 and host == without

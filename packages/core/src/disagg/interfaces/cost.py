@@ -53,6 +53,9 @@ class Cost:
     #: parameters a forward or backward holds unpartitioned on top of ``state_bytes``
     #: at the peak (ZeRO-3's gathered weights); 0 for strategies that keep them whole
     gathered_bytes: int = 0
+    #: state kept in host memory between steps (``offload: optimizer``); ``state_bytes`` is then
+    #: what stays on the device
+    host_bytes: int = 0
 
     @property
     def comm_bytes(self) -> int:
@@ -69,6 +72,7 @@ class Cost:
         return {
             "state_bytes": self.state_bytes,
             "gathered_bytes": self.gathered_bytes,
+            "host_bytes": self.host_bytes,
             "activation_bytes": self.activation_bytes,
             "memory_bytes": self.memory_bytes,
             "comm_bytes": self.comm_bytes,

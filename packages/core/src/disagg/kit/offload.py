@@ -236,8 +236,8 @@ def resident_bytes(strategy: Any) -> dict[str, int]:
     for p in module.parameters():
         count(p)
         count(p.grad)
-    if isinstance(masters, HostMasters):
-        for t in masters.host_tensors():
+    if isinstance(masters, MasterWeights):  # bf16's device masters and sums, or the host ones
+        for t in list(masters.masters) + [g for g in masters.grads if g is not None]:
             count(t)
     for v in state:
         count(v)
