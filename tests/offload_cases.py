@@ -25,11 +25,7 @@ from disagg.testing import ranks
 STEPS = 3
 MICROBATCHES = 2
 PRECISIONS = ("fp32", "bf16")
-LAYOUTS = tuple(
-    __import__("os")
-    .environ.get("OFFLOAD_LAYOUTS", "ddp,ulysses-fsdp,megatron_tp-sp,zero-1,zero-3")
-    .split(",")
-)
+LAYOUTS = ("ddp", "ulysses-fsdp", "megatron_tp-sp", "zero-1", "zero-3")
 #: weight decay on (DESIGN.md's test data); eps above bf16's gradient noise
 OPTIM = OptimSpec(lr=1e-3, eps=1e-3, weight_decay=0.1)
 PER_LAYER = {
