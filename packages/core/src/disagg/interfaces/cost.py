@@ -72,7 +72,6 @@ class Cost:
         return {
             "state_bytes": self.state_bytes,
             "gathered_bytes": self.gathered_bytes,
-            "host_bytes": self.host_bytes,
             "activation_bytes": self.activation_bytes,
             "memory_bytes": self.memory_bytes,
             "comm_bytes": self.comm_bytes,
@@ -81,6 +80,8 @@ class Cost:
             "flops": self.flops,
             "exact": list(self.exact),
             "comm_calls_by_kind": dict(self.comm_calls_by_kind),
+            # only where something is offloaded (the recorded predictions of the rest unchanged)
+            **({"host_bytes": self.host_bytes} if self.host_bytes else {}),
         }
 
 
