@@ -94,7 +94,8 @@ def test_many_problems_are_collected(reg, workdir):
     assert "did you mean 'chunks'" in found["parallel.vision.chunkz"]
     allowed = (
         "allowed: strategy, degree, replicas, context_parallel, ranks, resources, recompute, "
-        "loss_chunk_tokens, feature_cache, feature_cache_gb, feature_cache_dir, feature_cache_ahead, chunks"
+        "loss_chunk_tokens, offload, feature_cache, feature_cache_gb, feature_cache_dir, feature_cache_ahead, "
+        "chunks"
     )
     assert allowed in found["parallel.vision.chunkz"]
     assert "did you mean 'object_store'" in found["parallel.transport"]
@@ -372,3 +373,17 @@ def test_schema_and_plugin_problems_come_in_one_pass(reg, workdir):
     p.write_text(yaml.safe_dump(base(), sort_keys=False))  # a sound config comes back as loaded
     loaded, source = load_checked(p, [], get_registry())
     assert loaded.parallel.vision.strategy == "cfgtest_sp" and source.where(("train", "steps"))
+
+
+def test_offload_reaches_the_strategy_and_is_refused_with_overlap(reg, workdir):
+    """``parallel.<m>.offload`` (core's key, issue 38) is passed to the strategy's options; with
+    ``overlap_grad_reduce`` it is refused before any actor starts, naming both keys."""
+    cfg = base()
+    cfg["parallel"]["llm"].update(strategy="ddp", offload="optimizer")
+    assert check(workdir, cfg).modules["llm"].options.offload == "optimizer"
+    cfg["parallel"]["llm"]["overlap_grad_reduce"] = True
+    got = "\n".join(problems(workdir, cfg).values())
+    assert "offload: optimizer cannot be combined with overlap_grad_reduce: true" in got, got
+    cfg["parallel"]["llm"].update(offload="disk", overlap_grad_reduce=False)
+    got = problems(workdir, cfg)["parallel.llm.offload"]
+    assert "c.yaml:" in got and "'disk' is not allowed; allowed: none, optimizer" in got, got

@@ -36,6 +36,7 @@ from disagg.kit.cost.rules import (
     with_recompute,
 )
 from disagg.kit.cost.training import query_trained
+from disagg.kit.sharding.cost import with_offload
 
 #: searched by ``disagg plan`` beside the defaults
 OPTION_VARIANTS: list[dict[str, Any]] = [{}, {"sequence_parallel": True}]
@@ -332,11 +333,13 @@ def replay(
     return {"all_reduce": s * 2 * blocks * all_reduce(n * h * e, w.degree)}, {"all_reduce": 2 * blocks * m}
 
 
-def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost:
+def estimate(
+    query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFAULT_CHUNK_TOKENS, offload: bool = False
+) -> Cost:
     if query.context_parallel > 1:  # TP x CP: TP's own cost on 1/N of the tokens, plus the K/V exchange
         from disagg.kit.context_parallel.cost import with_context_parallel
 
-        cost = with_context_parallel(lambda q: estimate(q, sequence_parallel, chunk), query)
+        cost = with_context_parallel(lambda q: estimate(q, sequence_parallel, chunk, offload), query)
         assert cost is not None
         return cost
     shape, sp = query.shape, sequence_parallel
@@ -375,7 +378,7 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
     work += extra_flops(shape, query.seq_len, work, mode)
     split = Split(tp=d, sequence_parallel=sp)
     base = strategy_compute(shape, query.seq_len, split, w.act_bytes, "none")
-    return assemble(
+    cost = assemble(
         w,
         state_bytes=cost_training.state_bytes(tr, d, w.state_element, w.weight_bytes),
         activation_bytes=act,
@@ -391,3 +394,7 @@ def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFA
         exact=("state_bytes", "comm_bytes") if enc and not sp and tr.full else ("state_bytes",),
         replay=replay(shape, w, sp, mode),
     )
+    if not offload:  # offload: optimizer (disagg.kit.offload): masters, sums, moments on the host
+        return cost
+    held = sum(t.local_numel(d) for t in tr.trainable)
+    return with_offload(cost, held, len(tr.trainable), "none", w.recipe)

@@ -407,7 +407,8 @@ class MegatronTPStrategy(ContextParallelLanguage, TPFullState, Strategy):
         from disagg_llm_tp import cost
 
         chunk = getattr(options, "loss_chunk_tokens", cost.DEFAULT_CHUNK_TOKENS)
-        return cost.estimate(query, bool(getattr(options, "sequence_parallel", False)), chunk)
+        offload = getattr(options, "offload", "none") == "optimizer"
+        return cost.estimate(query, bool(getattr(options, "sequence_parallel", False)), chunk, offload)
 
     @classmethod
     def option_variants(cls) -> list[dict]:

@@ -421,5 +421,6 @@ def estimate(
     if offload_optimizer:
         numel = sum(t.numel for t in tr.trainable)
         _, master, _, moments = ds_bytes(w.precision)
-        cost = replace(cost, state_bytes=cost.state_bytes - (master + moments) * -(-numel // w.world))
+        moved = (master + moments) * -(-numel // w.world)
+        cost = replace(cost, state_bytes=cost.state_bytes - moved, host_bytes=moved)
     return cost

@@ -63,6 +63,15 @@ class ZeroOptions(StrategyOptions):
                 self.recompute = "full"
         return self
 
+    @model_validator(mode="after")
+    def _offload_is_offload_optimizer(self) -> ZeroOptions:
+        # core's ``offload: optimizer`` and DeepSpeed's spelling name the same thing
+        if self.offload == "optimizer":
+            self.offload_optimizer = True
+        elif self.offload_optimizer:
+            self.offload = "optimizer"
+        return self
+
     @field_validator("stage", mode="before")
     @classmethod
     def _known_stage(cls, v: Any) -> int:

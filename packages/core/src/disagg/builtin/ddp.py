@@ -50,7 +50,10 @@ class DDPStrategy(ContextParallelLanguage, Strategy):
         from disagg.builtin import ddp_cost
 
         return ddp_cost.estimate(
-            query, getattr(options, "loss_chunk_tokens", None), getattr(options, "shard", "none")
+            query,
+            getattr(options, "loss_chunk_tokens", None),
+            getattr(options, "shard", "none"),
+            getattr(options, "offload", "none") == "optimizer",
         )
 
     @classmethod

@@ -24,14 +24,18 @@ from disagg.kit.cost.rules import (
     transfer_bytes,
 )
 from disagg.kit.cost.training import query_trained
+from disagg.kit.sharding.cost import with_offload
 
 
-def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: str = "none") -> Cost | None:
+def estimate(
+    query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: str = "none", offload: bool = False
+) -> Cost | None:
     """``shard``: ``parallel.<module>.shard`` (:mod:`disagg.kit.sharding`): its state term
     is exact; the sharded state's own collectives (ZeRO-1's broadcasts, FSDP2's all-gathers and
     reduce-scatters, :func:`disagg.kit.sharding.step_comm`) are the libraries': the
     collective counter sees FSDP2's (``fsdp.counted_comms``), not ZeRO-1's, and with ``shard``
-    only the state term is marked exact."""
+    only the state term is marked exact. ``offload``: ``offload: optimizer``
+    (:func:`disagg.kit.sharding.cost.with_offload`: device and host state)."""
     if shard in sharded.FSDP_MODES and not query.encoder:
         return None  # refused for the LLM at validation (encoders only)
     if query.context_parallel > 1:
@@ -62,7 +66,7 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: 
     work += extra_flops(shape, query.seq_len, work, mode)
     base = strategy_compute(shape, query.seq_len, Split(), w.act_bytes, "none")
     compute = cost_training.compute_delta(base, tr, query.seq_len, Split()).with_recompute(mode)
-    return assemble(
+    cost = assemble(
         w,
         state_bytes=cost_training.replicated_state_bytes(tr, shard, w.world, w),
         activation_bytes=act,
@@ -74,3 +78,8 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: 
         compute=compute,
         exact=("state_bytes", "comm_bytes") if query.encoder and shard == "none" else ("state_bytes",),
     )
+    if not offload:
+        return cost
+    mode = shard if w.world > 1 else "none"
+    whole = w.weight_bytes * (sum(t.numel for t in tr.trainable) + sum(t.numel for t in tr.frozen))
+    return with_offload(cost, sum(t.numel for t in tr.trainable), len(tr.trainable), mode, w.recipe, whole)

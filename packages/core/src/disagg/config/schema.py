@@ -84,6 +84,11 @@ class GroupConfig(BaseModel):
     inside a recomputed region, so one chunk's logits (tokens x vocabulary, fp32) exist at
     once, in forward and in backward, whatever the sequence length; the same loss and
     gradients. ``null``: the whole microbatch's logits at once, as Hugging Face does."""
+    offload: Literal["none", "optimizer"] = "none"
+    """``optimizer``: the optimizer's state in host memory (pinned on CUDA) between steps: the
+    masters the optimizer steps, the step's gradient sums and the AdamW moments; AdamW runs on
+    the host and only the working weights stay on the device (``zero``: DeepSpeed's
+    ``offload_optimizer``). Not with ``overlap_grad_reduce``."""
     feature_cache: Literal["none", "host", "disk"] = "none"
     """A frozen encoder (``train.modules.<m>.freeze: true``) as a feature service: each
     sample's output (the exact tensors the LLM receives) is kept under a key of the sample's
@@ -105,11 +110,12 @@ class GroupConfig(BaseModel):
 
     def strategy_options(self) -> dict[str, Any]:
         """The strategy's own keys, plus core's keys applied by the strategy (``recompute``,
-        ``loss_chunk_tokens``)."""
+        ``loss_chunk_tokens``, ``offload``)."""
         return {
             **(self.model_extra or {}),
             "recompute": self.recompute,
             "loss_chunk_tokens": self.loss_chunk_tokens,
+            **({"offload": self.offload} if self.offload != "none" else {}),
         }
 
 

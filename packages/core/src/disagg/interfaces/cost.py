@@ -53,6 +53,9 @@ class Cost:
     #: parameters a forward or backward holds unpartitioned on top of ``state_bytes``
     #: at the peak (ZeRO-3's gathered weights); 0 for strategies that keep them whole
     gathered_bytes: int = 0
+    #: state kept in host memory between steps (``offload: optimizer``); ``state_bytes`` is then
+    #: what stays on the device
+    host_bytes: int = 0
 
     @property
     def comm_bytes(self) -> int:
@@ -77,6 +80,8 @@ class Cost:
             "flops": self.flops,
             "exact": list(self.exact),
             "comm_calls_by_kind": dict(self.comm_calls_by_kind),
+            # only where something is offloaded (the recorded predictions of the rest unchanged)
+            **({"host_bytes": self.host_bytes} if self.host_bytes else {}),
         }
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
-from pydantic import BaseModel, ConfigDict, PositiveInt
+from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 from torch import nn
 
 from disagg.interfaces.context import GroupContext, OptimSpec
@@ -55,6 +55,12 @@ class StrategyOptions(BaseModel):
     output head to this many tokens at a time, so one chunk's logits exist at once, in
     forward and backward (:mod:`disagg.kit.chunked_loss`); ``null``: the whole
     microbatch at once (Hugging Face's way: tokens x vocabulary fp32 logits)."""
+    offload: Literal["none", "optimizer"] = "none"
+    """``parallel.<module>.offload`` (core's key, every first-party strategy): ``optimizer`` keeps
+    the optimizer's state in host memory (pinned on CUDA) between steps: the masters the optimizer
+    steps, the step's gradient sums and the AdamW moments; the step runs on the host and only the
+    working weights (and each microbatch's gradient until it is copied out) stay on the device
+    (:mod:`disagg.kit.offload`; ``zero``: DeepSpeed's ``offload_optimizer``)."""
 
 
 class ReplicatedOptions(StrategyOptions):
@@ -74,6 +80,16 @@ class ReplicatedOptions(StrategyOptions):
     also the parameters (torch FSDP2 per block; ``gradients`` keeps a microbatch's gathered
     parameters from its forward to its backward). Encoders only beyond ``optimizer``; not
     with ``overlap_grad_reduce``."""
+
+    @model_validator(mode="after")
+    def _offload_without_overlap(self) -> ReplicatedOptions:
+        if self.offload == "optimizer" and self.overlap_grad_reduce:
+            raise ValueError(
+                "offload: optimizer cannot be combined with overlap_grad_reduce: true (its buckets "
+                "would sum device gradients already copied to the host); set overlap_grad_reduce: "
+                "false or offload: none"
+            )
+        return self
 
 
 class StrategySpec:

@@ -76,9 +76,9 @@ class MasterWeights:
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
         self.params = [p for p in params if p.is_floating_point()]
         #: float32, what AdamW steps; the parameters hold these inside :meth:`view`
-        self.masters = [p.detach().float() for p in self.params]
+        self.masters = [self._master_of(p) for p in self.params]
         #: the bf16 weights the forward and backward use; the parameters hold these outside it
-        self.weights = [m.to(dtype) for m in self.masters]
+        self.weights = [self._weight_of(p, m, dtype) for p, m in zip(self.params, self.masters)]
         #: float32 gradient sums of this step (None: no gradient yet)
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
         self._depth = 0
@@ -87,6 +87,14 @@ class MasterWeights:
         for i, p in enumerate(self.params):
             p.data = self.weights[i]
             p.register_post_accumulate_grad_hook(self._accumulate(i))
+
+    def _master_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The master copy of parameter ``p`` (:mod:`disagg.kit.offload` places it in host memory)."""
+        return p.detach().float()
+
+    def _weight_of(self, p: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The working weight the forward uses, from its ``master``."""
+        return master.to(dtype)
 
     def _accumulate(self, i: int):  # type: ignore[no-untyped-def]
         def hook(p: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from disagg.kit.cost.rules import (
     with_recompute,
 )
 from disagg.kit.cost.training import query_trained
+from disagg.kit.sharding.cost import with_offload
 
 
 def all_to_all_bytes(shape: EncoderShape, w: Workload) -> int:
@@ -65,11 +66,12 @@ def replay(shape: EncoderShape, w: Workload, mode: str) -> tuple[dict[str, int],
     )
 
 
-def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
+def estimate(query: CostQuery, shard: str = "none", offload: bool = False) -> Cost | None:
     """Nothing for a decoder: ``ulysses`` shards encoder towers only. ``shard``:
     ``parallel.<module>.shard`` (:mod:`disagg.kit.sharding`), exact in the state term;
     the sharded state's own collectives (:func:`disagg.kit.sharding.step_comm`) are the
-    libraries' (not counted at run time), so then only the state is marked exact."""
+    libraries' (not counted at run time), so then only the state is marked exact. ``offload``:
+    ``offload: optimizer`` (:func:`disagg.kit.sharding.cost.with_offload`)."""
     shape = query.shape
     if not isinstance(shape, EncoderShape):
         return None
@@ -108,7 +110,7 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
     work += extra_flops(shape, query.seq_len, work, mode)
     split = Split(tokens=d)
     base = strategy_compute(shape, query.seq_len, split, w.act_bytes, "none")
-    return assemble(
+    cost = assemble(
         w,
         state_bytes=cost_training.replicated_state_bytes(tr, shard, w.world, w),
         activation_bytes=act,
@@ -122,3 +124,8 @@ def estimate(query: CostQuery, shard: str = "none") -> Cost | None:
         exact=("state_bytes", "comm_bytes") if shard == "none" else ("state_bytes",),
         replay=replay(shape, w, mode),
     )
+    if not offload:
+        return cost
+    mode = shard if w.world > 1 else "none"
+    whole = w.weight_bytes * (sum(t.numel for t in tr.trainable) + sum(t.numel for t in tr.frozen))
+    return with_offload(cost, sum(t.numel for t in tr.trainable), len(tr.trainable), mode, w.recipe, whole)

@@ -218,7 +218,9 @@ class UlyssesStrategy(Strategy):
         """Exact bytes for encoder towers (:mod:`disagg_vision_sp.ulysses.cost`); nothing for decoders."""
         from disagg_vision_sp.ulysses import cost
 
-        return cost.estimate(query, getattr(options, "shard", "none"))
+        return cost.estimate(
+            query, getattr(options, "shard", "none"), getattr(options, "offload", "none") == "optimizer"
+        )
 
     @classmethod
     def option_variants(cls) -> list[dict[str, Any]]:

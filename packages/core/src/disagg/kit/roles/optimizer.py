@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from disagg.interfaces.context import GroupContext, OptimSpec
+from disagg.kit.offload import host_adamw_kernel, offloaded
 
 #: ``(param_groups, optim, ctx, options) -> optimizer``; ``options`` are the strategy's
 OptimizerBuilder = Callable[[list[dict[str, Any]], OptimSpec, GroupContext, Any], torch.optim.Optimizer]
@@ -23,6 +24,8 @@ def adamw(
     # reference. CUDA: the fused kernel (one launch for all tensors; bf16
     # runs are compared within a tolerance anyway).
     kernel = {"fused": True} if ctx.device.type == "cuda" else {"foreach": False}
+    if offloaded(options):  # the state is in host memory: a host kernel
+        kernel = host_adamw_kernel(ctx.device)
     return torch.optim.AdamW(
         param_groups,
         lr=optim.lr,

@@ -36,6 +36,7 @@ from disagg.kit.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
 from disagg.kit.grads.overlap import OverlappedReducer
 from disagg.kit.lora import freeze_base
 from disagg.kit.masters import MasterOptimizer, MasterWeights, apply_recipe, in_master_view
+from disagg.kit.offload import apply_offload, offloaded
 from disagg.kit.parts import freeze_parts, optimizer_groups
 from disagg.kit.roles.optimizer import OptimizerBuilder, make_scheduler
 from disagg.kit.sharding import fsdp
@@ -62,13 +63,15 @@ class Parallelizer(ABC):
     precision_applied: bool = False
     #: the FSDP2 root unit around the module (``shard: gradients | parameters``; :meth:`shard_state`)
     fsdp_root: nn.Module | None = None
+    #: FSDP2 keeps the shards and the AdamW state in host memory (``offload: optimizer``)
+    offload_policy: bool | None = None
     #: the largest whole-parameter bytes a ``gradients`` forward left gathered (held until backward)
     whole_bytes: int = 0
 
     @property
     def master_weights(self) -> MasterWeights | None:
-        """The float32 masters under ``train.precision: bf16``, which the optimizer owns
-        (None under the other recipes, and for a frozen module)."""
+        """The float32 masters under ``train.precision: bf16``, which the optimizer owns, or the
+        host masters under ``offload: optimizer`` (None otherwise, and for a frozen module)."""
         opt = self.optimizer
         return opt.masters if isinstance(opt, MasterOptimizer) else None
 
@@ -100,7 +103,9 @@ class Parallelizer(ABC):
             self.freeze_parts(optim)
         recipe = self.ctx.recipe
         masters = None
-        if recipe is not None and not self.precision_applied:
+        if offloaded(self.options) and optim is not None and not self.precision_applied:
+            masters = apply_offload(self.module, recipe)  # masters, gradient sums, AdamW on the host
+        elif recipe is not None and not self.precision_applied:
             masters = apply_recipe(self.module, recipe)
         if optim is not None:
             # AdamW and ZeRO-1 are built over the float32 masters, which they step
@@ -112,7 +117,8 @@ class Parallelizer(ABC):
                 if self.master_weights is not None:  # validation refuses it (precision_problems)
                     raise ValueError(
                         f"parallel.{self.ctx.module}.overlap_grad_reduce cannot be combined with "
-                        "train.precision: bf16 (its buckets would sum the bf16 gradients)"
+                        "train.precision: bf16 or offload: optimizer (its buckets would sum the "
+                        "working gradients, not the master ones)"
                     )
                 # every rank of the group builds it (a new process group is collective)
                 self.reducer = OverlappedReducer(
@@ -172,7 +178,9 @@ class Parallelizer(ABC):
         if self.fsdp:
             # FSDP2 applies train.precision itself: its policy casts the fp32 shards (bf16), or
             # the shards are bf16 (bf16-pure)
-            self.fsdp_root = fsdp.shard_module(module, self.ctx, self.shard_mode)
+            offload = offloaded(self.options)
+            self.fsdp_root = fsdp.shard_module(module, self.ctx, self.shard_mode, offload)
+            self.offload_policy = offload or None
             self.precision_applied = True
         return module
 

@@ -3,6 +3,7 @@ terms): bytes per rank of each mode, and the bytes and calls of the libraries' o
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from disagg.interfaces.precision import RECIPES, Recipe
@@ -147,3 +148,47 @@ def step_comm(
     for k, v in extra_calls.items():
         calls[k] = calls.get(k, 0) + v
     return comm_bytes, calls
+
+
+def offload_split(
+    state: int,
+    trainable: int,
+    tensors: int,
+    mode: str,
+    recipe: Recipe | None = None,
+    whole: int = 0,
+    idle: int = 0,
+) -> tuple[int, int]:
+    """``(device, host)`` bytes of one rank's state under ``offload: optimizer``
+    (:mod:`disagg.kit.offload`), from its ``state`` bytes without offload (this module's
+    :func:`state_bytes`, or a strategy's own), the ``trainable`` elements it holds and the
+    ``tensors`` it steps (one fp32 AdamW step count each). Host: per trainable element what the
+    optimizer steps (the master, or under ``fp32``/``bf16-pure`` a separate copy of the weight),
+    its gradient sum and the two moments, plus the step counts; the device keeps the rest, the
+    working weights. Under FSDP2 (``gradients``/``parameters``) ``CPUOffloadPolicy`` moves the
+    shards themselves: the device holds nothing at rest but (``gradients``) the ``whole`` weights
+    bytes gathered from a forward to its backward. ``idle``: trainable elements that got no
+    gradient (a layer the module never runs): a master each, no gradient, no moments."""
+    r = recipe or RECIPES["fp32"]
+    if mode in FSDP_MODES:
+        device = whole if mode == "gradients" else 0
+        return device, state - device
+    stepped = (r.master or r.weights).itemsize
+    if mode == "optimizer":  # ZeRO-1: moments of this rank's partition only (in ``state`` already)
+        host_moments = state - (r.weights.itemsize + r.grads.itemsize + r.master_bytes) * trainable
+        host = (stepped + r.grads.itemsize) * trainable + host_moments
+    else:
+        host = (stepped + r.grads.itemsize + 2 * r.moments.itemsize) * trainable + 4 * tensors
+    host += stepped * idle
+    # the masters were in ``state`` already under ``bf16``; under the other recipes a new copy
+    device = state - host + (0 if r.master is not None else stepped * (trainable + idle))
+    return device, host
+
+
+def with_offload(
+    cost: Any, trainable: int, tensors: int, mode: str, recipe: Recipe | None = None, whole: int = 0
+) -> Any:
+    """A strategy's :class:`~disagg.interfaces.Cost` under ``offload: optimizer``:
+    ``state_bytes`` what stays on the device, ``host_bytes`` what moved (:func:`offload_split`)."""
+    device, host = offload_split(cost.state_bytes, trainable, tensors, mode, recipe, whole)
+    return replace(cost, state_bytes=device, host_bytes=host)

@@ -58,10 +58,11 @@ def blocks(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def shard_module(module: nn.Module, ctx: GroupContext, mode: str) -> Root:
+def shard_module(module: nn.Module, ctx: GroupContext, mode: str, offload: bool = False) -> Root:
     """``fully_shard`` per block, then a :class:`Root` around the module (its parameters become
     DTensors in place); collective over the group (a new process group). ``mode``:
-    ``gradients`` or ``parameters``."""
+    ``gradients`` or ``parameters``; ``offload``: the shards, their gradients and the AdamW
+    state in host memory (``offload: optimizer``, FSDP2's ``CPUOffloadPolicy``)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -86,6 +87,10 @@ def shard_module(module: nn.Module, ctx: GroupContext, mode: str) -> Root:
     kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": mode == "parameters"}
     if mp is not None:
         kw["mp_policy"] = mp
+    if offload:
+        from disagg.kit.offload import fsdp_offload_policy
+
+        kw["offload_policy"] = fsdp_offload_policy(ctx.device)
     for unit in units:
         fully_shard(unit, **kw)
     root = Root(module)

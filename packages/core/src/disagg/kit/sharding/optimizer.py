@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from disagg.interfaces.context import GroupContext, OptimSpec
+from disagg.kit.offload import host_adamw_kernel, offloaded
 from disagg.kit.roles.optimizer import adamw
 
 
@@ -21,6 +22,8 @@ def build_optimizer(
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     kernel = {"fused": True} if ctx.device.type == "cuda" else {"foreach": False}
+    if offloaded(options):  # each rank's partition of the state is in host memory
+        kernel = host_adamw_kernel(ctx.device)
     # its broadcasts on a group of their own (collective: every rank builds it)
     group = dist.new_group(list(range(ctx.world_size)), timeout=ctx.collective_timeout)
     return ZeroRedundancyOptimizer(

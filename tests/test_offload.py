@@ -1,0 +1,183 @@
+"""``parallel.<module>.offload: optimizer`` equals the same layout without offload (issue 38).
+
+One spawn of 2 ranks (``offload_cases.offload_rank``) runs ``ddp`` over 2 replicas, ``ulysses``
+degree 2 with ``shard: parameters``, ``megatron_tp`` degree 2 with sequence parallelism and
+``zero`` stages 1 and 3, each under ``fp32`` and ``bf16``, without and with offload: 3 clipped
+AdamW steps of 2 microbatches, weight decay on. Every step's loss, merged gradients and
+parameters after the step are compared.
+
+Tolerance: **exact** (bit for bit) for the kit's strategies. The offloaded path runs the same
+arithmetic on host copies: gradient sums in the master dtype (the first microbatch's copied, the
+next added, as autograd adds them), the same reduction, norm and clipping, and torch's single-
+tensor AdamW on the CPU, the kernel the runs without offload use there. Only the place of the
+state differs. ``zero`` runs DeepSpeed's own ``offload_optimizer`` (its CPU-offload optimizer
+path, with the strategy's per-fragment AdamW on the host partitions), compared within the
+tolerance policy's tight fp32 bound (:data:`ZERO`).
+
+A run resumed with offload from the full state a run without offload held after 2 steps (the
+``checkpoint.format: full`` form; ``bf16``, but ``fp32`` for zero stage 1, see :data:`ZERO1_BF16`)
+loads it exactly and takes the same 3rd step (exactly; ``zero`` within :data:`ZERO`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from offload_cases import LAYOUTS, PRECISIONS, STEPS, offload_rank, resume_precision
+
+from disagg.testing.dist import run_ranks
+from disagg.testing.ranks import loads
+from disagg.testing.tolerance import (
+    FP32,
+    Precision,
+    assert_exact,
+    assert_scalar_close,
+    assert_tensors_close,
+)
+
+
+def _qwen2_batch(family, n: int = 4) -> tuple[list[dict], list[dict]]:
+    g = torch.Generator().manual_seed(0)
+    pid = family.placeholder_token_id("vision")
+    vocab, hidden = family.text_config.vocab_size, family.text_config.hidden_size
+    samples, embeds = [], []
+    for i in range(n):
+        n_img = (0, 4, 2, 4)[i % 4]
+        text = torch.randint(20, vocab, (7 + 3 * i,), generator=g)
+        ids = torch.cat([text[:3], torch.full((n_img,), pid), text[3:]])
+        labels = ids.clone()
+        labels[: 3 + n_img] = -100
+        s = {"input_ids": ids, "labels": labels}
+        if n_img:
+            s.update(family.extra_inputs({"vision": {"image_grid_thw": torch.tensor([[1, 2, n_img * 2]])}}))
+        samples.append(s)
+        embeds.append({"vision": torch.randn(n_img, hidden, generator=g)} if n_img else {})
+    return samples, embeds
+
+
+@pytest.fixture(scope="module")
+def offload_case(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from disagg.testing.recipes import encoder_targets
+    from disagg.testing.toy import ToyLMFamily, toy_samples
+    from disagg_llm_tp.families.qwen2 import Qwen2Family
+    from disagg_vision_sp.families.llava import LlavaVision
+    from disagg_vision_sp.testing import random_images
+
+    root = tmp_path_factory.mktemp("offload")
+    paths = {
+        "llava": str(LlavaVision.make_tiny(root / "llava")),
+        "qwen2": str(Qwen2Family.make_tiny(root / "qwen2", vocab_size=498, tie_word_embeddings=True)),
+        "toy_lm": str(ToyLMFamily.make_tiny(root / "toy_lm")),
+    }
+    llava = LlavaVision(Path(paths["llava"]))
+    sizes = [[(42, 28), (28, 28)], [(56, 42)], [(28, 42)], [(28, 28)]]
+    images = [llava.preprocess(random_images(s, seed=i)) for i, s in enumerate(sizes)]
+    samples, embeds = _qwen2_batch(Qwen2Family(paths["qwen2"]))
+    toy = toy_samples(6, seed=11, text_only_every=3)
+    g = torch.Generator().manual_seed(12)
+    toy_embeds = []
+    for x in toy:
+        n = int(x["vision"]["sizes"].sum()) if "vision" in x else 0
+        toy_embeds.append({"vision": torch.randn(n, 24, generator=g)} if n else {})
+    data = {
+        "vision": {"images": images, "targets": encoder_targets(llava, images)},
+        "qwen2": {"samples": samples, "embeds": embeds},
+        "toy": {"samples": [x["llm"] for x in toy], "embeds": toy_embeds},
+    }
+    return [loads(b) for b in run_ranks(offload_rank, 2, paths, data, timeout=1500)][0]
+
+
+#: DeepSpeed's offloaded stage 3 steps its fp32 partitions on the host and reads them back: its
+#: parameters differ from the run without offload by an ulp (measured 3.7e-9 absolute at 2e-2):
+#: the policy's tight fp32 bound (1e-6 relative, as the resharded resume's)
+ZERO = Precision("fp32-1e-6", rtol=1e-6, param_unit=FP32.param_unit)
+
+
+def _cases() -> list:
+    out = []
+    for layout in LAYOUTS:
+        for precision in PRECISIONS:
+            marks = []
+            if layout == "zero-1" and precision == "bf16":
+                marks = [pytest.mark.xfail(strict=True, reason=ZERO1_BF16)]
+            out.append(pytest.param(layout, precision, marks=marks))
+    return out
+
+
+#: found by this test: without offload, zero stage 1 under bf16 (DeepSpeed's BF16_Optimizer) over
+#: 2 microbatches reports a grad norm 2.5x the fp32 run's (20.78 against 8.16) and drifts from it
+#: (loss 67.904 at step 3 against 67.808), while its offloaded run (DeepSpeedZeroOptimizer with
+#: CPU offload) stays with fp32 (67.8045); stages 2-3 under bf16 agree with fp32. The baseline is
+#: the wrong side, so the equality cannot hold until the stage-1 bf16 accumulation is fixed
+ZERO1_BF16 = "zero stage 1 bf16 without offload accumulates 2 microbatches wrongly (BF16_Optimizer)"
+
+
+@pytest.mark.parametrize("layout,precision", _cases())
+def test_offload_equals_the_same_layout_without_it_at_every_step(offload_case, layout, precision) -> None:
+    base, off = offload_case[(layout, precision, False)], offload_case[(layout, precision, True)]
+    assert len(base["loss"]) == len(off["loss"]) == STEPS
+    for step in range(STEPS):
+        what = f"{layout} {precision} step {step}: "
+        if layout.startswith("zero"):
+            assert_scalar_close(off["loss"][step], base["loss"][step], what + "loss", ZERO)
+            assert_scalar_close(off["norm"][step], base["norm"][step], what + "grad norm", ZERO)
+            assert_tensors_close(off["grads"][step], base["grads"][step], what + "grads ", ZERO)
+            assert_tensors_close(off["params"][step], base["params"][step], what + "params ", ZERO)
+            continue
+        assert off["loss"][step] == base["loss"][step], what + "loss"
+        assert off["norm"][step] == base["norm"][step], what + "grad norm"
+        assert_exact(off["grads"][step], base["grads"][step], what + "grads ")
+        assert_exact(off["params"][step], base["params"][step], what + "params ")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_offload_resumes_from_a_checkpoint_written_without_it(offload_case, layout) -> None:
+    base = offload_case[(layout, resume_precision(layout), False)]
+    resumed = offload_case[(layout, "resumed")]
+    assert_exact(resumed["loaded"], base["params"][STEPS - 2], f"{layout} loaded: ")
+    if layout.startswith("zero"):
+        assert_scalar_close(resumed["loss"][0], base["loss"][STEPS - 1], f"{layout} resumed loss", ZERO)
+        assert_tensors_close(resumed["grads"][0], base["grads"][STEPS - 1], f"{layout} resumed grads ", ZERO)
+        assert_tensors_close(resumed["params"][0], base["params"][STEPS - 1], f"{layout} resumed ", ZERO)
+        return
+    assert resumed["loss"] == base["loss"][STEPS - 1 :]
+    assert_exact(resumed["grads"][0], base["grads"][STEPS - 1], f"{layout} resumed grads: ")
+    assert_exact(resumed["params"][0], base["params"][STEPS - 1], f"{layout} resumed params: ")
+
+
+#: the kit's layouts and the ``parallel.<m>.shard`` mode (and world) their state is sharded in
+KIT = {"ddp": ("none", 1), "ulysses-fsdp": ("parameters", 2), "megatron_tp-sp": ("none", 1)}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layout", list(KIT))
+def test_device_and_host_bytes_equal_the_model(offload_case, layout, precision) -> None:
+    """What a rank holds where at the step's end (gradients still held), measured from its tensors
+    (:func:`disagg.kit.offload.resident_bytes`), equals the state rule the cost files use without
+    offload (:func:`disagg.kit.sharding.state_bytes`; megatron_tp: the recipe's bytes per element
+    of its TP slices) and, with it, :func:`disagg.kit.sharding.cost.offload_split`: under fp32
+    the device keeps 4 of 16 bytes per element, under bf16 2 of 18 (FSDP2: nothing at rest)."""
+    from disagg.interfaces import RECIPES
+    from disagg.kit.sharding import cost
+
+    recipe = RECIPES[precision]
+    base, off = offload_case[(layout, precision, False)], offload_case[(layout, precision, True)]
+    mode, world = KIT[layout]
+    n, tensors, idle = base["stepped_elements"], base["tensors"], base["idle_elements"]
+    # a layer the tower never runs (LLaVA reads the next-to-last layer's features) trains idle:
+    # its weight (and master) held, no gradient, no moments
+    stepped = (recipe.master or recipe.weights).itemsize
+    if layout == "megatron_tp-sp":
+        without = recipe.state_bytes_per_element(True) * n + 4 * tensors
+    else:
+        without = cost.state_bytes(base["shapes"], mode, world, recipe)
+    without += idle * (stepped if mode != "none" else recipe.weights.itemsize + recipe.master_bytes)
+    assert base["resident"] == {"device": without, "host": 0}
+    device, host = cost.offload_split(without, n, tensors, mode, recipe, idle=idle)
+    assert off["resident"] == {"device": device, "host": host}
+    if mode == "none":  # only the working weights stay: 4/16 (fp32), 2/18 (bf16) per element
+        assert device == recipe.weights.itemsize * (n + idle)
+    else:
+        assert device == 0 and host == without
