@@ -38,7 +38,10 @@ def _config(tiny: dict, out: Path, vision: dict, llm: dict) -> Config:
     path = tiny["model"]
     cfg = Config.model_validate(
         {
-            "model": {"vision": {"family": "qwen2_5_vl", "path": path}, "llm": {"family": "qwen2_5_vl", "path": path}},
+            "model": {
+                "vision": {"family": "qwen2_5_vl", "path": path},
+                "llm": {"family": "qwen2_5_vl", "path": path},
+            },
             "parallel": {"vision": vision, "llm": llm},
             "data": {
                 "train": tiny["train"],
@@ -74,11 +77,19 @@ def hf_video_kwargs(config) -> callable:  # noqa: ANN001
         ids = s["llm"]["input_ids"][None]
         kw = {"input_ids": ids, "labels": s["llm"]["labels"][None]}
         v = s.get("vision", {})
-        for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        for k in (
+            "pixel_values",
+            "image_grid_thw",
+            "pixel_values_videos",
+            "video_grid_thw",
+            "second_per_grid_ts",
+        ):
             if k in v:
                 kw[k] = v[k]
         if v:
-            kw["mm_token_type_ids"] = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
+            kw["mm_token_type_ids"] = (ids == config.image_token_id).int() + 2 * (
+                ids == config.video_token_id
+            ).int()
         return kw
 
     return kwargs
@@ -103,7 +114,9 @@ def video_run(ray_local, tmp_path_factory):
         [{m: ray.get(ref) for m, ref in s.inputs.items()} for s in batch]
         for _, batch in zip(range(STEPS), source.batches(0))
     ]
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny["model"], dtype=torch.float32)
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tiny["model"], dtype=torch.float32
+    )
     want = train_reference(model, batches, hf_video_kwargs(model.config), cfg.train)
     return tiny, cfg, source, batches, want
 
@@ -119,7 +132,12 @@ def test_corrupt_video_is_named_and_skipped(video_run):
     assert any("pixel_values_videos" in k and "pixel_values" not in k for k in kinds[0])
     assert any("pixel_values" in k and "pixel_values_videos" not in k for k in kinds[0])
     assert () in kinds[0] and any({"pixel_values", "pixel_values_videos"} <= set(k) for k in kinds[0])
-    grids = [s["vision"]["video_grid_thw"].tolist() for b in batches for s in b if "video_grid_thw" in s.get("vision", {})]
+    grids = [
+        s["vision"]["video_grid_thw"].tolist()
+        for b in batches
+        for s in b
+        if "video_grid_thw" in s.get("vision", {})
+    ]
     assert [2, 6, 8] in [g for gs in grids for g in gs]  # clip.mp4: 4 frames -> t=2, 64x48 -> 24x32 px
 
 

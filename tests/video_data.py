@@ -41,9 +41,9 @@ def write_video_data(root: Path) -> dict[str, Any]:
     """Rows in file order (shuffle off): step 1 = video row, image row, text row, a corrupt video
     row (skipped) and a two-media row (image then video); step 2 = video (Qwen content part),
     text, image, text."""
-    from disagg.data.demo_data import draw_shape
-
     import random
+
+    from disagg.data.demo_data import draw_shape
 
     root.mkdir(parents=True, exist_ok=True)
     write_video(root / "clip.mp4", n_frames=10, rate=4)

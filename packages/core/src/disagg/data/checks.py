@@ -19,7 +19,11 @@ def data_problems(cfg: Config, families: dict[str, Any]) -> list[Problem]:
         out.append(
             (("data", "min_pixels"), f"{d.min_pixels} is larger than data.max_pixels = {d.max_pixels}")
         )
-    if d.video_min_pixels is not None and d.video_max_pixels is not None and d.video_min_pixels > d.video_max_pixels:
+    if (
+        d.video_min_pixels is not None
+        and d.video_max_pixels is not None
+        and d.video_min_pixels > d.video_max_pixels
+    ):
         out.append(
             (
                 ("data", "video_min_pixels"),

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from disagg.data.errors import DataError
-from disagg.data.formats import VideoError
 from disagg.data.rows import Turns, content_text, history_turns, media_list
 
 INFO_FILE = "dataset_info.json"

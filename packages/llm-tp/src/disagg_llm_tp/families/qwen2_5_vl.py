@@ -95,7 +95,9 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
         grids = [x["image_grid_thw"].reshape(-1, 3) for x in inputs if "image_grid_thw" in x]
         return types, (torch.cat(grids).to(ids.device) if grids else None)
 
-    def video_inputs(self, ids: torch.Tensor, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def video_inputs(
+        self, ids: torch.Tensor, inputs: list[dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
         """The microbatch's video grids and seconds per temporal patch (MRoPE's time axis), in
         sample order as HF's ``get_rope_index`` consumes them; empty without video."""
         grids = [x["video_grid_thw"].reshape(-1, 3) for x in inputs if "video_grid_thw" in x]

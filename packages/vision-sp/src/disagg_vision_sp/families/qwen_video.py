@@ -1,8 +1,8 @@
 """Qwen2-VL style video inputs: sampled frames -> ``pixel_values_videos``, ``video_grid_thw``,
 ``second_per_grid_ts``, as transformers' ``Qwen2VLVideoProcessor`` and ``Qwen2_5_VLProcessor``
 compute them (that processor needs torchvision; this reads the same facts from the family's own
-``preprocessor_config.json`` and resizes frames with PIL, the image processor's resampler; transformers' PIL-backend module gives
-``smart_resize`` without torchvision).
+``preprocessor_config.json`` and resizes frames with PIL, the image processor's resampler;
+transformers' PIL-backend module gives ``smart_resize`` without torchvision).
 
 - each frame is resized to ``smart_resize(h, w, factor=patch*merge, min_pixels, max_pixels)``
   (transformers' function; defaults 128*28*28 / 768*28*28 as both transformers' video processor
