@@ -114,10 +114,15 @@ def parse_sample(
     ``how`` says why the dataset is read as ``fmt`` (for the error when a row is not)."""
     if not isinstance(item, dict):
         raise DataError(loc, f"a sample must be a JSON object, got {type(item).__name__}")
+    if "video" not in modalities and (why := video_problem(item)):
+        # refused, never skipped: a dataset of video would otherwise train as nothing
+        raise VideoError(loc, f"sample {why}, but {NO_VIDEO}")
     if columns is None:
         _check_keys(item, loc, fmt, how)
     turns = to_turns(item, loc, fmt, columns)
     messages = turns.messages
+    if "video" not in modalities and (turns.media.get("video") or any("<video>" in t for _, t in messages)):
+        raise VideoError(loc, f"sample has video, but {NO_VIDEO}")  # under a dataset_info column
     if not any(role == "assistant" for role, _ in messages):
         raise DataError(loc, "no assistant ('gpt') turn: the sample has nothing to learn")
 
@@ -136,9 +141,6 @@ def parse_sample(
                 )
         if not files:
             continue
-        if kind == "video" and kind not in modalities:
-            # refused, never skipped: a dataset of video would otherwise train as nothing
-            raise VideoError(loc, f"sample {video_problem(item) or 'has video'}, but {NO_VIDEO}")
         if kind not in modalities:
             configured = ", ".join(sorted(modalities)) or "none"
             raise DataError(
