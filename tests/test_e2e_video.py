@@ -122,7 +122,10 @@ def video_run(ray_local, tmp_path_factory):
 
 
 def test_corrupt_video_is_named_and_skipped(video_run):
-    tiny, _, source, batches, _ = video_run
+    from disagg.data.check import check_data, format_report
+    from disagg.runtime.plan import families_for
+
+    tiny, cfg, source, batches, _ = video_run
     line = f"{tiny['train']}:{tiny['broken_line']}"
     assert source.stats()["skipped"] == 1
     (problem,) = source.problems
@@ -139,6 +142,19 @@ def test_corrupt_video_is_named_and_skipped(video_run):
         if "video_grid_thw" in s.get("vision", {})
     ]
     assert [2, 6, 8] in [g for gs in grids for g in gs]  # clip.mp4: 4 frames -> t=2, 64x48 -> 24x32 px
+
+    # disagg data check: each video row's sampled frames and tokens, the corrupt one named
+    report = check_data(cfg, families_for(cfg, get_registry()), progress=False)
+    f = tiny["train"]
+    # clip.mp4: 10 frames at 4 fps -> 4 sampled, grid (2, 6, 8) -> 24 tokens; long.mp4: 12 at 3 fps
+    # -> 8 (video_max_frames), 80x48 -> 24x40 px, grid (4, 6, 10) -> 60 tokens
+    assert report["videos"] == [
+        {"source": f"{f}:1", "frames": [4], "tokens": [24]},
+        {"source": f"{f}:5", "frames": [8], "tokens": [60]},
+        {"source": f"{f}:6", "frames": [8], "tokens": [60]},
+    ]
+    assert report["problems"] == [problem] and report["bad"] == 1
+    assert f"{f}:5: 8 frames -> 60 tokens" in format_report(report)
 
 
 def test_video_run_equals_hf_model_every_step(video_run, tmp_path):
