@@ -4,8 +4,9 @@ gradient norm, evaluation loss, every weight after the run), on the mixed datase
 three sizes, a two-image sample whose placeholders straddle a context-parallel boundary, text-only
 samples and a text-only global batch, two microbatches, weight decay on.
 
-Layouts are combined into few runs (CI time): the tower under ``ulysses`` 2 with the LLM at
-``ddp`` CP 2 (recompute full) and CP 2 with ``shard: parameters`` over 2 replicas.
+Layouts are combined into few runs (CI time), the tower under ``ulysses`` 2 in both: the LLM at
+``ddp`` CP 2 x 2 replicas with ``shard: optimizer`` and ``recompute: full``, and at
+``megatron_tp`` TP 2 x CP 2; the first run's step-2 checkpoint is resumed at CP 1.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ def tiny(tmp_path_factory):
     return manifest
 
 
-def _config(tiny: dict, out: Path, vision: dict, llm: dict, **train: object) -> Config:
+def _config(tiny: dict, out: Path, vision: dict, llm: dict, every: int = 0, **train: object) -> Config:
     model = {m: {"family": FAMILY, "path": tiny["models"][FAMILY]} for m in ("vision", "llm")}
-    return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS, eval_every=1, **train)
+    return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS, every, eval_every=1, **train)
 
 
 @pytest.fixture(scope="module")
@@ -73,19 +74,20 @@ def reference(ray_local, tiny, tmp_path_factory):
     return run, grads, cfg.train
 
 
-def _assert_matches(run_dir: Path, reference, tmp_path: Path) -> None:
+def _assert_matches(run_dir: Path, reference, tmp_path: Path, first: int = 1) -> None:
+    """Steps ``first .. STEPS`` (a resumed run logs only those) and the weights after them."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     run, grads, train = reference
     losses, norms = run_metrics(run_dir)
-    assert len(losses) == len(norms) == len(run.losses) == STEPS
-    for step in range(STEPS):
-        assert_scalar_close(losses[step], run.losses[step], f"step {step + 1} loss")
-        assert_scalar_close(norms[step], run.grad_norms[step], f"step {step + 1} grad norm")
+    assert len(losses) == len(norms) == STEPS - first + 1
+    for i, step in enumerate(range(first, STEPS + 1)):
+        assert_scalar_close(losses[i], run.losses[step - 1], f"step {step} loss")
+        assert_scalar_close(norms[i], run.grad_norms[step - 1], f"step {step} grad norm")
     evals = run_eval_losses(run_dir)
-    assert len(evals) == len(run.eval_losses) == STEPS
-    for step, (got, want) in enumerate(zip(evals, run.eval_losses), 1):
-        assert_scalar_close(got, want, what=f"eval loss after step {step}")
+    assert len(evals) == STEPS - first + 1
+    for i, step in enumerate(range(first, STEPS + 1)):
+        assert_scalar_close(evals[i], run.eval_losses[step - 1], what=f"eval loss after step {step}")
     got = exported_state(run_dir, STEPS, tmp_path / "export", Qwen2_5_VLForConditionalGeneration)
     assert_params_close(
         got,
@@ -99,29 +101,92 @@ def _assert_matches(run_dir: Path, reference, tmp_path: Path) -> None:
     )
 
 
+@pytest.fixture(scope="module")
+def resume_dir(tmp_path_factory) -> Path:
+    """Where the first layout's run keeps every step's checkpoint, for the resume test."""
+    return tmp_path_factory.mktemp("cp2-run") / "run"
+
+
 LAYOUTS = {
-    "ulysses2+ddp_cp2_recompute": (
+    # the LLM at CP 2 x 2 replicas with the optimizer state sharded over all 4 ranks (ZeRO-1:
+    # CP ranks are more data-parallel ranks; ddp shards an LLM's optimizer state only) and every
+    # block recomputed (uneven replicas: packages/llm-tp/tests/test_context_parallel.py)
+    "ulysses2+ddp_cp2x2_shard_optimizer_recompute": (
         {"strategy": "ulysses", "degree": 2},
-        {"strategy": "ddp", "context_parallel": 2, "recompute": "full"},
+        {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "shard": "optimizer", "recompute": "full"},
     ),
     "ulysses2+tp2xcp2": (
         {"strategy": "ulysses", "degree": 2},
         {"strategy": "megatron_tp", "degree": 2, "context_parallel": 2},
     ),
-    # 2 replicas x CP 2, the optimizer state sharded over all 4 (ZeRO-1): CP ranks are more
-    # data-parallel ranks (ddp shards an LLM's optimizer state only)
-    "ddp+ddp_cp2x2_shard_optimizer": (
-        {"strategy": "ddp"},
-        {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "shard": "optimizer"},
-    ),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path, name):
+def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference, resume_dir, tmp_path, name):
+    """The first layout also keeps its step-2 checkpoint for the resume below (every: 1)."""
     from disagg.runtime.run import run_training
 
     vision, llm = LAYOUTS[name]
-    cfg = _config(tiny, tmp_path / "run", vision, llm)
+    out = resume_dir if name == FIRST else tmp_path / "run"
+    cfg = _config(tiny, out, vision, llm, every=1 if name == FIRST else 0)
     run_training(validate(cfg, get_registry()), progress=False)
-    _assert_matches(tmp_path / "run", reference, tmp_path)
+    _assert_matches(out, reference, tmp_path)
+
+
+FIRST = next(iter(LAYOUTS))
+
+
+def test_cp2_checkpoint_resumes_at_cp1(ray_local, tiny, reference, resume_dir, tmp_path):
+    """The CP 2 run's step-2 checkpoint, resumed with the LLM at CP 1 (a layout change): step 3
+    and the weights after it equal the HF model's, like the uninterrupted run."""
+    from disagg.runtime.run import run_training
+
+    ckpt = resume_dir / "checkpoints" / "step-2"
+    if not ckpt.is_dir():
+        pytest.skip(f"needs test_context_parallel_equals_hf_model_every_step[{FIRST}] first")
+    vision, _ = LAYOUTS[FIRST]
+    cfg = _config(tiny, tmp_path / "run", vision, {"strategy": "ddp"})
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume_from": str(ckpt)})})
+    run_training(validate(cfg, get_registry()), progress=False)
+    _assert_matches(tmp_path / "run", reference, tmp_path, first=3)
+
+
+@pytest.mark.parametrize(
+    "vision,llm,key,needle",
+    [
+        (
+            {"strategy": "ddp", "context_parallel": 2},
+            {"strategy": "ddp"},
+            "parallel.vision.context_parallel",
+            "only the language model",
+        ),
+        (
+            {"strategy": "ddp"},
+            {"strategy": "zero", "stage": 2, "context_parallel": 2},
+            "parallel.llm.context_parallel",
+            "does not support context parallelism",
+        ),
+        (
+            {"strategy": "ddp"},
+            {"strategy": "megatron_tp", "degree": 2, "context_parallel": 2, "sequence_parallel": True},
+            "parallel.llm.context_parallel",
+            "sequence_parallel: false",
+        ),
+        (
+            {"strategy": "ddp"},
+            {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "ranks": 2},
+            "parallel.llm.ranks",
+            "degree × context_parallel × replicas",
+        ),
+    ],
+)
+def test_bad_context_parallel_is_a_config_error(tiny, tmp_path, vision, llm, key, needle):
+    """Refused by validation, before any actor starts, naming the key and what is allowed."""
+    from disagg.config.errors import ConfigError
+
+    if llm["strategy"] == "zero":
+        pytest.importorskip("disagg_zero")
+    with pytest.raises(ConfigError) as err:
+        _config(tiny, tmp_path, vision, llm)
+    assert key in str(err.value) and needle in str(err.value), str(err.value)

@@ -121,7 +121,10 @@ def test_third_party_hook_is_planned_and_a_silent_one_is_skipped():
 
 def test_memory_filter_and_placements():
     strategies = {"ddp": DDPStrategy}
-    roomy = plan(work(), cluster_from("h100x8", {"gpus": 4}), strategies)
+    # the tensors' sum per device (CPU actors' rule); the allocator's terms on GPUs are
+    # tests/test_published_fit.py's
+    tensors_only = replace(cluster_from("h100x8", {"gpus": 4}), cuda_allocator=False, usable=1.0)
+    roomy = plan(work(), tensors_only, strategies)
     assert {x.placement for x in roomy.ranked} == {"collocated", "disaggregated"}
     for x in roomy.ranked:
         ranks = [g.ranks for g in x.groups.values()]
@@ -135,7 +138,7 @@ def test_memory_filter_and_placements():
         else:
             assert x.step_time_s == pytest.approx(sum(t))
     need = min(x.memory_bytes for x in roomy.ranked)
-    tight = plan(work(), cluster_from("h100x8", {"gpus": 4, "gpu_mem": need - 1}), strategies)
+    tight = plan(work(), replace(tensors_only, device_memory=need - 1), strategies)
     assert not tight.ranked and tight.oom
     with pytest.raises(ValueError, match="no layout fits"):
         _ = tight.best

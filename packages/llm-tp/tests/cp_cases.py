@@ -93,10 +93,48 @@ def one_step(strategy: str, path: str, samples: list, rank: int, degree: int, cp
     }
 
 
+def recipe_run(path: str, samples: list, rank: int, cp: int, precision: str) -> dict:
+    """``disagg.testing.recipes.recipe_steps`` of ``ddp`` at ``cp`` (the whole world, or a
+    group of one at 1) under ``precision``: each CP rank returns its replica's loss."""
+    from dropout_cases import BF16_OPTIM, SEED
+
+    from disagg.builtin.ddp import DDPStrategy
+    from disagg.interfaces.precision import RECIPES
+    from disagg.testing.recipes import recipe_steps
+
+    recipe = RECIPES[precision]
+    ctx = GroupContext(
+        "llm",
+        rank,
+        cp,
+        1,
+        1,
+        torch.device("cpu"),
+        recipe.weights,
+        seed=SEED,
+        recipe=recipe,
+        context_parallel=cp,
+    )
+    fam = family_cls("qwen2")(path)
+    strat: Any = ranks.strategy_rank(DDPStrategy, fam, ctx, optim=BF16_OPTIM)
+    strat.module.eval()
+    total = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
+
+    def microbatch(strat: Any) -> float:
+        return ranks.loss_and_backward(strat, 0, samples, [{} for _ in samples], 1.0 / total)
+
+    return recipe_steps(strat, microbatch, copies=cp)
+
+
 def cp_rank(rank: int, payload: bytes) -> bytes:
-    """``payload``: (path, samples, cases); a case is (strategy, degree, cp, replicas)."""
-    path, samples, cases = loads(payload)
-    out = [one_step(s, path, samples, rank, d, c, r) for s, d, c, r in cases]
-    if rank == 0:
+    """``payload``: (path, samples, cases, precision); a case is (strategy, degree, cp,
+    replicas); then ``precision`` at CP 4 and, on rank 0 alone, at CP 1."""
+    path, samples, cases, precision = loads(payload)
+    out: list[Any] = [one_step(s, path, samples, rank, d, c, r) for s, d, c, r in cases]
+    out.append(recipe_run(path, samples, rank, 4, precision))
+    from disagg.testing.recipes import single_rank_share
+
+    for p in single_rank_share([precision], rank, 4):  # rank 0, in a group of one
+        out.append(recipe_run(path, samples, 0, 1, p))
         out.append(reference(path, samples))
     return dumps(out)

@@ -10,6 +10,8 @@ reduce-scatters of their gradients) equals the strategy-level estimate
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from cp_cases import cp_rank, text_batch
@@ -27,8 +29,29 @@ LENGTHS = (13, 3, 22)  # the 3-token sample is shorter than CP 4; 3 samples over
 def results(tiny_dirs):
     path = tiny_dirs["qwen2"]
     samples = text_batch(family_cls("qwen2")(path).text_config.vocab_size, LENGTHS)
-    out = [loads(b) for b in run_ranks(cp_rank, 4, dumps((path, samples, CASES)))]
+    out = [loads(b) for b in run_ranks(cp_rank, 4, dumps((path, samples, CASES, "bf16")))]
     return out, out[0][-1]
+
+
+def test_bf16_context_parallel_equals_one_rank(results):
+    """``train.precision: bf16`` (fp32 masters), 5 steps: ddp CP 4 equals ddp on one rank under
+    the same recipe (``disagg.testing.recipes``' bounds)."""
+    from dropout_cases import BF16_OPTIM
+
+    from disagg.testing.recipes import assert_same_recipe
+
+    per_rank, _ = results
+    want = per_rank[0][len(CASES) + 1]
+    for r in per_rank:
+        assert_same_recipe(
+            r[len(CASES)],
+            want,
+            "bf16",
+            lr=BF16_OPTIM.lr,
+            betas=BF16_OPTIM.betas,
+            eps=BF16_OPTIM.eps,
+            what="ddp cp4 ",
+        )
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -71,3 +94,30 @@ def test_split_is_load_balanced_and_covering():
     assert len({int((p + 1).sum()) for p in parts}) == 1
     held = torch.cat(parts)
     assert held[gathered_order(length, n)].tolist() == list(range(length))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_strategy_estimate_states_the_measured_kv_traffic(results, tiny_dirs, case):
+    """Each strategy's own ``estimate`` at ``context_parallel`` N carries the K/V all-gather and
+    reduce-scatter bytes and calls a rank of the busiest replica measured, and 1/N of the
+    whole-sample rank's FLOPs."""
+    from disagg.builtin.ddp import DDPStrategy
+    from disagg.interfaces import CostQuery
+    from disagg_llm_tp.strategy import MegatronTPStrategy
+
+    per_rank, _ = results
+    strategy, degree, cp, replicas = CASES[case]
+    cls = MegatronTPStrategy if strategy == "megatron_tp" else DDPStrategy
+    fam = family_cls("qwen2")(tiny_dirs["qwen2"])
+    shape = fam.planning_shape(fam.text_config.to_dict())
+    options = cls.options_model(loss_chunk_tokens=None)
+    query = CostQuery(shape, degree, replicas, max(LENGTHS), precision="fp32", samples=len(LENGTHS))
+    cost = cls.estimate(dataclasses.replace(query, context_parallel=cp), options)
+    whole = cls.estimate(query, options)
+    assert cost is not None and whole is not None
+    busiest = [p[case] for p in per_rank if p[case]["replica"] == 0]
+    for r in busiest:
+        for kind in ("cp_all_gather", "cp_reduce_scatter"):
+            assert cost.comm_bytes_by_kind[kind] == r["bytes"][kind], (kind, r["bytes"])
+            assert cost.comm_calls_by_kind[kind] == r["calls"][kind], (kind, r["calls"])
+    assert cost.flops == pytest.approx(whole.flops / cp)

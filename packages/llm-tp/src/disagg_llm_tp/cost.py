@@ -333,6 +333,12 @@ def replay(
 
 
 def estimate(query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> Cost:
+    if query.context_parallel > 1:  # TP x CP: TP's own cost on 1/N of the tokens, plus the K/V exchange
+        from disagg.kit.context_parallel.cost import with_context_parallel
+
+        cost = with_context_parallel(lambda q: estimate(q, sequence_parallel, chunk), query)
+        assert cost is not None
+        return cost
     shape, sp = query.shape, sequence_parallel
     mode = recompute_mode(query.recompute)
     w = workload(query)

@@ -99,6 +99,36 @@ LAYOUTS_32B: dict[str, dict[str, Any]] = {
 }
 
 
+def _zero_shard(options: dict[str, Any]) -> str:
+    return {1: "optimizer", 2: "gradients", 3: "parameters"}[int(options.get("stage", 1))]
+
+
+def _shard(options: dict[str, Any]) -> str:
+    return str(options.get("shard", "none"))
+
+
+def _unsharded(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k != "shard"}
+
+
+def _modelled() -> dict[str, Any]:
+    from disagg.plan.extended import Traits
+
+    return {
+        # TP x CP: megatron-core's CP beside TP, the optimizer sharded over the CP ranks
+        "megatron_tp": Traits(tensor_parallel=True, context_parallel="tp"),
+        # FSDP + CP: ddp's shard: parameters (FSDP2) over every rank of the group
+        "ddp": Traits(context_parallel="fsdp", shard_mode=_shard, replicated=_unsharded),
+        "ulysses": Traits(shard_mode=_shard),
+        "zero": Traits(shard_mode=_zero_shard),  # DeepSpeed's offload_optimizer
+    }
+
+
+#: the first-party strategies as the planner models ``context_parallel`` and ``offload: optimizer``
+#: for them (:class:`disagg.plan.extended.Traits`) until their own cost hooks state the keys
+MODELLED: dict[str, Any] = _modelled()
+
+
 def third_party_layouts(strategies: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``uniform_<name>`` for every installed strategy none of :data:`LAYOUTS_32B` names:
     both modules under it, at degree 8 where its ``check`` accepts that, else 8 replicas."""
@@ -262,7 +292,7 @@ def predict_groups(
         got = extended_cost(
             ask,
             shape,
-            g["strategy"],
+            MODELLED.get(g["strategy"]),
             degree,
             replicas,
             seq,

@@ -34,6 +34,10 @@ def estimate(query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: 
     only the state term is marked exact."""
     if shard in sharded.FSDP_MODES and not query.encoder:
         return None  # refused for the LLM at validation (encoders only)
+    if query.context_parallel > 1:
+        from disagg.kit.context_parallel.cost import with_context_parallel
+
+        return with_context_parallel(lambda q: estimate(q, chunk, shard), query)
     mode = recompute_mode(query.recompute)
     w = workload(query)
     shape = query.shape

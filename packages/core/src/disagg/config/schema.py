@@ -84,6 +84,24 @@ class GroupConfig(BaseModel):
     inside a recomputed region, so one chunk's logits (tokens x vocabulary, fp32) exist at
     once, in forward and in backward, whatever the sequence length; the same loss and
     gradients. ``null``: the whole microbatch's logits at once, as Hugging Face does."""
+    feature_cache: Literal["none", "host", "disk"] = "none"
+    """A frozen encoder (``train.modules.<m>.freeze: true``) as a feature service: each
+    sample's output (the exact tensors the LLM receives) is kept under a key of the sample's
+    media as preprocessed, the preprocessing settings, the module's weights, family and
+    precision, and a later step with the same key skips the encoder. ``host``: the Ray
+    object store (host memory), least recently used entries evicted past
+    ``feature_cache_gb``; ``disk``: files under ``feature_cache_dir``, reused by a resumed
+    or repeated run. Training steps only (evaluation runs the encoder)."""
+    feature_cache_gb: float = Field(4.0, gt=0)
+    """Most gigabytes (1e9 bytes) the feature cache holds; least recently used entries go first."""
+    feature_cache_dir: str | None = None
+    """``feature_cache: disk``: the dir of the entries (every node must see it); default
+    ``<output_dir>/feature_cache/<module>``."""
+    feature_cache_ahead: int = Field(0, ge=0, le=8)
+    """With a feature cache: the encoder works through the next this many global batches into
+    the cache while the LLM trains on the current one, so that the LLM finds them cached and never
+    waits for the encoder (0: only the current batch; each batch ahead holds its outputs in the
+    cache a step earlier)."""
 
     def strategy_options(self) -> dict[str, Any]:
         """The strategy's own keys, plus core's keys applied by the strategy (``recompute``,

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from disagg.config.checkpoint_checks import check_resume
 from disagg.config.data_checks import check_data, check_evaluation, steps_from_epochs
 from disagg.config.errors import ConfigError
+from disagg.config.feature_cache_checks import check_feature_cache
 from disagg.config.load import apply_override, load_config_and_source, parse_override, read_yaml
 from disagg.config.logging_checks import check_trackers
 from disagg.config.model_checks import check_placeholders, local_model_paths, quiet_llm_family, resolve_module
@@ -56,6 +57,7 @@ def validate(cfg: Config, registry: Registry, *, source: SourceMap | None = None
     check_devices(cfg, registry, out)
     check_precision(cfg, resolved, out)
     check_train(cfg, registry, resolved, out)
+    check_feature_cache(cfg, registry, out)
     check_data(cfg, resolved, out)
     check_evaluation(cfg, out)
     check_trackers(cfg, registry, out)

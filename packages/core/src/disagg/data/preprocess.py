@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from disagg.data.digest import inputs_digest
 from disagg.data.errors import DataError
 from disagg.data.media import load_media
 from disagg.data.records import PLACEHOLDERS, Record
@@ -34,6 +35,9 @@ class Processed:
     num_media_tokens: dict[str, int] = field(default_factory=dict)
     #: cut to ``data.max_tokens`` (``on_too_long: truncate``)
     truncated: bool = False
+    #: per encoder module, a digest of its inputs' bytes (the media as preprocessed): the
+    #: content part of a feature cache key (:mod:`disagg.data.digest`)
+    media_digest: dict[str, str] = field(default_factory=dict)
     #: sampled frames and placeholder tokens of each video, in order (``disagg data check``)
     video_frames: list[int] = field(default_factory=list)
     video_tokens: list[int] = field(default_factory=list)
@@ -182,14 +186,16 @@ def preprocess_record(
         raise DataError(rec.source, "no label tokens: the assistant turns are empty")
 
     llm_inputs = {"input_ids": ids, "labels": labels, **llm.extra_inputs(enc_inputs)}
+    digests = {m: inputs_digest(x) for m, x in enc_inputs.items()}
     return Processed(
         {"llm": llm_inputs, **enc_inputs},
         len(ids),
         n_labels,
         num_media,
         truncated,
-        frames,
-        counts.get("video", []),
+        digests,
+        video_frames=frames,
+        video_tokens=counts.get("video", []),
     )
 
 

@@ -175,6 +175,7 @@ class RayDataSource:
             num_tokens=meta["num_tokens"],
             source=meta["source"],
             num_media_tokens=meta["num_media_tokens"],
+            media_digest=meta.get("media_digest", {}),
         )
 
     def state(self) -> dict[str, Any]:

@@ -106,6 +106,7 @@ def preprocess_one(cfg: StreamConfig, pos: int, uid: int, d: int, loc: str, off:
         "num_label_tokens": out.num_label_tokens,
         "num_media_tokens": out.num_media_tokens,
         "truncated": out.truncated,
+        "media_digest": out.media_digest,
     }
     if out.video_frames:
         meta["video_frames"] = out.video_frames

@@ -25,6 +25,9 @@ class SampleRefs:
     source: str = ""
     #: placeholder tokens per encoder module, so routing can be planned
     num_media_tokens: dict[str, int] = field(default_factory=dict)
+    #: per encoder module, a digest of the sample's media as preprocessed (a feature cache
+    #: key's content part); empty where the source computes none (never cached)
+    media_digest: dict[str, str] = field(default_factory=dict)
 
 
 class DataSource(Protocol):

@@ -111,6 +111,9 @@ class CostQuery:
     lora: LoraSpec | None = None
     #: ``train.modules.<module>.freeze``: the frozen parts' parameter-name patterns
     frozen: tuple[str, ...] = ()
+    #: ``parallel.<module>.context_parallel``: ranks of a replica splitting each sample's
+    #: sequence (the mesh then has ``degree x context_parallel x replicas`` ranks)
+    context_parallel: int = 1
 
     @property
     def encoder(self) -> bool:

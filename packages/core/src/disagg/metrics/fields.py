@@ -95,6 +95,10 @@ def _idle(x: StepInputs, m: str) -> float | None:
     return min(1.0, x.result.groups[m]["wait_s"] / t) if t > 0 else None
 
 
+def _cache(name: str) -> Callable[[StepInputs, str], Any]:
+    return lambda x, m: x.result.cache[m][name] if m in x.result.cache else None
+
+
 def _per_gpu(x: StepInputs) -> dict[str, dict[str, int]]:
     from disagg.metrics.record import per_gpu
 
@@ -285,6 +289,46 @@ FIELDS: tuple[Field, ...] = (
         reduce="max",
     ),
     Field("lr", "group", "", "the learning rate of the step", reduce="first"),
+    Field(
+        "encode_calls_per_rank",
+        "group",
+        "calls",
+        "encoder forward calls with at least one sample, the most any rank ran (0 for the LLM; "
+        "a step whose samples all hit the feature cache runs none)",
+        reduce="max",
+        source="encode_calls",
+    ),
+    Field(
+        "encode_busy_s",
+        "group",
+        "s",
+        "of `busy_s`, the slowest rank's host seconds in the encoder's work on samples (its forward, "
+        "sending shards, keeping outputs in the feature cache): what cache hits save; 0 for the LLM",
+        reduce="max",
+        source="encode_s",
+    ),
+    Field(
+        "cache_hits",
+        "group",
+        "samples",
+        "`parallel.<module>.feature_cache`: the step's samples whose encoder output came from the "
+        "cache (the encoder skipped them); absent for a module without a cache",
+        value=_cache("hits"),
+    ),
+    Field(
+        "cache_misses",
+        "group",
+        "samples",
+        "the step's samples with the module's media that the cache did not hold (encoded, then kept)",
+        value=_cache("misses"),
+    ),
+    Field(
+        "cache_bytes",
+        "group",
+        "bytes",
+        "bytes the module's feature cache holds after the step (host: object store; disk: files)",
+        value=_cache("bytes"),
+    ),
     Field(
         "skipped_samples",
         "step",

@@ -45,6 +45,10 @@ class RankRecord:
     #: CUDA: seconds the GPU spent on this rank's calls (CUDA events; host time is busy_s)
     device_s: float = 0.0
     lr: float = 0.0
+    #: encoder forward calls this rank ran with at least one sample
+    encode_calls: int = 0
+    #: of ``busy_s``, the seconds in encoder calls (encode, shards out, cache out)
+    encode_s: float = 0.0
 
     @property
     def comm_bytes(self) -> int:
@@ -110,3 +114,5 @@ class StepResult:
     records: dict[str, list[RankRecord]] = field(default_factory=dict)
     #: tokens each module processed: an encoder's placeholder tokens, the LLM's sequences
     module_tokens: dict[str, int] = field(default_factory=dict)
+    #: per cached encoder module, its feature cache's counts (``hits``, ``misses``, ``bytes``)
+    cache: dict[str, dict[str, int]] = field(default_factory=dict)

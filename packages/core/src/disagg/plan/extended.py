@@ -27,10 +27,34 @@ from disagg.kit.cost.rules import one_block
 
 #: the layout keys this module models (left out of the strategy's options)
 KEYS = ("context_parallel", "offload")
-#: strategies whose CP composition is modelled: TP x CP, and FSDP + CP (``ddp`` with ``shard: parameters``)
-CP_STRATEGIES = ("megatron_tp", "ddp")
-#: strategies whose state sharding the offload rule knows, by option
-SHARD_OF_STAGE = {1: "optimizer", 2: "gradients", 3: "parameters"}
+
+
+def _no_shard(options: dict[str, Any]) -> str:
+    return "none"
+
+
+def _same(options: dict[str, Any]) -> dict[str, Any]:
+    return dict(options)
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the model needs to know of a strategy to count :data:`KEYS` for it, stated by whoever
+    asks for them (the published setting's table, :data:`disagg.bench.published.MODELLED`): core
+    names no strategy."""
+
+    #: its state elements are the tensor-parallel slice of ``degree`` ranks
+    tensor_parallel: bool = False
+    #: how it composes with context parallelism: ``tp`` (TP x CP: the optimizer's part sharded over
+    #: the CP ranks, weights and gradients whole), ``fsdp`` (FSDP + CP: everything over the group),
+    #: or None (not modelled)
+    context_parallel: str | None = None
+    #: its state sharding under its options: ``none``, ``optimizer``, ``gradients`` or ``parameters``
+    shard_mode: Callable[[dict[str, Any]], str] = _no_shard
+    #: its options for the replicated query FSDP + CP asks (the sharding key removed)
+    replicated: Callable[[dict[str, Any]], dict[str, Any]] = _same
+    #: its optimizer offload is modelled
+    offload: bool = True
 
 
 @dataclass
@@ -44,27 +68,24 @@ class GroupCost:
 
 
 def shards(
-    strategy: str, options: dict[str, Any], degree: int, replicas: int, cp: int
+    traits: Traits, options: dict[str, Any], degree: int, replicas: int, cp: int
 ) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) shard counts of a rank's (tensor-parallel) slice."""
-    if strategy == "megatron_tp":
+    if traits.tensor_parallel:
         return cpm.state_shards(cp, replicas) if cp > 1 else (1, 1, 1)
-    mode = options.get("shard", "none")
-    if strategy == "zero":
-        mode = SHARD_OF_STAGE[int(options.get("stage", 1))]
     n = degree * replicas * cp
     return {
         "none": (1, 1, 1),
         "optimizer": (1, 1, n),
         "gradients": (1, n, n),
         "parameters": (n, n, n),
-    }[mode]
+    }[traits.shard_mode(options)]
 
 
-def elements(shape: Shape, strategy: str, degree: int) -> tuple[int, int]:
-    """Trained elements a rank's slice holds before any ZeRO sharding, and the tensors."""
+def elements(shape: Shape, traits: Traits, degree: int) -> tuple[int, int]:
+    """Trained elements a rank's slice holds before its state is sharded, and the tensors."""
     tensors = shape.tensors()
-    tp = degree if strategy == "megatron_tp" else 1
+    tp = degree if traits.tensor_parallel else 1
     return sum(t.local_numel(tp) for t in tensors), len(tensors)
 
 
@@ -92,7 +113,7 @@ def _fsdp(
 def extended_cost(
     ask: Callable[..., Cost],
     shape: Shape,
-    strategy: str,
+    traits: Traits | None,
     degree: int,
     replicas: int,
     seq_len: int,
@@ -109,10 +130,11 @@ def extended_cost(
     cp = int(options.get("context_parallel", 1) or 1)
     offload = options.get("offload", "none") == "optimizer"
     base = {k: v for k, v in options.items() if k not in KEYS}
-    if cp > 1 and (not isinstance(shape, DecoderShape) or strategy not in CP_STRATEGIES):
-        raise ValueError(
-            f"context_parallel {cp}: only a decoder under {' or '.join(CP_STRATEGIES)} (got {strategy})"
-        )
+    if (cp > 1 or offload) and traits is None:
+        raise ValueError(f"{', '.join(k for k in KEYS if k in options)}: not modelled for this strategy")
+    traits = traits or Traits(offload=False)
+    if cp > 1 and (not isinstance(shape, DecoderShape) or traits.context_parallel is None):
+        raise ValueError(f"context_parallel {cp}: only a decoder under a strategy that composes with CP")
     q = {
         "degree": degree,
         "replicas": replicas * cp,
@@ -121,11 +143,11 @@ def extended_cost(
         "options": base,
         "exchanged_rows": None if exchanged_rows is None else exchanged_rows // cp,
     }
-    fsdp_cp = cp > 1 and strategy == "ddp"
-    if fsdp_cp:  # ddp states FSDP2 for encoders only: asked replicated, the FSDP terms added below
-        if base.get("shard") != "parameters":
-            raise ValueError("context_parallel with ddp: FSDP + CP needs shard: parameters")
-        q["options"] = {k: v for k, v in base.items() if k != "shard"}
+    fsdp_cp = cp > 1 and traits.context_parallel == "fsdp"
+    if fsdp_cp:  # FSDP2 for a decoder is asked replicated, the FSDP terms added below
+        if traits.shard_mode(base) != "parameters":
+            raise ValueError("context_parallel: FSDP + CP needs the parameters sharded")
+        q["options"] = traits.replicated(base)
     cost = ask(shape=shape, recompute=recompute, **q)
     if cost is None:
         return None
@@ -135,8 +157,8 @@ def extended_cost(
     per_rank_samples = -(-samples // replicas)
     state = cost.state_bytes
     host = 0
-    split = shards(strategy, base, degree, replicas, cp)
-    n_el, n_t = elements(shape, strategy, degree)
+    split = shards(traits, base, degree, replicas, cp)
+    n_el, n_t = elements(shape, traits, degree)
     if cp > 1:
         assert isinstance(shape, DecoderShape)
         kinds, calls = cpm.kv_exchange(shape, seq_len, cp, degree, act, per_rank_samples, recompute)
@@ -160,7 +182,7 @@ def extended_cost(
             flops=flops,
             activation_bytes=cost.activation_bytes + gathered_kv,
         )
-        if strategy == "megatron_tp":  # the replicas' full copy becomes ZeRO-1 over the CP ranks
+        if traits.context_parallel == "tp":  # the replicas' full copy: optimizer sharded over the CP ranks
             state = off.state_split(n_el, precision, False, *split, tensors=n_t).device
         if fsdp_cp:
             cost = _fsdp(cost, shape, precision, replicas * cp, microbatches, q["seq_len"], samples * cp)

@@ -85,9 +85,10 @@ class Workload:
     lora: dict[str, LoraSpec] = field(default_factory=dict)
     #: module -> ``train.modules.<m>.freeze``'s parameter-name patterns
     frozen: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    #: offer ``context_parallel`` and ``offload`` layouts by the cost model alone, whether or not
-    #: the strategies' runtimes take the keys yet (analytic tables: the published setting)
-    modelled_keys: bool = False
+    #: strategy -> :class:`disagg.plan.extended.Traits`: offer ``context_parallel`` and ``offload``
+    #: layouts for these strategies by the cost model alone, before their runtimes and cost hooks
+    #: state the keys (analytic tables: the published setting, :data:`disagg.bench.published.MODELLED`)
+    modelled: dict[str, Any] = field(default_factory=dict)
 
     def seq_len(self, module: str) -> int:
         if module == "llm":
@@ -168,6 +169,9 @@ class Layout:
             "train": {"microbatches": self.microbatches, "schedule": self.schedule},
             "step_time_s": self.step_time_s,
             "memory_bytes": self.memory_bytes,
+            # the worst device's peak by term where the allocator's view is counted (GPU clusters)
+            **({"memory_terms": dict(self.memory_terms)} if self.memory_terms else {}),
+            **({"host_bytes_per_device": self.host_bytes} if self.host_bytes else {}),
             "fits": self.fits,
             "groups": {
                 m: {
@@ -241,7 +245,7 @@ def group_cost(
     return extended_cost(
         ask,
         shape,
-        group.strategy,
+        work.modelled.get(group.strategy),
         group.degree,
         group.replicas,
         work.seq_len(group.module),

@@ -29,11 +29,14 @@ def plan_published(
     cluster: Cluster | None = None,
     lora: dict[str, LoraSpec] | None = None,
     precision: str | None = None,
+    modelled_keys: bool = True,
 ) -> PlanResult:
     """The plan on ``cluster`` (default the ``h100x8`` preset); ``lora``: module -> adapters
     (``train.modules.<m>.lora`` resolved), the rest of each module frozen; ``precision``: the
-    ``train.precision`` recipe (None: the cluster's, ``bf16`` on ``h100x8``)."""
-    from disagg.bench.published import QWEN2_5_VL_32B, SAMPLES, TEXT_TOKENS
+    ``train.precision`` recipe (None: the cluster's, ``bf16`` on ``h100x8``); ``modelled_keys``:
+    search ``context_parallel`` and ``offload`` layouts by the cost model for the strategies
+    :data:`disagg.bench.published.MODELLED` describes (:attr:`disagg.plan.model.Workload.modelled`)."""
+    from disagg.bench.published import MODELLED, QWEN2_5_VL_32B, SAMPLES, TEXT_TOKENS
 
     work = Workload(
         shapes=published_shapes(QWEN2_5_VL_32B, registry),
@@ -43,7 +46,7 @@ def plan_published(
         recompute=True,
         lora=dict(lora or {}),
         precision=precision,
-        modelled_keys=True,
+        modelled=dict(MODELLED) if modelled_keys else {},
     )
     return plan(work, cluster or cluster_from("h100x8"), registry.strategies, placements=("collocated",))
 
@@ -51,8 +54,15 @@ def plan_published(
 def named(result: PlanResult, name: str, keep: Callable[[Layout], bool] | None = None) -> Layout:
     """The fastest variant (options such as sequence parallelism) of one of the
     paper's layouts (:data:`disagg.bench.published.NAMED`), preferring one that fits;
-    ``keep``: only variants it accepts (e.g. the same recompute in every module)."""
+    ``keep``: only variants it accepts (e.g. the same recompute in every module). The paper's
+    layouts have no context parallelism and no offload: variants with either are never named."""
     from disagg.bench.published import NAMED
+    from disagg.plan.extended import KEYS
+
+    def accept(x: Layout) -> bool:
+        if any(k in dict(g.options) for g in x.groups.values() for k in KEYS):
+            return False
+        return keep is None or keep(x)
 
     want = NAMED[name]
 
@@ -63,7 +73,7 @@ def named(result: PlanResult, name: str, keep: Callable[[Layout], bool] | None =
             for m, g in x.groups.items()
         )
 
-    found = [x for x in result.ranked + result.oom if match(x) and (keep is None or keep(x))]
+    found = [x for x in result.ranked + result.oom if match(x) and accept(x)]
     if not found:
         raise ValueError(f"layout {name} was not searched")
     return min(found, key=lambda x: (not x.fits, x.step_time_s))

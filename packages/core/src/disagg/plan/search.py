@@ -135,7 +135,7 @@ def _module_groups(
             options = cls.options_model(**variant)
         except Exception:  # a third party's options may not accept our variant
             continue
-        for extra in layout_variants(name, module, variant, work, cluster, cls):
+        for extra in layout_variants(name, module, variant, work, cluster):
             g_opts = tuple(sorted({**variant, **extra}.items()))
             cp = int(extra.get("context_parallel", 1))
             # FSDP + CP is costed where the strategy alone states no FSDP for a decoder: probe each
@@ -149,55 +149,31 @@ def _module_groups(
     return out, found
 
 
-#: strategies whose optimizer offload the planner models (:mod:`disagg.kit.cost.offload`)
-OFFLOAD_STRATEGIES = ("megatron_tp", "ddp", "ulysses", "zero")
-
-
-def accepts(cls: type[Strategy] | None, key: str, value: Any) -> bool:
-    """The strategy's options take ``key: value`` (its runtime implements it)."""
-    if cls is None:
-        return False
-    try:
-        cls.options_model(**{key: value})
-    except Exception:
-        return False
-    return True
-
-
 def layout_variants(
-    strategy: str,
-    module: str,
-    variant: dict[str, Any],
-    work: Workload,
-    cluster: Cluster,
-    cls: type[Strategy] | None = None,
+    strategy: str, module: str, variant: dict[str, Any], work: Workload, cluster: Cluster
 ) -> list[dict[str, Any]]:
-    """The planner's own layout keys on top of a strategy's variant (:mod:`disagg.plan.extended`):
-    ``context_parallel`` 2, 4, ... for a decoder under TP (TP x CP) or ``ddp`` with
-    ``shard: parameters`` (FSDP + CP), and ``offload: optimizer`` where the cluster is GPUs (host
-    memory beside them) — both for full training only (no LoRA, nothing frozen), and only where
-    the strategy's options take the key (its runtime runs it) or the workload is analytic
-    (``Workload.modelled_keys``: the published setting's tables), so that a plan never writes a
+    """The planner's own layout keys on top of a strategy's variant (:mod:`disagg.plan.extended`),
+    for the strategies ``work.modelled`` states traits for: ``context_parallel`` 2, 4, ... for a
+    decoder (TP x CP, or FSDP + CP where the variant shards the parameters), and ``offload:
+    optimizer`` where the cluster is GPUs (host memory beside them); both for full training only
+    (no LoRA, nothing frozen). A plan of a config (``disagg plan``) models none: it never writes a
     layout ``disagg train`` refuses."""
     from disagg.interfaces.shapes import DecoderShape
-    from disagg.plan.extended import CP_STRATEGIES
 
     out: list[dict[str, Any]] = [{}]
-    if work.lora.get(module) or work.frozen.get(module):
+    traits = work.modelled.get(strategy)
+    if traits is None or work.lora.get(module) or work.frozen.get(module):
         return out
-    cp_run = work.modelled_keys or accepts(cls, "context_parallel", 2)
-    offload_run = work.modelled_keys or accepts(cls, "offload", "optimizer")
-    shape = work.shapes[module]
-    cp_ok = isinstance(shape, DecoderShape) and strategy in CP_STRATEGIES
-    if strategy == "ddp":
-        cp_ok = cp_ok and variant.get("shard") == "parameters"
-    if cp_ok and cp_run:
+    cp_ok = isinstance(work.shapes[module], DecoderShape) and traits.context_parallel is not None
+    if traits.context_parallel == "fsdp":
+        cp_ok = cp_ok and traits.shard_mode(variant) == "parameters"
+    if cp_ok:
         c = 2
         while c <= cluster.devices:
             if cluster.devices % c == 0:
                 out.append({"context_parallel": c})
             c *= 2
-    if cluster.cuda_allocator and strategy in OFFLOAD_STRATEGIES and offload_run:
+    if cluster.cuda_allocator and traits.offload:
         out += [{**x, "offload": "optimizer"} for x in list(out)]
     return out
 

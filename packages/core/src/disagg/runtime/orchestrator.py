@@ -21,6 +21,7 @@ from disagg.interfaces.schedule import Schedule, check_order
 from disagg.kit.strategy import clip_coefficient
 from disagg.metrics.record import StepResult, reduce_group
 from disagg.runtime.failures import ActorDied, GroupFailure, actor_failure, name_actors, wait_all
+from disagg.runtime.feature_cache import FeatureCache
 from disagg.runtime.groups import Group, GroupSpec, start_groups, stop_groups
 from disagg.runtime.routing import Assign, GroupShape, Route, SampleInfo, route, split_microbatches
 
@@ -33,6 +34,10 @@ class _Flight:
     samples: list[SampleRefs]
     route: Route
     shard_refs: dict[int, Any] = field(default_factory=dict)  # source id -> ref
+    #: feature cache hits: sample index -> module -> the entry's parts (one per encoder rank)
+    cached: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
+    #: feature cache misses to keep: (sample index, module) -> key
+    keys: dict[tuple[int, str], str] = field(default_factory=dict)
 
 
 class Orchestrator:
@@ -55,6 +60,7 @@ class Orchestrator:
         schedule: Schedule | None = None,
         max_inflight: int = 2,
         assign: Assign | None = None,
+        caches: dict[str, FeatureCache] | None = None,
     ) -> None:
         if not specs or specs[-1].family.role != "llm":
             raise ValueError("the last group must be the language model")
@@ -64,6 +70,8 @@ class Orchestrator:
         self.schedule = schedule or Sequential()
         self.max_inflight = max_inflight
         self.assign = assign
+        #: frozen encoders' feature caches, by module (``parallel.<m>.feature_cache``)
+        self.caches = dict(caches or {})
         # no rank makes progress for this long: something waits that never comes
         self.stall_s = collective_timeout_s + 60.0
         self.groups: list[Group] = start_groups(
@@ -118,19 +126,93 @@ class Orchestrator:
     def group(self, module: str) -> Group:
         return next(g for g in self.groups if g.module == module)
 
-    def route(self, samples: list[SampleRefs]) -> Route:
+    def route(
+        self, samples: list[SampleRefs], cached: dict[int, dict[str, list[Any]]] | None = None
+    ) -> Route:
+        """``cached``: the samples' modules whose outputs come from a feature cache (no encoder
+        rank gets them)."""
+        cached = cached or {}
         infos = [
             SampleInfo(
                 s.index,
-                {m: s.num_media_tokens.get(m, 0) for m in s.inputs if m != "llm"},
+                {
+                    m: s.num_media_tokens.get(m, 0)
+                    for m in s.inputs
+                    if m != "llm" and m not in cached.get(s.index, {})
+                },
                 s.num_tokens,
             )
             for s in samples
         ]
         return route(infos, self._shapes, self._llm_shape, self.assign)
 
+    def _flight(self, samples: list[SampleRefs]) -> _Flight:
+        """A training microbatch, its samples first looked up in the feature caches."""
+        cached: dict[int, dict[str, list[Any]]] = {}
+        keys: dict[tuple[int, str], str] = {}
+        for module, cache in self.caches.items():
+            for s in samples:
+                digest = s.media_digest.get(module)
+                if module not in s.inputs or digest is None:
+                    continue  # no media for it, or a source that gives no digest (never cached)
+                key = cache.key(digest)
+                parts = cache.lookup(key)
+                if parts is None:
+                    keys[(s.index, module)] = key
+                else:
+                    cached.setdefault(s.index, {})[module] = parts
+        return _Flight(self._next_mb(), samples, self.route(samples, cached), cached=cached, keys=keys)
+
+    def _run_ahead(self, upcoming: list[list[SampleRefs]]) -> None:
+        """Each cached encoder encodes the samples of the next batches (up to its ``ahead``) that
+        its cache lacks, into the cache, behind this step's own encoder calls: the encoder works
+        while the LLM trains, and those samples hit when their step comes. Lookups here are not
+        counted (the step that uses an entry counts its hit)."""
+        for distance, batch in enumerate(upcoming, 1):
+            for module, cache in self.caches.items():
+                if cache.ahead < distance:
+                    continue
+                todo: dict[str, SampleRefs] = {}
+                for s in batch:
+                    digest = s.media_digest.get(module)
+                    if module in s.inputs and digest is not None:
+                        key = cache.key(digest)
+                        if key not in cache and key not in todo:
+                            todo.setdefault(key, s)
+                if todo:
+                    self._encode_into(module, cache, todo)
+
+    def _encode_into(self, module: str, cache: FeatureCache, todo: dict[str, SampleRefs]) -> None:
+        """Encode ``todo`` (key -> sample) on every replica of ``module``'s group (each with its
+        share, collectives matched) and keep the outputs; nothing goes to the LLM."""
+        g = self.group(module)
+        shape = next(s for s in self._shapes if s.module == module)
+        infos = [
+            SampleInfo(s.index, {module: s.num_media_tokens.get(module, 0)}, s.num_tokens)
+            for s in todo.values()
+        ]
+        r = route(infos, [shape], self._llm_shape, self.assign)
+        mb, key_of = self._next_mb(), {s.index: k for k, s in todo.items()}
+        by_index = {s.index: s for s in todo.values()}
+        for task in r.encodes:
+            ids = list(task.samples)
+            refs = [by_index[i].inputs[module] for i in ids]
+            self._side_refs += g.encode(mb, ids, refs, False, False, ranks=list(task.ranks))
+            if ids:
+                cache.store([g.actors[rank] for rank in task.ranks], mb, ids, [key_of[i] for i in ids])
+        for rank in r.encoded_ranks(module):
+            g.actors[rank].drop.remote(mb)
+
+    def _bind_caches(self) -> None:
+        """Each cache keys on its group's weights as loaded (after a resume's checkpoint too)."""
+        for module, cache in self.caches.items():
+            if not cache.bound:
+                cache.bind_weights(self._wait([a.weights_digest.remote() for a in self.group(module).actors]))
+
     # -- one optimizer step ----------------------------------------------------------------------------
-    def step(self, batch: list[SampleRefs]) -> StepResult:
+    def step(self, batch: list[SampleRefs], ahead: list[list[SampleRefs]] | None = None) -> StepResult:
+        """One optimizer step over ``batch``; ``ahead``: the next global batches, which cached
+        frozen encoders encode into their caches meanwhile (``feature_cache_ahead``)."""
         t0 = time.perf_counter()
         label_tokens = sum(s.num_label_tokens for s in batch)
         if label_tokens == 0:
@@ -139,11 +221,12 @@ class Orchestrator:
             )
         loss_scale = 1.0 / label_tokens
         self._wait([r for g in self.groups for r in g.zero_grad()])
+        self._bind_caches()
         flights = []
         for positions in split_microbatches(len(batch), self.microbatches):
             samples = [batch[i] for i in positions]
             if samples:
-                flights.append(_Flight(self._next_mb(), samples, self.route(samples)))
+                flights.append(self._flight(samples))
         frozen = all(g.spec.optim is None for g in self.encoders)
         ops = self.schedule.order(len(flights), max_inflight=self.max_inflight, frozen=frozen)
         check_order(ops, len(flights), max_inflight=self.max_inflight, frozen=frozen, name=self.schedule.name)
@@ -157,6 +240,7 @@ class Orchestrator:
                 loss_refs += self._llm(f, loss_scale)
             else:
                 self._backward(f)
+        self._run_ahead(ahead or [])
         self._wait(self._side_refs)  # root causes first: an encoder error, not its consequence in the LLM
         self._side_refs = []
         # every rank runs the reduction collectives; by contract all ranks of a
@@ -167,6 +251,7 @@ class Orchestrator:
         coef = clip_coefficient(grad_norm, self.clip_grad_norm)
         records = self._wait_nested([g.step(coef) for g in self.groups])
         loss_sum = sum(self._wait(loss_refs))
+        cache_counts = {m: vars(c.settle()) for m, c in self.caches.items()}
         self.steps_done += 1
         return StepResult(
             loss=loss_sum / label_tokens,
@@ -177,6 +262,7 @@ class Orchestrator:
             groups={g.module: reduce_group(r) for g, r in zip(self.groups, records)},
             records={g.module: r for g, r in zip(self.groups, records)},
             module_tokens=self.module_tokens(batch),
+            cache=cache_counts,
         )
 
     def _next_mb(self) -> int:
@@ -194,6 +280,12 @@ class Orchestrator:
             refs, ids = [s.inputs[g.module] for s in mine], [s.index for s in mine]
             grad = train and g.spec.optim is not None
             self._side_refs += g.encode(f.mb, ids, refs, grad, not train, ranks=list(task.ranks))
+            keep = [(i, f.keys[(i, g.module)]) for i in ids if (i, g.module) in f.keys]
+            keep = [(i, k) for n, (i, k) in enumerate(keep) if k not in self.caches[g.module]]
+            if keep:  # a repeat of one key within the microbatch was encoded twice; kept once
+                unique = {k: i for i, k in reversed(keep)}
+                actors = [g.actors[r] for r in task.ranks]
+                self.caches[g.module].store(actors, f.mb, list(unique.values()), list(unique))
         for src in f.route.sources:
             actor = self.group(src.module).actors[src.rank]
             f.shard_refs[src.id] = actor.shards_for.options(**self._opts).remote(
@@ -207,7 +299,12 @@ class Orchestrator:
         for task in f.route.llm:  # every replica, even with no sample: it still runs in step
             ins = [by_index[i].inputs["llm"] for i in task.samples]
             # shard refs as top-level arguments: Ray resolves those (RDT included)
-            sources = [(sid, f.route.source(sid).module) for sid in task.sources]
+            sources: list[tuple] = [(sid, f.route.source(sid).module) for sid in task.sources]
+            parts = [f.shard_refs[sid] for sid in task.sources]
+            for i in task.samples:  # cached outputs: one source per encoder rank's entry, no gradient
+                for module, entry in f.cached.get(i, {}).items():
+                    sources += [(None, module, i)] * len(entry)
+                    parts += entry
             refs = self.llm.loss_and_backward(
                 f.mb,
                 list(task.samples),
@@ -215,7 +312,7 @@ class Orchestrator:
                 sources,
                 needs_grad,
                 loss_scale,
-                *[f.shard_refs[sid] for sid in task.sources],
+                *parts,
                 ranks=list(task.ranks),
                 last=self._last.get((self.llm.module, task.ranks[0])) == f.mb,
             )

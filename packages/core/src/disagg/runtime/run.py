@@ -21,6 +21,8 @@ from disagg.plugins import Registry, get_registry, notify
 from disagg.runtime.checkpoint import load_checkpoint, save_checkpoint
 from disagg.runtime.evaluation import Evaluation, eval_samples
 from disagg.runtime.failures import ActorDied
+from disagg.runtime.feature_cache import feature_caches
+from disagg.runtime.lookahead import Lookahead
 from disagg.runtime.orchestrator import Orchestrator
 from disagg.runtime.plan import make_plan
 from disagg.runtime.recovery import recover
@@ -114,6 +116,7 @@ def _start_groups(cfg: Config, plan: Any, registry: Registry) -> Orchestrator:
         schedule=registry.schedules[cfg.train.schedule](),
         max_inflight=cfg.train.max_inflight,
         assign=balance if cfg.parallel.assign == "balanced" else contiguous,
+        caches=feature_caches(cfg, plan.precision),
     )
 
 
@@ -137,9 +140,13 @@ def _train(
     batches = data_source.batches(start, state=state) if state is not None else data_source.batches(start)
     bar = _progress(cfg.train.steps, start, progress)
     shown: dict[str, str] = {}
+    ahead = max((c.ahead for c in orch.caches.values()), default=0)
+    if ahead:  # a cached frozen encoder works on the next batches meanwhile (lookahead.py)
+        batches = data_source = Lookahead(data_source, batches, ahead, cfg.train.steps - start)
     try:
-        for step, batch in zip(range(start + 1, cfg.train.steps + 1), batches):
-            result = orch.step(batch)
+        for step, read in zip(range(start + 1, cfg.train.steps + 1), batches):
+            batch, upcoming = read if ahead else (read, [])
+            result = orch.step(batch, upcoming)
             flops, peak = counting.step(batch) if counting is not None else ({}, None)
             record = step_record(step, result, data_source.stats(), flops, peak)
             if evaluation.due(step):  # after the step: the eval loss of the updated weights

@@ -4,7 +4,13 @@ and calls per layer (forward) and the reduce-scatter of their gradients (backwar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from disagg.interfaces.cost import Cost, CostQuery
+from disagg.interfaces.precision import RECIPES
+from disagg.interfaces.shapes import DecoderShape
+from disagg.kit.context_parallel.split import padded_length
 
 
 @dataclass(frozen=True)
@@ -32,3 +38,64 @@ def activation_fraction(n: int) -> float:
     """Share of the layer activations one rank keeps (its tokens); the gathered K/V of the
     layer being computed are transient (under ``recompute: full`` they are never saved)."""
     return 1.0 / n
+
+
+def with_context_parallel(estimate: Callable[[CostQuery], Cost | None], query: CostQuery) -> Cost | None:
+    """A strategy's cost at ``query.context_parallel = N`` from its own estimate without it.
+
+    - FLOPs: ``1/N`` of a whole-sample rank's (the split balances causal attention too);
+    - state, gradient reduction and the strategy's per-token collectives: the strategy's own
+      estimate on ``N x replicas`` ranks, each with the same samples at ``seq_len / N``
+      (CP ranks are more data-parallel ranks for the state and the gradient sum, and hold
+      ``1/N`` of the tokens);
+    - activations: likewise ``1/N`` of the tokens (the gathered K/V are transient);
+    - plus the K/V exchange (:func:`kv_exchange`) per microbatch, its forward replayed once
+      more under ``recompute: full``; bytes shipped to the encoders: the whole-sample rank's
+      (the replica's first rank returns every row's gradient).
+    Only the state term keeps the strategy's exactness; ``compute`` is left to the FLOPs."""
+    n = query.context_parallel
+    base = estimate(replace(query, context_parallel=1))
+    if n == 1 or base is None:
+        return base
+    shape = query.shape
+    if not isinstance(shape, DecoderShape):
+        return None  # refused at validation: only a decoder splits its sequence
+    samples = query.replicas if query.samples is None else query.samples
+    split = estimate(
+        replace(
+            query,
+            context_parallel=1,
+            replicas=query.replicas * n,
+            samples=samples * n,
+            seq_len=max(1, -(-query.seq_len // n)),
+        )
+    )
+    if split is None:
+        return None
+    per_mb = -(-samples // (query.replicas * query.microbatches))
+    kv = kv_exchange(
+        shape.layers,
+        per_mb,
+        padded_length(query.seq_len, n),
+        max(1, shape.kv_heads // query.degree),
+        shape.head_dim,
+        n,
+        RECIPES[query.precision].activation_bytes,
+    )
+    replays = 2 if query.recompute in ("full", True) else 1
+    comm = dict(split.comm_bytes_by_kind)
+    calls = dict(split.comm_calls_by_kind)
+    comm["cp_all_gather"] = kv.forward_bytes * query.microbatches * replays
+    comm["cp_reduce_scatter"] = kv.forward_bytes * query.microbatches
+    calls["cp_all_gather"] = kv.forward_calls * query.microbatches * replays
+    calls["cp_reduce_scatter"] = kv.forward_calls * query.microbatches
+    return Cost(
+        state_bytes=split.state_bytes,
+        activation_bytes=split.activation_bytes,
+        comm_bytes_by_kind=comm,
+        sent_bytes=base.sent_bytes,
+        flops=base.flops / n,
+        exact=tuple(k for k in base.exact if k == "state_bytes"),
+        comm_calls_by_kind=calls,
+        gathered_bytes=split.gathered_bytes,
+    )

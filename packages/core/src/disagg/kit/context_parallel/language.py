@@ -14,11 +14,14 @@ from typing import Any
 
 import torch
 
+from disagg.interfaces.context import GroupContext
 from disagg.kit.context_parallel.state import current
 
 
 class ContextParallelLanguage:
     """Mixin before :class:`~disagg.kit.Strategy` (or a strategy subclassing it)."""
+
+    ctx: GroupContext
 
     def loss_and_backward(
         self,
@@ -35,7 +38,8 @@ class ContextParallelLanguage:
         for t in leaves:
             if t.grad is None:  # no token of it on this rank: its share is zero
                 t.grad = torch.zeros_like(t)
-        total = torch.tensor([loss], dtype=torch.float32, device=leaves[0].device if leaves else None)
+        # on the rank's device: NCCL reduces device tensors only
+        total = torch.tensor([loss], dtype=torch.float32, device=self.ctx.device)
         cp.sum_over_ranks([t.grad for t in leaves] + [total])  # type: ignore[misc]
         return float(total)
 
@@ -46,6 +50,6 @@ class ContextParallelLanguage:
         cp = current()
         if cp is None:
             return res
-        sums = torch.tensor([float(x) for x in res], dtype=torch.float64)
+        sums = torch.tensor([float(x) for x in res], dtype=torch.float64, device=self.ctx.device)
         cp.sum_over_ranks([sums])
         return float(sums[0]), int(round(float(sums[1]))), int(round(float(sums[2])))

@@ -55,7 +55,9 @@ class ContextParallel:
         """Sum ``tensors`` in place over the group, in one flat buffer (one call)."""
         if not tensors:
             return
-        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        # fp32 at least (bf16 shares and the loss are summed in fp32); fp64 kept (counts)
+        wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        flat = torch.cat([t.reshape(-1).to(wide) for t in tensors])
         self.comm.all_reduce(flat, self.group)
         offset = 0
         for t in tensors:

@@ -22,6 +22,8 @@ from disagg.runtime.actor.device_stats import DeviceTimer, record_memory
 DEVICE_TIMED = frozenset(
     {"encode", "shards_for", "backward", "loss_and_backward", "grads_for", "reduce_and_norm"}
 )
+#: an encoder's own work on samples (its ``encode_s``); what a feature cache hit saves
+ENCODER_CALLS = frozenset({"encode", "shards_for", "cache_out"})
 #: calls whose arguments are another group's outputs (their wait counts as ``wait_s``)
 CONSUMERS = frozenset({"loss_and_backward", "backward"})
 #: calls between steps (set-up, checkpoints): their time belongs to no step; counted, set-up
@@ -64,7 +66,10 @@ class Accounting:
         try:
             yield
         finally:
-            rec.busy_s += time.perf_counter() - t0 - (rec.wait_s - waited)
+            busy = time.perf_counter() - t0 - (rec.wait_s - waited)
+            rec.busy_s += busy
+            if name in ENCODER_CALLS:
+                rec.encode_s += busy
             self.idle_from = time.perf_counter()
             self.timer.stop(start)
 

@@ -38,6 +38,7 @@ from disagg.runtime.actor.accounting import Accounting
 from disagg.runtime.actor.errors import WorkerError, worker_error
 from disagg.runtime.actor.process_group import init_group
 from disagg.runtime.actor.spec import WorkerSpec
+from disagg.runtime.feature_cache import read_part
 
 __all__ = ["ModuleWorker", "WorkerError", "WorkerSpec"]
 
@@ -184,6 +185,33 @@ class ModuleWorker:
         if len(shards) != len(sample_ids):
             raise RuntimeError(f"strategy returned {len(shards)} shards for {len(sample_ids)} samples")
         self.pending[mb] = (list(sample_ids), shards)
+        if sample_ids:
+            self.acct.record.encode_calls += 1
+
+    @_named
+    def cache_out(self, mb: int, sample_ids: list[int], paths: list[str] | None = None) -> Any:
+        """This rank's ``(positions, value, total)`` of each of ``sample_ids``, exactly as
+        :meth:`shards_for` sends them from host memory, for the feature cache
+        (:mod:`disagg.runtime.feature_cache`): one object per sample and then their sizes in
+        bytes; with ``paths``, each written to its file instead, and only the sizes returned."""
+        from disagg.runtime.feature_cache import part_bytes, write_part
+
+        ids, shards = self.pending[mb]
+        by_id = dict(zip(ids, shards))
+        parts = []
+        for i in sample_ids:
+            s = by_id[i]
+            value = _for_wire(s.value, True)
+            parts.append((s.positions.cpu(), value, s.total))
+        if paths is not None:
+            return [write_part(p, part) for p, part in zip(paths, parts)]
+        return (*parts, [part_bytes(p) for p in parts])
+
+    def weights_digest(self) -> str:
+        """A digest of this rank's module state as loaded (a feature cache key's weights part)."""
+        from disagg.runtime.feature_key import state_digest
+
+        return state_digest(self.strategy.module)  # type: ignore[union-attr,arg-type]
 
     @_named
     def shards_for(
@@ -243,14 +271,18 @@ class ModuleWorker:
         index = {s: k for k, s in enumerate(sample_ids)}
         if len(parts) != len(sources):
             raise RuntimeError(f"{len(parts)} shard objects for {len(sources)} sources")
-        for (source, module), part in zip(sources, parts):
-            for sid, (positions, value, total) in part.items():
+        for src, part in zip(sources, parts):
+            source, module = src[0], src[1]
+            # a cached source (None, module, sample): one rank's entry of the feature cache
+            items = part.items() if len(src) == 2 else [(src[2], read_part(part))]
+            for sid, (positions, value, total) in items:
                 e = embeds[index[sid]]
                 if module not in e:
                     e[module] = torch.zeros(total, value.shape[-1], dtype=value.dtype, device=device)
                 positions = positions.to(device)
                 e[module][positions] = value.to(device)
-                layout.setdefault(source, []).append((index[sid], sid, module, positions))
+                if source is not None:  # a cached (frozen) source gets no gradient back
+                    layout.setdefault(source, []).append((index[sid], sid, module, positions))
         return embeds, layout
 
     @_named
