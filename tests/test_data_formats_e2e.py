@@ -1,6 +1,6 @@
 """Dataset formats on the real tiny Qwen2.5-VL: a LLaMA-Factory file trains exactly as its
 LLaVA twin, ``data.max_pixels`` reaches the image processor (``disagg data check`` counts
-fewer vision tokens), and a video row stops ``disagg train`` with its file and line."""
+fewer vision tokens), and a video row stops ``disagg train`` with its file and line when PyAV is missing."""
 
 from __future__ import annotations
 
@@ -73,9 +73,18 @@ def test_max_pixels_lowers_the_vision_tokens_data_check_counts(ray_local, tiny, 
     assert reports[16 * 16]["tokens"]["mean"] < reports[None]["tokens"]["mean"]
 
 
-def test_train_refuses_a_video_row_with_its_line(ray_local, tiny, tmp_path):
+def test_train_refuses_a_video_row_with_its_line(ray_local, tiny, tmp_path, monkeypatch):
+    """Qwen2.5-VL reads video, but not without PyAV: the run stops before any step, naming the
+    row and the install line."""
+    import disagg.data.source
     from disagg.data.formats import VideoError
+    from disagg.data.video import INSTALL_HINT
     from disagg.runtime.run import run_training
+
+    def no_av() -> None:
+        raise ImportError(INSTALL_HINT)
+
+    monkeypatch.setattr(disagg.data.source, "require_av", no_av)
 
     rows = Path(tiny["sharegpt"]).read_text().splitlines()
     video = {
@@ -87,7 +96,9 @@ def test_train_refuses_a_video_row_with_its_line(ray_local, tiny, tmp_path):
     }
     path = tmp_path / "with_video.jsonl"
     path.write_text("\n".join([*rows[:5], json.dumps(video), *rows[5:]]) + "\n")
-    with pytest.raises(VideoError, match=rf"{path}:6: 1 sample\(s\) with video .* not supported yet"):
+    with pytest.raises(
+        VideoError, match=rf"{path}:6: 1 sample\(s\) with video .* pip install 'disagg-core\[video\]'"
+    ):
         run_training(validate(_config(tiny, str(path), tmp_path / "run"), get_registry()), progress=False)
     # refused before any step (and before the groups start: the data source is built first)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
 
 from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
 
@@ -215,6 +215,19 @@ class DataConfig(Strict):
     max_pixels: PositiveInt | None = None
     """Largest image area the image processor resizes to, which bounds vision tokens per image
     (Qwen2.5-VL: one token per 28x28 pixels); ``null``: the processor's own setting."""
+    video_fps: PositiveFloat = 2.0
+    """Frames sampled per second of video (Qwen's ``fps``; qwen-vl-utils' default 2); the
+    count is then bounded by ``video_max_frames`` and rounded down to the tower's temporal
+    patch (docs/data.md, Video)."""
+    video_max_frames: PositiveInt = 768
+    """Most frames sampled from one video (qwen-vl-utils' ``FPS_MAX_FRAMES``)."""
+    video_min_pixels: PositiveInt | None = None
+    """Smallest area each video frame is resized to; ``null``: the family's default
+    (Qwen2.5-VL: 128*28*28, as transformers' and qwen-vl-utils' video processing)."""
+    video_max_pixels: PositiveInt | None = None
+    """Largest area each video frame is resized to, which bounds tokens per frame pair
+    (Qwen2.5-VL: one token per 28x28 pixels per 2 frames); ``null``: the family's default
+    (768*28*28)."""
     batch_size: PositiveInt = 4
     """Samples per optimizer step (the global batch)."""
     max_tokens: PositiveInt | None = None

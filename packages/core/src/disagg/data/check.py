@@ -24,7 +24,9 @@ def check_data(
     cfg: Config, families: dict[str, Any], *, split: str = "train", progress: bool = True
 ) -> dict[str, Any]:
     """A report: ``samples``, ``ok``, ``bad``, ``too_long``, ``problems`` (``file:line: problem``,
-    first :data:`MAX_LISTED`), token and per-module media token ``min/mean/max``."""
+    first :data:`MAX_LISTED`), token and per-module media token ``min/mean/max``, and ``videos``:
+    each usable row with video (first :data:`MAX_LISTED`) with its videos' sampled ``frames``
+    and placeholder ``tokens``."""
     from tqdm.auto import tqdm
 
     # video rows are reported one by one below, not refused all at once
@@ -44,6 +46,7 @@ def check_data(
         "too_long": 0,
         "truncated": 0,
         "problems": [],
+        "videos": [],
     }
     tokens: list[int] = []
     media: dict[str, list[int]] = {}
@@ -57,6 +60,10 @@ def check_data(
             tokens.append(meta["num_tokens"])
             for m, n in meta["num_media_tokens"].items():
                 media.setdefault(m, []).append(n)
+            if meta.get("video_frames") and len(report["videos"]) < MAX_LISTED:
+                report["videos"].append(
+                    {"source": meta["source"], "frames": meta["video_frames"], "tokens": meta["video_tokens"]}
+                )
             continue
         report["too_long" if status == "dropped" else "bad"] += 1
         if len(report["problems"]) < MAX_LISTED:
@@ -88,6 +95,11 @@ def format_report(report: dict[str, Any]) -> str:
     for m, s in report["media_tokens"].items():
         stats = f"min {s['min']}, mean {s['mean']:.1f}, max {s['max']}"
         lines.append(f"{m} tokens ({s['samples']} samples with {m}): {stats}")
+    if report.get("videos"):
+        lines.append("videos (sampled frames, tokens per video):")
+        for v in report["videos"]:
+            each = ", ".join(f"{f} frames -> {t} tokens" for f, t in zip(v["frames"], v["tokens"]))
+            lines.append(f"  {v['source']}: {each}")
     if report["problems"]:
         lines.append("problems:")
         lines += [f"  {p}" for p in report["problems"]]

@@ -19,6 +19,17 @@ def data_problems(cfg: Config, families: dict[str, Any]) -> list[Problem]:
         out.append(
             (("data", "min_pixels"), f"{d.min_pixels} is larger than data.max_pixels = {d.max_pixels}")
         )
+    if (
+        d.video_min_pixels is not None
+        and d.video_max_pixels is not None
+        and d.video_min_pixels > d.video_max_pixels
+    ):
+        out.append(
+            (
+                ("data", "video_min_pixels"),
+                f"{d.video_min_pixels} is larger than data.video_max_pixels = {d.video_max_pixels}",
+            )
+        )
     image = [(m, f) for m, f in families.items() if isinstance(f, EncoderFamily) and f.modality == "image"]
     for key in ("min_pixels", "max_pixels"):
         if getattr(d, key) is None:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from disagg.data.errors import DataError
-from disagg.data.formats import VideoError
 from disagg.data.rows import Turns, content_text, history_turns, media_list
 
 INFO_FILE = "dataset_info.json"
@@ -69,7 +68,7 @@ DEFAULT_TAGS = {
 REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 #: entry keys that change nothing for a local file's rows
 IGNORED_KEYS = ("file_sha1", "split", "subset", "folder")
-MEDIA_COLUMNS = {"image": "images", "audio": "audios"}
+MEDIA_COLUMNS = {"image": "images", "audio": "audios", "video": "videos"}
 
 
 @dataclass(frozen=True)
@@ -182,9 +181,6 @@ def _mapping(entry: dict[str, Any], key: str, here: str, allowed: tuple[str, ...
 
 def lf_turns(item: dict[str, Any], loc: str, spec: Columns) -> Turns:
     """One row of a dataset_info.json dataset, read as LLaMA-Factory reads it."""
-    video = spec.col("videos")
-    if video and item.get(video):
-        raise VideoError(loc, f"sample has '{video}', but video is not supported yet")
     tools = spec.col("tools")
     if tools and item.get(tools):
         raise DataError(loc, f"'{tools}' (the tools column): tool use is not trained yet; remove it")

@@ -29,8 +29,11 @@ ignored: its media would otherwise be lost.
 How each reads into turns is :mod:`disagg.data.rows`. Qwen's inline content parts
 (``{"type": "image", "image": "a.png"}``) carry their own media in either chat format.
 
-Video is not trained yet: a row with ``video``/``videos``, a ``<video>`` marker
-or a video content part is refused (:class:`VideoError`), never read as text.
+Video is a media kind like the others (``video`` in LLaVA rows, ``videos`` in the
+others, ``<video>`` markers, ``{"type": "video", "video": "a.mp4"}`` parts); it is
+read by a vision family that ``reads_video`` (:mod:`disagg.data.video`). Where none
+is configured, or PyAV is missing, such rows are refused up front
+(:class:`VideoError`), never read as text.
 """
 
 from __future__ import annotations
@@ -46,10 +49,10 @@ ROW_FORMATS = ("llava", "sharegpt", "alpaca", "query_response")
 CHAT_FORMATS = ("llava", "sharegpt")
 #: row format -> media kind -> the key its files are listed under
 MEDIA_KEYS: dict[str, dict[str, str]] = {
-    "llava": {"image": "image", "audio": "audio"},
-    "sharegpt": {"image": "images", "audio": "audios"},
-    "alpaca": {"image": "images", "audio": "audios"},
-    "query_response": {"image": "images", "audio": "audios"},
+    "llava": {"image": "image", "audio": "audio", "video": "video"},
+    "sharegpt": {"image": "images", "audio": "audios", "video": "videos"},
+    "alpaca": {"image": "images", "audio": "audios", "video": "videos"},
+    "query_response": {"image": "images", "audio": "audios", "video": "videos"},
 }
 VIDEO_KEYS = ("video", "videos")
 #: rows the driver reads to detect a format when the first ones have no media
@@ -57,7 +60,8 @@ DETECT_ROWS = 100
 
 
 class VideoError(DataError):
-    """A row with video: refused whatever ``data.on_error`` says (skipping would lose it silently)."""
+    """A row with video the run cannot read (no video encoder, no PyAV): refused whatever
+    ``data.on_error`` says (skipping would lose it silently)."""
 
 
 def video_problem(item: Any) -> str | None:
@@ -76,16 +80,6 @@ def video_problem(item: Any) -> str | None:
             if isinstance(part, dict) and part.get("type") in ("video", "video_url"):
                 return "has a video content part"
     return None
-
-
-def refuse_video(item: Any, loc: str) -> None:
-    why = video_problem(item)
-    if why is not None:
-        raise VideoError(
-            loc,
-            f"sample {why}, but video is not supported yet (it would train as text only); "
-            "remove video samples from the dataset (image and audio are supported)",
-        )
 
 
 def row_format(item: Any) -> str | None:
@@ -111,8 +105,8 @@ def row_format(item: Any) -> str | None:
         found = sorted(set(found) | {"sharegpt"})
     if len(found) > 1:
         raise ValueError(
-            "ambiguous row: it has both llava keys ('image'/'audio') and sharegpt keys "
-            "('images'/'audios'/'system'); use one spelling, or set data.format"
+            "ambiguous row: it has both llava keys ('image'/'audio'/'video') and sharegpt keys "
+            "('images'/'audios'/'videos'/'system'); use one spelling, or set data.format"
         )
     if not found and _has_inline_media(item):
         return "sharegpt"  # Qwen's content parts name their own files: the chat form, no media key
@@ -125,7 +119,7 @@ def _has_inline_media(item: dict[str, Any]) -> bool:
         content = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
         for part in content if isinstance(content, list) else []:
             if isinstance(part, dict) and any(
-                part.get(k) for k in ("image", "image_url", "audio", "url", "path")
+                part.get(k) for k in ("image", "image_url", "audio", "video", "video_url", "url", "path")
             ):
                 return True
     return False

@@ -81,7 +81,7 @@ class DatasetIndex:
         return json.loads(self.items[i])
 
     def video_rows(self) -> list[str]:
-        """Locations of the rows that hold video (refused: video is not trained yet)."""
+        """Locations of the rows that hold video (refused up front where the run cannot read video)."""
         if self.table is not None:
             return self.table.video_rows()
         if self.items is not None:

@@ -38,6 +38,9 @@ class Processed:
     #: per encoder module, a digest of its inputs' bytes (the media as preprocessed): the
     #: content part of a feature cache key (:mod:`disagg.data.digest`)
     media_digest: dict[str, str] = field(default_factory=dict)
+    #: sampled frames and placeholder tokens of each video, in order (``disagg data check``)
+    video_frames: list[int] = field(default_factory=list)
+    video_tokens: list[int] = field(default_factory=list)
 
 
 class TooLong(Exception):
@@ -49,12 +52,34 @@ class TooLongError(DataError):
 
 
 def modality_modules(families: dict[str, Any]) -> dict[str, str]:
-    """Media kind -> the module whose encoder reads it (``image`` -> ``vision``)."""
+    """Media kind -> the module whose encoder reads it (``image`` -> ``vision``); ``video`` goes
+    to an encoder that ``reads_video`` when the LLM family has a video token to place it at."""
     out: dict[str, str] = {}
+    llm = families.get("llm")
     for module, fam in families.items():
         if isinstance(fam, EncoderFamily):
             out[fam.modality] = module
+            if fam.reads_video and isinstance(llm, LanguageFamily) and llm.video_token_id() is not None:
+                out["video"] = module
     return out
+
+
+def _token_id(llm: LanguageFamily, kind: str, module: str) -> int:
+    """The token a media kind's rows are placed at: video has its own."""
+    if kind == "video":
+        tid = llm.video_token_id()
+        assert tid is not None  # modality_modules routes video only to a family with one
+        return tid
+    return llm.placeholder_token_id(module)
+
+
+def _load(kind: str, path: str | bytes, family: Any, video: dict[str, Any] | None) -> Any:
+    if kind == "video":
+        from disagg.data.video import load_video
+
+        v = video or {"fps": 2.0, "max_frames": 768}
+        return load_video(path, fps=v["fps"], max_frames=v["max_frames"], factor=family.video_frame_factor())
+    return load_media(kind, path)
 
 
 def preprocess_record(
@@ -65,6 +90,7 @@ def preprocess_record(
     max_tokens: int | None = None,
     on_too_long: str = "error",
     pixel_limits: dict[str, int] | None = None,
+    video: dict[str, Any] | None = None,
 ) -> Processed:
     """Decode media, expand placeholders, tokenize with the chat template, mask labels.
 
@@ -72,56 +98,73 @@ def preprocess_record(
     too-long samples under ``on_too_long: error``, :class:`TooLong` under ``drop``;
     ``truncate`` cuts the tokens after the last media placeholder or raises
     :class:`TooLongError`. ``pixel_limits`` (``min_pixels``/``max_pixels``) go to
-    the image encoder's ``preprocess``.
+    the image encoder's ``preprocess``; ``video`` (``fps``, ``max_frames`` and the
+    per-frame ``min_pixels``/``max_pixels``) to video sampling and ``preprocess_video``.
+    A sample's image rows come before its video rows in the encoder's output.
     """
     llm: LanguageFamily = families["llm"]
     kind_module = modality_modules(families)
     enc_inputs: dict[str, dict[str, torch.Tensor]] = {}
+    #: per media kind (not module: a vision module reads images and videos), tokens per item
     counts: dict[str, list[int]] = {}
-    for kind, paths in rec.media.items():
+    frames: list[int] = []
+    # images before videos: the encoder's rows of a sample come in this order
+    for kind in sorted(rec.media, key=lambda k: k == "video"):
+        paths = rec.media[kind]
         module = kind_module[kind]
         items = []
         for i, p in enumerate(paths):
             try:
-                items.append(load_media(kind, p))
-            except Exception as exc:  # PIL/wave raise many types; the location is what matters
+                items.append(_load(kind, p, families[module], video))
+            except ImportError:
+                raise  # PyAV missing: the install line, not a bad sample
+            except Exception as exc:  # PIL/wave/PyAV raise many types; the location is what matters
                 name = p if isinstance(p, str) else f"#{i + 1} (embedded bytes)"
                 raise DataError(
                     rec.source, f"cannot decode {kind} {name}: {type(exc).__name__}: {exc}"
                 ) from exc
-        limits = pixel_limits if kind == "image" and pixel_limits else {}
         try:
-            enc_inputs[module] = families[module].preprocess(items, **limits)
+            if kind == "video":
+                limits = {k: v for k, v in (video or {}).items() if k.endswith("_pixels")}
+                got = families[module].preprocess_video(items, **limits)
+            else:
+                limits = pixel_limits if kind == "image" and pixel_limits else {}
+                got = families[module].preprocess(items, **limits)
         except DataError:
             raise
         except Exception as exc:
             raise DataError(
-                rec.source, f"{module} preprocessing failed: {type(exc).__name__}: {exc}"
+                rec.source, f"{module} preprocessing of {kind} failed: {type(exc).__name__}: {exc}"
             ) from exc
-        counts[module] = [int(n) for n in families[module].num_tokens(enc_inputs[module])]
-        if len(counts[module]) != len(items):
+        counts[kind] = [int(n) for n in families[module].num_tokens(got)]
+        if len(counts[kind]) != len(items):
             raise RuntimeError(
-                f"family {families[module].name!r}.num_tokens returned {len(counts[module])} counts "
+                f"family {families[module].name!r}.num_tokens returned {len(counts[kind])} counts "
                 f"for {len(items)} {kind} items"
             )
+        if kind == "video":
+            frames = [len(v.indices) for v in items]
+        enc_inputs[module] = {**enc_inputs.get(module, {}), **got}
 
-    messages = _expand(rec.messages, counts, kind_module, llm)
+    messages = _expand(rec.messages, counts, llm, kind_module)
     ids, labels = tokenize_conversation(messages, tokenizer, rec.source)
 
     num_media: dict[str, int] = {}
-    for module, ns in counts.items():
-        found = int((ids == llm.placeholder_token_id(module)).sum())
+    for kind, ns in counts.items():
+        module = kind_module[kind]
+        found = int((ids == _token_id(llm, kind, module)).sum())
         if found != sum(ns):
             raise DataError(
                 rec.source,
-                f"expected {sum(ns)} {module} placeholder tokens after tokenization, found {found} "
+                f"expected {sum(ns)} {kind} placeholder tokens after tokenization, found {found} "
                 "(does the text contain the placeholder token literally?)",
             )
-        num_media[module] = found
+        num_media[module] = num_media.get(module, 0) + found
     truncated = False
     if max_tokens is not None and len(ids) > max_tokens:
         if on_too_long == "truncate":
-            ids, labels = _truncate(ids, labels, max_tokens, num_media, llm, rec.source)
+            tids = {_token_id(llm, kind, kind_module[kind]): kind_module[kind] for kind in counts}
+            ids, labels = _truncate(ids, labels, max_tokens, tids, rec.source)
             truncated = True
         elif on_too_long == "drop":
             raise TooLong(f"{rec.source}: {len(ids)} tokens > data.max_tokens={max_tokens}")
@@ -144,22 +187,30 @@ def preprocess_record(
 
     llm_inputs = {"input_ids": ids, "labels": labels, **llm.extra_inputs(enc_inputs)}
     digests = {m: inputs_digest(x) for m, x in enc_inputs.items()}
-    return Processed({"llm": llm_inputs, **enc_inputs}, len(ids), n_labels, num_media, truncated, digests)
+    return Processed(
+        {"llm": llm_inputs, **enc_inputs},
+        len(ids),
+        n_labels,
+        num_media,
+        truncated,
+        digests,
+        video_frames=frames,
+        video_tokens=counts.get("video", []),
+    )
 
 
 def _truncate(
     ids: torch.Tensor,
     labels: torch.Tensor,
     max_tokens: int,
-    num_media: dict[str, int],
-    llm: LanguageFamily,
+    token_ids: dict[int, str],
     source: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``max_tokens`` tokens, if every media placeholder token is among them: an
     image cut in half, or dropped from the text but not from the encoder's inputs, would
     no longer match its embeddings."""
-    for module in num_media:
-        where = torch.nonzero(ids == llm.placeholder_token_id(module)).flatten()
+    for tid, module in token_ids.items():
+        where = torch.nonzero(ids == tid).flatten()
         if where.numel() and int(where[-1]) >= max_tokens:
             raise TooLongError(
                 source,
@@ -173,17 +224,20 @@ def _truncate(
 def _expand(
     messages: list[tuple[str, str]],
     counts: dict[str, list[int]],
-    kind_module: dict[str, str],
     llm: LanguageFamily,
+    kind_module: dict[str, str],
 ) -> list[dict[str, str]]:
-    """Replace each ``<image>``/``<audio>`` marker, in order, by the family's placeholder text."""
-    next_item = {m: 0 for m in counts}
+    """Replace each ``<image>``/``<audio>``/``<video>`` marker, in order, by the family's
+    placeholder text."""
+    next_item = {k: 0 for k in counts}
 
     def repl(match: re.Match[str]) -> str:
-        module = kind_module[_KIND[match.group(0)]]
-        n = counts[module][next_item[module]]
-        next_item[module] += 1
-        return llm.placeholder_text(module, n)
+        kind = _KIND[match.group(0)]
+        n = counts[kind][next_item[kind]]
+        next_item[kind] += 1
+        if kind == "video":
+            return llm.video_placeholder_text(n)
+        return llm.placeholder_text(kind_module[kind], n)
 
     return [{"role": role, "content": _MARKER.sub(repl, text)} for role, text in messages]
 

@@ -17,13 +17,20 @@ from disagg.data.formats import (
     CHAT_FORMATS,
     MEDIA_KEYS,
     ROW_FORMATS,
+    VideoError,
     format_of_key,
     other_format_key,
-    refuse_video,
+    video_problem,
 )
 from disagg.data.rows import PLACEHOLDERS, ROLES, to_turns
 
 __all__ = ["PLACEHOLDERS", "ROLES", "Record", "parse_sample", "read_dataset"]
+
+#: why a video row is refused when no configured encoder reads video
+NO_VIDEO = (
+    "video is not supported yet by the configured model: no model.vision family that reads video "
+    "(qwen2_5_vl does) with an LLM family that places it; remove video samples from the dataset"
+)
 
 
 @dataclass
@@ -33,7 +40,8 @@ class Record:
     uid: int
     dataset: int
     source: str
-    #: ``(role, text)`` with role in system/user/assistant; text keeps ``<image>``/``<audio>`` markers
+    #: ``(role, text)`` with role in system/user/assistant; text keeps ``<image>``/``<audio>``/
+    #: ``<video>`` markers
     messages: list[tuple[str, str]]
     #: media kind -> absolute paths (or the encoded bytes a Hugging Face dataset holds), in
     #: placeholder order
@@ -106,11 +114,15 @@ def parse_sample(
     ``how`` says why the dataset is read as ``fmt`` (for the error when a row is not)."""
     if not isinstance(item, dict):
         raise DataError(loc, f"a sample must be a JSON object, got {type(item).__name__}")
-    refuse_video(item, loc)
+    if "video" not in modalities and (why := video_problem(item)):
+        # refused, never skipped: a dataset of video would otherwise train as nothing
+        raise VideoError(loc, f"sample {why}, but {NO_VIDEO}")
     if columns is None:
         _check_keys(item, loc, fmt, how)
     turns = to_turns(item, loc, fmt, columns)
     messages = turns.messages
+    if "video" not in modalities and (turns.media.get("video") or any("<video>" in t for _, t in messages)):
+        raise VideoError(loc, f"sample has video, but {NO_VIDEO}")  # under a dataset_info column
     if not any(role == "assistant" for role, _ in messages):
         raise DataError(loc, "no assistant ('gpt') turn: the sample has nothing to learn")
 

@@ -29,7 +29,7 @@ from disagg.data.errors import DataError
 from disagg.data.formats import MEDIA_KEYS
 
 #: media kind -> the text that marks where one item goes in a turn
-PLACEHOLDERS: dict[str, str] = {"image": "<image>", "audio": "<audio>"}
+PLACEHOLDERS: dict[str, str] = {"image": "<image>", "audio": "<audio>", "video": "<video>"}
 #: accepted spellings of each role (LLaVA's ``from`` and chat ``role``)
 ROLES: dict[str, str] = {
     "system": "system",
@@ -43,7 +43,11 @@ PART_FILE_KEYS: dict[str, tuple[str, ...]] = {
     "image": ("image", "url", "path"),
     "image_url": ("image_url",),
     "audio": ("audio", "url", "path"),
+    "video": ("video", "url", "path"),
+    "video_url": ("video_url",),
 }
+#: the media kind of each content part type
+PART_KIND = {"image_url": "image", "video_url": "video"}
 
 
 @dataclass
@@ -128,7 +132,7 @@ def _part(part: Any, loc: str, i: int) -> tuple[str, tuple[str, Any] | None]:
     if kind == "text" and isinstance(part.get("text"), str):
         return part["text"], None
     if kind in PART_FILE_KEYS:
-        media = "image" if kind == "image_url" else kind
+        media = PART_KIND.get(kind, kind)
         ref = next((part[k] for k in PART_FILE_KEYS[kind] if part.get(k)), None)
         if isinstance(ref, dict) and "url" in ref:  # OpenAI: {"image_url": {"url": ...}}
             ref = ref["url"]
@@ -136,7 +140,7 @@ def _part(part: Any, loc: str, i: int) -> tuple[str, tuple[str, Any] | None]:
     raise DataError(
         loc,
         f"turn {i} has a content part {part!r}; allowed types: text, image (its file under 'image'), "
-        "image_url, audio (its file under 'audio')",
+        "image_url, audio (its file under 'audio'), video (its file under 'video'), video_url",
     )
 
 

@@ -26,8 +26,10 @@ from disagg.data.formats import VideoError
 from disagg.data.index import DatasetIndex
 from disagg.data.order import StreamOrder, file_order
 from disagg.data.preprocess import modality_modules
+from disagg.data.records import NO_VIDEO
 from disagg.data.stream import FIRST_CHUNK, SampleStream, StreamConfig
 from disagg.data.types import SampleRefs
+from disagg.data.video import require_av
 
 log = logging.getLogger("disagg.data")
 
@@ -202,9 +204,10 @@ def build_data_source(
     raises :class:`DataError` here; a bad sample raises it (file and line)
     when the stream reaches it, unless ``data.on_error: skip``.
     ``on_preprocess(position)`` is a test hook called in the worker with the
-    stream position of every sample it preprocesses. Rows with video are
-    refused here, before any worker starts (``refuse_video=False``: each is
-    reported at its row as the stream reaches it, as ``disagg data check`` does).
+    stream position of every sample it preprocesses. Rows with video that no
+    configured family reads (or without PyAV installed) are refused here, before
+    any worker starts (``refuse_video=False``: each is reported at its row as the
+    stream reaches it, as ``disagg data check`` does).
     """
     data = cfg.data
     files = dataset_files(cfg, split)
@@ -214,7 +217,7 @@ def build_data_source(
         log.info("%s: %d samples; %s", ix.path, ix.size, ix.how)
         indexes.append(ix)
         if refuse_video:
-            _refuse_video(ix)
+            _refuse_video(ix, families)
     if sum(ix.size for ix in indexes) == 0:
         names = ", ".join(str(Path(f.path)) for f in files)
         raise DataError(names, "no samples: the dataset files are empty")
@@ -234,6 +237,7 @@ def build_data_source(
         prefetch_bytes=PREFETCH_BYTES,
         on_preprocess=on_preprocess,
         pixel_limits=pixel_limits(cfg),
+        video=video_settings(cfg),
     )
     return RayDataSource(
         indexes,
@@ -253,12 +257,31 @@ def pixel_limits(cfg: Config) -> dict[str, int] | None:
     return out or None
 
 
-def _refuse_video(ix: DatasetIndex) -> None:
+def video_settings(cfg: Config) -> dict[str, Any]:
+    """``data.video_*``: the sampling (``fps``, ``max_frames``) and the per-frame pixel budget
+    (``min_pixels``/``max_pixels``, only those set) of every video."""
+    d = cfg.data
+    out: dict[str, Any] = {"fps": d.video_fps, "max_frames": d.video_max_frames}
+    for key in ("min_pixels", "max_pixels"):
+        if getattr(d, f"video_{key}") is not None:
+            out[key] = getattr(d, f"video_{key}")
+    return out
+
+
+def _refuse_video(ix: DatasetIndex, families: dict[str, Any]) -> None:
+    """Video rows the run cannot read (no video encoder, or no PyAV) stop it here, all listed."""
+    if "video" in modality_modules(families):
+        try:
+            require_av()
+        except ImportError as exc:
+            why = str(exc)
+        else:
+            return
+    else:
+        why = NO_VIDEO
     rows = ix.video_rows()
     if rows:
         shown = ", ".join(rows[:5]) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
         raise VideoError(
-            rows[0],
-            f"{len(rows)} sample(s) with video ({shown}), but video is not supported yet (it would "
-            "train as text only); remove them from the dataset (disagg data check lists each)",
+            rows[0], f"{len(rows)} sample(s) with video ({shown}), but {why} (disagg data check lists each)"
         )

@@ -58,6 +58,8 @@ class StreamConfig:
     prefetch_bytes: int
     #: ``min_pixels``/``max_pixels`` for the image encoder's preprocess (the set ``data`` keys)
     pixel_limits: dict[str, int] | None = None
+    #: ``data.video_*`` for the video encoder (``source.video_settings``)
+    video: dict[str, Any] | None = None
     #: False: only each sample's metadata comes out (``disagg data check``), no tensors kept
     keep_inputs: bool = True
     #: test hook: called with the stream position of each entry a worker starts preprocessing
@@ -89,6 +91,7 @@ def preprocess_one(cfg: StreamConfig, pos: int, uid: int, d: int, loc: str, off:
             max_tokens=cfg.max_tokens,
             on_too_long=cfg.on_too_long,
             pixel_limits=cfg.pixel_limits,
+            video=cfg.video,
         )
     except TooLong as exc:
         return {"status": "dropped", "error": str(exc)}, None
@@ -105,6 +108,9 @@ def preprocess_one(cfg: StreamConfig, pos: int, uid: int, d: int, loc: str, off:
         "truncated": out.truncated,
         "media_digest": out.media_digest,
     }
+    if out.video_frames:
+        meta["video_frames"] = out.video_frames
+        meta["video_tokens"] = out.video_tokens
     return meta, out.inputs
 
 

@@ -212,6 +212,20 @@ class EncoderFamily(Family):
     #: / ``data.max_pixels``: the image area its processor resizes to); validation refuses
     #: those keys for families that leave it False (fixed-resolution encoders)
     pixel_limits: ClassVar[bool] = False
+    #: True when the family also encodes video (``preprocess_video``): its rows come after the
+    #: sample's image rows, and the LLM family places them at its ``video_token_id``
+    reads_video: ClassVar[bool] = False
+
+    def video_frame_factor(self) -> int:
+        """Frames per temporal patch: sampled frame counts are a multiple of it."""
+        return 1
+
+    def preprocess_video(self, videos: list[Any], **limits: int) -> dict[str, torch.Tensor]:
+        """All videos of one sample (:class:`disagg.data.video.Video`, frames already sampled) ->
+        input tensors merged into the sample's image inputs (their keys differ); called with
+        ``min_pixels``/``max_pixels`` per frame when ``data.video_*_pixels`` are set. Only for
+        ``reads_video`` families."""
+        raise NotImplementedError(f"family {self.name!r} does not read video")
 
     @abstractmethod
     def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
@@ -268,6 +282,15 @@ class LanguageFamily(Family):
         ``n_tokens`` placeholders (families wrap it in their start/end tokens)."""
         tok = self.tokenizer().convert_ids_to_tokens(self.placeholder_token_id(module))
         return tok * n_tokens
+
+    def video_token_id(self) -> int | None:
+        """Token id whose positions receive the video rows of the ``reads_video`` encoder
+        (after its image rows); None: this family does not take video."""
+        return None
+
+    def video_placeholder_text(self, n_tokens: int) -> str:
+        """Text that stands for one video once expanded to ``n_tokens`` placeholders."""
+        raise NotImplementedError(f"family {self.name!r} does not take video")
 
     def extra_inputs(self, encoder_inputs: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Tensors the LLM needs from a sample's encoder inputs (e.g. image

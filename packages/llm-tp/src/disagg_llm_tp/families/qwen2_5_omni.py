@@ -27,6 +27,7 @@ _WRAP = {"vision": ("<|vision_bos|>", "<|vision_eos|>"), "audio": ("<|audio_bos|
 
 
 class Qwen25OmniLanguageFamily(Qwen25VLLanguageFamily):
+    takes_video: ClassVar[bool] = False  # video is Qwen2.5-VL's only so far
     #: its forward is not split yet (its own positions/run are untested under context parallelism)
     context_parallel_support: ClassVar[bool] = False
 

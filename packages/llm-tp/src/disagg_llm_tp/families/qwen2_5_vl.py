@@ -5,7 +5,10 @@ Qwen2.5-VL dir, with HF's own 3D mRoPE positions.
 tower (the vision group owns it), so parameter names stay the checkpoint's
 (``model.language_model.*``, ``lm_head.weight``) and the forward is HF's:
 ``Qwen2_5_VLModel`` computes the positions with ``get_rope_index`` from
-``input_ids``, ``mm_token_type_ids`` and ``image_grid_thw``.
+``input_ids``, ``mm_token_type_ids``, ``image_grid_thw`` and, for video,
+``video_grid_thw`` with ``second_per_grid_ts`` (MRoPE's time axis). The vision
+module's rows of a sample are its images' then its videos'; they go to the
+``<|image_pad|>`` and then the ``<|video_pad|>`` tokens, as HF places them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
     vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_vl",)
     placeholder_tokens: ClassVar[dict[str, str]] = {"vision": "<|image_pad|>"}
     head_attrs: ClassVar[tuple[str, ...]] = ("num_heads",)
+    #: places video rows (at ``video_token_id``, with MRoPE's time axis); the subclasses' HF
+    #: models count video positions their own way, untested here
+    takes_video: ClassVar[bool] = True
 
     @classmethod
     def hf_classes(cls) -> tuple[type, type]:
@@ -44,10 +50,40 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
     def placeholder_text(self, module: str, n_tokens: int) -> str:
         return "<|vision_start|>" + "<|image_pad|>" * n_tokens + "<|vision_end|>"
 
+    def video_token_id(self) -> int | None:
+        return int(self.config.video_token_id) if self.takes_video else None
+
+    def video_placeholder_text(self, n_tokens: int) -> str:
+        return "<|vision_start|>" + "<|video_pad|>" * n_tokens + "<|vision_end|>"
+
     def extra_inputs(self, encoder_inputs: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         vision = encoder_inputs.get("vision") or {}
         grid = vision.get("image_grid_thw", vision.get("grid_thw"))
-        return {} if grid is None else {"image_grid_thw": grid}
+        out = {} if grid is None else {"image_grid_thw": grid}
+        if self.video_token_id() is not None:
+            out.update({k: vision[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in vision})
+        return out
+
+    def scatter(
+        self, embeds: torch.Tensor, ids: torch.Tensor, rows: list[dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        """A sample's vision rows are its images' then its videos': the first go to the image
+        tokens, the rest to the video tokens (split as a module of their own)."""
+        vid = self.video_token_id()
+        if vid is None or not any("vision" in r for r in rows):
+            return super().scatter(embeds, ids, rows)
+        video_rows = "vision:video"
+        split = []
+        for i, r in enumerate(rows):
+            r = dict(r)
+            if "vision" in r:
+                n_image = int((ids[i] == self._pid("vision")).sum())
+                r["vision"], videos = r["vision"][:n_image], r["vision"][n_image:]
+                if videos.shape[0]:
+                    r[video_rows] = videos
+            split.append(r)
+        self._placeholder_ids[video_rows] = vid
+        return super().scatter(embeds, ids, split)
 
     def mrope_inputs(
         self, ids: torch.Tensor, inputs: list[dict[str, torch.Tensor]]
@@ -59,6 +95,17 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
         grids = [x["image_grid_thw"].reshape(-1, 3) for x in inputs if "image_grid_thw" in x]
         return types, (torch.cat(grids).to(ids.device) if grids else None)
 
+    def video_inputs(
+        self, ids: torch.Tensor, inputs: list[dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """The microbatch's video grids and seconds per temporal patch (MRoPE's time axis), in
+        sample order as HF's ``get_rope_index`` consumes them; empty without video."""
+        grids = [x["video_grid_thw"].reshape(-1, 3) for x in inputs if "video_grid_thw" in x]
+        if not grids:
+            return {}
+        secs = [x["second_per_grid_ts"].reshape(-1) for x in inputs if "video_grid_thw" in x]
+        return {"video_grid_thw": torch.cat(grids).to(ids.device), "second_per_grid_ts": torch.cat(secs)}
+
     def run(self, module, ids, embeds, mask, inputs, rows):
         types, grid = self.mrope_inputs(ids, inputs)
         module.model.rope_deltas = None  # never reuse positions cached by an earlier call
@@ -69,6 +116,7 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
             image_grid_thw=grid,
             mm_token_type_ids=types,
             use_cache=False,
+            **self.video_inputs(ids, inputs),
         ).logits
 
     def position_ids(self, module, ids, mask, inputs):
@@ -76,10 +124,11 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
         model's own ``get_rope_index`` (what its forward computes from ``input_ids``); a
         microbatch without images gets the text positions HF would infer."""
         types, grid = self.mrope_inputs(ids, inputs)
-        if grid is None:
+        video = self.video_inputs(ids, inputs)
+        if grid is None and not video:
             return super().position_ids(module, ids, mask, inputs)[None].expand(3, -1, -1)
         positions, _ = module.model.get_rope_index(
-            ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask
+            ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask, **video
         )
         return positions
 

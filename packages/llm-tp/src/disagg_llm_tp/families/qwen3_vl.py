@@ -28,6 +28,7 @@ from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
 
 
 class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
+    takes_video: ClassVar[bool] = False  # video is Qwen2.5-VL's only so far
     #: its forward is not split yet (its own positions/run are untested under context parallelism)
     context_parallel_support: ClassVar[bool] = False
 

@@ -24,6 +24,8 @@ from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
 
 
 class Qwen2_5OmniVision(Qwen2_5_VLVision):
+    #: video is Qwen2.5-VL's only so far
+    reads_video: ClassVar[bool] = False
     """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
 
     name: ClassVar[str] = "qwen2_5_omni"

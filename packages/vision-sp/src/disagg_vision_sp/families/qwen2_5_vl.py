@@ -5,6 +5,13 @@ HF submodules on a slice of the window-permuted sequence: patch embedding and
 rotary embeddings are per token, window blocks are local because cuts fall on
 window boundaries, full-attention blocks span shards, and the merger sees
 whole 2x2 merge units because windows are made of them.
+
+Videos go through the same tower (:mod:`disagg_vision_sp.families.qwen_video`):
+a sample's inputs may hold ``pixel_values``/``image_grid_thw`` and
+``pixel_values_videos``/``video_grid_thw``; the tower sees the image patches
+then the video patches (each grid attends on its own, so this equals HF's two
+calls) and its rows come out in that order. A long video is split over the
+Ulysses ranks like a long image.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
 
     modality: ClassVar[str] = "image"
     pixel_limits: ClassVar[bool] = True
+    reads_video: ClassVar[bool] = True
     #: ``model_type`` of the dirs this family reads (whole VLM)
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_vl",)
 
@@ -158,13 +166,41 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
             "image_grid_thw": out["image_grid_thw"].to(torch.long),
         }
 
+    def video_frame_factor(self) -> int:
+        return int(self.vision_config().temporal_patch_size)
+
+    def preprocess_video(self, videos: list[Any], **limits: int) -> dict[str, torch.Tensor]:
+        from disagg_vision_sp.families.qwen_video import video_inputs
+
+        cfg = self.vision_config()
+        return video_inputs(
+            videos,
+            image_processor(str(self.path)),
+            patch=int(cfg.patch_size),
+            merge=int(cfg.spatial_merge_size),
+            temporal=int(cfg.temporal_patch_size),
+            **limits,
+        )
+
+    @staticmethod
+    def grid(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[items, 3]`` grids of a sample's images, then its videos (the rows' order)."""
+        parts = [inputs[k].reshape(-1, 3) for k in ("image_grid_thw", "video_grid_thw") if k in inputs]
+        return torch.cat(parts).to(torch.long)
+
+    @staticmethod
+    def pixels(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A sample's patches: its images', then its videos' (the same patch vector width)."""
+        parts = [inputs[k] for k in ("pixel_values", "pixel_values_videos") if k in inputs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def num_tokens(self, inputs: dict[str, torch.Tensor]) -> list[int]:
         merge = int(self.vision_config().spatial_merge_size)
-        return [int(t * h * w) // merge**2 for t, h, w in inputs["image_grid_thw"].tolist()]
+        return [int(t * h * w) // merge**2 for t, h, w in self.grid(inputs).tolist()]
 
     def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = inputs["pixel_values"].to(module.device, module.dtype)
-        return module(pixels, grid_thw=inputs["image_grid_thw"].to(module.device)).pooler_output
+        pixels = self.pixels(inputs).to(module.device, module.dtype)
+        return module(pixels, grid_thw=self.grid(inputs).to(module.device)).pooler_output
 
     # -- ulysses hook points --------------------------------------------------------------------
     def ulysses_heads(self) -> int:
@@ -180,7 +216,7 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
         cfg = self.vision_config()
         merge = int(cfg.spatial_merge_size)
         unit = merge * merge
-        grid = torch.cat([x["image_grid_thw"] for x in inputs]).to(torch.long)
+        grid = torch.cat([self.grid(x) for x in inputs])
         # The same helpers HF's forward uses, over the whole microbatch at once.
         window_index, cu_window = get_vision_window_index(
             grid, spatial_merge_size=merge, window_size=cfg.window_size, patch_size=cfg.patch_size
@@ -212,7 +248,7 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
         units = layout.extra["window_index"][lo // unit : hi // unit]
         # original (processor-order) token index of every local token, in window order
         tokens = (units[:, None] * unit + torch.arange(unit)).reshape(-1)
-        pixels = torch.cat([x["pixel_values"] for x in inputs])[tokens].to(dev, module.dtype)
+        pixels = torch.cat([self.pixels(x) for x in inputs])[tokens].to(dev, module.dtype)
         hidden = module.patch_embed(pixels)
         return hidden, module.rotary_pos_emb(hidden, layout.extra["position_ids"][tokens].to(dev))
 

@@ -30,6 +30,8 @@ class Qwen2VLVision(Qwen2_5_VLVision):
         return qwen2_vl_shape(config)
 
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
+    #: video is Qwen2.5-VL's only so far (this tower and Qwen3-VL's are untested on it)
+    reads_video: ClassVar[bool] = False
 
     def hidden_size(self) -> int:
         # Qwen2-VL's vision config calls the merger's output width hidden_size.

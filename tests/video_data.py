@@ -1,0 +1,81 @@
+"""Real encoded video files (PyAV) and a dataset that mixes video, image and text rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: (red, green, blue) of each frame: every frame differs, so a wrong frame choice changes pixels
+COLORS = [(255 * (k % 3 == 0), 255 * (k % 3 == 1), 40 * k % 256) for k in range(12)]
+
+
+def write_video(path: Path, n_frames: int = 10, rate: int = 4, size: tuple[int, int] = (64, 48)) -> Path:
+    """An mp4 of ``n_frames`` frames of different colors (a moving bar too), ``rate`` per second;
+    libx264 where this PyAV build has it, else mpeg4."""
+    import av
+
+    w, h = size
+    for codec in ("libx264", "mpeg4"):
+        try:
+            with av.open(str(path), "w", format="mp4") as c:
+                s = c.add_stream(codec, rate=rate)
+                s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+                for k in range(n_frames):
+                    img = np.zeros((h, w, 3), np.uint8)
+                    img[...] = COLORS[k % len(COLORS)]
+                    img[:, (4 * k) % w : (4 * k) % w + 6] = 255
+                    for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                        c.mux(p)
+                for p in s.encode():
+                    c.mux(p)
+            return path
+        except Exception:  # noqa: BLE001 - the next codec
+            continue
+    raise RuntimeError("neither libx264 nor mpeg4 encodes with this PyAV build")
+
+
+def write_video_data(root: Path) -> dict[str, Any]:
+    """Rows in file order (shuffle off): step 1 = video row, image row, text row, a corrupt video
+    row (skipped) and a two-media row (image then video); step 2 = video (Qwen content part),
+    text, image, text."""
+    import random
+
+    from disagg.data.demo_data import draw_shape
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_video(root / "clip.mp4", n_frames=10, rate=4)
+    write_video(root / "long.mp4", n_frames=12, rate=3, size=(80, 48))
+    (root / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 4)
+    draw_shape("red", "square", 56, random.Random(0)).resize((56, 28)).save(root / "wide.png")
+
+    def chat(prompt: str, answer: str, **media: Any) -> dict:
+        return {
+            "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
+            **media,
+        }
+
+    rows = [
+        chat("<video>What happens?", "Colors change.", videos=["clip.mp4"]),
+        chat("<image>Describe.", "A red square.", images=["wide.png"]),
+        chat("Answer briefly.", "Fine."),
+        chat("<video>And here?", "Nothing.", videos=["broken.mp4"]),
+        chat("<image>Then <video> this.", "A square, then colors.", images=["wide.png"], videos=["long.mp4"]),
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "video", "video": "long.mp4"}, {"type": "text", "text": "Which?"}],
+                },
+                {"role": "assistant", "content": "A moving bar."},
+            ]
+        },
+        chat("Say hi.", "Hi."),
+        chat("<image>Shape?", "Square.", images=["wide.png"]),
+        chat("What now?", "Done."),
+    ]
+    path = root / "video.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"train": str(path), "media_root": str(root), "broken_line": 4}
