@@ -94,8 +94,8 @@ def test_many_problems_are_collected(reg, workdir):
     assert "did you mean 'chunks'" in found["parallel.vision.chunkz"]
     allowed = (
         "allowed: strategy, degree, replicas, context_parallel, ranks, resources, recompute, "
-        "loss_chunk_tokens, offload, feature_cache, feature_cache_gb, feature_cache_dir, feature_cache_ahead, "
-        "chunks"
+        "loss_chunk_tokens, offload, feature_cache, feature_cache_gb, feature_cache_dir, "
+        "feature_cache_ahead, chunks"
     )
     assert allowed in found["parallel.vision.chunkz"]
     assert "did you mean 'object_store'" in found["parallel.transport"]
