@@ -16,7 +16,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import LayerMap
 from disagg_vision_sp.families.qwen3_vl import Qwen3VLVision
 
 
@@ -45,29 +44,6 @@ class Qwen3_5Vision(Qwen3VLVision):
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
         return Qwen3_5VisionModel
-
-    def layer_map(self) -> LayerMap:
-        return LayerMap(
-            column=("blocks.*.attn.qkv", "blocks.*.mlp.linear_fc1", "merger.linear_fc1"),
-            row=("blocks.*.attn.proj", "blocks.*.mlp.linear_fc2", "merger.linear_fc2"),
-            heads={"blocks.*.attn": ("num_heads",)},
-            column_chunks={"blocks.*.attn.qkv": 3},
-            replicated=(
-                "patch_embed.*",
-                "pos_embed.*",
-                "blocks.*.norm1.*",
-                "blocks.*.norm2.*",
-                "merger.norm.*",
-            ),
-        )
-
-    def parts(self) -> dict[str, tuple[str, ...]]:
-        return {
-            "tower": ("patch_embed.*", "pos_embed.*", "blocks.*"),
-            "patch_embed": ("patch_embed.*", "pos_embed.*"),
-            "blocks": ("blocks.*",),
-            "merger": ("merger.*",),
-        }
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:

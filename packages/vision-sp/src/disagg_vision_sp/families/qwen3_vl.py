@@ -51,7 +51,8 @@ class Qwen3VLVision(Qwen2VLVision):
         return Qwen3VLVisionModel
 
     def layer_map(self) -> LayerMap:
-        mergers = ("merger", "deepstack_merger_list.*")
+        # a tower without DeepStack (Qwen3.5's) has the main merger only
+        mergers = ("merger", "deepstack_merger_list.*") if self.deepstack_layers() else ("merger",)
         return LayerMap(
             column=("blocks.*.attn.qkv", "blocks.*.mlp.linear_fc1", *(f"{m}.linear_fc1" for m in mergers)),
             row=("blocks.*.attn.proj", "blocks.*.mlp.linear_fc2", *(f"{m}.linear_fc2" for m in mergers)),
@@ -69,13 +70,15 @@ class Qwen3VLVision(Qwen2VLVision):
         )
 
     def parts(self) -> dict[str, tuple[str, ...]]:
-        return {
+        parts = {
             "tower": ("patch_embed.*", "pos_embed.*", "blocks.*"),
             "patch_embed": ("patch_embed.*", "pos_embed.*"),
             "blocks": ("blocks.*",),
             "merger": ("merger.*",),
-            "deepstack_mergers": ("deepstack_merger_list.*",),
         }
+        if self.deepstack_layers():
+            parts["deepstack_mergers"] = ("deepstack_merger_list.*",)
+        return parts
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
