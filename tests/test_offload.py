@@ -15,8 +15,7 @@ path, with the strategy's per-fragment AdamW on the host partitions), compared w
 tolerance policy's tight fp32 bound (:data:`ZERO`).
 
 A run resumed with offload from the full state a run without offload held after 2 steps (the
-``checkpoint.format: full`` form; ``bf16``, but ``fp32`` for zero stage 1, see
-``offload_cases.resume_precision``)
+``checkpoint.format: full`` form, ``bf16``)
 loads it exactly and takes the same 3rd step (exactly; ``zero`` within :data:`ZERO`).
 """
 
