@@ -15,7 +15,7 @@ path, with the strategy's per-fragment AdamW on the host partitions), compared w
 tolerance policy's tight fp32 bound (:data:`ZERO`).
 
 A run resumed with offload from the full state a run without offload held after 2 steps (the
-``checkpoint.format: full`` form; ``bf16``, but ``fp32`` for zero stage 1, see :data:`ZERO1_BF16`)
+``checkpoint.format: full`` form, ``bf16``)
 loads it exactly and takes the same 3rd step (exactly; ``zero`` within :data:`ZERO`).
 """
 
@@ -96,22 +96,10 @@ ZERO = Precision("fp32-1e-6", rtol=1e-6, param_unit=FP32.param_unit)
 
 
 def _cases() -> list:
-    out = []
-    for layout in LAYOUTS:
-        for precision in PRECISIONS:
-            marks = []
-            if layout == "zero-1" and precision == "bf16":
-                marks = [pytest.mark.xfail(strict=True, reason=ZERO1_BF16)]
-            out.append(pytest.param(layout, precision, marks=marks))
-    return out
-
-
-#: found by this test: without offload, zero stage 1 under bf16 (DeepSpeed's BF16_Optimizer) over
-#: 2 microbatches reports a grad norm 2.5x the fp32 run's (20.78 against 8.16) and drifts from it
-#: (loss 67.904 at step 3 against 67.808), while its offloaded run (DeepSpeedZeroOptimizer with
-#: CPU offload) stays with fp32 (67.8045); stages 2-3 under bf16 agree with fp32. The baseline is
-#: the wrong side, so the equality cannot hold until the stage-1 bf16 accumulation is fixed
-ZERO1_BF16 = "zero stage 1 bf16 without offload accumulates 2 microbatches wrongly (BF16_Optimizer)"
+    # zero stage 1 under bf16 over 2 microbatches was off without offload (BF16_Optimizer re-added
+    # the 1st microbatch's gradient: grad norm 20.78 against fp32's 8.16) until the strategy ran
+    # DeepSpeed's backward prologue (disagg_zero.strategy._hand_to_engine); a plain case since
+    return [(layout, precision) for layout in LAYOUTS for precision in PRECISIONS]
 
 
 @pytest.mark.parametrize("layout,precision", _cases())

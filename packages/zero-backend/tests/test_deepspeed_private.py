@@ -33,8 +33,12 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "update_lp_params",
         "get_param_id",
         "scaled_global_norm",
+        "backward_prologue",  # strategy._hand_to_engine: what engine.forward's hook runs
     ),
-    "deepspeed.runtime.bf16_optimizer:BF16_Optimizer": ("get_grads_for_norm",),
+    "deepspeed.runtime.bf16_optimizer:BF16_Optimizer": (
+        "get_grads_for_norm",
+        "backward_prologue",  # strategy._hand_to_engine: zeroes the bf16 .grad it re-adds otherwise
+    ),
     "deepspeed.runtime.zero.partition_parameters:Init": (
         "_zero_init_param",  # build.py: partition without initialising (patched during the build)
         "_convert_to_deepspeed_param",

@@ -2,7 +2,8 @@
 under each ``train.precision`` recipe as ``zero`` stage 1, 2 and 3 over 2 ranks (uneven: 3
 samples and 2), then each at 1 rank (``disagg.testing.recipes``' single-rank group, the two
 processes each running a share), at the end of ``test_zero_uneven``'s spawn (``conftest.py``):
-no spawn of its own.
+no spawn of its own. Under ``bf16`` each stage also runs over 2 ranks with each rank's samples
+split into 2 microbatches, beside a 2-rank ``fp32`` run (stage 1) that the grad norms are held to.
 
 The loss is the LM's summed cross-entropy over the global label count: positive and far from
 0 at every step (about ln(vocab)), so the kit's relative loss tolerance means something (a
@@ -84,7 +85,10 @@ def _grad_dtypes(strat: Any) -> set[torch.dtype]:
     return {p.grad.dtype for g in strat.optimizer.param_groups for p in g["params"] if p.grad is not None}
 
 
-def _run(rank: int, path: str, world: int, stage: int, precision: str, data: list[dict]) -> dict:
+def _run(
+    rank: int, path: str, world: int, stage: int, precision: str, data: list[dict], microbatches: int = 1
+) -> dict:
+    """``microbatches``: this rank's samples split into that many backwards before each step."""
     from disagg_zero import ZeroStrategy
 
     ctx = ranks.rank_context("llm", rank, 1, world, seed=3, precision=precision)
@@ -95,19 +99,27 @@ def _run(rank: int, path: str, world: int, stage: int, precision: str, data: lis
     total = sum(int((x["llm"]["labels"][1:] != -100).sum()) for x in data)
     # uneven over 2 ranks: 3 samples and 2
     mine = data if world == 1 else data[:3] if rank == 0 else data[3:]
-    seen: dict[str, Any] = {"grad_dtypes": set()}
-    step = strat.optimizer.step
+    seen: dict[str, Any] = {"grad_dtypes": set(), "norms": []}
+    step, norm_sq = strat.optimizer.step, strat.grad_norm_sq
 
     def spied(*a: Any, **k: Any) -> Any:
         seen["grad_dtypes"] |= _grad_dtypes(strat)
         return step(*a, **k)
 
+    def norm_spied() -> float:
+        seen["norms"].append(norm_sq() ** 0.5)  # the group's grad norm, each step
+        return seen["norms"][-1] ** 2
+
     strat.optimizer.step = spied
+    strat.grad_norm_sq = norm_spied
 
     def microbatch(strat: Any) -> float:
-        rows = ranks.leaves([{k: v.to(ctx.dtype) for k, v in x["embeds"].items()} for x in mine])
-        loss = ranks.loss_and_backward(strat, 0, [x["llm"] for x in mine], rows, 1.0 / total)
-        seen["embed_grad_dtypes"] = {v.grad.dtype for e in rows for v in e.values()}
+        loss = 0.0
+        for mb in range(microbatches):  # the same global label count in each: a sum of parts
+            part = mine[mb::microbatches]
+            rows = ranks.leaves([{k: v.to(ctx.dtype) for k, v in x["embeds"].items()} for x in part])
+            loss += ranks.loss_and_backward(strat, mb, [x["llm"] for x in part], rows, 1.0 / total)
+            seen["embed_grad_dtypes"] = {v.grad.dtype for e in rows for v in e.values()}
         return loss
 
     out = recipe_steps(strat, microbatch, steps=STEPS)
@@ -125,6 +137,10 @@ def zero_recipe_rank(rank: int, path: str) -> bytes:
     for stage in STAGES:
         for precision in RECIPES:
             out[(stage, 2, precision)] = _run(rank, path, 2, stage, precision, data)
+    # 2 microbatches per step (the runs above take one backward each): keyed with a 4th element
+    for stage in STAGES:
+        out[(stage, 2, "bf16", 2)] = _run(rank, path, 2, stage, "bf16", data, microbatches=2)
+    out[(1, 2, "fp32")] = _run(rank, path, 2, 1, "fp32", data)  # their fp32 reference
     single_rank_group()
     # one world per process in a real run: DeepSpeed caches the 2 ranks' world group and
     # checks the environment's world size against the new one

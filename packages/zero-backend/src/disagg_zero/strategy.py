@@ -218,6 +218,12 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
         if clear is not None:
             clear()
+        # ... and what the backward hook engine.forward() registers runs before each backward:
+        # the optimizer's prologue. BF16_Optimizer (stage 1 under bf16) adds the module's whole
+        # bf16 .grad into its fp32 gradients after every backward and zeroes that .grad only
+        # here; without it the 2nd microbatch adds the 1st's gradient again (g1 + (g1 + g2)).
+        # (every DeepSpeed ZeRO optimizer has one; pinned in tests/test_deepspeed_private.py)
+        self.engine.optimizer.backward_prologue()
         self.engine.set_gradient_accumulation_boundary(False)
         with counted(self.ctx.comm):
             self.engine.backward(injector(self._params, local, self._seed_scale))
