@@ -242,7 +242,7 @@ def _kill_at(step: int, module_index: int, rank: int, monkeypatch) -> list[int]:
     killed: list[int] = []
     real_step = Orchestrator.step
 
-    def step_and_kill(self, batch):
+    def step_and_kill(self, batch, *args, **kwargs):
         # a restarted run's new orchestrator counts from 0 again: kill once only
         if not killed and self.steps_done + 1 == step:
             import ray
@@ -250,7 +250,7 @@ def _kill_at(step: int, module_index: int, rank: int, monkeypatch) -> list[int]:
             pid = ray.get(self.groups[module_index].actors[rank].placement.remote())["pid"]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
-        return real_step(self, batch)
+        return real_step(self, batch, *args, **kwargs)
 
     monkeypatch.setattr(Orchestrator, "step", step_and_kill)
     return killed

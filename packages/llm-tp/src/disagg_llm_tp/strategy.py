@@ -90,6 +90,11 @@ class MegatronTPStrategy(ContextParallelLanguage, TPFullState, Strategy):
                 f"family {family.name!r} declares no layer map, so strategy 'megatron_tp' cannot split it; "
                 "use strategy 'ddp', 'zero' or 'ulysses'"
             )
+        for why in lmap.no_split.values() if lmap is not None else ():
+            problems.append(
+                f"strategy 'megatron_tp' cannot split family {family.name!r} ({family.path}): {why}; "
+                "use strategy 'ddp' (optionally with shard: parameters) or 'zero'"
+            )
         for spec in lmap.attention.values() if lmap is not None else ():
             # the heads the family declares are what tensor parallelism splits
             for p in head_split_problems(spec.num_heads, spec.num_kv_heads, degree, str(family.path)):

@@ -72,10 +72,17 @@ def resolve_module(
         family_cls = None  # families read their config from the path
     size = group.degree * group.context_parallel * group.replicas
     if group.ranks is not None and group.ranks != size:
+        # context_parallel named only where it is set: most configs never use it
+        terms = [
+            ("degree", group.degree),
+            ("context_parallel", group.context_parallel),
+            ("replicas", group.replicas),
+        ]
+        terms = [t for t in terms if t[0] != "context_parallel" or t[1] > 1]
         out.add(
             ("parallel", m, "ranks"),
-            f"{group.ranks} does not equal degree × context_parallel × replicas = {group.degree} × "
-            f"{group.context_parallel} × {group.replicas} = {size}; set ranks to {size} or drop it",
+            f"{group.ranks} does not equal {' × '.join(k for k, _ in terms)} = "
+            f"{' × '.join(str(v) for _, v in terms)} = {size}; set ranks to {size} or drop it",
         )
     if group.context_parallel > 1:
         _context_parallel(m, group, strategy_cls, family_cls, out)

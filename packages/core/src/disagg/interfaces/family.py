@@ -89,6 +89,9 @@ class LayerMap:
         ``("fc1", "fc2")``, whose layer drops activations in between): dropout drawn
         there must differ per TP rank, as inside attention.
     extra: anything a third-party strategy needs beyond this (documented by it).
+    no_split: pattern -> why tensor parallelism cannot cut those modules exactly yet; a
+        strategy that splits by this map refuses the family with the reason (the map still
+        names every parameter's kind for LoRA and the chunked loss).
     """
 
     column: tuple[str, ...] = ()
@@ -103,6 +106,7 @@ class LayerMap:
     head_replicated: tuple[str, ...] = ()
     feature_split: dict[str, tuple[str, str]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    no_split: dict[str, str] = field(default_factory=dict)
 
 
 class Family(ABC):

@@ -61,22 +61,9 @@ class Qwen35LanguageFamily(Qwen25VLLanguageFamily):
 
         return qwen3_5_decoder_shape(config)
 
-    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
-        problems = super().check(strategy, degree, replicas)
-        if problems or strategy != "megatron_tp":
-            return problems
-        tc = self.text_config
-        keys = tc.linear_num_key_heads * tc.linear_key_head_dim
-        values = tc.linear_num_value_heads * tc.linear_value_head_dim
-        return [
-            f"parallel.llm.strategy='megatron_tp': family 'qwen3_5' ({self.path}) "
-            + TP_REFUSED.format(keys=keys, values=values)
-            + "; use strategy 'ddp' (optionally with shard: parameters) or 'zero'"
-        ]
-
     def layer_map(self) -> LayerMap:
-        """Every parameter's kind, as LoRA and the chunked loss read it (``megatron_tp`` is
-        refused by :meth:`check`, so no strategy cuts the linear layers by this map)."""
+        """Every parameter's kind, as LoRA and the chunked loss read it; ``no_split`` makes
+        ``megatron_tp`` refuse the family, so no strategy cuts the linear layers by this map."""
         tc, p = self.text_config, self.prefix
         attn, lin = f"{p}.layers.*.self_attn", f"{p}.layers.*.linear_attn"
         heads = AttentionSpec(num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads)
@@ -102,6 +89,12 @@ class Qwen35LanguageFamily(Qwen25VLLanguageFamily):
                 f"{lin}.A_log",
             ),
             head_replicated=(f"{attn}.q_norm.*", f"{attn}.k_norm.*", f"{lin}.norm.*"),
+            no_split={
+                lin: TP_REFUSED.format(
+                    keys=tc.linear_num_key_heads * tc.linear_key_head_dim,
+                    values=tc.linear_num_value_heads * tc.linear_value_head_dim,
+                )
+            },
         )
 
     @classmethod
