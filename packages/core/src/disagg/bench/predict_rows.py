@@ -48,7 +48,7 @@ def predict_rows(
 ) -> dict[str, Any]:
     """The speed rows (every layout, recompute mode, length and recipe) and the longest-fit rows
     (every fit layout and recipe) at ``usable`` of each GPU's memory."""
-    from disagg.bench.published_fit import FIT_LAYOUTS, fit_table
+    from disagg.bench.published_fit import fit_table
     from disagg.plugins import get_registry
 
     strategies = get_registry().strategies
@@ -72,20 +72,9 @@ def predict_rows(
                     "stops_it": stops_it(row, budget),
                 }
             )
-    fits = []
-    for fit in fit_table(budget, strategies, precisions=tuple(recipes)):
-        layout = FIT_LAYOUTS.get(fit.layout)
-        d = fit.to_dict()
-        fits.append(
-            {
-                "layout": d.pop("layout"),
-                "parallel": layout,
-                "recipe": d.pop("precision"),
-                "usable": usable,
-                "offload": _offload(layout),
-                **d,
-            }
-        )
+    # each longest-fit row in the published model's own JSON form (layout, parallel, recipe,
+    # offload, usable, memory terms, what stops it)
+    fits = [fit.to_dict(usable) for fit in fit_table(budget, strategies, precisions=tuple(recipes))]
     return {
         "model": "Qwen2.5-VL-32B (config values)",
         "gpus": published.PAPER["gpus"],
