@@ -49,6 +49,14 @@ def own_layout(
         except Exception as exc:
             return OwnLayout(None, f"parallel.{m}: {exc}")
         extra = {**(g.model_extra or {}), "recompute": g.recompute}
+        # the group's own keys the strategies cost (disagg.plan.native), where not the default
+        extra.update(
+            {
+                k: v
+                for k, v in (("context_parallel", g.context_parallel), ("offload", g.offload))
+                if v not in (1, "none")
+            }
+        )
         opts = tuple(sorted((k, v) for k, v in extra.items() if _QUIET.get(k) != v))
         groups[m] = Group(m, g.strategy, g.degree, g.replicas, opts)
     if cfg.parallel.placement == "disaggregated" and len(groups) < 2:
