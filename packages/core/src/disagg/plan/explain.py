@@ -104,36 +104,42 @@ def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2**20:.2f} MiB"
 
 
+def _kinds(x: Layout) -> set[str]:
+    return {k.split(": ")[1].split("=")[0] for k in _keys(x)}
+
+
 def keys_lines(result: PlanResult) -> list[str]:
-    """Why the best layout uses context parallelism or optimizer offload, where it does: the fastest
-    fitting layout without either and the term it loses by, or, when none fits, the memory term
-    the keys save (each group's state, activations, ...)."""
+    """Why the best layout uses context parallelism or optimizer offload, where it does, one line per
+    key: the fastest fitting layout without it and the time term it loses by, or, when none without it
+    fits, the smallest such layout and the memory terms the key saves on the worst device."""
     best = result.best
     keys = _keys(best)
     if not keys:
         return []
     lines = [f"  uses {'; '.join(keys)}"]
-    plain = [x for x in result.ranked if not _keys(x)]
-    if plain:
-        x = plain[0]
+    for kind in sorted(_kinds(best)):
+        plain = [x for x in result.ranked if kind not in _kinds(x)]
+        if plain:
+            x = plain[0]
+            lines.append(
+                f"  {kind} wins on time: the fastest without it, {x.name()}, takes "
+                f"{x.step_time_s / best.step_time_s:.3f}x the time; {_diff(best, x)}"
+            )
+            continue
+        oom = [x for x in result.oom if kind not in _kinds(x)]
+        if not oom:
+            lines.append(f"  {kind}: every layout searched uses it")
+            continue
+        x = min(oom, key=lambda y: y.memory_bytes)
+        saved = sorted(
+            ((x.memory_terms.get(k, 0) - v, k) for k, v in best.memory_terms.items()), reverse=True
+        ) or [(x.memory_bytes - best.memory_bytes, "memory")]
+        terms = ", ".join(f"{k} -{_size(d)}" for d, k in saved[:2] if d > 0) or "none"
         lines.append(
-            f"  wins on time: without them the fastest is {x.name()}: "
-            f"{x.step_time_s / best.step_time_s:.3f}x the time; {_diff(best, x)}"
+            f"  {kind} wins on memory: nothing without it fits (the smallest, {x.name()}, needs "
+            f"{x.memory_bytes / GiB:.2f} of {result.cluster.memory_budget / GiB:.2f} GiB per device); "
+            f"it saves on the worst device: {terms}"
         )
-        return lines
-    oom = [x for x in result.oom if not _keys(x)]
-    if not oom:
-        return lines + ["  every layout searched uses them"]
-    x = min(oom, key=lambda y: y.memory_bytes)
-    saved = sorted(
-        ((x.memory_terms.get(k, 0) - v, k) for k, v in best.memory_terms.items()), reverse=True
-    ) or [(x.memory_bytes - best.memory_bytes, "memory")]
-    terms = ", ".join(f"{k} -{_size(d)}" for d, k in saved[:2] if d > 0) or "none"
-    lines.append(
-        f"  wins on memory: without them nothing fits (the smallest, {x.name()}, needs "
-        f"{x.memory_bytes / GiB:.2f} of {result.cluster.memory_budget / GiB:.2f} GiB per device); "
-        f"the terms they save on the worst device: {terms}"
-    )
     return lines
 
 
