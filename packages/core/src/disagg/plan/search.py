@@ -163,8 +163,9 @@ def layout_variants(
     for the strategies ``work.modelled`` states traits for: ``context_parallel`` 2, 4, ... for a
     decoder (TP x CP, or FSDP + CP where the variant shards the parameters), and ``offload:
     optimizer`` where the cluster is GPUs (host memory beside them); both for full training only
-    (no LoRA, nothing frozen). A plan of a config (``disagg plan``) models none: it never writes a
-    layout ``disagg train`` refuses."""
+    (no LoRA, nothing frozen). A plan of a config (``disagg plan``, ``parallel: auto``) models none:
+    it asks the strategies' own hooks instead (:func:`strategy_cp`, the strategies' ``offload``
+    option variants, :mod:`disagg.plan.native`), so it never writes a layout ``disagg train`` refuses."""
     from disagg.interfaces.shapes import DecoderShape
 
     out: list[dict[str, Any]] = [{}]
@@ -191,7 +192,7 @@ def _offloads(variant: dict[str, Any]) -> bool:
 
 def _refused(cls: type[Strategy], options: StrategyOptions, recipe: str, module: str) -> bool:
     """The strategy's own precision checks refuse these options under ``recipe`` (as validation
-    would: e.g. an offloaded DeepSpeed optimizer outside ``fp32``)."""
+    would: e.g. an offloaded optimizer a backend holds only in ``fp32``)."""
     try:
         return bool(cls.precision_problems(recipe, options, f"parallel.{module}"))
     except Exception:  # a third party's check that needs more: validation will say
@@ -209,13 +210,22 @@ def strategy_cp(
 ) -> list[dict[str, Any]]:
     """``context_parallel`` 2, 4, ... (dividing the devices) for the LLM under a strategy and a
     family that state ``context_parallel_support``, costed by the strategy's own hook
-    (:attr:`CostQuery.context_parallel`); not with ``sequence_parallel`` (validation refuses the
-    pair), nor for a strategy the published setting models by traits (:func:`layout_variants`)."""
+    (:attr:`CostQuery.context_parallel`); not with options validation refuses beside CP
+    (:func:`disagg.config.model_checks.context_parallel_option_problems`), nor for a strategy the
+    published setting models by traits (:func:`layout_variants`)."""
     from disagg.interfaces.shapes import DecoderShape
 
     if module != "llm" or name in work.modelled or not isinstance(work.shapes[module], DecoderShape):
         return []
-    if not getattr(cls, "context_parallel_support", False) or variant.get("sequence_parallel"):
+    if not getattr(cls, "context_parallel_support", False):
+        return []
+    from disagg.config.model_checks import context_parallel_option_problems
+
+    try:
+        options = cls.options_model(**variant)
+    except Exception:  # a third party's options may not accept our variant
+        return []
+    if context_parallel_option_problems(2, options):
         return []
     if family is not None and not getattr(type(family), "context_parallel_support", False):
         return []
