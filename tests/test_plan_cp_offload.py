@@ -221,3 +221,20 @@ def test_qwen3_vl_family_without_cp_gets_offload_only(tmp_path):
         "megatron_tp",
         "ddp",
     }
+
+
+def test_host_memory_per_node_bounds_offload():
+    """The GPU presets' host memory (DGX 2 TB, 70% beside Ray's object store) is checked per node:
+    every device of a node may hold the worst device's offloaded state."""
+    from dataclasses import replace
+
+    from disagg.plan.cluster import PRESETS
+    from disagg.plan.model import Group, Layout, host_fits
+
+    h100 = PRESETS["h100x8"]
+    assert h100.host_memory == int(0.7 * 2 * 10**12) and PRESETS["cpu"].host_memory == 0
+    x = Layout({"llm": Group("llm", "s", 8, 1)}, "collocated", 1, "sequential")
+    x.host_bytes = h100.host_memory // 8
+    assert host_fits(x, h100) and host_fits(x, PRESETS["cpu"])
+    x.host_bytes += 1
+    assert not host_fits(x, h100) and host_fits(x, replace(h100, host_memory=0))
