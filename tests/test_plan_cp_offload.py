@@ -198,6 +198,15 @@ def test_plan_lists_tp_x_cp_and_dp_cp_on_qwen2_5_vl_32b(tmp_path):
     assert not [
         g for g in cp if dict(g.options).get("sequence_parallel") or g.strategy in ("zero", "ulysses")
     ]
+    # an offloaded CP rank's state is on the host (the strategy's CP estimate keeps host_bytes), and
+    # the host AdamW's seconds are charged
+    both = [
+        x
+        for x in result.ranked
+        if x.groups["llm"].context_parallel > 1
+        and dict(x.groups["llm"].options).get("offload") == "optimizer"
+    ]
+    assert both and all(x.costs["llm"].host_bytes > 0 and x.times["llm"]["offload_s"] > 0 for x in both)
     # 18 B of bf16 state per parameter: nothing without CP or offload fits 90% of 80 GB
     assert result.ranked and all(_keys(x) for x in result.ranked)
     assert "cp" in _keys(result.best) or "offload" in _keys(result.best)
