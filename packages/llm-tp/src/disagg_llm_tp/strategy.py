@@ -417,7 +417,10 @@ class MegatronTPStrategy(ContextParallelLanguage, TPFullState, Strategy):
 
     @classmethod
     def option_variants(cls) -> list[dict]:
-        """``disagg plan`` tries sequence parallelism on and off."""
+        """``disagg plan`` tries sequence parallelism on and off, each also with the optimizer in
+        host memory (offered on GPU clusters only)."""
         from disagg_llm_tp import cost
 
-        return [dict(v) for v in cost.OPTION_VARIANTS]
+        return [dict(v) for v in cost.OPTION_VARIANTS] + [
+            {**v, "offload": "optimizer"} for v in cost.OPTION_VARIANTS
+        ]

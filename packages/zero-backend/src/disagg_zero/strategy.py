@@ -326,7 +326,10 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
 
     @classmethod
     def option_variants(cls) -> list[dict[str, Any]]:
-        """``disagg plan`` tries each stage."""
+        """``disagg plan`` tries each stage, each also with DeepSpeed's ``offload_optimizer``
+        (``offload: optimizer``; offered on GPU clusters only)."""
         from disagg_zero import cost
 
-        return [dict(v) for v in cost.OPTION_VARIANTS]
+        return [dict(v) for v in cost.OPTION_VARIANTS] + [
+            {**v, "offload": "optimizer"} for v in cost.OPTION_VARIANTS
+        ]

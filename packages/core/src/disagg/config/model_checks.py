@@ -87,13 +87,8 @@ def resolve_module(
     if group.context_parallel > 1:
         _context_parallel(m, group, strategy_cls, family_cls, out)
     options = _options(m, group, strategy_cls, out) if strategy_cls else None
-    if options is not None and group.context_parallel > 1 and getattr(options, "sequence_parallel", False):
-        # composes on paper (SP splits each rank's own tokens), but no test covers it yet
-        out.add(
-            ("parallel", m, "context_parallel"),
-            f"{group.context_parallel} with sequence_parallel: true is not supported yet; "
-            "use sequence_parallel: false with context_parallel, or context_parallel: 1",
-        )
+    for msg in context_parallel_option_problems(group.context_parallel, options):
+        out.add(("parallel", m, "context_parallel"), msg)
     if options is not None and strategy_cls is not None:
         _recompute(m, group, strategy_cls, options, out)
         # by value, not by presence: a resolved config (run dir, parallel: auto) holds every default
@@ -141,6 +136,18 @@ def resolve_module(
     return ResolvedModule(
         m, role, strategy_cls, options, family, group.degree, group.replicas, group.context_parallel
     )
+
+
+def context_parallel_option_problems(context_parallel: int, options: StrategyOptions | None) -> list[str]:
+    """What ``context_parallel`` cannot be combined with among a strategy's options (the planner
+    asks too, before it offers a CP layout)."""
+    if options is not None and context_parallel > 1 and getattr(options, "sequence_parallel", False):
+        # composes on paper (SP splits each rank's own tokens), but no test covers it yet
+        return [
+            f"{context_parallel} with sequence_parallel: true is not supported yet; "
+            "use sequence_parallel: false with context_parallel, or context_parallel: 1"
+        ]
+    return []
 
 
 def _context_parallel(

@@ -19,6 +19,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from disagg.kit.cost.offload import HOST_MEMORY_BYTES
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -75,6 +77,10 @@ class Cluster:
     #: buffers, the step's transient, fragmentation: :mod:`disagg.kit.cost.memory`); on CPU
     #: actors only the tensors count
     cuda_allocator: bool = False
+    #: host memory per node, bytes, that offloaded state (``offload: optimizer``) may fill: a plan
+    #: whose ranks on one node hold more in host memory does not fit (0: not checked, e.g. CPU
+    #: actors, whose "device" memory is the host's)
+    host_memory: int = 0
 
     @property
     def devices(self) -> int:
@@ -102,6 +108,7 @@ class Cluster:
             "per step, "
             f"{self.layer_overhead * 1e3:.3g} ms per layer pass, {self.call_latency * 1e3:.3g} ms per call, "
             + self._curve()
+            + (f"host {self.host_memory / 1e12:.3g} TB per node for offload, " if self.host_memory else "")
             + f"precision {self.precision} ({self.source})"
         )
 
@@ -150,13 +157,16 @@ _GPU_LATENCY = {
     # buffers, the transient and fragmentation are counted: disagg.kit.cost.memory)
     "usable": 0.9,
 }
+#: Host memory per node: NVIDIA's DGX H100 and DGX H200 datasheets both list 2 TB of system
+#: memory (disagg.kit.cost.offload.HOST_MEMORY_BYTES); offloaded state may fill 70% of it,
+#: because Ray's object store reserves 30% of a node's memory by default (Ray docs, "Memory
+#: Management": object_store_memory defaults to 30% of available memory) and the tensors shipped
+#: between groups live there.
+HOST_USABLE = 0.7
+_GPU = {**_GPU_LATENCY, "host_memory": int(HOST_USABLE * HOST_MEMORY_BYTES)}
 PRESETS: dict[str, Cluster] = {
-    "h100x8": Cluster(
-        "h100x8", 8, 1, 80 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU_LATENCY, **_gpu_curve(3.35e12)
-    ),  # noqa: E501
-    "h200x8": Cluster(
-        "h200x8", 8, 1, 141 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU_LATENCY, **_gpu_curve(4.8e12)
-    ),  # noqa: E501
+    "h100x8": Cluster("h100x8", 8, 1, 80 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU, **_gpu_curve(3.35e12)),  # noqa: E501
+    "h200x8": Cluster("h200x8", 8, 1, 141 * 10**9, 989e12, 0.8, 360e9, 50e9, **_GPU, **_gpu_curve(4.8e12)),  # noqa: E501
     # The CI machine: actors are CPU processes; float32; rates are rough orders of
     # magnitude for one core (gloo over shared memory, a loopback TCP round trip
     # ~50 us per step), eager PyTorch dispatch ~10 us per op and ~60 ops per layer

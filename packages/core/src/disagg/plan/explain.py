@@ -64,6 +64,7 @@ def why(result: PlanResult, rivals: int = 3) -> list[str]:
         f"best: {best.name()}: {best.step_time_s:.4g} s/step predicted, "
         f"{best.memory_bytes / GiB:.2f} of {result.cluster.memory_budget / GiB:.2f} GiB per device"
     ]
+    lines += keys_lines(result)
     seen = {_mix(best)}
     for x in result.ranked[1:]:
         if _mix(x) in seen:
@@ -83,6 +84,62 @@ def why(result: PlanResult, rivals: int = 3) -> list[str]:
         )
         if len(shown) >= rivals:
             break
+    return lines
+
+
+def _keys(x: Layout) -> list[str]:
+    """``module: key=value`` of the layout keys beyond strategy and mesh that the plan chose:
+    context parallelism and optimizer offload."""
+    out = []
+    for m, g in x.groups.items():
+        o = dict(g.options)
+        if g.context_parallel > 1:
+            out.append(f"{m}: context_parallel={g.context_parallel} ({g.ranks} ranks)")
+        if o.get("offload", "none") != "none" or o.get("offload_optimizer"):
+            out.append(f"{m}: offload=optimizer")
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2**20:.2f} MiB"
+
+
+def _kinds(x: Layout) -> set[str]:
+    return {k.split(": ")[1].split("=")[0] for k in _keys(x)}
+
+
+def keys_lines(result: PlanResult) -> list[str]:
+    """Why the best layout uses context parallelism or optimizer offload, where it does, one line per
+    key: the fastest fitting layout without it and the time term it loses by, or, when none without it
+    fits, the smallest such layout and the memory terms the key saves on the worst device."""
+    best = result.best
+    keys = _keys(best)
+    if not keys:
+        return []
+    lines = [f"  uses {'; '.join(keys)}"]
+    for kind in sorted(_kinds(best)):
+        plain = [x for x in result.ranked if kind not in _kinds(x)]
+        if plain:
+            x = plain[0]
+            lines.append(
+                f"  {kind} wins on time: the fastest without it, {x.name()}, takes "
+                f"{x.step_time_s / best.step_time_s:.3f}x the time; {_diff(best, x)}"
+            )
+            continue
+        oom = [x for x in result.oom if kind not in _kinds(x)]
+        if not oom:
+            lines.append(f"  {kind}: every layout searched uses it")
+            continue
+        x = min(oom, key=lambda y: y.memory_bytes)
+        saved = sorted(
+            ((x.memory_terms.get(k, 0) - v, k) for k, v in best.memory_terms.items()), reverse=True
+        ) or [(x.memory_bytes - best.memory_bytes, "memory")]
+        terms = ", ".join(f"{k} -{_size(d)}" for d, k in saved[:2] if d > 0) or "none"
+        lines.append(
+            f"  {kind} wins on memory: nothing without it fits (the smallest, {x.name()}, needs "
+            f"{x.memory_bytes / GiB:.2f} of {result.cluster.memory_budget / GiB:.2f} GiB per device); "
+            f"it saves on the worst device: {terms}"
+        )
     return lines
 
 
@@ -112,8 +169,8 @@ def _diff(best: Layout, other: Layout) -> str:
     """The two components where ``other`` loses the most time against ``best``."""
     deltas = []
     for m in best.groups:
-        for k in ("compute_s", "collective_s", "overhead_s", "transfer_s"):
-            deltas.append((other.times[m][k] - best.times[m][k], m, k))
+        for k in ("compute_s", "collective_s", "overhead_s", "transfer_s", "offload_s"):
+            deltas.append((other.times[m].get(k, 0.0) - best.times[m].get(k, 0.0), m, k))
     deltas.sort(reverse=True)
     parts = []
     for d, m, k in deltas[:2]:

@@ -89,6 +89,11 @@ class Workload:
     #: layouts for these strategies by the cost model alone, before their runtimes and cost hooks
     #: state the keys (analytic tables: the published setting, :data:`disagg.bench.published.MODELLED`)
     modelled: dict[str, Any] = field(default_factory=dict)
+    #: offer the layout keys the strategies' own cost hooks state: ``context_parallel`` 2, 4, ...
+    #: for the LLM under a strategy and family with ``context_parallel_support``, and the strategies'
+    #: ``offload`` option variants on GPU clusters (``disagg plan`` and ``parallel: auto`` on a
+    #: config; off where recorded plans are computed from a bare workload, which predate them)
+    strategy_keys: bool = False
 
     def seq_len(self, module: str) -> int:
         if module == "llm":
@@ -240,12 +245,35 @@ def group_cost(
 
     base = {k: v for k, v in opts.items() if k not in KEYS}
     options_obj = options
+    traits = work.modelled.get(group.strategy)
+    if traits is None and work.strategy_keys:
+        # the strategy states context_parallel and offload itself (disagg.plan.native)
+        from disagg.plan.native import native_cost
+
+        query = CostQuery(
+            shape=shape,
+            degree=group.degree,
+            replicas=group.replicas,
+            seq_len=work.seq_len(group.module),
+            precision=precision,
+            samples=work.samples,
+            microbatches=layout.microbatches,
+            inflight=inflight,
+            exchanged_rows=None if vision else work.rows(),
+            exchanged_width=None if vision else _encoder_width(work),
+            recompute=getattr(options, "recompute", "none"),
+            lora=work.lora.get(group.module),
+            frozen=work.frozen.get(group.module, ()),
+            context_parallel=group.context_parallel,
+        )
+        offload = getattr(options, "offload", "none") == "optimizer"
+        return native_cost(lambda q: strategy_cls.estimate(q, options), query, offload)
     # what the group's own options apply: nothing plans memory the run does not save
     mode = getattr(options, "recompute", "none")
     return extended_cost(
         ask,
         shape,
-        work.modelled.get(group.strategy),
+        traits,
         group.degree,
         group.replicas,
         work.seq_len(group.module),
@@ -358,5 +386,13 @@ def evaluate(
         mems = [c.memory_bytes for c in costs.values()]
         layout.memory_bytes = sum(mems) if layout.placement == "collocated" else max(mems)
         layout.host_bytes = sum(g.memory.host for g in (groups or {}).values())
-    layout.fits = layout.memory_bytes <= cluster.memory_budget
+    layout.fits = layout.memory_bytes <= cluster.memory_budget and host_fits(layout, cluster)
     return layout
+
+
+def host_fits(layout: Layout, cluster: Cluster) -> bool:
+    """The offloaded state of a node's ranks fits its host memory (``Cluster.host_memory``; 0: not
+    checked): every device of a node may hold the worst device's host share."""
+    if not cluster.host_memory or not layout.host_bytes:
+        return True
+    return layout.host_bytes * cluster.devices_per_node <= cluster.host_memory

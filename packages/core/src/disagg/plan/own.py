@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from disagg.config.schema import Config
 from disagg.kit import Strategy
 from disagg.plan.cluster import Cluster
-from disagg.plan.model import Group, Layout, Workload, evaluate, module_cost
+from disagg.plan.model import Group, Layout, Workload, evaluate, group_cost
 from disagg.plan.search import PlanResult
 
 #: option values left out of a group's label when they are the default (as the planner's
@@ -49,6 +49,14 @@ def own_layout(
         except Exception as exc:
             return OwnLayout(None, f"parallel.{m}: {exc}")
         extra = {**(g.model_extra or {}), "recompute": g.recompute}
+        # the group's own keys the strategies cost (disagg.plan.native), where not the default
+        extra.update(
+            {
+                k: v
+                for k, v in (("context_parallel", g.context_parallel), ("offload", g.offload))
+                if v not in (1, "none")
+            }
+        )
         opts = tuple(sorted((k, v) for k, v in extra.items() if _QUIET.get(k) != v))
         groups[m] = Group(m, g.strategy, g.degree, g.replicas, opts)
     if cfg.parallel.placement == "disaggregated" and len(groups) < 2:
@@ -60,14 +68,15 @@ def own_layout(
         schedule=cfg.train.schedule,
     )
     precision = work.precision or cluster.precision
-    costs = {}
+    # each group's cost with the allocator's view and offload's seconds, as the candidates get them
+    got = {}
     for m, g in groups.items():
-        cost = module_cost(strategies[g.strategy], g, options[m], work, layout, precision)
+        cost = group_cost(strategies[g.strategy], g, options[m], work, layout, precision)
         if cost is None:
             return OwnLayout(None, f"strategy {g.strategy!r} reports no cost for module {m!r}")
-        costs[m] = cost
+        got[m] = cost
     ranks = [g.ranks for g in groups.values()]
     need = sum(ranks) if layout.placement == "disaggregated" else max(ranks)
     if need > cluster.devices:
         return OwnLayout(None, f"needs {need} devices, the cluster has {cluster.devices}")
-    return OwnLayout(evaluate(layout, costs, cluster, work))
+    return OwnLayout(evaluate(layout, {m: c.cost for m, c in got.items()}, cluster, work, got))

@@ -131,11 +131,18 @@ def _module_groups(
     out: list[tuple[Group, StrategyOptions]] = []
     found = False
     for variant in _variants(cls, cls.option_variants(), work.recompute):
+        if _offloads(variant) and not (work.strategy_keys and cluster.cuda_allocator):
+            continue  # host memory beside a GPU: offered on GPU clusters, for a config's plan
         try:
             options = cls.options_model(**variant)
         except Exception:  # a third party's options may not accept our variant
             continue
-        for extra in layout_variants(name, module, variant, work, cluster):
+        if work.strategy_keys and _refused(cls, options, work.precision or cluster.precision, module):
+            continue
+        extras = layout_variants(name, module, variant, work, cluster)
+        if work.strategy_keys:
+            extras = extras + strategy_cp(name, cls, module, variant, work, cluster, family)
+        for extra in extras:
             g_opts = tuple(sorted({**variant, **extra}.items()))
             cp = int(extra.get("context_parallel", 1))
             # FSDP + CP is costed where the strategy alone states no FSDP for a decoder: probe each
@@ -156,8 +163,9 @@ def layout_variants(
     for the strategies ``work.modelled`` states traits for: ``context_parallel`` 2, 4, ... for a
     decoder (TP x CP, or FSDP + CP where the variant shards the parameters), and ``offload:
     optimizer`` where the cluster is GPUs (host memory beside them); both for full training only
-    (no LoRA, nothing frozen). A plan of a config (``disagg plan``) models none: it never writes a
-    layout ``disagg train`` refuses."""
+    (no LoRA, nothing frozen). A plan of a config (``disagg plan``, ``parallel: auto``) models none:
+    it asks the strategies' own hooks instead (:func:`strategy_cp`, the strategies' ``offload``
+    option variants, :mod:`disagg.plan.native`), so it never writes a layout ``disagg train`` refuses."""
     from disagg.interfaces.shapes import DecoderShape
 
     out: list[dict[str, Any]] = [{}]
@@ -175,6 +183,57 @@ def layout_variants(
             c *= 2
     if cluster.cuda_allocator and traits.offload:
         out += [{**x, "offload": "optimizer"} for x in list(out)]
+    return out
+
+
+def _offloads(variant: dict[str, Any]) -> bool:
+    return variant.get("offload", "none") != "none" or bool(variant.get("offload_optimizer"))
+
+
+def _refused(cls: type[Strategy], options: StrategyOptions, recipe: str, module: str) -> bool:
+    """The strategy's own precision checks refuse these options under ``recipe`` (as validation
+    would: e.g. an offloaded optimizer a backend holds only in ``fp32``)."""
+    try:
+        return bool(cls.precision_problems(recipe, options, f"parallel.{module}"))
+    except Exception:  # a third party's check that needs more: validation will say
+        return False
+
+
+def strategy_cp(
+    name: str,
+    cls: type[Strategy],
+    module: str,
+    variant: dict[str, Any],
+    work: Workload,
+    cluster: Cluster,
+    family: Family | None,
+) -> list[dict[str, Any]]:
+    """``context_parallel`` 2, 4, ... (dividing the devices) for the LLM under a strategy and a
+    family that state ``context_parallel_support``, costed by the strategy's own hook
+    (:attr:`CostQuery.context_parallel`); not with options validation refuses beside CP
+    (:func:`disagg.config.model_checks.context_parallel_option_problems`), nor for a strategy the
+    published setting models by traits (:func:`layout_variants`)."""
+    from disagg.interfaces.shapes import DecoderShape
+
+    if module != "llm" or name in work.modelled or not isinstance(work.shapes[module], DecoderShape):
+        return []
+    if not getattr(cls, "context_parallel_support", False):
+        return []
+    from disagg.config.model_checks import context_parallel_option_problems
+
+    try:
+        options = cls.options_model(**variant)
+    except Exception:  # a third party's options may not accept our variant
+        return []
+    if context_parallel_option_problems(2, options):
+        return []
+    if family is not None and not getattr(type(family), "context_parallel_support", False):
+        return []
+    out, c = [], 2
+    while c <= cluster.devices:
+        if cluster.devices % c == 0:
+            out.append({"context_parallel": c})
+        c *= 2
     return out
 
 

@@ -149,5 +149,6 @@ def config_workload(
         samples=samples or (cfg.data.batch_size if cfg.data else 1),
         recompute=recompute,
         max_inflight=cfg.train.max_inflight,
+        strategy_keys=True,
         **extra,
     )

@@ -224,8 +224,10 @@ class UlyssesStrategy(Strategy):
 
     @classmethod
     def option_variants(cls) -> list[dict[str, Any]]:
-        """``disagg plan`` tries the whole tower on every rank and each sharded state."""
-        return [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"shard": "parameters"}]
+        """``disagg plan`` tries the whole tower on every rank and each sharded state, each also
+        with the optimizer in host memory (offered on GPU clusters only)."""
+        states = [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"shard": "parameters"}]
+        return states + [{**v, "offload": "optimizer"} for v in states]
 
 
 def _capture_runtime() -> Any:

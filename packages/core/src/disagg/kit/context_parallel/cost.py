@@ -98,4 +98,5 @@ def with_context_parallel(estimate: Callable[[CostQuery], Cost | None], query: C
         exact=tuple(k for k in base.exact if k == "state_bytes"),
         comm_calls_by_kind=calls,
         gathered_bytes=split.gathered_bytes,
+        host_bytes=split.host_bytes,  # offload: optimizer moves the CP rank's state as the split's
     )
