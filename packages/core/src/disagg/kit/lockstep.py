@@ -145,8 +145,11 @@ class Lockstep:
         return self._input
 
     def pad(self, inputs: list[dict[str, torch.Tensor]], n: int) -> list[dict[str, torch.Tensor]]:
-        """``inputs`` then placeholders up to ``n`` calls (the group's count)."""
-        return list(inputs) + [self.placeholder()] * max(0, n - len(inputs))
+        """``inputs`` then placeholders up to ``n`` calls (the group's count). The placeholder is
+        made only when one is needed: a family without image input (Whisper) has none, and its
+        ranks never pad (validation refuses what would make them)."""
+        missing = n - len(inputs)
+        return list(inputs) + ([self.placeholder()] * missing if missing > 0 else [])
 
     def keep(self, mb: int, outputs: list[Any]) -> None:
         """The outputs of microbatch ``mb``'s placeholder calls, for its backward (only when
