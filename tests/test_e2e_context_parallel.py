@@ -4,9 +4,10 @@ gradient norm, evaluation loss, every weight after the run), on the mixed datase
 three sizes, a two-image sample whose placeholders straddle a context-parallel boundary, text-only
 samples and a text-only global batch, two microbatches, weight decay on.
 
-Layouts are combined into few runs (CI time), the tower under ``ulysses`` 2 in both: the LLM at
-``ddp`` CP 2 x 2 replicas with ``shard: optimizer`` and ``recompute: full``, and at
-``megatron_tp`` TP 2 x CP 2; the first run's step-2 checkpoint is resumed at CP 1.
+Layouts are combined into few runs (CI time), the tower under ``ulysses`` 2 in each: the LLM at
+``ddp`` CP 2 x 2 replicas with ``shard: optimizer`` and ``recompute: full``, at ``megatron_tp``
+TP 2 x CP 2, and at ``ddp`` CP 2 x 2 replicas with ``shard: parameters`` (FSDP2 + CP, a replica
+without samples in a microbatch); the first run's step-2 checkpoint is resumed at CP 1.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def resume_dir(tmp_path_factory) -> Path:
 
 LAYOUTS = {
     # the LLM at CP 2 x 2 replicas with the optimizer state sharded over all 4 ranks (ZeRO-1:
-    # CP ranks are more data-parallel ranks; ddp shards an LLM's optimizer state only) and every
+    # CP ranks are more data-parallel ranks) and every
     # block recomputed (uneven replicas: packages/llm-tp/tests/test_context_parallel.py)
     "ulysses2+ddp_cp2x2_shard_optimizer_recompute": (
         {"strategy": "ulysses", "degree": 2},
@@ -119,6 +120,14 @@ LAYOUTS = {
         {"strategy": "ulysses", "degree": 2},
         {"strategy": "megatron_tp", "degree": 2, "context_parallel": 2},
     ),
+    # FSDP + CP: the LLM's parameters, gradients and AdamW state FSDP2-sharded over all 4 ranks
+    # (CP ranks are more data-parallel ranks); 3 microbatches of 2, 1, 1 samples over 2 replicas,
+    # so replica 1 has none in the last two and forwards the placeholder sample (lockstep)
+    "ulysses2+ddp_cp2x2_shard_parameters": (
+        {"strategy": "ulysses", "degree": 2},
+        {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "shard": "parameters"},
+        {"microbatches": 3},
+    ),
 }
 
 
@@ -127,9 +136,9 @@ def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference,
     """The first layout also keeps its step-2 checkpoint for the resume below (every: 1)."""
     from disagg.runtime.run import run_training
 
-    vision, llm = LAYOUTS[name]
+    vision, llm, *train = LAYOUTS[name]
     out = resume_dir if name == FIRST else tmp_path / "run"
-    cfg = _config(tiny, out, vision, llm, every=1 if name == FIRST else 0)
+    cfg = _config(tiny, out, vision, llm, every=1 if name == FIRST else 0, **(train[0] if train else {}))
     run_training(validate(cfg, get_registry()), progress=False)
     _assert_matches(out, reference, tmp_path)
 
@@ -145,7 +154,7 @@ def test_cp2_checkpoint_resumes_at_cp1(ray_local, tiny, reference, resume_dir, t
     ckpt = resume_dir / "checkpoints" / "step-2"
     if not ckpt.is_dir():
         pytest.skip(f"needs test_context_parallel_equals_hf_model_every_step[{FIRST}] first")
-    vision, _ = LAYOUTS[FIRST]
+    vision = LAYOUTS[FIRST][0]
     cfg = _config(tiny, tmp_path / "run", vision, {"strategy": "ddp"})
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume_from": str(ckpt)})})
     run_training(validate(cfg, get_registry()), progress=False)

@@ -280,13 +280,16 @@ def test_loss_chunk_tokens_reaches_the_llm_and_is_refused_elsewhere(reg, workdir
 
 
 def test_shard_modes_refused_by_name_where_they_cannot_run(reg, workdir):
-    """``parallel.<m>.shard`` (ddp here): FSDP modes are for encoders, and no sharded state is
-    combined with overlap_grad_reduce; a bad value lists the allowed ones."""
+    """``parallel.<m>.shard`` (ddp here): FSDP modes shard the LLM too (its empty replicas run a
+    placeholder sample), no sharded state is combined with overlap_grad_reduce; a bad value
+    lists the allowed ones."""
     cfg = base()
     cfg["parallel"]["llm"].update(shard="parameters")
+    assert check(workdir, cfg).config.parallel.llm.shard == "parameters"
+    cfg["parallel"]["llm"].update(shard="parameters", overlap_grad_reduce=True)
     got = problems(workdir, cfg)["parallel.llm"]
-    assert "parallel.llm.shard: parameters shards encoder state only" in got
-    assert "allowed for the LLM: none, optimizer" in got
+    assert "parallel.llm.overlap_grad_reduce: true cannot be combined with" in got
+    assert "parallel.llm.shard: parameters" in got
     assert "c.yaml" in got
     cfg["parallel"]["llm"].update(shard="optimizer", overlap_grad_reduce=True)
     got = problems(workdir, cfg)["parallel.llm"]

@@ -138,3 +138,31 @@ def cp_rank(rank: int, payload: bytes) -> bytes:
         out.append(recipe_run(path, samples, 0, 1, p))
         out.append(reference(path, samples))
     return dumps(out)
+
+
+def fsdp_rank(rank: int, payload: bytes) -> bytes:
+    """``payload``: (path, samples, modes): per mode, one step of ``ddp`` CP 2 x 2 replicas with
+    ``shard: <mode>`` (FSDP2 over the 4 ranks) where replica 1 has no sample (it forwards the
+    placeholder), then a forward-only evaluation of the same split; rank 0 adds the reference."""
+    from disagg.builtin.ddp import DDPStrategy
+
+    path, samples, modes = loads(payload)
+    labels = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
+    out: list[Any] = []
+    for mode in modes:
+        ctx = GroupContext("llm", rank, 4, 1, 2, torch.device("cpu"), torch.float32, context_parallel=2)
+        fam = family_cls("qwen2")(path)
+        opts = {"loss_chunk_tokens": None, "shard": mode}
+        strat: Any = ranks.strategy_rank(DDPStrategy, fam, ctx, options=opts, optim=OptimSpec(lr=1e-3))
+        mine = samples if ctx.replica == 0 else []
+        loss = ranks.loss_and_backward(strat, 0, mine, [{} for _ in mine], 1.0 / labels)
+        norm_sq = ranks.reduce(strat)
+        with torch.no_grad():
+            evaluated = ranks.evaluate(strat, mine, [{} for _ in mine])
+        grads = ranks.full_grads(strat)
+        out.append(
+            {"replica": ctx.replica, "loss": loss, "norm_sq": norm_sq, "eval": evaluated, "grads": grads}
+        )
+    if rank == 0:
+        out.append(reference(path, samples))
+    return dumps(out)

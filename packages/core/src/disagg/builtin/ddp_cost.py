@@ -37,7 +37,10 @@ def estimate(
     only the state term is marked exact. ``offload``: ``offload: optimizer``
     (:func:`disagg.kit.sharding.cost.with_offload`: device and host state)."""
     if shard in sharded.FSDP_MODES and not query.encoder:
-        return None  # refused for the LLM at validation (encoders only)
+        # trainable (the LLM's lockstep placeholder), but not offered to the planner yet: with its
+        # 16 B/param FSDP2 state it outranks megatron_tp 8 at 16k in test_plan_published (branch
+        # llmfsdp-cost holds the estimate; the published model counts FSDP + CP itself)
+        return None
     if query.context_parallel > 1:
         from disagg.kit.context_parallel.cost import with_context_parallel
 
@@ -51,8 +54,10 @@ def estimate(
     act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk)
     if mode != "full":  # under full recompute a block's adapters save only while it replays
         act += cost_training.adapter_activation_bytes(tr, tokens, w.act_bytes)
-    per_mb = -(-w.samples_per_replica // w.microbatches)  # one forward per sample
-    units = getattr(shape, "depth", 0) + 1
+    # an encoder: one forward per sample; the LLM: one per microbatch over all its samples (a
+    # replica without any runs a placeholder, disagg.kit.lockstep)
+    per_mb = -(-w.samples_per_replica // w.microbatches) if query.encoder else 1
+    units = getattr(shape, "depth", getattr(shape, "layers", 0)) + 1  # FSDP2: blocks + the root
     comm, calls = sharded.step_comm(
         cost_training.shard_shapes(tr, shard),
         shard,

@@ -78,8 +78,8 @@ class ReplicatedOptions(StrategyOptions):
     of its group, ZeRO-1/2/3 (:mod:`disagg.kit.sharding`): ``optimizer`` the AdamW state
     (torch ``ZeroRedundancyOptimizer``), ``gradients`` also the gradients and ``parameters``
     also the parameters (torch FSDP2 per block; ``gradients`` keeps a microbatch's gathered
-    parameters from its forward to its backward). Encoders only beyond ``optimizer``; not
-    with ``overlap_grad_reduce``."""
+    parameters from its forward to its backward). Beyond ``optimizer``: image encoders and the
+    LLM; not with ``overlap_grad_reduce``."""
 
     @model_validator(mode="after")
     def _offload_without_overlap(self) -> ReplicatedOptions:

@@ -4,6 +4,8 @@ back), and forward-only evaluation."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -14,12 +16,16 @@ from disagg.interfaces.context import GroupContext
 from disagg.interfaces.family import Family, LanguageFamily
 from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
 from disagg.kit import chunked_loss
+from disagg.kit.lockstep import placeholder_sample, without_dropout
 from disagg.kit.recompute import Recompute
 
 
 class LanguageRole:
     """Defaults for an LLM whose logits each rank holds whole; the hooks are
-    :class:`~.parallelizer.Parallelizer`'s."""
+    :class:`~.parallelizer.Parallelizer`'s. Under a FSDP2-sharded state (``ddp`` with
+    ``shard: gradients | parameters``) the forward runs through the root unit, and a replica
+    without samples forwards the family's placeholder sample (:mod:`disagg.kit.lockstep`,
+    *known* count: one forward per replica and microbatch), whose loss and gradient are zero."""
 
     # what this role uses of the strategy it is part of (its Parallelizer's hooks)
     ctx: GroupContext
@@ -27,7 +33,10 @@ class LanguageRole:
     module: nn.Module | None
     options: Any
     recompute: Recompute
+    fsdp: bool
     if TYPE_CHECKING:
+
+        def sharded_call(self, fn: Any, *args: Any) -> Any: ...
 
         def module_call(self) -> AbstractContextManager[None]: ...
 
@@ -50,12 +59,34 @@ class LanguageRole:
         sample in this microbatch is called too (``inputs`` empty)."""
         leaves = [t for e in embeds for t in e.values() if t.requires_grad]
         with self.module_call():
-            if not inputs:  # still joins what module_call and backprop do collectively
+            if not inputs and not self.fsdp:  # still joins what module_call and backprop do collectively
                 self.backprop([], None, leaves)
                 return 0.0
-            loss_sum = self.chunked_loss(inputs, embeds)
+            with self._lockstep(inputs, embeds) as (inputs, embeds):
+                loss_sum = self._whole_call(self.chunked_loss, inputs, embeds)
+            # a placeholder's loss is 0 with a zero gradient: its backward issues the group's
+            # gathers and reduce-scatters and adds exact zeros
             self.backprop([loss_sum * loss_scale], None, leaves)
             return float(loss_sum.detach())
+
+    @contextlib.contextmanager
+    def _lockstep(self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]) -> Any:
+        """``(inputs, embeds)``, or for a replica without samples under FSDP2 the family's
+        placeholder sample, forwarded without dropout (its random stream stays put)."""
+        if inputs or not self.fsdp:
+            yield inputs, embeds
+            return
+        assert self.module is not None
+        with without_dropout(self.module):
+            yield [placeholder_sample(self.family)], [{}]
+
+    def _whole_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` (the forward, its loss chunks included), under FSDP2 as one forward of
+        the root unit, so the parameters outside the blocks (embeddings, norm, head) are
+        gathered around it and their gradients reduce-scattered with the blocks'."""
+        if not self.fsdp:
+            return fn(*args)
+        return self.sharded_call(lambda _module, *a: fn(*a), *args)
 
     def chunked_loss(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
@@ -103,20 +134,27 @@ class LanguageRole:
         without samples): ``(loss sum, label tokens whose argmax prediction is
         right, label tokens)``."""
         with self.module_call():
-            if not inputs:
+            if not inputs and not self.fsdp:
                 return 0.0, 0, 0
-            head = chunked_loss.output_head(self.family, self.module)
-            if head is None:
-                logits, labels = self.llm_forward(inputs, embeds)
-                loss, right = self.loss_sum(logits, labels), self.correct_predictions(logits, labels)
-            else:
-                with chunked_loss.deferred(head):
-                    hidden, labels = self.llm_forward(inputs, embeds)
-                chunk = getattr(self.options, "loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
-                loss, right = chunked_loss.evaluate(
-                    head, hidden, labels, self.token_losses, self.correct_predictions, chunk
-                )
-            return float(loss), right, int((labels != -100).sum())
+            with self._lockstep(inputs, embeds) as (xs, es):
+                loss, right, labelled = self._whole_call(self._evaluate, xs, es)
+            return (float(loss), right, labelled) if inputs else (0.0, 0, 0)
+
+    def _evaluate(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, int, int]:
+        head = chunked_loss.output_head(self.family, self.module)
+        if head is None:
+            logits, labels = self.llm_forward(inputs, embeds)
+            loss, right = self.loss_sum(logits, labels), self.correct_predictions(logits, labels)
+        else:
+            with chunked_loss.deferred(head):
+                hidden, labels = self.llm_forward(inputs, embeds)
+            chunk = getattr(self.options, "loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
+            loss, right = chunked_loss.evaluate(
+                head, hidden, labels, self.token_losses, self.correct_predictions, chunk
+            )
+        return loss, right, int((labels != -100).sum())
 
     def returns_input_grads(self) -> bool:
         """Whether this rank sends embedding gradients back to the encoders.

@@ -190,6 +190,8 @@ class Parallelizer(ABC):
         out = fsdp.call(self.fsdp_root, fn, *args)
         if self.shard_mode == "gradients":
             self.whole_bytes = max(self.whole_bytes, fsdp.whole_param_bytes(self.module))
+            if not torch.is_grad_enabled():  # no backward will reshard what the forward gathered
+                fsdp.reshard(self.fsdp_root)
         return out
 
     # -- the two hooks every forward and backward goes through ---------------------------------

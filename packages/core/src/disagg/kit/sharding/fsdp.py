@@ -139,6 +139,17 @@ def call(root: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
     return root(fn, *args)
 
 
+def reshard(root: nn.Module) -> None:
+    """Every unit of ``root`` back to its shards: after a forward without gradients under
+    ``gradients`` (``reshard_after_forward=False``), which no backward follows, the whole
+    parameters would otherwise stay registered in the module (and its ``.grad``s out of sight)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in root.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def is_sharded(t: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
