@@ -96,21 +96,8 @@ def assert_weights_match(
 ) -> dict[str, float]:
     """A run's weights after ``step`` steps against the reference's, per element in lr units from
     the reference's first gradients. Returns each module's largest margin."""
-    grads = ref.first_grads(step)
-    return {
-        m: assert_params_close(
-            weights[m],
-            _only_keys(weights[m], ref.states[step - 1][m]),
-            lr=train.lr,
-            steps=step,
-            grads=grads[m],
-            what=f"{what}{m} after step {step}: ",
-            precision=precision,
-            betas=tuple(train.betas),
-            eps=train.eps,
-        )
-        for m in ("vision", "llm")
-    }
+    want = {m: _only_keys(weights[m], ref.states[step - 1][m]) for m in ("vision", "llm")}
+    return _close_per_module(weights, want, ref, step, train, precision, what)
 
 
 def assert_resume_matches(
@@ -126,15 +113,29 @@ def assert_resume_matches(
     same per-element bound as :func:`assert_weights_match` (both sides start from the same weights
     and take the same updates; the reference's gradients say how far each element may differ),
     so a resume that lost its checkpoint (an update missing) fails."""
-    grads = ref.first_grads(steps)
+    return _close_per_module(resumed, uninterrupted, ref, steps, train, precision, what)
+
+
+def _close_per_module(
+    got: Mapping[str, Mapping[str, torch.Tensor]],
+    want: Mapping[str, Mapping[str, torch.Tensor]],
+    ref: Reference,
+    step: int,
+    train: Any,
+    precision: Precision,
+    what: str,
+) -> dict[str, float]:
+    """Each module's ``got`` against ``want`` after ``step`` steps, per element in lr units from
+    the reference's first gradients; each module's largest margin."""
+    grads = ref.first_grads(step)
     return {
         m: assert_params_close(
-            resumed[m],
-            uninterrupted[m],
+            got[m],
+            want[m],
             lr=train.lr,
-            steps=steps,
+            steps=step,
             grads=grads[m],
-            what=f"{what}{m} after step {steps}: ",
+            what=f"{what}{m} after step {step}: ",
             precision=precision,
             betas=tuple(train.betas),
             eps=train.eps,
