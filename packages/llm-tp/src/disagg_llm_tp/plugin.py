@@ -16,6 +16,7 @@ def disagg_register_strategies(register: Callable[[type], None]) -> None:
 
 @hookimpl
 def disagg_register_families(register: Callable[[type], None]) -> None:
+    from disagg_llm_tp.families.internvl import InternVLLanguageFamily
     from disagg_llm_tp.families.llama import LlamaFamily
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_llm_tp.families.qwen2_5_omni import Qwen25OmniLanguageFamily
@@ -33,3 +34,4 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     register(Qwen3VLLanguageFamily)
     register(Qwen25OmniLanguageFamily)
     register(Qwen35LanguageFamily)
+    register(InternVLLanguageFamily)

@@ -16,6 +16,7 @@ def disagg_register_strategies(register: Callable[[type], None]) -> None:
 
 @hookimpl
 def disagg_register_families(register: Callable[[type], None]) -> None:
+    from disagg_vision_sp.families.internvl import InternVLVision
     from disagg_vision_sp.families.llava import LlavaVision
     from disagg_vision_sp.families.qwen2_5_omni import Qwen2_5OmniVision
     from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
@@ -29,3 +30,4 @@ def disagg_register_families(register: Callable[[type], None]) -> None:
     register(Qwen3VLVision)
     register(Qwen2_5OmniVision)
     register(Qwen3_5Vision)
+    register(InternVLVision)

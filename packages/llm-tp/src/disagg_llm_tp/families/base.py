@@ -30,6 +30,7 @@ FAMILY_OF_MODEL_TYPE = {
     "qwen3_vl": "qwen3_vl",
     "qwen3_5": "qwen3_5",
     "qwen2_audio": "qwen2_audio",
+    "internvl": "internvl",
 }
 
 

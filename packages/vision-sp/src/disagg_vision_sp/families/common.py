@@ -37,6 +37,7 @@ FAMILY_OF_MODEL_TYPE = {
     "qwen3_vl": "qwen3_vl",
     "qwen3_5": "qwen3_5",
     "llava": "llava",
+    "internvl": "internvl",
 }
 
 

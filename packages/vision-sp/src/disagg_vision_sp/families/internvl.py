@@ -1,0 +1,259 @@
+"""``internvl`` vision family: an InternVL dir's InternViT tower + pixel shuffle + MLP
+``multi_modal_projector`` (transformers' ``InternVLForConditionalGeneration``).
+
+``encode`` is ``InternVLModel.get_image_features`` for one sample. The image processor
+(GOT-OCR2's, PIL backend) cuts each image into equal square tiles (plus a thumbnail);
+every tile is one full-attention segment of ``1 + g²`` tokens (a CLS token, then ``g x g``
+patches in row-major order). The CLS row never reaches the LLM, and the pixel shuffle
+turns each band of ``f`` patch rows (``f = 1 / downsample_ratio``) into ``g / f`` rows of
+``f² x hidden`` features, which the projector maps to the LLM's width.
+
+Under ``ulysses`` a shard may start or end at a tile's start or at a band boundary,
+so every shard holds whole bands and shuffles them itself. A band's ``g / f`` output
+rows are written at the band's first ``g / f`` token positions; the band's other
+positions and the CLS position are rows the family computes (zeros) but the LLM never
+receives (``row_sample`` -1). That keeps one row per token (``unit`` 1: a tile's
+``1 + g²`` tokens are not a multiple of ``f²``) at the cost of a zero-filled output
+buffer ``f²`` times the rows sent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces import AttentionScope, EncoderFamily, SeqLayout, UlyssesFamily
+from disagg.kit.hf import (
+    check_attn_implementation,
+    checkpoint_keys,
+    empty_from_config,
+    find_prefix,
+    quiet_transformers,
+)
+from disagg_vision_sp.families.common import check_model_type, image_processor, load_image
+
+_PREFIXES = ("", "model.")
+
+
+def _encoder_class() -> type:
+    """The module ``build`` returns: InternVL minus its language model, loadable with
+    ``from_pretrained`` from a whole InternVL dir (the decoder's tensors are skipped)."""
+    from transformers import AutoModel
+    from transformers.models.internvl.modeling_internvl import (
+        InternVLMultiModalProjector,
+        InternVLPreTrainedModel,
+    )
+
+    class InternVLVisionEncoder(InternVLPreTrainedModel):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.vision_tower = AutoModel.from_config(config.vision_config)
+            self.multi_modal_projector = InternVLMultiModalProjector(config)
+            self.post_init()
+
+    return InternVLVisionEncoder
+
+
+def pixel_shuffle(features: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``InternVLModel.pixel_shuffle`` (it reads nothing from the model): ``[B, rows, cols, C]``
+    -> ``[B, rows·r, cols·r, C / r²]``. Called on whole bands of ``1 / r`` rows it equals the
+    shuffle of the whole grid restricted to them (each output row reads one band only)."""
+    from transformers.models.internvl.modeling_internvl import InternVLModel
+
+    return InternVLModel.pixel_shuffle(None, features, scale_factor=ratio)  # type: ignore[arg-type]
+
+
+class InternVLVision(UlyssesFamily, EncoderFamily):
+    """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
+
+    name: ClassVar[str] = "internvl"
+
+    modality: ClassVar[str] = "image"
+
+    @classmethod
+    def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
+        from disagg_vision_sp.families.shapes_internvl import internvl_shape
+
+        return internvl_shape(config)
+
+    # -- config ---------------------------------------------------------------------------------
+    def config(self) -> Any:
+        if getattr(self, "_config", None) is None:
+            from transformers import AutoConfig
+
+            self._config = AutoConfig.from_pretrained(self.path)
+        return self._config
+
+    def hidden_size(self) -> int:
+        return int(self.config().text_config.hidden_size)
+
+    def _factor(self) -> int:
+        """Patch rows (and columns) one shuffled row merges: ``1 / downsample_ratio``."""
+        return round(1 / float(self.config().downsample_ratio))
+
+    def _grid(self) -> int:
+        """Patches along a tile's side."""
+        v = self.config().vision_config
+        return int(v.image_size[0]) // int(v.patch_size[0])
+
+    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        problems = check_model_type(self.path, "internvl", ("internvl",))
+        if problems:
+            return problems
+        problems = check_attn_implementation(self.options, "vision")
+        cfg = self.config()
+        where = f"in {self.path}/config.json"
+        if cfg.vision_feature_layer != -1:
+            problems.append(
+                f"vision_feature_layer={cfg.vision_feature_layer!r} {where}: family 'internvl' "
+                "reads the tower's last layer only (allowed: -1)"
+            )
+        if cfg.vision_feature_select_strategy != "default":
+            # 'full' keeps the CLS row: 1 + g² rows are no square grid, and HF's shuffle fails too
+            problems.append(
+                f"vision_feature_select_strategy={cfg.vision_feature_select_strategy!r} {where}: "
+                "family 'internvl' supports 'default' (the CLS row dropped)"
+            )
+        v = cfg.vision_config
+        f = self._factor()
+        if abs(f * float(cfg.downsample_ratio) - 1) > 1e-9 or self._grid() % f:
+            problems.append(
+                f"downsample_ratio={cfg.downsample_ratio} {where}: family 'internvl' needs 1/ratio to be "
+                f"an integer that divides the {self._grid()} patches of a tile's side"
+            )
+        if tuple(v.image_size) != (v.image_size[0],) * 2 or tuple(v.patch_size) != (v.patch_size[0],) * 2:
+            problems.append(f"vision_config image_size/patch_size {where}: family 'internvl' needs square tiles")
+        return problems
+
+    # -- building -------------------------------------------------------------------------------
+    def _attn(self) -> str:
+        return self.options.get("attn_implementation", "sdpa")
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        with quiet_transformers():
+            return _encoder_class().from_pretrained(
+                self.path,
+                key_mapping={
+                    r"^model\.vision_tower\.": "vision_tower.",
+                    r"^model\.multi_modal_projector\.": "multi_modal_projector.",
+                },
+                dtype=dtype,
+                attn_implementation=self._attn(),
+            )
+
+    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """``build()``'s tower and projector on the meta device (sharding strategies read
+        only their own slices)."""
+        return empty_from_config(_encoder_class(), self.config(), dtype=dtype, attn_implementation=self._attn())
+
+    def checkpoint_name(self, name: str) -> str:
+        # the inverse of build()'s key_mapping: the dir's own prefix (transformers 5 adds "model.")
+        if getattr(self, "_prefix", None) is None:
+            probe = "multi_modal_projector.linear_1.weight"
+            self._prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)
+        return self._prefix + name
+
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        return {"tower": ("vision_tower.*",), "projector": ("multi_modal_projector.*",)}
+
+    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.checkpoint_name(k): v for k, v in state.items()}
+
+    @classmethod
+    def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
+        from disagg_vision_sp.families.tiny_internvl import make_tiny_internvl
+
+        return make_tiny_internvl(Path(out_dir))
+
+    # -- data -----------------------------------------------------------------------------------
+    def preprocess(self, media: list[Any]) -> dict[str, torch.Tensor]:
+        """Tiles of every image (``crop_to_patches``, as InternVL's processor asks) and how many
+        tiles each image became."""
+        proc = image_processor(str(self.path))
+        out = proc(images=[load_image(m) for m in media], crop_to_patches=True, return_tensors="pt")
+        tiles = torch.as_tensor(out["num_patches"], dtype=torch.long).reshape(-1)
+        return {"pixel_values": out["pixel_values"].to(torch.float32), "num_patches": tiles}
+
+    def _tile_rows(self) -> int:
+        """LLM rows of one tile (``image_seq_length`` in a published dir)."""
+        return (self._grid() // self._factor()) ** 2
+
+    def num_tokens(self, inputs: dict[str, torch.Tensor]) -> list[int]:
+        return [int(n) * self._tile_rows() for n in inputs["num_patches"].reshape(-1)]
+
+    def _project(self, module: nn.Module, bands: torch.Tensor) -> torch.Tensor:
+        """Patch tokens ``[n_bands, f·g, C]`` (whole bands) -> LLM rows ``[n_bands·g/f, out]``."""
+        f, g = self._factor(), self._grid()
+        shuffled = pixel_shuffle(bands.reshape(-1, f, g, bands.shape[-1]), 1 / f)
+        return module.multi_modal_projector(shuffled.reshape(-1, shuffled.shape[-1]))
+
+    def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixels = inputs["pixel_values"].to(module.device, module.dtype)
+        features = module.vision_tower(pixel_values=pixels, return_dict=True).last_hidden_state[:, 1:]
+        f, g = self._factor(), self._grid()
+        return self._project(module, features.reshape(-1, f * g, features.shape[-1]))
+
+    # -- ulysses hook points --------------------------------------------------------------------
+    def ulysses_heads(self) -> int:
+        return int(self.config().vision_config.num_attention_heads)
+
+    def ulysses_layout(self, inputs: list[dict[str, torch.Tensor]]) -> SeqLayout:
+        f, g = self._factor(), self._grid()
+        per_tile, band, out_per_band = 1 + g * g, f * g, g // f
+        tiles = [int(x["pixel_values"].shape[0]) for x in inputs]
+        n = sum(tiles) * per_tile
+        # within a tile: the CLS token, then g/f bands; a band's first g/f positions carry its rows
+        in_tile = torch.arange(n) % per_tile
+        in_band = (in_tile - 1) % band
+        kept = (in_tile > 0) & (in_band < out_per_band)
+        tile_sample = torch.repeat_interleave(torch.arange(len(inputs)), torch.tensor(tiles, dtype=torch.long))
+        row_sample = torch.where(kept, tile_sample.repeat_interleave(per_tile), -1)
+        row_pos = torch.zeros(n, dtype=torch.long)
+        for s in range(len(inputs)):
+            mine = row_sample == s
+            row_pos[mine] = torch.arange(int(mine.sum()))
+        starts = [t * per_tile for t in range(sum(tiles))]
+        cuts = sorted({*starts, n, *(s + 1 + k * band for s in starts for k in range(g // f))})
+        return SeqLayout(
+            n_tokens=n,
+            cuts=cuts,
+            unit=1,
+            row_sample=row_sample,
+            row_pos=row_pos,
+            sample_rows=[sum(self.num_tokens(x)) for x in inputs],
+            extra={"segments": [per_tile] * sum(tiles), "per_tile": per_tile},
+        )
+
+    def ulysses_forward(
+        self,
+        module: nn.Module,
+        inputs: list[dict[str, torch.Tensor]],
+        layout: SeqLayout,
+        lo: int,
+        hi: int,
+        scope: AttentionScope,
+    ) -> torch.Tensor:
+        p = layout.extra["per_tile"]
+        first, last = lo // p, -(-hi // p)  # tiles overlapping [lo, hi)
+        pixels = torch.cat([x["pixel_values"] for x in inputs])[first:last].to(module.device, module.dtype)
+        tower = module.vision_tower
+        # CLS + patch + position embeddings are per token: embed the overlapping tiles, keep ours
+        hidden = tower.embeddings(pixels)
+        hidden = hidden.reshape(-1, hidden.shape[-1])[lo - first * p : hi - first * p].unsqueeze(0)
+        with scope.spanning(layout.extra["segments"]):
+            for layer in tower.encoder.layer:
+                hidden = layer(hidden)
+        hidden = tower.layernorm(hidden)[0]  # per token (an Identity under mean pooling)
+        f, g = self._factor(), self._grid()
+        band, out_per_band = f * g, g // f
+        # the bands this shard holds whole (cuts fall on band boundaries): their first positions
+        pos = torch.arange(lo, hi)
+        heads = torch.nonzero(((pos % p) - 1) % band == 0).flatten()
+        heads = heads[(pos[heads] % p) > 0]  # not a CLS position
+        take = (heads[:, None] + torch.arange(band)).flatten()
+        rows = self._project(module, hidden[take.to(hidden.device)].reshape(-1, band, hidden.shape[-1]))
+        where = (heads[:, None] + torch.arange(out_per_band)).flatten().to(rows.device)
+        return rows.new_zeros(hi - lo, rows.shape[-1]).index_copy(0, where, rows)
