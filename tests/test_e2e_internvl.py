@@ -31,8 +31,15 @@ from disagg.plugins import get_registry  # noqa: E402
 from disagg.testing.tolerance import assert_params_close, assert_scalar_close, first_grads  # noqa: E402
 
 STEPS = 3
-VISION = {"strategy": "ulysses", "degree": 2}
-LLM = {"strategy": "ddp", "replicas": 2}
+#: (tower, decoder): the tower under ulysses with the decoder's replicas reading uneven
+#: samples; both under megatron_tp (the tower's layer map, the decoder with sequence parallelism)
+LAYOUTS = {
+    "ulysses2+ddp2": ({"strategy": "ulysses", "degree": 2}, {"strategy": "ddp", "replicas": 2}),
+    "tp2+tp2sp": (
+        {"strategy": "megatron_tp", "degree": 2},
+        {"strategy": "megatron_tp", "degree": 2, "sequence_parallel": True},
+    ),
+}
 
 
 def _config(tiny: dict, out: Path, vision: dict, llm: dict):  # noqa: ANN202
@@ -80,19 +87,20 @@ def test_ulysses_shards_meet_inside_a_tile(internvl):
     assert any(inside), inside
 
 
-def test_internvl_equals_hf_model_every_step(ray_local, internvl, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_internvl_equals_hf_model_every_step(ray_local, internvl, tmp_path, layout):
     from transformers import InternVLForConditionalGeneration
 
     from disagg.runtime.run import run_training
 
     tiny, _, want = internvl
     run = tmp_path / "run"
-    cfg = _config(tiny, run, VISION, LLM)
+    cfg = _config(tiny, run, *LAYOUTS[layout])
     run_training(validate(cfg, get_registry()), progress=False)
     losses, norms = run_metrics(run)
     assert len(losses) == len(norms) == len(want.losses) == STEPS
     for step in range(STEPS):
-        what = f"internvl step {step + 1}"
+        what = f"internvl {layout} step {step + 1}"
         assert_scalar_close(losses[step], want.losses[step], f"{what} loss")
         assert_scalar_close(norms[step], want.grad_norms[step], f"{what} grad norm")
     got = exported_state(run, STEPS, tmp_path / "export", InternVLForConditionalGeneration)
@@ -103,7 +111,7 @@ def test_internvl_equals_hf_model_every_step(ray_local, internvl, tmp_path):
         lr=cfg.train.lr,
         steps=STEPS,
         grads=first_grads(want.grads),
-        what=f"internvl after {STEPS} steps: ",
+        what=f"internvl {layout} after {STEPS} steps: ",
         betas=tuple(cfg.train.betas),
         eps=cfg.train.eps,
     )

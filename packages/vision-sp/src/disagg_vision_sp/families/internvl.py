@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import AttentionScope, EncoderFamily, SeqLayout, UlyssesFamily
+from disagg.interfaces import AttentionScope, EncoderFamily, LayerMap, SeqLayout, UlyssesFamily
 from disagg.kit.hf import (
     check_attn_implementation,
     checkpoint_keys,
@@ -125,7 +125,9 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
                 f"an integer that divides the {self._grid()} patches of a tile's side"
             )
         if tuple(v.image_size) != (v.image_size[0],) * 2 or tuple(v.patch_size) != (v.patch_size[0],) * 2:
-            problems.append(f"vision_config image_size/patch_size {where}: family 'internvl' needs square tiles")
+            problems.append(
+                f"vision_config image_size/patch_size {where}: family 'internvl' needs square tiles"
+            )
         return problems
 
     # -- building -------------------------------------------------------------------------------
@@ -147,7 +149,9 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
     def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         """``build()``'s tower and projector on the meta device (sharding strategies read
         only their own slices)."""
-        return empty_from_config(_encoder_class(), self.config(), dtype=dtype, attn_implementation=self._attn())
+        return empty_from_config(
+            _encoder_class(), self.config(), dtype=dtype, attn_implementation=self._attn()
+        )
 
     def checkpoint_name(self, name: str) -> str:
         # the inverse of build()'s key_mapping: the dir's own prefix (transformers 5 adds "model.")
@@ -155,6 +159,41 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
             probe = "multi_modal_projector.linear_1.weight"
             self._prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)
         return self._prefix + name
+
+    def layer_map(self) -> LayerMap:
+        layers = "vision_tower.encoder.layer.*"
+        attn = f"{layers}.attention"
+        no_split = {}
+        if self.config().vision_config.use_qk_norm:
+            no_split[f"{attn}.q_norm"] = (
+                "InternViT's q/k RMSNorms (use_qk_norm) normalise over every head's width at once, "
+                "which a rank holding some heads cannot compute"
+            )
+        return LayerMap(
+            column=(
+                f"{attn}.q_proj",
+                f"{attn}.k_proj",
+                f"{attn}.v_proj",
+                f"{layers}.mlp.fc1",
+                "multi_modal_projector.linear_1",
+            ),
+            row=(f"{attn}.projection_layer", f"{layers}.mlp.fc2", "multi_modal_projector.linear_2"),
+            # the attention reshapes its output to embed_dim: a rank's heads are embed_dim / degree wide
+            heads={attn: ("num_heads", "embed_dim")},
+            # Full copies on every TP rank: embeddings, norms, layer-scale vectors, the
+            # projector's LayerNorm (over whole shuffled rows, before linear_1 splits them).
+            replicated=(
+                "vision_tower.embeddings.*",
+                f"{layers}.layernorm_before.*",
+                f"{layers}.layernorm_after.*",
+                f"{layers}.lambda_*",
+                f"{attn}.q_norm.*",
+                f"{attn}.k_norm.*",
+                "vision_tower.layernorm.*",
+                "multi_modal_projector.layer_norm.*",
+            ),
+            no_split=no_split,
+        )
 
     def parts(self) -> dict[str, tuple[str, ...]]:
         return {"tower": ("vision_tower.*",), "projector": ("multi_modal_projector.*",)}
@@ -209,7 +248,9 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
         in_tile = torch.arange(n) % per_tile
         in_band = (in_tile - 1) % band
         kept = (in_tile > 0) & (in_band < out_per_band)
-        tile_sample = torch.repeat_interleave(torch.arange(len(inputs)), torch.tensor(tiles, dtype=torch.long))
+        tile_sample = torch.repeat_interleave(
+            torch.arange(len(inputs)), torch.tensor(tiles, dtype=torch.long)
+        )
         row_sample = torch.where(kept, tile_sample.repeat_interleave(per_tile), -1)
         row_pos = torch.zeros(n, dtype=torch.long)
         for s in range(len(inputs)):

@@ -56,7 +56,9 @@ def internvl_shape(cfg: dict[str, Any]) -> EncoderShape:
             ParamTensor(p + "lambda_2", (h,)),
         ]
         for norm in ("layernorm_before", "layernorm_after"):
-            params += [ParamTensor(p + f"{norm}.{w}", (h,)) for w in (("weight",) if rms else ("weight", "bias"))]
+            params += [
+                ParamTensor(p + f"{norm}.{w}", (h,)) for w in (("weight",) if rms else ("weight", "bias"))
+            ]
     if not v.get("use_mean_pooling", True):
         params += [ParamTensor(f"layernorm.{w}", (h,)) for w in ("weight", "bias")]
     m, merged = h * f * f, (1, f * f)
