@@ -30,8 +30,9 @@ class Qwen2VLVision(Qwen2_5_VLVision):
         return qwen2_vl_shape(config)
 
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
-    #: video is Qwen2.5-VL's only so far (this tower and Qwen3-VL's are untested on it)
-    reads_video: ClassVar[bool] = False
+    #: video as Qwen2.5-VL's (the same sampling, grid and patch layout: transformers'
+    #: Qwen2VLVideoProcessor serves both)
+    reads_video: ClassVar[bool] = True
 
     def hidden_size(self) -> int:
         # Qwen2-VL's vision config calls the merger's output width hidden_size.
@@ -61,7 +62,7 @@ class Qwen2VLVision(Qwen2_5_VLVision):
 
         merge = int(self.vision_config().spatial_merge_size)
         unit = merge * merge
-        grid = torch.cat([x["image_grid_thw"] for x in inputs]).to(torch.long)
+        grid = torch.cat([self.grid(x) for x in inputs])  # images, then videos, per sample
         full_cu = get_vision_cu_seqlens(grid)
         n = int(full_cu[-1])
         sample_rows = [sum(self.num_tokens(x)) for x in inputs]
@@ -85,7 +86,7 @@ class Qwen2VLVision(Qwen2_5_VLVision):
         self, module: nn.Module, inputs: list[dict[str, torch.Tensor]], layout: SeqLayout, lo: int, hi: int
     ) -> tuple[torch.Tensor, Any]:
         """Patch embeddings and rotary embeddings of tokens ``[lo, hi)`` (both per token)."""
-        pixels = torch.cat([x["pixel_values"] for x in inputs])[lo:hi].to(module.device, module.dtype)
+        pixels = torch.cat([self.pixels(x) for x in inputs])[lo:hi].to(module.device, module.dtype)
         hidden = module.patch_embed(pixels)
         return hidden, module.rotary_pos_emb(hidden, layout.extra["position_ids"][lo:hi].to(module.device))
 

@@ -37,6 +37,8 @@ class Qwen3VLVision(Qwen2VLVision):
         return qwen3_vl_shape(config)
 
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
+    #: Qwen3-VL's video (timestamps in the prompt, per-frame grids) is not read yet
+    reads_video: ClassVar[bool] = False
 
     def deepstack_layers(self) -> int:
         return len(self.vision_config().deepstack_visual_indexes)
