@@ -1,11 +1,12 @@
 """The language role under context parallelism: what a rank returns after its slice's
 forward and backward.
 
-Every context-parallel rank of a replica gets the replica's samples and all their encoder
-rows; its loss covers only its own label tokens, so each embedding row's gradient on one rank
-is that rank's share. The shares are summed over the group before the replica's first rank
-returns them (summed exactly once: the other ranks return none), and so are the loss and the
-evaluation counts, which the driver reads from one rank per replica.
+Each context-parallel rank of a replica gets the replica's samples and, of their encoder
+outputs, only the rows scattered at its own tokens (routed by the driver,
+:mod:`.routing`); every row's gradient is thus whole on the one rank that holds its token and
+goes back from there, summed with nothing. The loss covers only the rank's own label tokens,
+so the loss and the evaluation counts are summed over the group, which the driver reads from
+one rank per replica.
 """
 
 from __future__ import annotations
@@ -34,13 +35,9 @@ class ContextParallelLanguage:
         cp = current()
         if cp is None:
             return loss
-        leaves = [t for e in embeds for t in e.values() if t.requires_grad]
-        for t in leaves:
-            if t.grad is None:  # no token of it on this rank: its share is zero
-                t.grad = torch.zeros_like(t)
         # on the rank's device: NCCL reduces device tensors only
         total = torch.tensor([loss], dtype=torch.float32, device=self.ctx.device)
-        cp.sum_over_ranks([t.grad for t in leaves] + [total])  # type: ignore[misc]
+        cp.sum_over_ranks([total])
         return float(total)
 
     def evaluate(
