@@ -7,7 +7,8 @@ samples and a text-only global batch, two microbatches, weight decay on.
 Layouts are combined into few runs (CI time), the tower under ``ulysses`` 2 in each: the LLM at
 ``ddp`` CP 2 x 2 replicas with ``shard: optimizer`` and ``recompute: full``, at ``megatron_tp``
 TP 2 x CP 2, and at ``ddp`` CP 2 x 2 replicas with ``shard: parameters`` (FSDP2 + CP, a replica
-without samples in a microbatch); the first run's step-2 checkpoint is resumed at CP 1.
+without samples in a microbatch); the first run's step-2 checkpoint is resumed at CP 1, and the
+TP 2 x CP 2 run's at TP 2 (layout changes, like TP resharding).
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ def _assert_matches(run_dir: Path, reference, tmp_path: Path, first: int = 1) ->
 
 
 @pytest.fixture(scope="module")
-def resume_dir(tmp_path_factory) -> Path:
-    """Where the first layout's run keeps every step's checkpoint, for the resume test."""
-    return tmp_path_factory.mktemp("cp2-run") / "run"
+def resume_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Where the layouts resumed below keep every step's checkpoint, for the resume tests."""
+    return {name: tmp_path_factory.mktemp(name.replace("+", "-")) / "run" for name in RESUMED}
 
 
 LAYOUTS = {
@@ -131,31 +132,40 @@ LAYOUTS = {
 }
 
 
+#: layouts whose step-2 checkpoint is resumed without context parallelism -> the LLM there
+RESUMED = {
+    "ulysses2+ddp_cp2x2_shard_optimizer_recompute": {"strategy": "ddp"},
+    "ulysses2+tp2xcp2": {"strategy": "megatron_tp", "degree": 2},
+}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference, resume_dir, tmp_path, name):
-    """The first layout also keeps its step-2 checkpoint for the resume below (every: 1)."""
+def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference, resume_dirs, tmp_path, name):
+    """The layouts of :data:`RESUMED` also keep their step-2 checkpoint for the resumes below
+    (every: 1)."""
     from disagg.runtime.run import run_training
 
     vision, llm, *train = LAYOUTS[name]
-    out = resume_dir if name == FIRST else tmp_path / "run"
-    cfg = _config(tiny, out, vision, llm, every=1 if name == FIRST else 0, **(train[0] if train else {}))
+    out = resume_dirs.get(name, tmp_path / "run")
+    cfg = _config(tiny, out, vision, llm, every=1 if name in RESUMED else 0, **(train[0] if train else {}))
     run_training(validate(cfg, get_registry()), progress=False)
     _assert_matches(out, reference, tmp_path)
 
 
-FIRST = next(iter(LAYOUTS))
-
-
-def test_cp2_checkpoint_resumes_at_cp1(ray_local, tiny, reference, resume_dir, tmp_path):
-    """The CP 2 run's step-2 checkpoint, resumed with the LLM at CP 1 (a layout change): step 3
-    and the weights after it equal the HF model's, like the uninterrupted run."""
+@pytest.mark.parametrize("name", list(RESUMED), ids=["cp2_to_cp1", "tp2xcp2_to_tp2"])
+def test_cp2_checkpoint_resumes_without_context_parallel(
+    ray_local, tiny, reference, resume_dirs, tmp_path, name
+):
+    """A CP 2 run's step-2 checkpoint (CP 2 x 2 replicas; TP 2 x CP 2), resumed with the LLM at
+    CP 1 (a layout change; TP 2 stays TP 2): step 3 and the weights after it equal the HF
+    model's, like the uninterrupted run."""
     from disagg.runtime.run import run_training
 
-    ckpt = resume_dir / "checkpoints" / "step-2"
+    ckpt = resume_dirs[name] / "checkpoints" / "step-2"
     if not ckpt.is_dir():
-        pytest.skip(f"needs test_context_parallel_equals_hf_model_every_step[{FIRST}] first")
-    vision = LAYOUTS[FIRST][0]
-    cfg = _config(tiny, tmp_path / "run", vision, {"strategy": "ddp"})
+        pytest.skip(f"needs test_context_parallel_equals_hf_model_every_step[{name}] first")
+    vision = LAYOUTS[name][0]
+    cfg = _config(tiny, tmp_path / "run", vision, RESUMED[name])
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume_from": str(ckpt)})})
     run_training(validate(cfg, get_registry()), progress=False)
     _assert_matches(tmp_path / "run", reference, tmp_path, first=3)

@@ -12,6 +12,7 @@ from tp_cases import family_cls
 from disagg.interfaces import GroupContext, OptimSpec
 from disagg.kit.context_parallel import current, padded_length
 from disagg.kit.context_parallel.cost import kv_exchange
+from disagg.kit.recompute.activations import saved_bytes_hooks
 from disagg.testing import ranks
 from disagg.testing.ranks import dumps, loads
 
@@ -65,9 +66,13 @@ def one_step(strategy: str, path: str, samples: list, rank: int, degree: int, cp
     mine = samples[ctx.replica :: replicas]  # uneven replicas when len(samples) is odd
     labels = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
     ctx.comm.reset()
-    loss = ranks.loss_and_backward(strat, 0, mine, [{} for _ in mine], 1.0 / labels)
+    saved: list[int] = []  # bytes autograd saves for backward (the strategy's activation_bytes)
+    with saved_bytes_hooks(strat.module, saved.append):
+        loss = ranks.loss_and_backward(strat, 0, mine, [{} for _ in mine], 1.0 / labels)
     gathered = dict(ctx.comm.bytes_by_op), dict(ctx.comm.calls_by_op)
     norm_sq = ranks.reduce(strat)
+    grads = ranks.full_grads(strat)
+    ranks.step(strat, norm_sq, zero_grad=False)  # AdamW's state exists after its first step
     tc = fam.text_config
     longest = max(len(s["input_ids"]) for s in mine)
     est = kv_exchange(
@@ -84,7 +89,9 @@ def one_step(strategy: str, path: str, samples: list, rank: int, degree: int, cp
         "replica": ctx.replica,
         "cp_rank": ctx.cp_rank,
         "loss": loss,
-        "grads": ranks.full_grads(strat),
+        "grads": grads,
+        "saved_bytes": sum(saved),
+        "state_bytes": ranks.state_bytes(strat),
         "norm_sq": norm_sq,
         "bytes": gathered[0],
         "calls": gathered[1],

@@ -39,7 +39,6 @@ from torch import nn
 
 from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, LayerMap, StrategyOptions, dropout_seed
 from disagg.kit import Strategy, agree_on_grads, context_parallel, sum_of_squares
-from disagg.kit.context_parallel import ContextParallelLanguage
 from disagg.kit.hf import head_split_problems
 from disagg.kit.masters import in_master_view
 from disagg.kit.recompute import Recompute
@@ -61,7 +60,7 @@ class MegatronTPOptions(StrategyOptions):
     family whose layer map declares its regions."""
 
 
-class MegatronTPStrategy(ContextParallelLanguage, TPFullState, Strategy):
+class MegatronTPStrategy(TPFullState, Strategy):
     """Tensor parallelism with megatron-core layers swapped into the HF module.
 
     With ``parallel.llm.context_parallel: N`` (TP x CP): megatron's parallel state is built
@@ -185,7 +184,7 @@ class MegatronTPStrategy(ContextParallelLanguage, TPFullState, Strategy):
                 f"family {self.family.name!r} has no layer map; strategy 'megatron_tp' cannot split it"
             )
         sites, sp, config = self.apply_tensor_parallel(module, lmap)
-        context_parallel.apply(module, self.ctx)
+        context_parallel.apply(module, self.ctx, self)
         replica_rng = self.apply_dropout_streams(module, lmap, lora_dropout=any(s.dropout > 0 for s in sites))
         self.apply_lora(module, lmap, sites, sp, config, replica_rng)
         self.apply_recompute(module, sp, replica_rng)

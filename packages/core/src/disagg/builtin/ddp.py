@@ -9,11 +9,10 @@ from torch import nn
 
 from disagg.interfaces import Cost, CostQuery, Family, ReplicatedOptions, StrategyOptions
 from disagg.kit import Strategy, context_parallel
-from disagg.kit.context_parallel import ContextParallelLanguage
 from disagg.kit.sharding import shard_problems
 
 
-class DDPStrategy(ContextParallelLanguage, Strategy):
+class DDPStrategy(Strategy):
     """Data parallelism: replicas read disjoint samples and gradients are summed
     across them (the loss is already normalised by the global label count,
     so a sum — not a mean — gives the single-process gradient). Everything but
@@ -40,7 +39,7 @@ class DDPStrategy(ContextParallelLanguage, Strategy):
         # Gradient sum happens once per step, after (or, with overlap_grad_reduce, during) the
         # last microbatch's backward, which is what DistributedDataParallel's no_sync would do.
         # torchtitan's order: context parallelism -> recompute -> sharding.
-        context_parallel.apply(module, self.ctx)
+        context_parallel.apply(module, self.ctx, self)
         self.recompute.apply_full(module, f"module {self.ctx.module!r}")
         return self.shard_state(module)
 

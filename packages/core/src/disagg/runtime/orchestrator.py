@@ -33,7 +33,8 @@ class _Flight:
     mb: int
     samples: list[SampleRefs]
     route: Route
-    shard_refs: dict[int, Any] = field(default_factory=dict)  # source id -> ref
+    #: (source id, context-parallel rank of its LLM replica) -> ref
+    shard_refs: dict[tuple[int, int], Any] = field(default_factory=dict)
     #: feature cache hits: sample index -> module -> the entry's parts (one per encoder rank)
     cached: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
     #: feature cache misses to keep: (sample index, module) -> key
@@ -105,6 +106,8 @@ class Orchestrator:
         self._llm_shape = GroupShape(
             self.llm.module, self.llm.spec.replica_size, self.llm.spec.replicas, self._grad_shard()
         )
+        #: each source is sent to every context-parallel rank, as the rows of its tokens there
+        self._cp = self.llm.spec.context_parallel
 
     def _grad_shard(self) -> int:
         """The LLM rank inside a replica whose embedding gradients go back."""
@@ -286,11 +289,39 @@ class Orchestrator:
                 unique = {k: i for i, k in reversed(keep)}
                 actors = [g.actors[r] for r in task.ranks]
                 self.caches[g.module].store(actors, f.mb, list(unique.values()), list(unique))
+        rows = self._cp_rows(f)
         for src in f.route.sources:
             actor = self.group(src.module).actors[src.rank]
-            f.shard_refs[src.id] = actor.shards_for.options(**self._opts).remote(
-                f.mb, list(src.samples), self._host
-            )
+            for c in range(self._cp):
+                extra = (rows[src.llm_replica], c) if rows else ()
+                f.shard_refs[(src.id, c)] = actor.shards_for.options(**self._opts).remote(
+                    f.mb, list(src.samples), self._host, *extra
+                )
+
+    def _cp_rows(self, f: _Flight) -> dict[int, Any]:
+        """Under context parallelism, per LLM replica with sources: a ref to the rows each of its
+        context-parallel ranks holds the tokens of (read by the replica's first rank from the
+        token ids; :mod:`disagg.kit.context_parallel.routing`); empty without it."""
+        if self._cp == 1:
+            return {}
+        by_index = {s.index: s for s in f.samples}
+        out = {}
+        for task in f.route.llm:
+            totals: dict[int, dict[str, int]] = {}
+            for sid in task.sources:
+                src = f.route.source(sid)
+                for i in src.samples:
+                    totals.setdefault(i, {})[src.module] = by_index[i].num_media_tokens[src.module]
+            if totals:
+                ins = [by_index[i].inputs["llm"] for i in task.samples]
+                head = self.llm.actors[task.ranks[0]]
+                out[task.replica] = head.cp_rows.remote(list(task.samples), ins, totals)
+        return out
+
+    def _cp_slices(self, ranks: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+        """A replica's ranks per context-parallel rank (each its ``degree`` TP ranks)."""
+        d = len(ranks) // self._cp
+        return [(c, list(ranks[c * d : (c + 1) * d])) for c in range(self._cp)]
 
     def _llm(self, f: _Flight, loss_scale: float) -> list[Any]:
         needs_grad = [g.module for g in self.encoders if g.spec.optim is not None]
@@ -298,26 +329,28 @@ class Orchestrator:
         loss_refs = []
         for task in f.route.llm:  # every replica, even with no sample: it still runs in step
             ins = [by_index[i].inputs["llm"] for i in task.samples]
-            # shard refs as top-level arguments: Ray resolves those (RDT included)
-            sources: list[tuple] = [(sid, f.route.source(sid).module) for sid in task.sources]
-            parts = [f.shard_refs[sid] for sid in task.sources]
-            for i in task.samples:  # cached outputs: one source per encoder rank's entry, no gradient
-                for module, entry in f.cached.get(i, {}).items():
-                    sources += [(None, module, i)] * len(entry)
-                    parts += entry
-            refs = self.llm.loss_and_backward(
-                f.mb,
-                list(task.samples),
-                ins,
-                sources,
-                needs_grad,
-                loss_scale,
-                *parts,
-                ranks=list(task.ranks),
-                last=self._last.get((self.llm.module, task.ranks[0])) == f.mb,
-            )
-            loss_refs.append(refs[0])  # every TP rank computes the same replica loss; count it once
-            self._side_refs += refs[1:]
+            for c, ranks in self._cp_slices(task.ranks):
+                # shard refs as top-level arguments: Ray resolves those (RDT included)
+                sources: list[tuple] = [(sid, f.route.source(sid).module) for sid in task.sources]
+                parts = [f.shard_refs[(sid, c)] for sid in task.sources]
+                for i in task.samples:  # cached outputs: one source per encoder rank's entry, no gradient
+                    for module, entry in f.cached.get(i, {}).items():
+                        sources += [(None, module, i)] * len(entry)
+                        parts += entry
+                refs = self.llm.loss_and_backward(
+                    f.mb,
+                    list(task.samples),
+                    ins,
+                    sources,
+                    needs_grad,
+                    loss_scale,
+                    *parts,
+                    ranks=ranks,
+                    last=self._last.get((self.llm.module, task.ranks[0])) == f.mb,
+                )
+                # every TP (and CP: summed over them) rank has the same replica loss; count it once
+                loss_refs += refs[:1] if c == 0 else []
+                self._side_refs += refs[1:] if c == 0 else refs
         for g in self.encoders:
             if g.spec.optim is None:  # no gradients will come: free the activations now
                 for rank in f.route.encoded_ranks(g.module):
@@ -334,8 +367,11 @@ class Orchestrator:
             for rank in f.route.encoded_ranks(g.module):
                 grads = []
                 for src in f.route.sources_of(g.module, rank):
-                    head = self.llm.actors[f.route.llm[src.llm_replica].grad_rank]
-                    grads.append(head.grads_for.options(**self._opts).remote(f.mb, src.id, self._host))
+                    task = f.route.llm[src.llm_replica]
+                    for _, ranks in self._cp_slices(task.ranks):  # each CP rank: the rows it got
+                        head = self.llm.actors[ranks[0] + task.grad_rank - task.ranks[0]]
+                        call = head.grads_for.options(**self._opts)
+                        grads.append(call.remote(f.mb, src.id, self._host, self._cp > 1))
                 last = self._last.get((g.module, rank)) == f.mb
                 self._side_refs.append(g.actors[rank].backward.remote(f.mb, *grads, last=last))
         for a in self.llm.actors:
@@ -367,10 +403,12 @@ class Orchestrator:
             for task in f.route.llm:  # every replica, with or without samples (collectives match)
                 sources = [(sid, f.route.source(sid).module) for sid in task.sources]
                 ins = [by_index[i].inputs["llm"] for i in task.samples]
-                shards = [f.shard_refs[sid] for sid in task.sources]  # top-level: the transport moves them
-                outs.append(
-                    self.llm.evaluate(list(task.samples), ins, sources, *shards, ranks=list(task.ranks))[0]
-                )
+                for c, ranks in self._cp_slices(task.ranks):  # CP ranks sum the counts: one speaks
+                    # top-level: the transport moves them
+                    shards = [f.shard_refs[(sid, c)] for sid in task.sources]
+                    refs = self.llm.evaluate(list(task.samples), ins, sources, *shards, ranks=ranks)
+                    outs += refs[:1] if c == 0 else []
+                    self._side_refs += refs[1:] if c == 0 else refs
             for task in f.route.encodes:
                 for rank in task.ranks:
                     self.group(task.module).actors[rank].drop.remote(f.mb)

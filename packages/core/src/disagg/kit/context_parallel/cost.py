@@ -35,9 +35,19 @@ def kv_exchange(
 
 
 def activation_fraction(n: int) -> float:
-    """Share of the layer activations one rank keeps (its tokens); the gathered K/V of the
-    layer being computed are transient (under ``recompute: full`` they are never saved)."""
+    """Share of the layer activations one rank keeps (its tokens), besides
+    :func:`saved_gathered_kv`."""
     return 1.0 / n
+
+
+def saved_gathered_kv(
+    layers: int, batch: int, padded_tokens: int, heads: int, head_dim: int, element_bytes: int
+) -> int:
+    """Bytes of gathered keys and values autograd keeps per rank without ``recompute: full``:
+    the attention saves them for its backward, whole-sequence and repeated to the ``heads``
+    query heads this rank holds (:mod:`.attention` repeats them after the gather); under
+    ``recompute: full`` only the blocks' inputs are kept and the gather is replayed."""
+    return layers * 2 * batch * heads * padded_tokens * head_dim * element_bytes
 
 
 def with_context_parallel(estimate: Callable[[CostQuery], Cost | None], query: CostQuery) -> Cost | None:
@@ -48,7 +58,8 @@ def with_context_parallel(estimate: Callable[[CostQuery], Cost | None], query: C
       estimate on ``N x replicas`` ranks, each with the same samples at ``seq_len / N``
       (CP ranks are more data-parallel ranks for the state and the gradient sum, and hold
       ``1/N`` of the tokens);
-    - activations: likewise ``1/N`` of the tokens (the gathered K/V are transient);
+    - activations: likewise ``1/N`` of the (padded) tokens, plus the gathered K/V the attention
+      saves for backward without ``recompute: full`` (:func:`saved_gathered_kv`);
     - plus the K/V exchange (:func:`kv_exchange`) per microbatch, its forward replayed once
       more under ``recompute: full``; bytes shipped to the encoders: the whole-sample rank's
       (the replica's first rank returns every row's gradient).
@@ -61,28 +72,28 @@ def with_context_parallel(estimate: Callable[[CostQuery], Cost | None], query: C
     if not isinstance(shape, DecoderShape):
         return None  # refused at validation: only a decoder splits its sequence
     samples = query.replicas if query.samples is None else query.samples
+    padded = padded_length(query.seq_len, n)
     split = estimate(
         replace(
             query,
             context_parallel=1,
             replicas=query.replicas * n,
             samples=samples * n,
-            seq_len=max(1, -(-query.seq_len // n)),
+            seq_len=padded // n,  # a rank's tokens: the sequence is padded to a multiple of 2N
         )
     )
     if split is None:
         return None
     per_mb = -(-samples // (query.replicas * query.microbatches))
+    element = RECIPES[query.precision].activation_bytes
     kv = kv_exchange(
-        shape.layers,
-        per_mb,
-        padded_length(query.seq_len, n),
-        max(1, shape.kv_heads // query.degree),
-        shape.head_dim,
-        n,
-        RECIPES[query.precision].activation_bytes,
+        shape.layers, per_mb, padded, max(1, shape.kv_heads // query.degree), shape.head_dim, n, element
     )
     replays = 2 if query.recompute in ("full", True) else 1
+    heads = max(1, shape.heads // query.degree)
+    kept = (
+        0 if replays == 2 else saved_gathered_kv(shape.layers, per_mb, padded, heads, shape.head_dim, element)
+    )
     comm = dict(split.comm_bytes_by_kind)
     calls = dict(split.comm_calls_by_kind)
     comm["cp_all_gather"] = kv.forward_bytes * query.microbatches * replays
@@ -91,7 +102,7 @@ def with_context_parallel(estimate: Callable[[CostQuery], Cost | None], query: C
     calls["cp_reduce_scatter"] = kv.forward_calls * query.microbatches
     return Cost(
         state_bytes=split.state_bytes,
-        activation_bytes=split.activation_bytes,
+        activation_bytes=split.activation_bytes + kept,
         comm_bytes_by_kind=comm,
         sent_bytes=base.sent_bytes,
         flops=base.flops / n,

@@ -27,6 +27,8 @@ class ContextParallel:
     size: int
     rank: int
     comm: CommCounter
+    #: the rank's device (NCCL reduces device tensors only)
+    device: torch.device = torch.device("cpu")
     #: global positions of this rank's tokens in the current padded sequence
     positions: torch.Tensor | None = None
     #: rows of the all-gathered keys/values in global order (see :func:`gathered_order`)
@@ -50,6 +52,13 @@ class ContextParallel:
         self.positions, self.order = self._cache[key]
         self.length = length
         return self.positions
+
+    def sum_figures(self, figures: list[float]) -> list[float]:
+        """The language role's hook (``LanguageRole.replica_sum``): a rank's loss and evaluation
+        counts, of its own tokens, summed over the group into its replica's (fp64, one call)."""
+        t = torch.tensor(figures, dtype=torch.float64, device=self.device)
+        self.sum_over_ranks([t])
+        return [float(x) for x in t]
 
     def sum_over_ranks(self, tensors: list[torch.Tensor]) -> None:
         """Sum ``tensors`` in place over the group, in one flat buffer (one call)."""
@@ -84,7 +93,7 @@ def install(ctx: GroupContext) -> ContextParallel | None:
             if ctx.rank in ranks:
                 mine = g
     assert mine is not None
-    _ACTIVE = ContextParallel(mine, n, ctx.cp_rank, ctx.comm)
+    _ACTIVE = ContextParallel(mine, n, ctx.cp_rank, ctx.comm, ctx.device)
     return _ACTIVE
 
 

@@ -34,6 +34,10 @@ class LanguageRole:
     options: Any
     recompute: Recompute
     fsdp: bool
+    #: turns this rank's loss and evaluation figures into its replica's; None: they are already
+    #: (context parallelism installs the sum over the ranks that share the samples, from
+    #: :func:`disagg.kit.context_parallel.apply`)
+    replica_sum: Callable[[list[float]], list[float]] | None = None
     if TYPE_CHECKING:
 
         def sharded_call(self, fn: Any, *args: Any) -> Any: ...
@@ -67,7 +71,10 @@ class LanguageRole:
             # a placeholder's loss is 0 with a zero gradient: its backward issues the group's
             # gathers and reduce-scatters and adds exact zeros
             self.backprop([loss_sum * loss_scale], None, leaves)
-            return float(loss_sum.detach())
+            return self._over_replica([float(loss_sum.detach())])[0]
+
+    def _over_replica(self, figures: list[float]) -> list[float]:
+        return figures if self.replica_sum is None else self.replica_sum(figures)
 
     @contextlib.contextmanager
     def _lockstep(self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]) -> Any:
@@ -138,7 +145,9 @@ class LanguageRole:
                 return 0.0, 0, 0
             with self._lockstep(inputs, embeds) as (xs, es):
                 loss, right, labelled = self._whole_call(self._evaluate, xs, es)
-            return (float(loss), right, labelled) if inputs else (0.0, 0, 0)
+            loss, right, labelled = (float(loss), right, labelled) if inputs else (0.0, 0, 0)
+            total, right, labelled = self._over_replica([loss, right, labelled])
+            return total, int(round(right)), int(round(labelled))
 
     def _evaluate(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]

@@ -30,6 +30,8 @@ from disagg.interfaces import (
     dropout_seed,
 )
 from disagg.kit import Strategy
+from disagg.kit.context_parallel import routing as cp_routing
+from disagg.kit.context_parallel.routing import RankRows
 from disagg.kit.lora import apply_lora
 from disagg.kit.masters import cast_inputs
 from disagg.metrics.record import RankRecord
@@ -215,19 +217,31 @@ class ModuleWorker:
 
     @_named
     def shards_for(
-        self, mb: int, sample_ids: list[int], host: bool = True
+        self,
+        mb: int,
+        sample_ids: list[int],
+        host: bool = True,
+        rows: RankRows | None = None,
+        cp_rank: int = 0,
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
         """This rank's shards of ``sample_ids`` — one object for one LLM
         replica, every tensor in it on one device (RDT requires it): the
-        value's, or host memory when ``host`` (the object store)."""
+        value's, or host memory when ``host`` (the object store). ``rows``
+        (an LLM under context parallelism): only the rows its context-parallel
+        rank ``cp_rank`` holds the tokens of (:mod:`disagg.kit.context_parallel.routing`)."""
         ids, shards = self.pending[mb]
         by_id = dict(zip(ids, shards))
         out = {}
         for i in sample_ids:
             s = by_id[i]
-            value = _for_wire(s.value, host)
-            out[i] = (s.positions.to(value.device), value, s.total)
-            self.acct.sent(s.value)
+            # a sample with no row on this rank still gets an entry, empty
+            wanted = None if rows is None else rows[cp_rank].get(i, {}).get(self.module, s.positions[:0])
+            keep = cp_routing.select(s.positions, wanted)
+            whole = bool(keep.all())
+            positions, value = (s.positions, s.value) if whole else (s.positions[keep], s.value[keep])
+            sent = _for_wire(value, host)
+            out[i] = (positions.to(sent.device), sent, s.total)
+            self.acct.sent(value)
         return out
 
     @_named
@@ -236,9 +250,17 @@ class ModuleWorker:
         each LLM replica, top-level arguments); ``last``: this rank's last
         backward of the step (gradients may be reduced while it runs)."""
         grads: dict[int, torch.Tensor] = {}
+        rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for part in grad_parts:
-            grads.update(part)
+            for i, g in part.items():
+                if isinstance(g, tuple):  # some rows of the shard (context parallelism)
+                    rows.setdefault(i, []).append(g)
+                else:
+                    grads[i] = g
         ids, shards = self.pending.pop(mb)
+        for i, s in zip(ids, shards):
+            if i in rows:
+                grads[i] = cp_routing.place_grads(s.positions, s.value, rows[i])
         device = shards[0].value.device if shards else torch.device("cpu")
         missing = [i for i, s in zip(ids, shards) if i not in grads and s.value.numel()]
         if missing:
@@ -314,9 +336,11 @@ class ModuleWorker:
         return loss_sum
 
     @_named
-    def grads_for(self, mb: int, source: int, host: bool = True) -> dict[int, torch.Tensor]:
+    def grads_for(self, mb: int, source: int, host: bool = True, with_rows: bool = False) -> dict[int, Any]:
         """Gradients of the shards that ``source`` delivered — one object for
-        exactly the encoder rank that produced them (in host memory when ``host``)."""
+        exactly the encoder rank that produced them (in host memory when ``host``);
+        ``with_rows``: each as ``(global rows, gradients)``, the part of a shard this
+        context-parallel rank got."""
         _, embeds, layout = self.llm_leaves[mb]
         out = {}
         for k, sid, module, positions in layout.get(source, []):
@@ -328,9 +352,21 @@ class ModuleWorker:
                 # must run it. The cost is weight decay on an encoder that the
                 # single-process model would leave untouched in this step.
                 g = torch.zeros_like(embeds[k][module])
-            out[sid] = _for_wire(g[positions.to(g.device)], host)
-            self.acct.sent(out[sid])
+            grad = _for_wire(g[positions.to(g.device)], host)
+            self.acct.sent(grad)
+            out[sid] = (_for_wire(positions, host), grad) if with_rows else grad
         return out
+
+    @_named
+    def cp_rows(
+        self, sample_ids: list[int], input_refs: list[Any], totals: dict[int, dict[str, int]]
+    ) -> RankRows:
+        """For each context-parallel rank of this replica, the encoder rows of each sample it
+        holds the tokens of (``totals``: sample id -> module -> rows), read from the samples'
+        token ids before any row is sent."""
+        inputs = ray.get(input_refs)
+        n = self.spec.context_parallel
+        return cp_routing.rows_per_rank(self.strategy.family, sample_ids, inputs, totals, n)  # type: ignore[union-attr]
 
     def release(self, mb: int) -> None:
         self.llm_leaves.pop(mb, None)
