@@ -127,6 +127,17 @@ def gather_settings(options: ZeroOptions) -> dict[str, int]:
     }
 
 
+def reduce_bucket_elements(options: ZeroOptions) -> int:
+    """Elements of the gradient reduce bucket ZeRO-3 allocates at set-up and holds for the run
+    (``stage3.py``: ``torch.empty(reduce_bucket_size)`` per communication dtype when
+    ``contiguous_gradients``), as DeepSpeed reads the config built here; 0 when it allocates
+    none (``contiguous_gradients: false``)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    z = DeepSpeedZeroConfig(**build_ds_config(options)["zero_optimization"])
+    return int(z.reduce_bucket_size) if z.contiguous_gradients else 0
+
+
 def zero_section_problems(options: ZeroOptions) -> list[str]:
     """What DeepSpeed's own schema says about ``zero_optimization`` (config time)."""
     from pydantic import ValidationError

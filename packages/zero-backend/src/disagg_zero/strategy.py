@@ -54,6 +54,7 @@ from disagg_zero.dsconfig import (
     gather_settings,
     persistence_threshold,
     recipe_problems,
+    reduce_bucket_elements,
     zero_section_problems,
 )
 from disagg_zero.fullstate import ZeroFullState
@@ -322,6 +323,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
             offload_optimizer=bool(options.offload_optimizer),
             chunk=getattr(options, "loss_chunk_tokens", None),
             gather=gather_settings(options),
+            reduce_bucket=reduce_bucket_elements(options),
         )
 
     @classmethod
