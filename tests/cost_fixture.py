@@ -27,6 +27,13 @@ the GPU presets' usable fraction became 0.9: every GPU plan's memory and fit mov
 predicted rows' ``memory_per_gpu``. The published plans are recorded without the planner's
 modelled ``context_parallel`` / ``offload`` layouts (``modelled_keys=False``: tens of thousands more
 rows); those are printed by ``python -m disagg.bench.published``.
+
+Re-recorded when ``zero`` began counting DeepSpeed ZeRO-3's gradient reduce bucket
+(``Cost.buffer_bytes``, issue 38: ``reduce_bucket_size`` x the reduction dtype, 2 GB per rank at
+DeepSpeed's default in fp32/bf16): the 432 stage-3 estimates gained ``buffer_bytes`` and their
+``memory_bytes`` moved, and with them the memory of every layout with a ``zero`` stage-3 group
+(and so the order of the ranked rows); no other estimate or layout moved, no layout's fit flipped
+and every plan's best layout is the same (checked by diffing the old and new file).
 """
 
 from __future__ import annotations

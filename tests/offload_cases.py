@@ -24,6 +24,9 @@ from disagg.testing import ranks
 
 STEPS = 3
 MICROBATCHES = 2
+#: (``zero`` under ``bf16-pure`` cannot offload: DeepSpeed asserts that bf16 masters offload only
+#: with its own ``DeepSpeedCPUAdam`` as the optimizer, stages 1-2's ``_enforce_cpu_offload`` and
+#: stage 3's ``_enforce_optimizer_offload``, not the strategy's MaskedAdamW; validation refuses it)
 PRECISIONS = ("fp32", "bf16")
 LAYOUTS = ("ddp", "ulysses-fsdp", "megatron_tp-sp", "zero-1", "zero-3")
 #: weight decay on (DESIGN.md's test data); eps above bf16's gradient noise
@@ -114,6 +117,8 @@ def _train(layout: str, strat: Any, data: dict[str, Any], steps: range, out: dic
         out.setdefault("norm", []).append(norm_sq)
         out.setdefault("grads", []).append(ranks.full_grads(strat))
         ranks.step(strat, norm_sq, max_norm=0.5, zero_grad=False)  # clipping on
+        if step == steps[-1] and layout.startswith("zero"):
+            out["deepspeed"] = deepspeed_offload(strat)
         if step == steps[-1] and not layout.startswith("zero"):
             out["resident"] = resident_bytes(strat)  # gradients still held: the step's peak state
             census = ranks.state_census(strat)  # stepped (AdamW state) and idle (no gradient) elements
@@ -123,6 +128,25 @@ def _train(layout: str, strat: Any, data: dict[str, Any], steps: range, out: dic
             out.update(census, shapes=[tuple(p.shape) for p in stepped], tensors=len(stepped))
         ranks.zero_grad(strat)
         out.setdefault("params", []).append(ranks.full_state(strat))
+
+
+def deepspeed_offload(strat: Any) -> dict[str, Any]:
+    """Whether DeepSpeed's own optimizer offload runs: its config flag, its optimizer's (stage 3:
+    ``offload_optimizer``, stages 1-2: ``cpu_offload``), the optimizer class it picked (stage 1
+    under ``bf16`` is ``BF16_Optimizer`` without offload) and the device of its fp32 master
+    partitions (the accelerator's without offload; on CPU both are ``cpu``)."""
+    ds = strat.engine.optimizer
+    own = getattr(ds, "offload_optimizer", None)
+    own = getattr(ds, "cpu_offload", False) if own is None else own
+    flats = getattr(ds, "fp32_partitioned_groups_flat", None) or getattr(
+        ds, "single_partition_of_fp32_groups", []
+    )
+    return {
+        "config": bool(strat.engine.zero_cpu_offload()),
+        "optimizer_offloads": bool(own),
+        "optimizer": type(ds).__name__,
+        "master_devices": sorted({t.device.type for t in flats}),
+    }
 
 
 def offload_rank(rank: int, paths: dict[str, str], data: dict[str, dict[str, Any]]) -> bytes:

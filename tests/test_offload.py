@@ -135,6 +135,24 @@ def test_offload_resumes_from_a_checkpoint_written_without_it(offload_case, layo
     assert_exact(resumed["params"][0], base["params"][STEPS - 1], f"{layout} resumed params: ")
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layout", ["zero-1", "zero-3"])
+def test_zero_offload_is_deepspeed_s_own(offload_case, layout, precision) -> None:
+    """The ``zero`` runs compared above really ran DeepSpeed's optimizer offload with offload
+    and not without: its config flag and its optimizer's own; under ``bf16`` at stage 1 that is
+    another DeepSpeed optimizer (``DeepSpeedZeroOptimizer`` with ``cpu_offload``, where the run
+    without offload is ``BF16_Optimizer``), so the equality above is between two of its paths."""
+    base = offload_case[(layout, precision, False)]["deepspeed"]
+    off = offload_case[(layout, precision, True)]["deepspeed"]
+    assert (base["config"], base["optimizer_offloads"]) == (False, False), base
+    assert (off["config"], off["optimizer_offloads"]) == (True, True), off
+    assert off["master_devices"] == ["cpu"], off
+    stage3 = layout == "zero-3"
+    assert off["optimizer"] == ("DeepSpeedZeroOptimizer_Stage3" if stage3 else "DeepSpeedZeroOptimizer"), off
+    if layout == "zero-1" and precision == "bf16":
+        assert base["optimizer"] == "BF16_Optimizer", base
+
+
 #: the kit's layouts and the ``parallel.<m>.shard`` mode (and world) their state is sharded in
 KIT = {"ddp": ("none", 1), "ulysses-fsdp": ("parameters", 2), "megatron_tp-sp": ("none", 1)}
 

@@ -145,9 +145,10 @@ def test_unknown_precision_lists_allowed() -> None:
 
 def test_every_recipe_is_honoured_but_not_with_an_offloaded_optimizer() -> None:
     """``zero`` honours the three recipes in DeepSpeed's own mode; an offloaded optimizer under
-    ``bf16``/``bf16-pure`` (DeepSpeed's CPU-Adam paths, not verified against the recipe) is
-    refused at validation, naming ``train.precision`` and the module's keys, through core's
-    ``train.precision`` check (before any actor starts)."""
+    ``bf16`` at stage 2 (not verified against the run without it) or ``bf16-pure`` (DeepSpeed
+    offloads bf16 masters only with its own CPU Adam) is refused at validation, naming
+    ``train.precision`` and the module's keys, through core's ``train.precision`` check (before
+    any actor starts)."""
     from types import SimpleNamespace
 
     from disagg.config.train_checks import precision_problems
@@ -175,3 +176,27 @@ def test_every_recipe_is_honoured_but_not_with_an_offloaded_optimizer() -> None:
             "parallel.llm.stage: 2" in msg and "set offload_optimizer: false or train.precision: fp32" in msg
         )
         assert precision_problems(resolved(precision, stage=3), "cuda") == []
+
+
+def test_bf16_with_an_offloaded_optimizer_is_allowed_where_verified() -> None:
+    """``bf16`` + ``offload_optimizer`` at stages 1 and 3 equals the run without offload
+    (``tests/test_offload.py``), so validation lets it through; ``bf16-pure`` stays refused at
+    every stage with DeepSpeed's reason, and ``bf16`` at stage 2 with the stages to use."""
+    from types import SimpleNamespace
+
+    from disagg.config.train_checks import precision_problems
+
+    for stage in (1, 3):
+        options = ZeroOptions(stage=stage, offload="optimizer")
+        assert ZeroStrategy.precision_problems("bf16", options, "parallel.llm") == []
+        module = SimpleNamespace(strategy=ZeroStrategy, options=options)
+        train = SimpleNamespace(train=SimpleNamespace(precision="bf16"))
+        assert precision_problems(SimpleNamespace(config=train, modules={"llm": module}), "cuda") == []
+    (stage2,) = ZeroStrategy.precision_problems("bf16", ZeroOptions(stage=2, offload_optimizer=True), "p")
+    assert "verified against the run without it at stages 1 and 3 only" in stage2
+    assert "(or stage: 1 or 3)" in stage2
+    for stage in (1, 2, 3):
+        (pure,) = ZeroStrategy.precision_problems(
+            "bf16-pure", ZeroOptions(stage=stage, offload_optimizer=True), "parallel.vision"
+        )
+        assert "only with its own DeepSpeedCPUAdam" in pure and "parallel.vision.stage" in pure

@@ -78,6 +78,15 @@ or output head gathered whole with DeepSpeed's default live-parameter limit and 
 few GB), not the module: under either recipe that is more than an 80 GB GPU before any
 activation (``disagg.bench.published_fit``).
 
+**Buffers** (``Cost.buffer_bytes``), stage 3: DeepSpeed's ZeRO-3 optimizer allocates its
+gradient reduce bucket at set-up and keeps it for the run (``stage3.py``:
+``torch.empty(reduce_bucket_size)`` in the communication dtype when ``contiguous_gradients``):
+``reduce_bucket_size`` (5e8 elements by default) x the recipe's reduction bytes
+(:func:`zero_buffer_bytes`): 2 GB per rank under ``fp32`` and ``bf16`` (whose gradients
+``dsconfig`` reduces in fp32), 1 GB under ``bf16-pure``. Measured by the allocator-peak test
+(``tests/test_allocator_peak.py``, where it was the one term missing). Stages 1-2's buckets
+(allocated at each backward's prologue by ``DeepSpeedZeroOptimizer``) are not counted yet.
+
 **Bytes under the bf16 recipes**: the gathers carry the weight's dtype (2 bytes), the gradient
 reductions the recipe's (``bf16``: fp32, 4 bytes; ``bf16-pure``: 2); counted call for call in
 ``fp32`` only.
@@ -299,6 +308,13 @@ def ds_bytes(precision: str) -> tuple[int, int, int, int]:
     return r.weights.itemsize, master.itemsize, r.grads.itemsize, 2 * r.moments.itemsize
 
 
+def zero_buffer_bytes(stage: int, bucket: int, grad_bytes: int, trains: bool = True) -> int:
+    """Stage 3's reduce bucket (the module docstring): ``bucket`` elements
+    (:func:`disagg_zero.dsconfig.reduce_bucket_elements`) in the gradients' reduction dtype of
+    ``grad_bytes``; none for a frozen module (DeepSpeed builds no ZeRO-3 optimizer for it)."""
+    return bucket * grad_bytes if stage == 3 and trains else 0
+
+
 def zero_gathered_bytes(
     tensors: list[ParamTensor],
     stage: int,
@@ -348,13 +364,15 @@ def estimate(
     offload_optimizer: bool = False,
     chunk: int | None = DEFAULT_CHUNK_TOKENS,
     gather: dict[str, int] | None = None,
+    reduce_bucket: int = DEEPSPEED_BUCKET,
 ) -> Cost:
     """``recompute``: the strategy's own option, used where the query names none;
     ``offload_optimizer`` keeps the fp32 master partition and the two moments
     (12 bytes per element, partitioned) off the GPU; ``chunk``: the LLM's
     ``loss_chunk_tokens`` (logits of one chunk held at once; None: the whole microbatch's);
     ``gather``: stage 3's ``prefetch``, ``max_live`` and ``reuse`` elements (DeepSpeed's
-    defaults where unset)."""
+    defaults where unset); ``reduce_bucket``: the elements of stage 3's reduce bucket
+    (:func:`zero_buffer_bytes`)."""
     if recompute != "none" and not query.recompute:
         query = replace(query, recompute=recompute)
     mode = recompute_mode(query.recompute)
@@ -417,7 +435,8 @@ def estimate(
         encoder=bool(query.encoder),
         recompute_full=mode == "full",
     )
-    cost = replace(cost, gathered_bytes=held)
+    buffers = zero_buffer_bytes(stage, reduce_bucket, w.grad_bytes, bool(tr.trainable))
+    cost = replace(cost, gathered_bytes=held, buffer_bytes=buffers)
     if offload_optimizer:
         numel = sum(t.numel for t in tr.trainable)
         _, master, _, moments = ds_bytes(w.precision)

@@ -127,6 +127,17 @@ def gather_settings(options: ZeroOptions) -> dict[str, int]:
     }
 
 
+def reduce_bucket_elements(options: ZeroOptions) -> int:
+    """Elements of the gradient reduce bucket ZeRO-3 allocates at set-up and holds for the run
+    (``stage3.py``: ``torch.empty(reduce_bucket_size)`` per communication dtype when
+    ``contiguous_gradients``), as DeepSpeed reads the config built here; 0 when it allocates
+    none (``contiguous_gradients: false``)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    z = DeepSpeedZeroConfig(**build_ds_config(options)["zero_optimization"])
+    return int(z.reduce_bucket_size) if z.contiguous_gradients else 0
+
+
 def zero_section_problems(options: ZeroOptions) -> list[str]:
     """What DeepSpeed's own schema says about ``zero_optimization`` (config time)."""
     from pydantic import ValidationError
@@ -147,16 +158,30 @@ def zero_section_problems(options: ZeroOptions) -> list[str]:
     return []
 
 
+#: ``(train.precision, stage)`` pairs whose DeepSpeed ``offload_optimizer`` equals the run without it
+#: (``tests/test_offload.py``: 3 steps x 2 microbatches, within the tight fp32 bound; stage 1 under
+#: ``bf16`` then runs ``DeepSpeedZeroOptimizer`` with ``cpu_offload`` where the run without it is
+#: ``BF16_Optimizer``); ``fp32`` at every stage
+OFFLOAD_VERIFIED = {("bf16", 1), ("bf16", 3)}
+
+
 def recipe_problems(recipe: str, options: ZeroOptions, where: str) -> list[str]:
     """The ``parallel.<module>`` settings (at ``where``) DeepSpeed cannot run exactly under the
     ``train.precision`` recipe ``recipe`` (sentences; config time)."""
-    if recipe == "fp32" or not options.offload_optimizer:
+    if recipe == "fp32" or not options.offload_optimizer or (recipe, options.stage) in OFFLOAD_VERIFIED:
         return []
-    # DeepSpeed's offloaded bf16 paths step with DeepSpeedCPUAdam over its own fp32 (or bf16)
-    # copies and accumulate differently per stage; none is verified against the recipe here
+    why = (
+        # DeepSpeed asserts that bf16 masters offload only with exactly its DeepSpeedCPUAdam as the
+        # optimizer (a type check: stage_1_and_2.py _enforce_cpu_offload, stage3.py
+        # _enforce_optimizer_offload); the strategy's is MaskedAdamW (CPU) or a masked subclass of
+        # DeepSpeedCPUAdam (GPU), which leave parameters without a gradient alone (optim.py)
+        "DeepSpeed offloads bf16 master weights only with its own DeepSpeedCPUAdam as the optimizer, "
+        "not the strategy's masked AdamW"
+        if recipe == "bf16-pure"
+        else "DeepSpeed's offloaded optimizer is verified against the run without it at stages 1 and 3 only"
+    )
     return [
         f"train.precision: {recipe!r} cannot be combined with {where}.offload_optimizer: true "
-        f"(strategy 'zero', {where}.stage: {options.stage}): DeepSpeed's offloaded optimizer does "
-        "not hold the recipe's dtypes as verified; set offload_optimizer: false or "
-        "train.precision: fp32"
+        f"(strategy 'zero', {where}.stage: {options.stage}): {why}; set offload_optimizer: false or "
+        "train.precision: fp32" + (" (or stage: 1 or 3)" if recipe == "bf16" else "")
     ]

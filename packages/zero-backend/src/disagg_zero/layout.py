@@ -27,11 +27,11 @@ ZeRO-3 partition (``ds_tensor``, the only copy there is), or, under stages 1-2, 
 every rank like buffers (DCP writes equal pieces once). Step counts (AdamW's ``step``, per
 parameter as the reference counts them: :class:`~disagg_zero.optim.MaskedAdamW`'s fragment
 steps, the largest over the group, as no rank may hold a fragment) are scalars every rank
-lists. A load fills the partitions and the steps' scalars; :meth:`ZeroLayout.refresh_weights`
-(which the worker calls after every load) then writes the step counts into the fragments and
-the masters into the module's weights: stages 1-2 through DeepSpeed's ``update_lp_params``
-(each rank's partition copied into the weights, then all-gathered), stage 3 by copying every
-fp32 partition into its parameter partition (DeepSpeed's
+lists. A load fills the partitions and the steps' scalars; :meth:`ZeroLayout.refresh` (through
+the strategy's ``refresh_weights``, which the worker calls after every load) then writes the step
+counts into the fragments and the masters into the module's weights: stages 1-2 through
+DeepSpeed's ``update_lp_params`` (each rank's partition copied into the weights, then
+all-gathered), stage 3 by copying every fp32 partition into its parameter partition (DeepSpeed's
 ``_reassign_or_swap_out_partitioned_parameters``) and re-gathering the persistent
 parameters, as DeepSpeed's step ends.
 """
@@ -40,12 +40,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from disagg.kit.roles.state import Pieces
+
+if TYPE_CHECKING:
+    from disagg_zero.fullstate import ZeroFullState
 
 #: AdamW's per-element states (moments), stated as the parameter's pieces
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -97,40 +100,34 @@ def range_pieces(
 
 
 class ZeroLayout:
-    """Sharded-checkpoint pieces of :class:`~disagg_zero.strategy.ZeroStrategy` (a base of
-    :class:`~disagg_zero.fullstate.ZeroFullState`, whose helpers it uses)."""
+    """Sharded-checkpoint pieces of a :class:`~disagg_zero.strategy.ZeroStrategy` with an engine
+    (its ``layout``), from its :class:`~disagg_zero.fullstate.ZeroFullState` (``full``), whose
+    helpers it uses."""
 
-    module: nn.Module | None
-    engine: Any
-    optimizer: Any
-    options: Any
-    ctx: Any
-    _params: list[nn.Parameter]
-    #: after a load's pieces were handed out: the step scalars it fills, per trainable index
-    _loading: dict[int, torch.Tensor] | None = None
+    def __init__(self, full: ZeroFullState) -> None:
+        self.full = full
+        #: after a load's pieces were handed out: the step scalars it fills, per trainable index
+        self._loading: dict[int, torch.Tensor] | None = None
 
-    def sharded_state(self, saved: Mapping[str, Any] | None = None) -> Pieces | None:
+    def pieces(self, saved: Mapping[str, Any] | None = None) -> Pieces:
         """This rank's pieces of the full form in DeepSpeed's partitions (module docstring);
         collective (the step counts' maximum). ``saved`` (a load): the optimizer state it
-        holds is created here (zeros) for the checkpoint to fill; call
-        :meth:`refresh_weights` once it has."""
-        if self.engine is None:  # no partitions (stages 1-2 frozen): plain whole tensors
-            return self.layout_pieces(saved)  # type: ignore[attr-defined]
-        assert self.module is not None
-        trained = {id(p): i for i, p in enumerate(self._params)}
-        with_state = self.optimizer is not None and (
-            saved is None or any(k.startswith("optim/") for k in saved)
-        )
+        holds is created here (zeros) for the checkpoint to fill; call :meth:`refresh` once it
+        has."""
+        full = self.full
+        module, optimizer = full.module, full.optimizer
+        trained = {id(p): i for i, p in enumerate(full.owner._params)}
+        with_state = optimizer is not None and (saved is None or any(k.startswith("optim/") for k in saved))
         if with_state:
             if saved is not None:
-                self._init_optimizer_state()  # type: ignore[attr-defined]
+                full.init_optimizer_state()
                 self._zero_optimizer_state()
-            self._link_optimizer_state()  # type: ignore[attr-defined]
+            full.link_optimizer_state()
         out: Pieces = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
+        for name, t in module.state_dict(keep_vars=True).items():
             if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
                 continue
-            if id(t) in trained and self.optimizer is not None:
+            if id(t) in trained and optimizer is not None:
                 out[f"param/{name}"] = self._master_pieces(t, None)
             elif hasattr(t, "ds_tensor"):  # a frozen ZeRO-3 parameter: its partition
                 out[f"param/{name}"] = self._partition_pieces(t, t.ds_tensor.detach().view(-1))
@@ -138,46 +135,47 @@ class ZeroLayout:
                 out[f"param/{name}"] = (tuple(t.shape), [((0,) * t.dim(), t.detach())])
         if not with_state:
             return out
-        steps = self._param_steps() if saved is None else None  # type: ignore[attr-defined]
-        self._loading = {} if saved is not None else None
-        for i, (name, p) in enumerate(self._named_params()):  # type: ignore[attr-defined]
+        steps = full.param_steps() if saved is None else []
+        loading: dict[int, torch.Tensor] = {}
+        self._loading = loading if saved is not None else None
+        for i, (name, p) in enumerate(full.named_params()):
             if saved is None:
-                if steps[i] == 0:  # type: ignore[index]
+                if steps[i] == 0:
                     continue  # never stepped: no state, as the full form leaves it out
-                step = torch.tensor(float(steps[i]))  # type: ignore[index]
+                step = torch.tensor(float(steps[i]))
             else:
                 meta = saved.get(f"optim/{name}/step")
                 if meta is None:
                     continue  # none saved: zero moments, no step, as the full form's load
                 step = torch.zeros((), dtype=meta.properties.dtype)
-                self._loading[i] = step  # type: ignore[index]
+                loading[i] = step
             for k in MOMENTS:
                 out[f"optim/{name}/{k}"] = self._master_pieces(p, k)
             out[f"optim/{name}/step"] = ((), [((), step)])
         return out
 
-    def refresh_weights(self) -> None:
-        """After a load filled the pieces :meth:`sharded_state` gave: step counts into
+    def refresh(self) -> None:
+        """After a load filled the pieces :meth:`pieces` gave: step counts into
         :class:`~disagg_zero.optim.MaskedAdamW`'s fragments, fp32 masters into the module's
         weights (module docstring). Collective; nothing after any other load."""
         loading, self._loading = self._loading, None
-        if loading is not None and self.engine is not None:
-            assert self.module is not None
-            if self.optimizer is not None:
-                steps = [float(loading[i]) if i in loading else 0.0 for i in range(len(self._params))]
-                self._set_steps(steps)  # type: ignore[attr-defined]
-            with torch.no_grad():
-                if self.options.stage == 3:
-                    self._refresh_partitions()
-                elif self.optimizer is not None:
-                    self.engine.optimizer.update_lp_params()
-        super().refresh_weights()  # type: ignore[misc]
+        full = self.full
+        if loading is None or full.engine is None:
+            return
+        if full.optimizer is not None:
+            n = len(full.owner._params)
+            full.set_steps([float(loading[i]) if i in loading else 0.0 for i in range(n)])
+        with torch.no_grad():
+            if full.stage == 3:
+                self._refresh_partitions()
+            elif full.optimizer is not None:
+                full.engine.optimizer.update_lp_params()
 
     # -- pieces --------------------------------------------------------------------------------------
     def _master_pieces(self, p: nn.Parameter, key: str | None) -> tuple[tuple[int, ...], list]:
         """A trained parameter's fp32 master (``key`` None) or AdamW moment on this rank."""
-        if self.options.stage == 3:
-            opt = self.engine.optimizer
+        if self.full.stage == 3:
+            opt = self.full.engine.optimizer
             part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)  # noqa: SLF001
             return self._partition_pieces(p, part.view(-1))
         shape = tuple(p.shape)
@@ -200,7 +198,7 @@ class ZeroLayout:
     def _zero_optimizer_state(self) -> None:
         """The AdamW state a load fills, zeroed first: a parameter the checkpoint has none
         for gets zero moments and no step, as under the full form's load."""
-        for state in self.optimizer.state.values():
+        for state in self.full.optimizer.state.values():
             for v in state.values():
                 if torch.is_tensor(v):
                     v.zero_()
@@ -210,10 +208,11 @@ class ZeroLayout:
         parameters (held whole) gathered again, as DeepSpeed's step ends."""
         from disagg_zero.runtime import param_offload
 
-        offload = param_offload(self.engine)
+        engine = self.full.engine
+        offload = param_offload(engine)
         offload.partition_all_parameters()
-        if self.optimizer is not None:
-            opt = self.engine.optimizer
+        if self.full.optimizer is not None:
+            opt = engine.optimizer
             for sub_group in range(len(opt.fp16_groups)):
                 # DeepSpeed's own copy of an fp32 sub-group into its parameter partitions, as
                 # its step ends

@@ -2,7 +2,9 @@
 hooks around its forward and its backward (with prefetch from the recorded trace, under
 ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``
 and ``stage3_param_persistence_threshold``), and gradients reduce-scattered by its hooks as the
-backward produces them. A mixin of :class:`disagg_zero.strategy.ZeroStrategy` for stage 3.
+backward produces them. :class:`PerLayerCalls` is the component of
+:class:`disagg_zero.strategy.ZeroStrategy` that runs the roles' calls so at stage 3 (the strategy
+makes it once DeepSpeed's engine exists and hands it the encoder's and the LLM's calls).
 
 The exactness contract (every rank makes the same collectives in the same order whatever its
 samples, an empty rank included; gradients summed once; each element once in the norm) rests
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,7 +35,6 @@ from disagg.interfaces import EmbeddingShard
 from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
 from disagg.kit import chunked_loss
 from disagg.kit.lockstep import (
-    Lockstep,
     RootCalls,
     agreed_max,
     padded_spans,
@@ -42,6 +43,9 @@ from disagg.kit.lockstep import (
 )
 from disagg_zero import runtime
 from disagg_zero.comm import counted
+
+if TYPE_CHECKING:
+    from disagg_zero.strategy import ZeroStrategy
 
 
 class _CallDone(torch.autograd.Function):
@@ -122,37 +126,32 @@ def embeddings_need_grad(module: nn.Module) -> Iterator[None]:
         handle.remove()
 
 
-class PerLayer:
-    """The roles' calls under per-layer ZeRO-3 (stage 3 with an engine); everything else
-    falls through to core's defaults."""
+class PerLayerCalls:
+    """The roles' calls under per-layer ZeRO-3 (stage 3 with an engine), for its strategy
+    (``owner``: module, engine, family, the language role's loss functions and the step's
+    gradient book-keeping); made by the strategy once DeepSpeed's engine exists, which arms
+    the per-call release and, with an optimizer, the per-parameter gradient hooks."""
 
-    ctx: Any
-    family: Any
-    module: nn.Module | None
-    engine: Any
-    optimizer: Any
-    options: Any
-    recompute: Any
-    _params: list[nn.Parameter]
-    _got: list[bool]
-    _backwards: int
-    _seed_scale: float
-
-    def _per_layer_init(self) -> None:
-        #: the placeholder root calls this rank ran, per microbatch (zero gradient), and the
-        #: family's placeholder image (fp32: DeepSpeed casts the module's inputs itself)
-        self.lockstep = Lockstep(self.family)
+    def __init__(self, owner: ZeroStrategy) -> None:
+        self.owner = owner
         #: this rank's last input that made exactly one root call (the fallback placeholder)
         self._one_call: dict[str, torch.Tensor] | None = None
-        self._hooks: list[Any] = []
         #: DeepSpeed backwards this step (0 when no rank had a pass in any microbatch)
-        self._engine_backwards = 0
+        self.engine_backwards = 0
         #: inside a placeholder's forward (:func:`without_dropout`; its replays see it too)
         self._quiet = False
+        self._hooks: list[Any] = []
+        self._arm_call_release()
+        if owner.optimizer is not None:
+            self._arm_grad_hooks()
+
+    @property
+    def module(self) -> nn.Module:
+        assert self.owner.module is not None
+        return self.owner.module
 
     @contextlib.contextmanager
     def _placeholder_forward(self) -> Iterator[None]:
-        assert self.module is not None
         self._quiet = True
         try:
             with without_dropout(self.module):
@@ -166,67 +165,61 @@ class PerLayer:
         if not self._quiet:
             return contextlib.nullcontext
         module = self.module
-        assert module is not None
         return lambda: without_dropout(module)
-
-    @property
-    def per_layer(self) -> bool:
-        return self.options.stage == 3 and self.engine is not None
 
     def _arm_call_release(self) -> None:
         """:func:`_per_call_release` on every submodule DeepSpeed hooks (after its hooks), and
         :func:`disagg_zero.runtime.keep_replayed` on its coordinator."""
-        assert self.module is not None
         self._hooks += [m.register_forward_pre_hook(_per_call_release) for m in self.module.modules()]
-        runtime.keep_replayed(self.engine)
-        self.recompute.captures.append(self._replay_quiet)
+        runtime.keep_replayed(self.owner.engine)
+        self.owner.recompute.captures.append(self._replay_quiet)
 
     def _arm_grad_hooks(self) -> None:
         """Per trainable parameter: note that it got a gradient, and scale it by the world size
         (DeepSpeed's ZeRO-3 reduce-scatter averages; core's loss is already divided by the
         global label count, so the sum is wanted)."""
         self._hooks += [
-            p.register_hook(functools.partial(self._grad_in, i)) for i, p in enumerate(self._params)
+            p.register_hook(functools.partial(self._grad_in, i)) for i, p in enumerate(self.owner._params)
         ]
 
     def _grad_in(self, i: int, g: torch.Tensor) -> torch.Tensor:
         # under train.precision bf16 / bf16-pure ``g`` is the microbatch's bf16 gradient: the
         # scale is exact for a power-of-two group (DeepSpeed then divides in fp32 under bf16),
         # one bf16 rounding of the product otherwise
-        self._got[i] = True
-        return g * self._seed_scale if self._seed_scale != 1.0 else g
+        owner = self.owner
+        owner._got[i] = True
+        return g * owner._seed_scale if owner._seed_scale != 1.0 else g
 
     # -- encoder role -----------------------------------------------------------------------------
     def _placeholder_encode(self) -> Any:
         """One root call whose gradient will be zero: the family's placeholder image (one
         black image), or, for a family that cannot preprocess one, this rank's last input
         that made one root call."""
+        owner = self.owner
         try:
-            image = self.lockstep.placeholder()
+            image = owner.lockstep.placeholder()
         except Exception as exc:  # before any root call: the peers wait at this rank's vote
             if self._one_call is None:
                 raise RuntimeError(
-                    f"ZeRO-3 group {self.ctx.module!r}: rank {self.ctx.rank} must make a placeholder "
-                    f"call but has had no one-call input yet, and family {self.family.name!r} "
+                    f"ZeRO-3 group {owner.ctx.module!r}: rank {owner.ctx.rank} must make a placeholder "
+                    f"call but has had no one-call input yet, and family {owner.family.name!r} "
                     f"cannot preprocess the placeholder image: {exc}"
                 ) from exc
             image = self._one_call
         with self._placeholder_forward():
-            return self.family.encode(self.module, image)
+            return owner.family.encode(self.module, image)
 
     def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
-        if not self.per_layer:
-            return super().encode(mb, inputs)  # type: ignore[misc]
-        assert self.module is not None
-        roots = RootCalls(self.module, self.ctx.device, self._placeholder_encode)
+        owner = self.owner
+        roots = RootCalls(self.module, owner.ctx.device, self._placeholder_encode)
         outs = []
-        with counted(self.ctx.comm), roots:
+        with counted(owner.ctx.comm), roots:
             for x in inputs:
                 before = roots.real_calls
-                outs.append(self.family.encode(self.module, x))
+                outs.append(owner.family.encode(self.module, x))
                 if roots.real_calls - before == 1:
                     self._one_call = x
-            self.lockstep.keep(mb, roots.finish())
+            owner.lockstep.keep(mb, roots.finish())
         return [EmbeddingShard.whole(o) for o in outs]
 
     # -- LLM role ---------------------------------------------------------------------------------
@@ -236,7 +229,7 @@ class PerLayer:
         extra = n - len(inputs)
         if extra <= 0:
             return list(inputs), list(embeds)
-        return list(inputs) + [placeholder_sample(self.family)] * extra, list(embeds) + [{}] * extra
+        return list(inputs) + [placeholder_sample(self.owner.family)] * extra, list(embeds) + [{}] * extra
 
     def loss_and_backward(
         self,
@@ -245,87 +238,83 @@ class PerLayer:
         embeds: list[dict[str, torch.Tensor]],
         loss_scale: float,
     ) -> float:
-        if not self.per_layer:
-            return super().loss_and_backward(mb, inputs, embeds, loss_scale)  # type: ignore[misc]
+        owner = self.owner
         leaves = [t for e in embeds for t in e.values() if t.requires_grad]
-        with counted(self.ctx.comm):
-            n = agreed_max(len(inputs), self.ctx.device)
+        with counted(owner.ctx.comm):
+            n = agreed_max(len(inputs), owner.ctx.device)
             if n == 0:  # no rank has a sample: nothing is called anywhere
-                self.backprop([], None, leaves)
+                self.backward([], None, leaves)
                 return 0.0
             # a rank without samples forwards placeholders only: without dropout (lockstep)
             quiet = self._placeholder_forward() if not inputs else contextlib.nullcontext()
             with quiet:
-                loss_sum = self.chunked_loss(*self._padded(inputs, embeds, n))
-        self.backprop([loss_sum * loss_scale], None, leaves)
+                loss_sum = self._chunked_loss(*self._padded(inputs, embeds, n))
+        self.backward([loss_sum * loss_scale], None, leaves)
         return float(loss_sum.detach())
 
-    def chunked_loss(
+    def _chunked_loss(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
     ) -> torch.Tensor:
         """Core's chunked loss (:mod:`disagg.kit.chunked_loss`, the same operations)
         with the group's number of chunks: empty ones past this rank's tokens."""
-        if not self.per_layer:
-            return super().chunked_loss(inputs, embeds)  # type: ignore[misc]
-        assert self.module is not None
-        head = chunked_loss.output_head(self.family, self.module)
+        owner = self.owner
+        head = chunked_loss.output_head(owner.family, self.module)
         if head is None:  # the head runs inside the root call, once per forward
             with embeddings_need_grad(self.module):
-                return self.loss_sum(*self.llm_forward(inputs, embeds))  # type: ignore[attr-defined]
+                return owner.loss_sum(*owner.llm_forward(inputs, embeds))
         with (
             chunked_loss.deferred(head),
-            runtime.without_zero3_hooks(self.engine, head),
+            runtime.without_zero3_hooks(owner.engine, head),
             embeddings_need_grad(self.module),
         ):
-            hidden, labels = self.llm_forward(inputs, embeds)  # type: ignore[attr-defined]
-        spans = padded_spans(hidden.shape[0], self._chunk(), self.ctx.device)
+            hidden, labels = owner.llm_forward(inputs, embeds)
+        spans = padded_spans(hidden.shape[0], self._chunk(), owner.ctx.device)
 
         def one(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return self.token_losses(head(h), y)  # type: ignore[attr-defined]
+            return owner.token_losses(head(h), y)
 
         if len(spans) == 1:
             return chunked_loss.total(one(hidden, labels), labels)
-        parts = [self.recompute.checkpoint(one, hidden[s:e], labels[s:e]) for s, e in spans]
+        parts = [owner.recompute.checkpoint(one, hidden[s:e], labels[s:e]) for s, e in spans]
         return chunked_loss.total(torch.cat(parts), labels)
 
     def _chunk(self) -> int | None:
-        return getattr(self.options, "loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
+        return getattr(self.owner.options, "loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
 
     def evaluate(
         self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
     ) -> tuple[float, int, int]:
-        if not self.per_layer:
-            return super().evaluate(inputs, embeds)  # type: ignore[misc]
-        assert self.module is not None
-        with counted(self.ctx.comm):
-            n = agreed_max(len(inputs), self.ctx.device)
+        owner = self.owner
+        with counted(owner.ctx.comm):
+            n = agreed_max(len(inputs), owner.ctx.device)
             if n == 0:
                 return 0.0, 0, 0
             inputs, embeds = self._padded(inputs, embeds, n)
-            head = chunked_loss.output_head(self.family, self.module)
+            head = chunked_loss.output_head(owner.family, self.module)
             if head is None:
-                logits, labels = self.llm_forward(inputs, embeds)  # type: ignore[attr-defined]
-                loss = self.loss_sum(logits, labels)  # type: ignore[attr-defined]
-                right = self.correct_predictions(logits, labels)  # type: ignore[attr-defined]
+                logits, labels = owner.llm_forward(inputs, embeds)
+                loss = owner.loss_sum(logits, labels)
+                right = owner.correct_predictions(logits, labels)
             else:
-                with chunked_loss.deferred(head), runtime.without_zero3_hooks(self.engine, head):
-                    hidden, labels = self.llm_forward(inputs, embeds)  # type: ignore[attr-defined]
+                with chunked_loss.deferred(head), runtime.without_zero3_hooks(owner.engine, head):
+                    hidden, labels = owner.llm_forward(inputs, embeds)
                 parts, right = [], 0
-                for s, e in padded_spans(hidden.shape[0], self._chunk(), self.ctx.device):
+                for s, e in padded_spans(hidden.shape[0], self._chunk(), owner.ctx.device):
                     logits, y = head(hidden[s:e]), labels[s:e]
-                    parts.append(self.token_losses(logits, y))  # type: ignore[attr-defined]
-                    right += self.correct_predictions(logits, y)  # type: ignore[attr-defined]
+                    parts.append(owner.token_losses(logits, y))
+                    right += owner.correct_predictions(logits, y)
                 loss = chunked_loss.total(torch.cat(parts), labels)
             return float(loss), right, int((labels != -100).sum())
 
     # -- backward ---------------------------------------------------------------------------------
-    def _backward_per_layer(
+    def backward(
         self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, leaves: list[torch.Tensor]
     ) -> None:
         """One backward of this rank's whole graph for the call: DeepSpeed's hooks gather each
         submodule's parameters before its backward and reduce-scatter gradients as they are
         accumulated. Every rank has the same graph (placeholders included) or none."""
-        self._backwards += 1
+        owner = self.owner
+        owner._backwards += 1
         seeds = [t for t in tensors if t.requires_grad]
         if not seeds:
             return  # no pass anywhere in the group (the passes agree)
@@ -335,8 +324,8 @@ class PerLayer:
             # d/dt sum(t * g) is g exactly: the seeded backward of torch.autograd.backward(t, g)
             pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
             root = sum(((t * g).sum() for t, g in pairs[1:]), (pairs[0][0] * pairs[0][1]).sum())
-        with counted(self.ctx.comm):
-            if self.optimizer is None:
+        with counted(owner.ctx.comm):
+            if owner.optimizer is None:
                 # frozen (e.g. a frozen LLM sending embedding gradients back): DeepSpeed's
                 # module hooks still gather per layer; nothing is reduced
                 if leaves:
@@ -344,7 +333,7 @@ class PerLayer:
                 return
             # what engine.forward() does first (the strategy never calls it): a new micro-step,
             # so ZeRO-3 accumulates into the previous micro-step's gradient partitions
-            self.engine.optimizer.clear_backward_seen_flag()
-            self.engine.set_gradient_accumulation_boundary(False)
-            self.engine.backward(root)
-        self._engine_backwards += 1
+            owner.engine.optimizer.clear_backward_seen_flag()
+            owner.engine.set_gradient_accumulation_boundary(False)
+            owner.engine.backward(root)
+        self.engine_backwards += 1

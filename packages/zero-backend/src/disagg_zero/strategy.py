@@ -36,15 +36,17 @@ its share of a microbatch (any split, including none), by construction:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from disagg.interfaces import Family, OptimSpec
+from disagg.interfaces import EmbeddingShard, Family, OptimSpec
 from disagg.kit import Strategy
+from disagg.kit.lockstep import Lockstep
 from disagg.kit.masters import cast_floating
+from disagg.kit.roles.state import Pieces
 from disagg_zero import runtime
 from disagg_zero.build import build_partitioned
 from disagg_zero.comm import counted
@@ -54,29 +56,48 @@ from disagg_zero.dsconfig import (
     gather_settings,
     persistence_threshold,
     recipe_problems,
+    reduce_bucket_elements,
     zero_section_problems,
 )
 from disagg_zero.fullstate import ZeroFullState
 from disagg_zero.inject import injector, local_grads
+from disagg_zero.layout import ZeroLayout
 from disagg_zero.optim import masked_adamw
 from disagg_zero.options import ZeroOptions
-from disagg_zero.perlayer import PerLayer
+from disagg_zero.perlayer import PerLayerCalls
 
 
-class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
+class ZeroStrategy(Strategy):
     """Data parallelism with ZeRO-partitioned optimizer states (1), gradients (2)
-    and parameters (3), through ``deepspeed.initialize``."""
+    and parameters (3), through ``deepspeed.initialize``.
+
+    What it changes from the kit's defaults (:class:`disagg.kit.Strategy`), in this order below:
+
+    - set-up: stage 3 builds partitioned (``build_module``); ``parallelize`` is the ordered steps
+      recompute -> DeepSpeed (which applies the precision recipe), and ``finish_setup`` hands
+      module, optimizer and schedule to ``deepspeed.initialize`` (the engine needs the optimizer,
+      which the kit makes after ``parallelize``); the optimizer is :func:`masked_adamw`;
+    - the roles' calls at stage 3 (``encode``, ``loss_and_backward``, ``evaluate``): per layer,
+      in lockstep, by the :class:`~disagg_zero.perlayer.PerLayerCalls` component (``zero3``);
+      stages 1-2 run the kit's;
+    - the two hooks: ``module_call`` counts DeepSpeed's collectives; ``backprop`` hands the
+      gradients to the engine;
+    - the step: ``reduce_gradients``, ``grad_norm_sq``, ``step``, ``zero_grad`` through the
+      engine; ``state_bytes`` from DeepSpeed's partitions;
+    - the state: the full form and the sharded checkpoint's pieces in DeepSpeed's partitions, by
+      the :class:`~disagg_zero.fullstate.ZeroFullState` (``full``) and
+      :class:`~disagg_zero.layout.ZeroLayout` (``layout``) components (the kit's defaults
+      without an engine);
+    - class level: ``check``, ``precision_problems``, ``estimate``, ``option_variants``.
+    """
 
     name: ClassVar[str] = "zero"
     distribution: ClassVar[str] = "disagg-zero"
     options_model: ClassVar[type[ZeroOptions]] = ZeroOptions  # type: ignore[assignment]
     #: AdamW over this rank's fragments of DeepSpeed's partitions (see optim.py)
     build_optimizer = staticmethod(masked_adamw)  # type: ignore[assignment]
-    # Every call gathers (stage 3) or reduces (stages 2-3) as a collective, so
-    # every rank must be called for every microbatch, as core does for every
-    # strategy; but a rank may get no sample (it joins with zeros), so no
-    # replica needs a sample in every microbatch.
-    lockstep: ClassVar[bool] = False
+    # (the spec's ``lockstep`` stays False: every rank is called for every microbatch, as core
+    # does for every strategy, but a rank may get no sample: it joins with zeros)
     recompute_modes: ClassVar[tuple[str, ...]] = ("none", "full")
     #: in DeepSpeed's own mode for each (:data:`disagg_zero.dsconfig.PRECISION_SECTIONS`);
     #: :meth:`precision_problems` refuses the (option, recipe) pairs it cannot do exactly
@@ -107,7 +128,14 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         self._got: list[bool] = []  # per trainable parameter: a gradient on this rank this step
         self._present: list[bool] | None = None  # ... on some rank (after reduce_gradients)
         self._backwards = 0
-        self._per_layer_init()
+        #: the placeholder calls of stage 3's lockstep; its image in fp32 (DeepSpeed casts the
+        #: module's inputs itself)
+        self.lockstep = Lockstep(family)
+        #: the roles' calls at stage 3, once the engine exists (finish_setup)
+        self.zero3: PerLayerCalls | None = None
+        #: the state in DeepSpeed's partitions: the full form and the sharded checkpoint's pieces
+        self.full = ZeroFullState(self)
+        self.layout = ZeroLayout(self.full)
 
     # -- setup ------------------------------------------------------------------------------------
     def build_module(self) -> nn.Module:
@@ -124,14 +152,22 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         return self.ctx.recipe.name if self.ctx.recipe is not None else "fp32"
 
     def parallelize(self, module: nn.Module) -> nn.Module:
-        runtime.prepare(self.ctx)
-        # DeepSpeed applies the recipe (its bf16 mode: bf16 weights, its own master partitions);
-        # core's MasterWeights would be a second master copy beside DeepSpeed's
-        self.precision_applied = True
-        # core's recompute (``activation_checkpointing: true`` is its deprecated spelling):
-        # under ZeRO-3 the replay's forward gathers each submodule again through DeepSpeed's hooks
+        """Ordered steps: recompute -> DeepSpeed. LoRA's adapters are in the module already (core
+        injects them before ``parallelize``); DeepSpeed partitions them like any parameter."""
+        self.apply_recompute(module)
+        return self.apply_deepspeed(module)
+
+    def apply_recompute(self, module: nn.Module) -> None:
+        """Core's recompute (``activation_checkpointing: true`` is its deprecated spelling): under
+        ZeRO-3 the replay's forward gathers each submodule again through DeepSpeed's hooks."""
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
-        # The engine (finish_setup, once the optimizer exists) does the wrapping.
+
+    def apply_deepspeed(self, module: nn.Module) -> nn.Module:
+        """DeepSpeed applies the recipe (its bf16 mode: bf16 weights, its own master partitions;
+        core's MasterWeights would be a second master copy beside DeepSpeed's); its engine wraps
+        module and optimizer in :meth:`finish_setup`, once the optimizer exists."""
+        runtime.prepare(self.ctx)
+        self.precision_applied = True
         return module
 
     def finish_setup(self, optim: OptimSpec | None) -> None:
@@ -166,12 +202,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
             if hasattr(p, "fp32_partition"):
                 del p.fp32_partition
         if self.options.stage == 3:
-            self._arm_call_release()
-            if self.optimizer is not None:
-                self._arm_grad_hooks()
-        self._map_fragments()
-
-    def _map_fragments(self) -> None:
+            self.zero3 = PerLayerCalls(self)
         if self.optimizer is not None:
             self.optimizer.set_fragments(  # type: ignore[attr-defined]
                 runtime.local_fragments(self.engine.optimizer, self._params, self.options.stage)
@@ -184,20 +215,6 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         assert self.module is not None
         with counted(self.ctx.comm):
             yield
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's state with, under ``bf16``, each trainable weight as DeepSpeed's fp32
-        master (the recipe's full form, what a checkpoint holds), not its bf16 copy."""
-        out = super().full_state_dict()
-        recipe = self.ctx.recipe
-        if self.engine is None or self.optimizer is None or recipe is None or recipe.master is None:
-            return out
-        masters = runtime.full_masters(self._params)  # collective, the same order everywhere
-        assert self.module is not None
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in masters:  # a tied weight under each of its names
-                out[name] = masters[id(t)]
-        return out
 
     def state_bytes(self) -> int:
         """What this rank holds, read from the tensors themselves: torch's view
@@ -236,9 +253,9 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         parameter is not reached) and handed to DeepSpeed; even with nothing to
         back-propagate, since the gather and the reduction are collectives.
         The LLM's embedding leaves accumulate theirs as ``.grad`` would. ZeRO-3: one
-        backward through DeepSpeed's hooks (:meth:`PerLayer._backward_per_layer`)."""
-        if self.per_layer:
-            self._backward_per_layer(tensors, grads, leaves)
+        backward through DeepSpeed's hooks (:meth:`PerLayerCalls.backward`)."""
+        if self.zero3 is not None:
+            self.zero3.backward(tensors, grads, leaves)
             return
         got = local_grads(tensors, grads, self._params + leaves)
         for t, g in zip(leaves, got[len(self._params) :]):
@@ -266,7 +283,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
             return  # nothing to reduce: a step in which this group got no sample
         self.engine.set_gradient_accumulation_boundary(True)
         with counted(self.ctx.comm):
-            if self.per_layer and not self._engine_backwards:
+            if self.zero3 is not None and not self.zero3.engine_backwards:
                 pass  # no pass anywhere in the group this step (the ranks' passes agree)
             elif self.options.stage >= 2:
                 # Reduced in backward already; only the boundary bookkeeping is left
@@ -305,7 +322,57 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
         self._got = [False] * len(self._params)
         self._present = None
         self._backwards = 0
-        self._engine_backwards = 0
+        if self.zero3 is not None:
+            self.zero3.engine_backwards = 0
+
+    # -- the roles' calls: per layer at stage 3 (PerLayerCalls), the kit's otherwise ----------
+    def encode(self, mb: int, inputs: list[dict[str, torch.Tensor]]) -> list[EmbeddingShard]:
+        return self.zero3.encode(mb, inputs) if self.zero3 is not None else super().encode(mb, inputs)
+
+    def loss_and_backward(
+        self,
+        mb: int,
+        inputs: list[dict[str, torch.Tensor]],
+        embeds: list[dict[str, torch.Tensor]],
+        loss_scale: float,
+    ) -> float:
+        if self.zero3 is not None:
+            return self.zero3.loss_and_backward(mb, inputs, embeds, loss_scale)
+        return super().loss_and_backward(mb, inputs, embeds, loss_scale)
+
+    def evaluate(
+        self, inputs: list[dict[str, torch.Tensor]], embeds: list[dict[str, torch.Tensor]]
+    ) -> tuple[float, int, int]:
+        if self.zero3 is not None:
+            return self.zero3.evaluate(inputs, embeds)
+        return super().evaluate(inputs, embeds)
+
+    # -- the state in DeepSpeed's partitions (ZeroFullState, ZeroLayout) ---------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.full.state_dict()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return self.full.grads()
+
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.full.optimizer_state()
+
+    def load_full_state(
+        self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
+    ) -> None:
+        if self.engine is None:  # nothing partitioned (stages 1-2 frozen): whole tensors
+            super().load_full_state(params, {})
+            return
+        self.full.load(params, optim_state)
+
+    def sharded_state(self, saved: Mapping[str, Any] | None = None) -> Pieces | None:
+        if self.engine is None:  # nothing partitioned (stages 1-2 frozen): whole tensors
+            return self.layout_pieces(saved)
+        return self.layout.pieces(saved)
+
+    def refresh_weights(self) -> None:
+        self.layout.refresh()
+        super().refresh_weights()
 
     @classmethod
     def estimate(cls, query: Any, options: Any) -> Any:
@@ -322,6 +389,7 @@ class ZeroStrategy(PerLayer, ZeroFullState, Strategy):
             offload_optimizer=bool(options.offload_optimizer),
             chunk=getattr(options, "loss_chunk_tokens", None),
             gather=gather_settings(options),
+            reduce_bucket=reduce_bucket_elements(options),
         )
 
     @classmethod

@@ -56,6 +56,10 @@ class Cost:
     #: state kept in host memory between steps (``offload: optimizer``); ``state_bytes`` is then
     #: what stays on the device
     host_bytes: int = 0
+    #: communication buffers an engine allocates at set-up and holds for the whole run, on the
+    #: device beside the state (DeepSpeed ZeRO-3's gradient reduce bucket); 0 for strategies
+    #: whose buckets are counted elsewhere or transient
+    buffer_bytes: int = 0
 
     @property
     def comm_bytes(self) -> int:
@@ -64,9 +68,9 @@ class Cost:
 
     @property
     def memory_bytes(self) -> int:
-        """State + gathered parameters + saved activations: the machine-independent
-        memory per rank."""
-        return self.state_bytes + self.gathered_bytes + self.activation_bytes
+        """State + gathered parameters + saved activations + held buffers: the
+        machine-independent memory per rank."""
+        return self.state_bytes + self.gathered_bytes + self.activation_bytes + self.buffer_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,6 +86,7 @@ class Cost:
             "comm_calls_by_kind": dict(self.comm_calls_by_kind),
             # only where something is offloaded (the recorded predictions of the rest unchanged)
             **({"host_bytes": self.host_bytes} if self.host_bytes else {}),
+            **({"buffer_bytes": self.buffer_bytes} if self.buffer_bytes else {}),
         }
 
 

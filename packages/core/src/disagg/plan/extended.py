@@ -200,6 +200,7 @@ def extended_cost(
         transient=transient,
         communicators=communicators(degree, cp, replicas),
         alltoall_peers=alltoall,
+        buffers=cost.buffer_bytes,
         host=host,
     )
     info = None

@@ -54,6 +54,7 @@ def native_cost(
         transient=one.activation_bytes if one is not None else 0,
         communicators=communicators(query.degree, cp, query.replicas),
         alltoall_peers=alltoall,
+        buffers=cost.buffer_bytes,
         host=cost.host_bytes,
     )
     info: dict[str, Any] | None = None

@@ -16,10 +16,12 @@ They are figures for one H100 80 GB with CUDA 12 and PyTorch 2.x, not measured h
   block's backward its saves exist twice (the replayed tensors and the gradients flowing through
   them), so one block's saves per group (the strategy's own count, :func:`one_block_saves`).
 - ``fragmentation``: :data:`FRAGMENTATION` of everything the caching allocator serves.
+- ``buffers``: communication buffers a strategy's engine holds for the run
+  (:attr:`~disagg.interfaces.cost.Cost.buffer_bytes`: DeepSpeed ZeRO-3's reduce bucket).
 
-The peak is ``state + gathered + saved + max(transient)`` (groups on one device run one after the
-other, so only one group's block is in backward at a time), ``x (1 + FRAGMENTATION)``, plus the
-contexts and NCCL buffers, which live outside PyTorch's allocator.
+The peak is ``state + gathered + saved + buffers + max(transient)`` (groups on one device run one
+after the other, so only one group's block is in backward at a time), ``x (1 + FRAGMENTATION)``,
+plus the contexts and NCCL buffers, which live outside PyTorch's allocator.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class GroupMemory:
     alltoall_peers: int = 0
     #: state kept in host memory (optimizer offload), per rank
     host: int = 0
+    #: communication buffers held for the run (``Cost.buffer_bytes``: ZeRO-3's reduce bucket)
+    buffers: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,8 @@ def device_memory(groups: list[GroupMemory], processes: int | None = None) -> De
         terms[f"{g.module} state"] = g.state
         terms[f"{g.module} gathered"] = g.gathered
         terms[f"{g.module} activations"] = g.saved
+        if g.buffers:  # only where a strategy holds some (the other tables' terms unchanged)
+            terms[f"{g.module} buffers"] = g.buffers
     transient = max((g.transient for g in groups), default=0)
     terms["transient"] = transient
     served = sum(terms.values())
