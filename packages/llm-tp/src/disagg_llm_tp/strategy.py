@@ -42,6 +42,7 @@ from disagg.kit import Strategy, agree_on_grads, context_parallel, sum_of_square
 from disagg.kit.context_parallel import ContextParallelLanguage
 from disagg.kit.hf import head_split_problems
 from disagg.kit.masters import in_master_view
+from disagg.kit.offload import offloaded, offloads_activations
 from disagg.kit.recompute import Recompute
 from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp import lora
@@ -274,6 +275,7 @@ class MegatronTPStrategy(ContextParallelLanguage, TPFullState, Strategy):
             self.options.recompute,
             rngs=[r for r in (self.rng, replica_rng) if r is not None],
             captures=[sp.capture_shape] if sp is not None else [],
+            offload=offloads_activations(self.options),
         )
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
 
@@ -412,7 +414,7 @@ class MegatronTPStrategy(ContextParallelLanguage, TPFullState, Strategy):
         from disagg_llm_tp import cost
 
         chunk = getattr(options, "loss_chunk_tokens", cost.DEFAULT_CHUNK_TOKENS)
-        offload = getattr(options, "offload", "none") == "optimizer"
+        offload = offloaded(options)
         return cost.estimate(query, bool(getattr(options, "sequence_parallel", False)), chunk, offload)
 
     @classmethod

@@ -10,6 +10,7 @@ from torch import nn
 from disagg.interfaces import Cost, CostQuery, Family, ReplicatedOptions, StrategyOptions
 from disagg.kit import Strategy, context_parallel
 from disagg.kit.context_parallel import ContextParallelLanguage
+from disagg.kit.offload import offloaded
 from disagg.kit.sharding import shard_problems
 
 
@@ -53,7 +54,7 @@ class DDPStrategy(ContextParallelLanguage, Strategy):
             query,
             getattr(options, "loss_chunk_tokens", None),
             getattr(options, "shard", "none"),
-            getattr(options, "offload", "none") == "optimizer",
+            offloaded(options),
         )
 
     @classmethod
