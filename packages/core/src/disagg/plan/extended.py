@@ -167,6 +167,8 @@ def extended_cost(
         one_full = ask(shape=one_block(shape), recompute="full", **q)
         if one_full is not None:
             acts = act_off.split(shape, cost.activation_bytes, one_full.activation_bytes)
+            if not acts.host:  # one block (or none counted): nothing would stay away; not offered
+                return None
     act = RECIPES[precision].activation_bytes
     per_rank_samples = -(-samples // replicas)
     state = cost.state_bytes

@@ -50,6 +50,8 @@ def native_cost(
         one_full = estimate(replace(query, shape=one_block(query.shape)))
         if one_full is not None:
             moved = act_off.split(query.shape, cost.activation_bytes, one_full.activation_bytes)
+            if not moved.host:  # one block (or none counted): nothing would stay away; not offered
+                return None
             cost = replace(cost, activation_bytes=moved.device, host_bytes=cost.host_bytes + moved.host)
             act_info = {"host_bytes": moved.host, "microbatches": query.microbatches}
     cp = query.context_parallel
