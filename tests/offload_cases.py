@@ -8,10 +8,16 @@ all of it.
 Layouts: ``ddp`` over 2 replicas and ``ulysses`` degree 2 with ``shard: parameters`` (the tiny
 LLaVA tower, squared error to fixed targets), ``megatron_tp`` degree 2 with sequence parallelism
 (the tiny Qwen2 LM), ``zero`` stages 1 and 3 (the toy LM).
+
+``offload: activations`` (:data:`ACTIVATION_RUNS`): the kit's three layouts under ``recompute: full``
+without and with the blocks' kept inputs in host memory, in ``fp32``; ``megatron_tp`` also under
+``bf16`` with ``offload: optimizer`` against ``offload: all``. Each microbatch's saved bytes are
+counted as the worker counts them (device peak, and the bytes the offload hooks moved to the host).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +26,7 @@ import torch.distributed as dist
 
 from disagg.interfaces import OptimSpec
 from disagg.kit.offload import resident_bytes
+from disagg.kit.recompute.activations import saved_bytes_hooks
 from disagg.testing import ranks
 
 STEPS = 3
@@ -31,6 +38,13 @@ PRECISIONS = ("fp32", "bf16")
 LAYOUTS = ("ddp", "ulysses-fsdp", "megatron_tp-sp", "zero-1", "zero-3")
 #: weight decay on (DESIGN.md's test data); eps above bf16's gradient noise
 OPTIM = OptimSpec(lr=1e-3, eps=1e-3, weight_decay=0.1)
+#: ``offload: activations`` runs: (layout, precision, the offload value compared, against this one)
+ACTIVATION_RUNS = (
+    ("ddp", "fp32", "activations", "none"),
+    ("ulysses", "fp32", "activations", "none"),
+    ("megatron_tp-sp", "fp32", "activations", "none"),
+    ("megatron_tp-sp", "bf16", "all", "optimizer"),
+)
 PER_LAYER = {
     "stage3_param_persistence_threshold": 0,
     "stage3_prefetch_bucket_size": 0,
@@ -44,15 +58,25 @@ def resume_precision(layout: str) -> str:
     return "bf16"
 
 
-def _strategy(layout: str, rank: int, precision: str, offload: bool, paths: dict[str, str]) -> Any:
-    extra = {"offload": "optimizer"} if offload else {}
-    if layout in ("ddp", "ulysses-fsdp"):
+def _strategy(
+    layout: str,
+    rank: int,
+    precision: str,
+    offload: bool | str,
+    paths: dict[str, str],
+    recompute: str = "none",
+) -> Any:
+    value = "optimizer" if offload is True else offload or "none"
+    extra = {"offload": value, "recompute": recompute}
+    if layout in ("ddp", "ulysses-fsdp", "ulysses"):
         from disagg.builtin.ddp import DDPStrategy
         from disagg_vision_sp.families.llava import LlavaVision
         from disagg_vision_sp.ulysses.strategy import UlyssesStrategy
 
         degree, replicas = (1, 2) if layout == "ddp" else (2, 1)
         cls, options = (DDPStrategy, {}) if layout == "ddp" else (UlyssesStrategy, {"shard": "parameters"})
+        if layout == "ulysses":
+            options = {}
         family: Any = LlavaVision(Path(paths["llava"]), {"attn_implementation": "eager"})
         module = "vision"
     elif layout == "megatron_tp-sp":
@@ -75,10 +99,36 @@ def _strategy(layout: str, rank: int, precision: str, offload: bool, paths: dict
     return strat
 
 
+def _counted(strat: Any, run: Callable[[int], float], out: dict[str, Any]) -> Callable[[int], float]:
+    """``run`` with each microbatch's saved bytes counted as the worker counts them
+    (:func:`disagg.kit.recompute.activations.saved_bytes_hooks`): the device peak (held + the
+    replayed block's transient) and what the offload hooks moved to host memory."""
+
+    def counted(mb: int) -> float:
+        c = {"live": 0, "peak": 0, "host": 0}
+
+        def add(n: int) -> None:
+            c["live"] += n
+            c["peak"] = max(c["peak"], c["live"])
+
+        def peak(n: int) -> None:
+            c["peak"] = max(c["peak"], c["live"] + n)
+
+        def host(n: int) -> None:
+            c["host"] += n
+
+        with saved_bytes_hooks(strat.module, add, peak, host):
+            loss = run(mb)
+        out.setdefault("saved", []).append({"device": c["peak"], "host": c["host"]})
+        return loss
+
+    return counted
+
+
 def _microbatch(layout: str, strat: Any, data: dict[str, Any]) -> Callable[[int], float]:
     """Microbatch ``mb``'s forward and backward on this rank; its part of the loss."""
     ctx = strat.ctx
-    if layout in ("ddp", "ulysses-fsdp"):
+    if layout in ("ddp", "ulysses-fsdp", "ulysses"):
         inputs, targets = data["images"], data["targets"]
 
         def encoder(mb: int) -> float:
@@ -104,10 +154,15 @@ def _microbatch(layout: str, strat: Any, data: dict[str, Any]) -> Callable[[int]
     return llm
 
 
-def _train(layout: str, strat: Any, data: dict[str, Any], steps: range, out: dict[str, Any]) -> None:
+def _train(
+    layout: str, strat: Any, data: dict[str, Any], steps: range, out: dict[str, Any], count: bool = False
+) -> None:
     """``steps`` steps (each 2 microbatches, reduce, norm, step) recording each step's loss, merged
-    gradients and parameters; and, at the last step, what the rank holds where."""
+    gradients and parameters; and, at the last step, what the rank holds where (``count``: each
+    microbatch's saved bytes, :func:`_counted`)."""
     run_mb = _microbatch(layout, strat, data)
+    if count:
+        run_mb = _counted(strat, run_mb, out)
     copies = 2 if layout == "megatron_tp-sp" else 1  # the TP ranks hold the same loss
     for step in steps:
         part = torch.tensor([sum(run_mb(mb) for mb in range(MICROBATCHES))], dtype=torch.float64)
@@ -171,4 +226,23 @@ def offload_rank(rank: int, paths: dict[str, str], data: dict[str, dict[str, Any
         res = {"loaded": strat.full_state_dict()}
         _train(layout, strat, d, range(STEPS - 1, STEPS), res)
         out[(layout, "resumed")] = res
+    activation_runs(rank, paths, data, out)
     return ranks.dumps(out)
+
+
+def activation_runs(rank: int, paths: dict[str, str], data: dict[str, dict[str, Any]], out: dict) -> None:
+    """:data:`ACTIVATION_RUNS`, 3 steps each, saved bytes counted; recorded under
+    ``("activations", layout, precision, offload)``."""
+    for layout, precision, value, against in ACTIVATION_RUNS:
+        d = data["vision" if layout in ("ddp", "ulysses") else "qwen2"]
+        for offload in (against, value):
+            res: dict[str, Any] = {}
+            strat = _strategy(layout, rank, precision, offload, paths, recompute="full")
+            # Hugging Face checkpoints its layers only in training mode (both runs draw the same
+            # dropout masks, if any: the same seeds, and the replay redraws its forward's)
+            strat.module.train()
+            _train(layout, strat, d, range(STEPS), res, count=True)
+            # the module's planning shape, as the cost model sees it
+            dir_ = Path(paths["llava" if layout in ("ddp", "ulysses") else "qwen2"])
+            res["shape"] = type(strat.family).planning_shape(json.loads((dir_ / "config.json").read_text()))
+            out[("activations", layout, precision, offload)] = res

@@ -25,7 +25,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from offload_cases import LAYOUTS, PRECISIONS, STEPS, offload_rank, resume_precision
+from offload_cases import (
+    ACTIVATION_RUNS,
+    LAYOUTS,
+    MICROBATCHES,
+    PRECISIONS,
+    STEPS,
+    offload_rank,
+    resume_precision,
+)
 
 from disagg.testing.dist import run_ranks
 from disagg.testing.ranks import loads
@@ -57,15 +65,14 @@ def _qwen2_batch(family, n: int = 4) -> tuple[list[dict], list[dict]]:
     return samples, embeds
 
 
-@pytest.fixture(scope="module")
-def offload_case(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def case_inputs(root: Path) -> tuple[dict[str, str], dict[str, dict]]:
+    """The tiny models' dirs under ``root`` and every layout's data."""
     from disagg.testing.recipes import encoder_targets
     from disagg.testing.toy import ToyLMFamily, toy_samples
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_vision_sp.families.llava import LlavaVision
     from disagg_vision_sp.testing import random_images
 
-    root = tmp_path_factory.mktemp("offload")
     paths = {
         "llava": str(LlavaVision.make_tiny(root / "llava")),
         "qwen2": str(Qwen2Family.make_tiny(root / "qwen2", vocab_size=498, tie_word_embeddings=True)),
@@ -86,7 +93,18 @@ def offload_case(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "qwen2": {"samples": samples, "embeds": embeds},
         "toy": {"samples": [x["llm"] for x in toy], "embeds": toy_embeds},
     }
-    return [loads(b) for b in run_ranks(offload_rank, 2, paths, data, timeout=1500)][0]
+    return paths, data
+
+
+@pytest.fixture(scope="module")
+def offload_case(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    paths, data = case_inputs(tmp_path_factory.mktemp("offload"))
+    per_rank = [loads(b) for b in run_ranks(offload_rank, 2, paths, data, timeout=1500)]
+    out = per_rank[0]
+    # offload: activations: both ranks' records (ulysses splits the tokens) and the data
+    out["activation_ranks"] = [{k: v for k, v in r.items() if k[0] == "activations"} for r in per_rank]
+    out["inputs"] = data
+    return out
 
 
 #: DeepSpeed's offloaded stage 3 steps its fp32 partitions on the host and reads them back: its
@@ -187,3 +205,63 @@ def test_device_and_host_bytes_equal_the_model(offload_case, layout, precision) 
         assert device == recipe.weights.itemsize * (n + idle)
     else:
         assert device == 0 and host == without
+
+
+def _held_tokens(layout: str, rank: int, inputs: dict, mb: int) -> int:
+    """Tokens whose layer inputs rank ``rank`` keeps in microbatch ``mb`` (offload_cases' split):
+    ``ddp`` its replica's samples; ``ulysses`` the whole microbatch over both ranks (summed by the
+    caller); ``megatron_tp`` with SP the padded batch (longest sample x samples) over 2 ranks."""
+    if layout in ("ddp", "ulysses"):
+        idx = [i for i in range(len(inputs["vision"]["images"])) if i % MICROBATCHES == mb]
+        if layout == "ddp":
+            idx = idx[: (len(idx) + 1) // 2] if rank == 0 else idx[(len(idx) + 1) // 2 :]
+        return sum(int(inputs["vision"]["targets"][i].shape[0]) for i in idx)
+    samples = inputs["qwen2"]["samples"]
+    idx = [i for i in range(len(samples)) if i % MICROBATCHES == mb]
+    return max(samples[i]["input_ids"].numel() for i in idx) * len(idx) // 2
+
+
+@pytest.mark.parametrize("layout,precision,value,against", ACTIVATION_RUNS)
+def test_activation_offload_equals_the_same_layout_without_it(
+    offload_case, layout, precision, value, against
+):
+    """``offload: activations`` (``all`` against ``optimizer``) under ``recompute: full`` equals the
+    same layout without it bit for bit at every step: the replay reads the same values back from
+    host memory. Every microbatch's saved bytes as the worker counts them: the device peak falls by
+    exactly what the hooks moved to the host, and that is the cost model's count of the blocks'
+    inputs (:func:`disagg.kit.cost.activation_offload.offloaded_input_bytes`)."""
+    from disagg.interfaces import RECIPES
+    from disagg.interfaces.shapes import EncoderShape
+    from disagg.kit.cost.activation_offload import offloaded_input_bytes
+
+    hosts = []
+    for rank, records in enumerate(offload_case["activation_ranks"]):
+        base = records[("activations", layout, precision, against)]
+        off = records[("activations", layout, precision, value)]
+        for step in range(STEPS):
+            what = f"{layout} {precision} rank {rank} step {step}: "
+            assert off["loss"][step] == base["loss"][step], what + "loss"
+            assert off["norm"][step] == base["norm"][step], what + "grad norm"
+            assert_exact(off["grads"][step], base["grads"][step], what + "grads ")
+            assert_exact(off["params"][step], base["params"][step], what + "params ")
+        assert len(off["saved"]) == len(base["saved"]) == STEPS * MICROBATCHES
+        for k, (b, o) in enumerate(zip(base["saved"], off["saved"])):
+            assert b["host"] == 0 and o["host"] > 0, (layout, rank, k, b, o)
+            assert b["device"] - o["device"] == o["host"], (layout, rank, k, b, o)
+        hosts.append([o["host"] for o in off["saved"]])
+    inputs = offload_case["inputs"]
+    shape = offload_case["activation_ranks"][0][("activations", layout, precision, value)]["shape"]
+    act = RECIPES[precision].activation_bytes
+    for k in range(STEPS * MICROBATCHES):
+        mb = k % MICROBATCHES
+        if layout == "ulysses":  # the ranks split each sample's tokens: their sum is the microbatch's
+            want = offloaded_input_bytes(shape, _held_tokens(layout, 0, inputs, mb), act)
+            assert hosts[0][k] + hosts[1][k] == want, (layout, k, hosts, want)
+            continue
+        for rank in (0, 1):
+            want = offloaded_input_bytes(shape, _held_tokens(layout, rank, inputs, mb), act)
+            if layout == "ddp" and isinstance(shape, EncoderShape):
+                # ddp runs the HF tower whole: the layer after the one LLaVA reads runs (and is
+                # checkpointed) too, one block more than the planning shape counts
+                want = want * (shape.depth + 1) // shape.depth
+            assert hosts[rank][k] == want, (layout, rank, k, hosts[rank][k], want)

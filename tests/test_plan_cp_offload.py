@@ -15,6 +15,7 @@ Config values and cost hooks only: no weights, no actor."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,10 @@ def _keys(layout) -> set[str]:  # type: ignore[no-untyped-def]
         o = dict(g.options)
         if g.context_parallel > 1:
             out.add("cp")
-        if o.get("offload", "none") != "none":
+        if o.get("offload", "none") in ("optimizer", "all"):
             out.add("offload")
+        if o.get("offload", "none") in ("activations", "all"):  # recompute's saved inputs
+            out.add("actoff")
     return out
 
 
@@ -149,6 +152,14 @@ def test_tight_memory_picks_offload_through_parallel_auto(tiny: Path):
         if plain in twin:
             assert twin[plain].step_time_s < x.step_time_s, x.name()
             assert any(t.get("offload_s", 0) > 0 for t in x.times.values())
+    # likewise recompute's saved inputs in host memory: their copies' seconds
+    moved = [x for x in roomy.ranked if _keys(x) == {"actoff"}]
+    assert moved, "offload: activations is offered beside recompute: full on a GPU cluster"
+    for x in moved[:20]:
+        plain = re.sub(r"offload=activations,", "", x.name())
+        if plain in twin:
+            assert twin[plain].step_time_s < x.step_time_s, x.name()
+            assert any(t.get("activation_offload_s", 0) > 0 for t in x.times.values())
     tight = cluster_from("h100x8", {"gpus": 1, "gpu_mem": str(int(_between(roomy, "offload")))})
     path = save_cluster(tight, tiny / "tight.json")
     auto = {"cluster": str(path), "vision_tokens": 256, "text_tokens": 128}

@@ -155,8 +155,10 @@ def test_json_rows_state_layout_recipe_offload_usable_and_stop(result, monkeypat
             ("fp32", "none"),
             ("bf16", "none"),
             ("bf16", "optimizer"),
+            ("bf16", "all"),
             ("bf16-pure", "none"),
             ("bf16-pure", "optimizer"),
+            ("bf16-pure", "all"),
         )
         for u in (0.9, 1.0)
     }

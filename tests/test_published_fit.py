@@ -147,6 +147,54 @@ def test_offloaded_tp8_llm_state_by_the_parameter_count(strategies):
     assert moved["llm"].offload is not None and moved["llm"].offload["microbatches"] == 8
 
 
+@pytest.mark.parametrize("tower", ["ulysses", "megatron_tp"])
+def test_activation_offload_moves_every_blocks_input_but_one(strategies, tower):
+    """``offload: all`` against ``optimizer`` at 16k, each group by an independent count: the LLM
+    under TP 8 with SP keeps each of its 64 layers' input for ``T/8`` tokens per rank (bf16); all of
+    them go to the host, all but one leave the device (one is back for the replay); the state is
+    the optimizer offload's either way; the copies' seconds are twice the host bytes per microbatch
+    over the assumed link."""
+    from disagg.bench.published import QWEN2_5_VL_32B, TEXT_TOKENS, predict_groups
+    from disagg.kit.cost import activation_offload as act_off
+    from disagg.plan.published import published_shapes
+
+    shapes = published_shapes(QWEN2_5_VL_32B)
+    llm, vision = shapes["llm"], shapes["vision"]
+    n = 16 * 1024
+    sp = {"degree": 8, "sequence_parallel": True} if tower == "megatron_tp" else {"degree": 8}
+    layout = {
+        "vision": {"strategy": tower, **sp, "offload": "optimizer"},
+        "llm": {"strategy": "megatron_tp", "degree": 8, "sequence_parallel": True, "offload": "optimizer"},
+    }
+    base = predict_groups(layout, n, "full", "bf16-pure", strategies)
+    both = {m: {**g, "offload": "all"} for m, g in layout.items()}
+    off = predict_groups(both, n, "full", "bf16-pure", strategies)
+    held = -(-(n // vision.unit + TEXT_TOKENS) // 8)
+    host = act_off.offloaded_input_bytes(llm, held, 2)
+    assert host == llm.layers * held * llm.hidden * 2
+    g, b = off["llm"], base["llm"]
+    assert g.memory.host - b.memory.host == host
+    assert b.cost.activation_bytes - g.cost.activation_bytes == host - host // llm.layers
+    assert g.cost.state_bytes == b.cost.state_bytes and g.memory.transient == b.memory.transient
+    assert g.activation_offload == {"host_bytes": host, "microbatches": 8}
+    seconds = act_off.offload_seconds(host, 8)["exposed_s"]
+    assert seconds == pytest.approx(2 * host * 8 / act_off.ACTIVATION_LINK_BYTES_PER_S)
+    # the tower too: its blocks' inputs for its tokens per rank (ulysses and TP + SP: n / 8)
+    v_host = act_off.offloaded_input_bytes(vision, n // 8, 2)
+    assert off["vision"].memory.host - base["vision"].memory.host == v_host
+
+
+def test_activation_offload_is_refused_without_full_recompute(strategies):
+    from disagg.bench.published import predict_groups
+
+    layout = {
+        "vision": {"strategy": "ulysses", "degree": 8},
+        "llm": {"strategy": "megatron_tp", "degree": 8, "offload": "activations"},
+    }
+    with pytest.raises(ValueError, match="recompute: full"):
+        predict_groups(layout, 16 * 1024, "none", "bf16", strategies)
+
+
 # -- context parallelism -------------------------------------------------------------------------
 SMALL = DecoderShape(hidden=64, heads=4, kv_heads=2, layers=3, intermediate=128, vocab=100)
 

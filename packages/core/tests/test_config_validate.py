@@ -390,3 +390,19 @@ def test_offload_reaches_the_strategy_and_is_refused_with_overlap(reg, workdir):
     cfg["parallel"]["llm"].update(offload="disk", overlap_grad_reduce=False)
     got = problems(workdir, cfg)["parallel.llm.offload"]
     assert "c.yaml:" in got and "'disk' is not allowed; allowed: none, optimizer" in got, got
+
+
+def test_activation_offload_needs_full_recompute(reg, workdir):
+    """``offload: activations | all`` moves what ``recompute: full`` keeps: accepted with it (and
+    ``all`` means the optimizer's too), refused without it before any actor starts, naming the
+    keys and the allowed values."""
+    cfg = base()
+    cfg["parallel"]["llm"].update(strategy="ddp", offload="all", recompute="full")
+    assert check(workdir, cfg).modules["llm"].options.offload == "all"
+    cfg["parallel"]["llm"].update(offload="activations", recompute="selective")
+    got = "\n".join(problems(workdir, cfg).values())
+    assert "offload: activations moves the inputs that recompute: full keeps" in got, got
+    assert "recompute is 'selective'" in got and "c.yaml" in got, got
+    cfg["parallel"]["llm"].update(offload="all", recompute="full", overlap_grad_reduce=True)
+    got = "\n".join(problems(workdir, cfg).values())
+    assert "offload: optimizer cannot be combined with overlap_grad_reduce: true" in got, got

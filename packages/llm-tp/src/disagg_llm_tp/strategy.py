@@ -41,6 +41,7 @@ from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, LayerMap, S
 from disagg.kit import Strategy, agree_on_grads, context_parallel, sum_of_squares
 from disagg.kit.hf import head_split_problems
 from disagg.kit.masters import in_master_view
+from disagg.kit.offload import offloaded, offloads_activations
 from disagg.kit.recompute import Recompute
 from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp import lora
@@ -273,6 +274,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
             self.options.recompute,
             rngs=[r for r in (self.rng, replica_rng) if r is not None],
             captures=[sp.capture_shape] if sp is not None else [],
+            offload=offloads_activations(self.options),
         )
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
 
@@ -411,7 +413,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
         from disagg_llm_tp import cost
 
         chunk = getattr(options, "loss_chunk_tokens", cost.DEFAULT_CHUNK_TOKENS)
-        offload = getattr(options, "offload", "none") == "optimizer"
+        offload = offloaded(options)
         return cost.estimate(query, bool(getattr(options, "sequence_parallel", False)), chunk, offload)
 
     @classmethod

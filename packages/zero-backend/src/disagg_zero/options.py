@@ -66,10 +66,10 @@ class ZeroOptions(StrategyOptions):
     @model_validator(mode="after")
     def _offload_is_offload_optimizer(self) -> ZeroOptions:
         # core's ``offload: optimizer`` and DeepSpeed's spelling name the same thing
-        if self.offload == "optimizer":
+        if self.offload in ("optimizer", "all"):
             self.offload_optimizer = True
         elif self.offload_optimizer:
-            self.offload = "optimizer"
+            self.offload = "all" if self.offload == "activations" else "optimizer"
         return self
 
     @field_validator("stage", mode="before")

@@ -28,6 +28,10 @@ from typing import Any
 from disagg.bench.fit_search import longest_fitting
 from disagg.interfaces import Cost
 from disagg.kit.cost.memory import DeviceMemory, device_memory
+from disagg.kit.cost.offload import HOST_MEMORY_BYTES
+
+#: GPUs of one node sharing its host memory (the published setting: one 8-GPU node)
+GPUS_PER_NODE = 8
 
 #: the paper's layouts, like for like (module docstring)
 FIT_LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
@@ -70,20 +74,32 @@ FIT_LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
         "llm": {"strategy": "ddp", "shard": "parameters", "context_parallel": 8},
     },
 }
-#: ``train.precision`` recipes, each alone and with ``offload: optimizer`` in every group (``+offload``)
-FIT_RECIPES = ("fp32", "bf16", "bf16+offload", "bf16-pure", "bf16-pure+offload")
+#: ``train.precision`` recipes, each alone, with ``offload: optimizer`` in every group (``+offload``)
+#: and with ``offload: all`` (the optimizer and recompute's saved block inputs, ``+all``)
+FIT_RECIPES = (
+    "fp32",
+    "bf16",
+    "bf16+offload",
+    "bf16+all",
+    "bf16-pure",
+    "bf16-pure+offload",
+    "bf16-pure+all",
+)
+#: a column's suffix -> ``parallel.<module>.offload``
+OFFLOAD_COLUMNS = {"": "none", "offload": "optimizer", "all": "all"}
 
 
-def recipe_of(column: str) -> tuple[str, bool]:
-    """``bf16+offload`` -> (``bf16``, True)."""
+def recipe_of(column: str) -> tuple[str, str]:
+    """``bf16+offload`` -> (``bf16``, ``optimizer``); ``bf16-pure+all`` -> (``bf16-pure``, ``all``)."""
     precision, _, extra = column.partition("+")
-    if extra not in ("", "offload"):
-        raise ValueError(f"{column!r}: a recipe, optionally +offload")
-    return precision, extra == "offload"
+    if extra not in OFFLOAD_COLUMNS:
+        raise ValueError(f"{column!r}: a recipe, optionally +offload or +all")
+    return precision, OFFLOAD_COLUMNS[extra]
 
 
-def with_offload(layout: dict[str, dict[str, Any]], offload: bool) -> dict[str, dict[str, Any]]:
-    return {m: {**g, "offload": "optimizer"} for m, g in layout.items()} if offload else layout
+def with_offload(layout: dict[str, dict[str, Any]], offload: str) -> dict[str, dict[str, Any]]:
+    """Every group of ``layout`` with ``offload`` (``none``: as it is)."""
+    return {m: {**g, "offload": offload} for m, g in layout.items()} if offload != "none" else layout
 
 
 #: the search's step and ceiling, vision tokens per image
@@ -108,17 +124,17 @@ class Fit:
     view: DeviceMemory | None = field(default=None, repr=False)
     #: the largest term one step longer (what stops it; '' at the ceiling or when not predicted)
     stopped_by: str = ""
+    #: the step's seconds at ``longest`` (:func:`step_seconds`), offload's exposed seconds apart
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self, usable: float | None = None) -> dict[str, Any]:
         recipe, offload = recipe_of(self.precision)
-        from disagg.kit.cost.offload import HOST_MEMORY_BYTES
-
-        host = None if self.view is None else self.view.host_per_device * 8  # 8 GPUs per node
+        host = None if self.view is None else self.view.host_per_device * GPUS_PER_NODE
         return {
             "layout": self.layout,
             "parallel": FIT_LAYOUTS.get(self.layout),
             "recipe": recipe,
-            "offload": "optimizer" if offload else "none",
+            "offload": offload,
             "usable": usable,
             "longest_vision_tokens": self.longest,
             "memory_bytes": self.memory_bytes,
@@ -127,6 +143,7 @@ class Fit:
             "host_fits": None if host is None else host <= HOST_MEMORY_BYTES,
             "stopped_by": self.stopped_by,
             "reason": self.reason,
+            "step_seconds": dict(self.seconds),
         }
 
 
@@ -159,12 +176,43 @@ def device(
     layout: dict[str, dict[str, Any]], n: int, precision: str, strategies: dict[str, Any]
 ) -> tuple[DeviceMemory, dict[str, Cost]]:
     """The device's peak by term (:func:`disagg.kit.cost.memory.device_memory`) and each group's cost."""
+    view, groups = device_groups(layout, n, precision, strategies)
+    return view, {m: g.cost for m, g in groups.items()}
+
+
+def device_groups(
+    layout: dict[str, dict[str, Any]], n: int, precision: str, strategies: dict[str, Any]
+) -> tuple[DeviceMemory, dict[str, Any]]:
+    """:func:`device`, with each group's :class:`~disagg.plan.extended.GroupCost`."""
     from disagg.bench.published import predict_groups
 
     recipe, offload = recipe_of(precision)
     groups = predict_groups(with_offload(layout, offload), n, "full", recipe, strategies)
-    view = device_memory([g.memory for g in groups.values()])
-    return view, {m: g.cost for m, g in groups.items()}
+    return device_memory([g.memory for g in groups.values()]), groups
+
+
+def step_seconds(groups: dict[str, Any]) -> dict[str, float]:
+    """The published table's step time of ``groups`` (compute by shape on ``h100x8`` + collective
+    bytes over the link, :func:`disagg.bench.published.predict_published`'s rule) and what offload
+    adds on the critical path: the host AdamW's exposed seconds and the saved inputs' copies
+    (:mod:`disagg.kit.cost.activation_offload`: all of it, on the compute stream)."""
+    from disagg.bench.published import CLUSTER, LINK_BYTES_PER_S
+    from disagg.kit.cost.activation_offload import offload_seconds as act_seconds
+    from disagg.kit.cost.offload import offload_seconds
+    from disagg.plan.cluster import PRESETS
+    from disagg.plan.efficiency import compute_seconds
+
+    machine = PRESETS[CLUSTER]
+    out = {"compute_comm_s": 0.0, "optimizer_offload_s": 0.0, "activation_offload_s": 0.0}
+    for g in groups.values():
+        compute = compute_seconds(g.cost, machine)
+        out["compute_comm_s"] += compute + g.cost.comm_bytes / LINK_BYTES_PER_S
+        if g.offload is not None:
+            out["optimizer_offload_s"] += offload_seconds(compute_s=compute, **g.offload)["exposed_s"]
+        if g.activation_offload is not None:
+            out["activation_offload_s"] += act_seconds(**g.activation_offload)["exposed_s"]
+    out["step_time_s"] = sum(out.values())
+    return out
 
 
 def terms(costs: dict[str, Cost] | DeviceMemory) -> list[tuple[str, int]]:
@@ -201,14 +249,23 @@ def longest_fit(
 
     @cache  # the search and the reasons below ask for the same lengths
     def at(k: int) -> tuple[DeviceMemory, dict[str, Cost]]:
-        return device(layout, k * STEP, precision, strategies)
+        view, groups = device_groups(layout, k * STEP, precision, strategies)
+        speeds[k] = groups
+        return view, {m: g.cost for m, g in groups.items()}
+
+    speeds: dict[int, dict[str, Any]] = {}
 
     def fit(k: int, reason: str, view: DeviceMemory, costs: dict[str, Cost], why: DeviceMemory | None) -> Fit:
         stop = "" if why is None else why.largest(1)[0][0]
-        return Fit(name, precision, k, view.total, reason, costs, view, stop)
+        f = Fit(name, precision, k, view.total, reason, costs, view, stop)
+        f.seconds = step_seconds(speeds[max(1, k // STEP)])
+        return f
+
+    def fits(view: DeviceMemory) -> bool:  # the device, and the node's host memory (offload)
+        return view.total <= budget and view.host_per_device * GPUS_PER_NODE <= HOST_MEMORY_BYTES
 
     cap = ceiling // STEP
-    k = longest_fitting(lambda k: at(k)[0].total <= budget, cap)
+    k = longest_fitting(lambda k: fits(at(k)[0]), cap)
     if k == 0:
         view, costs = at(1)
         return fit(0, "out of memory " + _why(view.total, budget, view, STEP), view, costs, view)
@@ -216,6 +273,18 @@ def longest_fit(
     if k == cap:
         return fit(k * STEP, f"fits up to the search's ceiling ({ceiling // 1024}k)", view, costs, None)
     over, _ = at(k + 1)
+    if over.total <= budget:  # the host memory stops it
+        host = over.host_per_device * GPUS_PER_NODE
+        f = fit(
+            k * STEP,
+            f"next step at {k + 1}k: {host / 1e12:.2f} TB of host memory per node > "
+            f"{HOST_MEMORY_BYTES / 1e12:.1f} TB",
+            view,
+            costs,
+            None,
+        )
+        f.stopped_by = "host memory"
+        return f
     return fit(k * STEP, "next step " + _why(over.total, budget, over, (k + 1) * STEP), view, costs, over)
 
 
@@ -272,6 +341,7 @@ FIT_GOALS: tuple[tuple[str, str, int], ...] = (
     ("dhp", "bf16+offload", 128 * 1024),
     ("dhp", "bf16-pure", 1_000_000),
     ("dhp", "bf16-pure+offload", 1_000_000),
+    ("dhp", "bf16-pure+all", 1_000_000),
 )
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from disagg.interfaces import Cost, CostQuery, Family, ReplicatedOptions, StrategyOptions
 from disagg.kit import Strategy, context_parallel
+from disagg.kit.offload import offloaded
 from disagg.kit.sharding import shard_problems
 
 
@@ -52,7 +53,7 @@ class DDPStrategy(Strategy):
             query,
             getattr(options, "loss_chunk_tokens", None),
             getattr(options, "shard", "none"),
-            getattr(options, "offload", "none") == "optimizer",
+            offloaded(options),
         )
 
     @classmethod

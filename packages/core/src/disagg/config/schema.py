@@ -84,11 +84,13 @@ class GroupConfig(BaseModel):
     inside a recomputed region, so one chunk's logits (tokens x vocabulary, fp32) exist at
     once, in forward and in backward, whatever the sequence length; the same loss and
     gradients. ``null``: the whole microbatch's logits at once, as Hugging Face does."""
-    offload: Literal["none", "optimizer"] = "none"
+    offload: Literal["none", "optimizer", "activations", "all"] = "none"
     """``optimizer``: the optimizer's state in host memory (pinned on CUDA) between steps: the
     masters the optimizer steps, the step's gradient sums and the AdamW moments; AdamW runs on
     the host and only the working weights stay on the device (``zero``: DeepSpeed's
-    ``offload_optimizer``). Not with ``overlap_grad_reduce``."""
+    ``offload_optimizer``). Not with ``overlap_grad_reduce``. ``activations`` (needs
+    ``recompute: full``): the input each recomputed block keeps goes to pinned host memory at
+    its forward and comes back for its replay (torch's ``save_on_cpu``). ``all``: both."""
     feature_cache: Literal["none", "host", "disk"] = "none"
     """A frozen encoder (``train.modules.<m>.freeze: true``) as a feature service: each
     sample's output (the exact tensors the LLM receives) is kept under a key of the sample's

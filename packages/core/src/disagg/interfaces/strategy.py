@@ -55,12 +55,24 @@ class StrategyOptions(BaseModel):
     output head to this many tokens at a time, so one chunk's logits exist at once, in
     forward and backward (:mod:`disagg.kit.chunked_loss`); ``null``: the whole
     microbatch at once (Hugging Face's way: tokens x vocabulary fp32 logits)."""
-    offload: Literal["none", "optimizer"] = "none"
+    offload: Literal["none", "optimizer", "activations", "all"] = "none"
     """``parallel.<module>.offload`` (core's key, every first-party strategy): ``optimizer`` keeps
     the optimizer's state in host memory (pinned on CUDA) between steps: the masters the optimizer
     steps, the step's gradient sums and the AdamW moments; the step runs on the host and only the
     working weights (and each microbatch's gradient until it is copied out) stay on the device
-    (:mod:`disagg.kit.offload`; ``zero``: DeepSpeed's ``offload_optimizer``)."""
+    (:mod:`disagg.kit.offload`; ``zero``: DeepSpeed's ``offload_optimizer``). ``activations`` (only
+    with ``recompute: full``) keeps each recomputed block's saved input in host memory between its
+    forward and its replay (:mod:`disagg.kit.recompute.offload`); ``all`` is both."""
+
+    @model_validator(mode="after")
+    def _activations_need_full_recompute(self) -> StrategyOptions:
+        if self.offload in ("activations", "all") and self.recompute != "full":
+            raise ValueError(
+                f"offload: {self.offload} moves the inputs that recompute: full keeps per block to "
+                f"host memory, but recompute is {self.recompute!r}; set recompute: full, or offload: "
+                "none or optimizer (allowed with recompute none/selective: none, optimizer)"
+            )
+        return self
 
 
 class ReplicatedOptions(StrategyOptions):
@@ -83,7 +95,7 @@ class ReplicatedOptions(StrategyOptions):
 
     @model_validator(mode="after")
     def _offload_without_overlap(self) -> ReplicatedOptions:
-        if self.offload == "optimizer" and self.overlap_grad_reduce:
+        if self.offload in ("optimizer", "all") and self.overlap_grad_reduce:
             raise ValueError(
                 "offload: optimizer cannot be combined with overlap_grad_reduce: true (its buckets "
                 "would sum device gradients already copied to the host); set overlap_grad_reduce: "

@@ -42,16 +42,24 @@ from torch import nn
 from disagg.interfaces.precision import Recipe
 from disagg.kit.masters import MasterWeights, cast_floating
 
-#: values of ``parallel.<module>.offload``
-OffloadMode = Literal["none", "optimizer"]
-OFFLOAD_MODES: tuple[str, ...] = ("none", "optimizer")
+#: values of ``parallel.<module>.offload``: ``activations`` is recompute's saved block inputs
+#: (:mod:`disagg.kit.recompute.offload`), ``all`` both
+OffloadMode = Literal["none", "optimizer", "activations", "all"]
+OFFLOAD_MODES: tuple[str, ...] = ("none", "optimizer", "activations", "all")
 
 
 def offloaded(options: Any) -> bool:
-    """``parallel.<module>.offload: optimizer`` (``zero``'s ``offload_optimizer: true`` too)."""
-    return getattr(options, "offload", "none") == "optimizer" or bool(
+    """The optimizer's state offloaded: ``parallel.<module>.offload: optimizer | all``
+    (``zero``'s ``offload_optimizer: true`` too)."""
+    return getattr(options, "offload", "none") in ("optimizer", "all") or bool(
         getattr(options, "offload_optimizer", False)
     )
+
+
+def offloads_activations(options: Any) -> bool:
+    """``parallel.<module>.offload: activations | all``: the inputs ``recompute: full`` keeps per
+    block live in host memory between the block's forward and its replay."""
+    return getattr(options, "offload", "none") in ("activations", "all")
 
 
 def host_device() -> torch.device:
@@ -188,7 +196,7 @@ def fsdp_offload_policy(device: torch.device) -> Any:
 
 
 def offload_problems(options: Any, where: str) -> list[str]:
-    """What ``offload: optimizer`` cannot be combined with (config time)."""
+    """What ``offload: optimizer | all`` cannot be combined with (config time)."""
     if not offloaded(options) or not hasattr(options, "overlap_grad_reduce"):
         return []
     if getattr(options, "overlap_grad_reduce", False):

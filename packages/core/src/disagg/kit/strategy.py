@@ -14,6 +14,7 @@ from disagg.interfaces.context import GroupContext
 from disagg.interfaces.family import Family
 from disagg.interfaces.strategy import StrategyOptions, StrategySpec
 from disagg.kit.lockstep import Lockstep
+from disagg.kit.offload import offloads_activations
 from disagg.kit.recompute import Recompute
 from disagg.kit.roles import EncoderRole, LanguageRole, Parallelizer, StateAdapter
 
@@ -60,7 +61,9 @@ class Strategy(Parallelizer, EncoderRole, LanguageRole, StateAdapter, StrategySp
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         #: this module's ``recompute`` (strategies add their streams and captures)
-        self.recompute = Recompute(getattr(options, "recompute", "none"))
+        self.recompute = Recompute(
+            getattr(options, "recompute", "none"), offload=offloads_activations(options)
+        )
         #: placeholder calls that keep the group's collectives in step (:mod:`disagg.kit.lockstep`)
         self.lockstep = Lockstep(family, ctx.dtype)
 

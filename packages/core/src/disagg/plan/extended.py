@@ -1,7 +1,8 @@
 """A group's cost with the layout keys the planner models on top of a strategy's own hook:
 ``context_parallel`` (a decoder's sequence over N ranks, :mod:`disagg.kit.cost.context_parallel`)
-and ``offload: optimizer`` (:mod:`disagg.kit.cost.offload`), and its device memory as the
-allocator holds it (:mod:`disagg.kit.cost.memory`).
+and ``offload: optimizer | activations | all`` (:mod:`disagg.kit.cost.offload`,
+:mod:`disagg.kit.cost.activation_offload`), and its device memory as the allocator holds it
+(:mod:`disagg.kit.cost.memory`).
 
 The strategy is asked as usual, with these two keys left out of its options; a CP group is asked
 for its equivalent data-parallel query (``T/N`` tokens, ``N`` times the replicas and samples) and
@@ -20,6 +21,7 @@ from typing import Any
 from disagg.interfaces import Cost
 from disagg.interfaces.precision import RECIPES
 from disagg.interfaces.shapes import DecoderShape, Shape
+from disagg.kit.cost import activation_offload as act_off
 from disagg.kit.cost import context_parallel as cpm
 from disagg.kit.cost import offload as off
 from disagg.kit.cost.memory import GroupMemory, communicators
@@ -65,6 +67,9 @@ class GroupCost:
     memory: GroupMemory
     #: :func:`disagg.kit.cost.offload.offload_seconds`' keyword arguments (no ``compute_s``); None: no offload
     offload: dict[str, Any] | None = None
+    #: :func:`disagg.kit.cost.activation_offload.offload_seconds`' keyword arguments; None: the
+    #: saved activations stay on the device
+    activation_offload: dict[str, Any] | None = None
 
 
 def shards(
@@ -128,7 +133,11 @@ def extended_cost(
     is the strategy's hook for one query (None: it states no cost for the module); ``options`` may
     hold :data:`KEYS`."""
     cp = int(options.get("context_parallel", 1) or 1)
-    offload = options.get("offload", "none") == "optimizer"
+    value = options.get("offload", "none")
+    offload = value in ("optimizer", "all")
+    activations = value in ("activations", "all")
+    if activations and recompute != "full":
+        raise ValueError(f"offload: {value} moves what recompute: full keeps; recompute is {recompute!r}")
     base = {k: v for k, v in options.items() if k not in KEYS}
     if (cp > 1 or offload) and traits is None:
         raise ValueError(f"{', '.join(k for k in KEYS if k in options)}: not modelled for this strategy")
@@ -153,6 +162,13 @@ def extended_cost(
         return None
     one = ask(shape=one_block(shape), recompute="none", **q)
     transient = one.activation_bytes if one is not None else 0
+    acts = act_off.ActivationSplit(cost.activation_bytes, 0, 0)
+    if activations:  # the strategy's own counts of the module and of one block under full
+        one_full = ask(shape=one_block(shape), recompute="full", **q)
+        if one_full is not None:
+            acts = act_off.split(shape, cost.activation_bytes, one_full.activation_bytes)
+            if not acts.host:  # one block (or none counted): nothing would stay away; not offered
+                return None
     act = RECIPES[precision].activation_bytes
     per_rank_samples = -(-samples // replicas)
     state = cost.state_bytes
@@ -190,7 +206,12 @@ def extended_cost(
     if offload:  # the offload rule's count replaces the strategy's (full training only)
         moved = off.state_split(n_el, precision, True, *split, tensors=n_t)
         state, host = moved.device, moved.host
-    cost = replace(cost, state_bytes=state)
+    cost = replace(
+        cost,
+        state_bytes=state,
+        activation_bytes=cost.activation_bytes - acts.moved,
+        host_bytes=host + acts.host,
+    )
     alltoall = degree - 1 if cost.comm_bytes_by_kind.get("all_to_all") else 0
     memory = GroupMemory(
         module="",
@@ -201,7 +222,7 @@ def extended_cost(
         communicators=communicators(degree, cp, replicas),
         alltoall_peers=alltoall,
         buffers=cost.buffer_bytes,
-        host=host,
+        host=host + acts.host,
     )
     info = None
     if offload:
@@ -212,4 +233,5 @@ def extended_cost(
             "grads_over": split[1],
             "optim_over": split[2],
         }
-    return GroupCost(cost, memory, info)
+    act_info = {"host_bytes": acts.host, "microbatches": microbatches} if acts.host else None
+    return GroupCost(cost, memory, info, act_info)

@@ -53,6 +53,7 @@ from disagg.interfaces import Cost, CostQuery, EncoderShape, StrategyOptions
 from disagg.interfaces.cost import Shape
 from disagg.interfaces.lora import LoraSpec
 from disagg.kit import Strategy
+from disagg.kit.cost.activation_offload import offload_seconds as activation_offload_seconds
 from disagg.kit.cost.memory import device_memory
 from disagg.kit.cost.offload import offload_seconds
 from disagg.plan.cluster import Cluster
@@ -266,8 +267,13 @@ def group_cost(
             frozen=work.frozen.get(group.module, ()),
             context_parallel=group.context_parallel,
         )
-        offload = getattr(options, "offload", "none") == "optimizer"
-        return native_cost(lambda q: strategy_cls.estimate(q, options), query, offload)
+        value = getattr(options, "offload", "none")
+        return native_cost(
+            lambda q: strategy_cls.estimate(q, options),
+            query,
+            value in ("optimizer", "all"),
+            activations=value in ("activations", "all"),
+        )
     # what the group's own options apply: nothing plans memory the run does not save
     mode = getattr(options, "recompute", "none")
     return extended_cost(
@@ -365,6 +371,10 @@ def evaluate(
             layout.times[name]["offload_s"] = offload_seconds(
                 compute_s=compute, ranks_per_node=ranks_per_node, **got.offload
             )["exposed_s"]
+        if got is not None and got.activation_offload is not None:
+            layout.times[name]["activation_offload_s"] = activation_offload_seconds(**got.activation_offload)[
+                "exposed_s"
+            ]
     per = {name: sum(t.values()) for name, t in layout.times.items()}
     encoders = [per[name] for name in layout.groups if name != "llm"]
     if layout.placement == "disaggregated" and layout.schedule == "encoders_ahead" and encoders:

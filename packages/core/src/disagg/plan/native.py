@@ -13,7 +13,11 @@ state or bytes:
   sequence (:func:`disagg.kit.cost.context_parallel.attention`);
 - the host AdamW's seconds of an offloaded optimizer (:func:`disagg.kit.cost.offload.offload_seconds`),
   for the elements whose state the strategy says moved to the host (``Cost.host_bytes`` over the
-  recipe's host bytes per element).
+  recipe's host bytes per element);
+- ``offload: activations | all``: core's hooks (:mod:`disagg.kit.recompute.offload`) move the
+  blocks' kept inputs whatever the strategy, so the split of its saved bytes between device and
+  host is core's rule on the strategy's own counts (:mod:`disagg.kit.cost.activation_offload`), and
+  the copies' seconds.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from disagg.interfaces import Cost, CostQuery
+from disagg.kit.cost import activation_offload as act_off
 from disagg.kit.cost import context_parallel as cpm
 from disagg.kit.cost.memory import GroupMemory, communicators
 from disagg.kit.cost.offload import host_bytes_per_element
@@ -31,13 +36,24 @@ from disagg.plan.extended import GroupCost
 
 
 def native_cost(
-    estimate: Callable[[CostQuery], Cost | None], query: CostQuery, offload: bool
+    estimate: Callable[[CostQuery], Cost | None], query: CostQuery, offload: bool, activations: bool = False
 ) -> GroupCost | None:
     """``estimate``: the strategy's hook with the group's options bound (``offload`` among them);
-    ``query``: the group's query, ``context_parallel`` included."""
+    ``query``: the group's query, ``context_parallel`` included; ``activations``: the options
+    offload the recomputed blocks' inputs."""
     cost = estimate(query)
     if cost is None:
         return None
+    optimizer_host = cost.host_bytes
+    act_info: dict[str, Any] | None = None
+    if activations and query.recompute in ("full", True):
+        one_full = estimate(replace(query, shape=one_block(query.shape)))
+        if one_full is not None:
+            moved = act_off.split(query.shape, cost.activation_bytes, one_full.activation_bytes)
+            if not moved.host:  # one block (or none counted): nothing would stay away; not offered
+                return None
+            cost = replace(cost, activation_bytes=moved.device, host_bytes=cost.host_bytes + moved.host)
+            act_info = {"host_bytes": moved.host, "microbatches": query.microbatches}
     cp = query.context_parallel
     if cp > 1 and cost.compute is None:
         split = estimate(_split(query))
@@ -58,13 +74,13 @@ def native_cost(
         host=cost.host_bytes,
     )
     info: dict[str, Any] | None = None
-    if offload and cost.host_bytes:
+    if offload and optimizer_host:
         info = {
-            "elements": cost.host_bytes // host_bytes_per_element(query.precision),
+            "elements": optimizer_host // host_bytes_per_element(query.precision),
             "precision": query.precision,
             "microbatches": query.microbatches,
         }
-    return GroupCost(cost, memory, info)
+    return GroupCost(cost, memory, info, act_info)
 
 
 def _split(query: CostQuery) -> CostQuery:

@@ -182,7 +182,9 @@ def layout_variants(
                 out.append({"context_parallel": c})
             c *= 2
     if cluster.cuda_allocator and traits.offload:
-        out += [{**x, "offload": "optimizer"} for x in list(out)]
+        # on top of a variant's own activation offload, the optimizer's makes ``all``
+        both = "all" if variant.get("offload") in ("activations", "all") else "optimizer"
+        out += [{**x, "offload": both} for x in list(out)]
     return out
 
 
@@ -319,7 +321,16 @@ def _variants(
     modes = list(getattr(cls, "recompute_modes", ("none",)))
     if only_recompute and len(modes) > 1:
         modes = [m for m in modes if m != "none"]
-    return [{**v, **({"recompute": m} if m != "none" else {})} for v in variants for m in modes]
+    out = [{**v, **({"recompute": m} if m != "none" else {})} for v in variants for m in modes]
+    # ``offload: activations`` (``all`` with the optimizer's) where recompute is full: host memory
+    # beside a GPU, so offered on GPU clusters only, like the optimizer's (:func:`_offloads`)
+    more = {"none": "activations", "optimizer": "all"}
+    out += [
+        {**v, "offload": more[v.get("offload", "none")]}
+        for v in out
+        if v.get("recompute") == "full" and v.get("offload", "none") in more
+    ]
+    return out
 
 
 def _meshes(devices: int, samples: int) -> list[tuple[int, int]]:

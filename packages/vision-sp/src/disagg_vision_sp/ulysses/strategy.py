@@ -31,6 +31,7 @@ from disagg.interfaces import (
     dropout_seed,
 )
 from disagg.kit import Strategy
+from disagg.kit.offload import offloaded, offloads_activations
 from disagg.kit.recompute import Recompute
 from disagg.kit.recompute.rng import ShardRNG
 from disagg.kit.sharding import shard_problems
@@ -110,7 +111,10 @@ class UlyssesStrategy(Strategy):
         """A replayed block draws its masks from the shard stream again and runs inside the
         runtime (and spanning scope) its forward saw."""
         self.recompute = Recompute(
-            self.options.recompute, rngs=[self.rng] if self.rng else [], captures=[_capture_runtime]
+            self.options.recompute,
+            rngs=[self.rng] if self.rng else [],
+            captures=[_capture_runtime],
+            offload=offloads_activations(self.options),
         )
         self.recompute.apply_full(module, f"family {self.family.name!r} tower")
 
@@ -218,9 +222,7 @@ class UlyssesStrategy(Strategy):
         """Exact bytes for encoder towers (:mod:`disagg_vision_sp.ulysses.cost`); nothing for decoders."""
         from disagg_vision_sp.ulysses import cost
 
-        return cost.estimate(
-            query, getattr(options, "shard", "none"), getattr(options, "offload", "none") == "optimizer"
-        )
+        return cost.estimate(query, getattr(options, "shard", "none"), offloaded(options))
 
     @classmethod
     def option_variants(cls) -> list[dict[str, Any]]:

@@ -23,7 +23,10 @@ know and this module adds:
   its backward (Megatron's column linear) not to count it again;
 - the replay's saved tensors are counted as the transient peak of the
   activation-bytes metric (the kept inputs are counted by the worker's saved-
-  tensor hooks already: checkpoint saves them through them).
+  tensor hooks already: checkpoint saves them through them);
+- ``offload``: under ``full``, each block's kept inputs live in host memory
+  until its replay (``parallel.<module>.offload: activations | all``,
+  :mod:`disagg.kit.recompute.offload`).
 
 Early stop is off: the whole block is replayed, so a replay issues exactly the
 block's forward collectives again and costs exactly one forward of FLOPs,
@@ -103,10 +106,18 @@ class Recompute:
         mode: str = "none",
         rngs: Sequence[ShardRNG] = (),
         captures: Sequence[Capture] = (),
+        offload: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"recompute {mode!r} is not one of: {', '.join(MODES)}")
+        if offload and mode != "full":
+            raise ValueError(
+                f"offload: activations moves the inputs recompute: full keeps, but recompute is {mode!r}; "
+                "allowed: recompute: full"
+            )
         self.mode = mode
+        #: the blocks' kept inputs in host memory between forward and replay
+        self.offload = offload
         self.rngs = list(rngs)
         self.captures = list(captures)
 
@@ -145,13 +156,23 @@ class Recompute:
             **kwargs,
         )
 
+    def block(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One transformer block under ``full`` (:meth:`checkpoint`), its kept inputs in host
+        memory until the replay when ``offload`` is on."""
+        if not self.offload or not torch.is_grad_enabled():
+            return self.checkpoint(fn, *args, **kwargs)
+        from disagg.kit.recompute.offload import OffloadedInputs
+
+        with OffloadedInputs():
+            return self.checkpoint(fn, *args, **kwargs)
+
     def attention(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """An attention core: checkpointed under ``selective``, run as is otherwise."""
         return self.checkpoint(fn, *args, **kwargs) if self.selective else fn(*args, **kwargs)
 
     def apply_full(self, module: nn.Module, what: str = "module") -> int:
         """Under ``full``, checkpoint every Hugging Face gradient-checkpointing
-        layer of ``module`` with :meth:`checkpoint`; returns how many. Raises
+        layer of ``module`` with :meth:`block`; returns how many. Raises
         when the mode is ``full`` and ``module`` has none (nothing would be
         saved: refusing beats planning memory the run does not save)."""
         if not self.full:
@@ -166,5 +187,5 @@ class Recompute:
             )
         for layer in layers:
             layer.gradient_checkpointing = True
-            layer._gradient_checkpointing_func = self.checkpoint  # type: ignore[assignment]
+            layer._gradient_checkpointing_func = self.block  # type: ignore[assignment]
         return len(layers)

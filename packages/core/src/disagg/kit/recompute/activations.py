@@ -30,7 +30,10 @@ def current_sink() -> SavedBytes | None:
 class SavedBytes(contextlib.AbstractContextManager):
     """Saved-tensor hooks that call ``add(nbytes)`` for every tensor autograd
     saves while they are active, except ``module``'s parameters; a replay of a
-    checkpointed block calls ``peak(nbytes)`` with what it held at once.
+    checkpointed block calls ``peak(nbytes)`` with what it held at once; a
+    block whose kept inputs go to host memory (``offload: activations``,
+    :mod:`disagg.kit.recompute.offload`) calls ``host(nbytes)`` for them
+    instead of ``add``.
 
     The parameters' addresses are read at the first save, not when the hooks
     are made: a strategy may gather its parameters into new storage after the
@@ -38,9 +41,13 @@ class SavedBytes(contextlib.AbstractContextManager):
     weights are still model state."""
 
     def __init__(
-        self, module: nn.Module | None, add: Callable[[int], None], peak: Callable[[int], None] | None = None
+        self,
+        module: nn.Module | None,
+        add: Callable[[int], None],
+        peak: Callable[[int], None] | None = None,
+        host: Callable[[int], None] | None = None,
     ) -> None:
-        self.module, self.add, self.peak = module, add, peak
+        self.module, self.add, self.peak, self.host = module, add, peak, host
         self._params: set[int] | None = None
         self._stack: list[tuple[Any, Any]] = []
 
@@ -56,6 +63,11 @@ class SavedBytes(contextlib.AbstractContextManager):
         if not self.is_param(t):
             self.add(t.numel() * t.element_size())
         return t
+
+    def offloaded(self, nbytes: int) -> None:
+        """``nbytes`` saved in host memory instead of on the device."""
+        if self.host is not None:
+            self.host(nbytes)
 
     def __enter__(self) -> SavedBytes:
         hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _identity)
@@ -93,10 +105,13 @@ class SavedBytes(contextlib.AbstractContextManager):
 
 
 def saved_bytes_hooks(
-    module: nn.Module | None, add: Callable[[int], None], peak: Callable[[int], None] | None = None
+    module: nn.Module | None,
+    add: Callable[[int], None],
+    peak: Callable[[int], None] | None = None,
+    host: Callable[[int], None] | None = None,
 ) -> SavedBytes:
     """:class:`SavedBytes` (a context manager) for ``module``."""
-    return SavedBytes(module, add, peak)
+    return SavedBytes(module, add, peak, host)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
