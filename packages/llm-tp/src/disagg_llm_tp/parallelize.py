@@ -131,8 +131,10 @@ def parallelize_module(
         plan.swapped.append(name)
 
     for name, mod in named.items():
-        if not name or name in plan.swapped or _match(name, split_owned):
+        if not name or name in plan.swapped:
             continue
+        if _match(name, split_owned):
+            continue  # cut by its family-supplied split (below)
         if _match(name, lmap.output):
             _swap_output(module, name, mod, shard, degree, config, comm, tied, plan, sp)
         elif _match(name, lmap.column):
