@@ -1,8 +1,10 @@
 """Qwen3.5 (issue 40) end to end against the single-process
 ``Qwen3_5ForConditionalGeneration``, at every step: the tower (``qwen3_5`` vision
 family) under ``ulysses`` 2, the hybrid decoder (gated-delta-net and gated
-full-attention layers) under ``ddp`` over 2 replicas with ``shard: optimizer``
-and under ``zero`` stage 3 over 2 replicas, on the mixed dataset (image sizes, a
+full-attention layers) under ``ddp`` over 2 replicas with ``shard: optimizer``,
+under ``zero`` stage 3 over 2 replicas and under ``megatron_tp`` 2 with sequence
+parallelism over 2 replicas (the gated-delta-net layers split by heads,
+``disagg_llm_tp.gdn``), on the mixed dataset (image sizes, a
 two-image sample, text-only samples and a text-only global batch; two
 microbatches whose samples split unevenly between the decoder's replicas: one
 replica's sample has images, the other's none; weight decay on). Loss and
@@ -10,8 +12,9 @@ gradient norm of every step, and every parameter after the last step read back
 from ``disagg export`` through ``from_pretrained``. ``recompute: full`` on the decoder in
 one layout and on the tower in the other.
 
-``megatron_tp`` and context parallelism are refused for the decoder before any
-actor starts, each with its reason (``disagg_llm_tp.families.qwen3_5``).
+Context parallelism, and a ``megatron_tp`` degree that does not divide the
+gated-delta-net heads, are refused for the decoder before any actor starts, each
+with its reason (``disagg_llm_tp.families.qwen3_5``, ``disagg_llm_tp.gdn``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ LAYOUTS = {
             "replicas": 2,
             "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
         },
+    ),
+    # the decoder built empty and loaded by slices; every layer kind split by heads
+    "ulysses2+megatron_tp2-sp-x2": (
+        TOWER,
+        {"strategy": "megatron_tp", "degree": 2, "replicas": 2, "sequence_parallel": True},
     ),
 }
 
@@ -116,7 +124,8 @@ def test_qwen3_5_equals_hf_model_every_step(ray_local, qwen3_5, tmp_path, layout
 @pytest.mark.parametrize(
     ("llm", "words"),
     [
-        ({"strategy": "megatron_tp", "degree": 2}, ("gated-delta-net", "in_proj_qkv", "conv1d", "'ddp'")),
+        # the tiny decoder's linear layers: 2 key heads (4 value heads)
+        ({"strategy": "megatron_tp", "degree": 4}, ("gated-delta-net", "2 key heads", "degree 4", "1, 2")),
         ({"strategy": "ddp", "context_parallel": 2}, ("context_parallel", "'qwen3_5'", "use 1")),
     ],
 )

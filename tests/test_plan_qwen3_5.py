@@ -1,8 +1,9 @@
 """Planning Qwen3.5 (issue 40) from its published ``config.json`` alone: the ``qwen3_5``
 families' planning shapes list the Hugging Face module's parameters (names and shapes
 on a tiny config with both layer kinds, the exact count on Qwen3.5-27B's, both built on
-the meta device), and ``disagg plan`` ranks the 27B's layouts, never proposing the
-decoder under a strategy its family refuses (``megatron_tp``). No weights, no actor.
+the meta device), and ``disagg plan`` ranks the 27B's layouts, the decoder under
+``megatron_tp`` only at degrees that divide its gated-delta-net heads and its attention
+heads. No weights, no actor.
 
 ``tests/configs/qwen3_5_27b.json``: Qwen/Qwen3.5-27B's config.json values
 (huggingface.co/Qwen/Qwen3.5-27B/blob/main/config.json), as a public port quotes them
@@ -88,7 +89,7 @@ def test_plan_ranks_qwen3_5_27b(tmp_path, capsys):
     model = {m: {"family": "qwen3_5", "path": str(d)} for m in ("vision", "llm")}
     config.write_text(yaml.safe_dump({"model": model, "output_dir": str(tmp_path / "run")}))
     out = tmp_path / "plan.json"
-    # 141 GB H200s: no 27B layout fits 80 GB H100s at 8 samples (the decoder cannot use TP)
+    # 141 GB H200s
     argv = ["plan", str(config), "--cluster", "h200x8", "--gpus", "8", "--samples", "8"]
     argv += ["--placement", "collocated", "--strategies", "ulysses,megatron_tp,zero"]
     assert main([*argv, "--text-tokens", "1024", "--vision-tokens", "4096", "--json", str(out)]) == 0
@@ -98,5 +99,9 @@ def test_plan_ranks_qwen3_5_27b(tmp_path, capsys):
     best = ranked[0]["groups"]
     assert best["vision"]["sent_bytes"] % 5120 == 0 and best["llm"]["flops"] > 0
     strategies = {m: {r["parallel"][m]["strategy"] for r in ranked} for m in ("vision", "llm")}
-    # the decoder's family refuses megatron_tp (gated-delta-net heads), so the planner never offers it
-    assert "ulysses" in strategies["vision"] and "megatron_tp" not in strategies["llm"], strategies
+    assert "ulysses" in strategies["vision"] and "megatron_tp" in strategies["llm"], strategies
+    # gated-delta-net layers split by heads (16 key, 48 value), full attention by its 24 query heads
+    degrees = {
+        r["parallel"]["llm"]["degree"] for r in ranked if r["parallel"]["llm"]["strategy"] == "megatron_tp"
+    }
+    assert degrees and all(16 % d == 0 and 48 % d == 0 and 24 % d == 0 for d in degrees), degrees

@@ -46,7 +46,9 @@ class ShardSpec:
     """How one parameter's full tensor maps to this rank's local tensor.
 
     column: dim 0 cut in ``degree`` contiguous pieces inside each of ``chunks``
-        equal blocks (``chunks=3`` for a fused qkv projection).
+        equal blocks (``chunks=3`` for a fused qkv projection), or inside each of
+        the blocks of full sizes ``blocks`` when they differ (a gated-delta-net's
+        fused q/k/v: key, key and value widths; :mod:`disagg_llm_tp.gdn`).
     vocab: dim 0 padded to a multiple of the degree, then cut; ``full_rows``
         is the unpadded size.
     row: dim 1 cut in ``degree`` pieces.
@@ -61,6 +63,7 @@ class ShardSpec:
 
     kind: Kind
     chunks: int = 1
+    blocks: tuple[int, ...] = ()
     full_rows: int = 0
     head: int = 0
     kv_share: int = 1
@@ -216,9 +219,9 @@ def local_slice(full: torch.Tensor, spec: ShardSpec, shard: int, degree: int) ->
         padded = _pad_rows(full, degree)
         m = padded.shape[0] // degree
         return padded[shard * m : (shard + 1) * m]
-    blocks = full.chunk(spec.chunks, dim=0)
-    m = blocks[0].shape[0] // degree
-    return torch.cat([b[shard * m : (shard + 1) * m] for b in blocks], dim=0)
+    blocks = full.split(list(spec.blocks)) if spec.blocks else full.chunk(spec.chunks, dim=0)
+    cut = [(b.shape[0] // degree, b) for b in blocks]
+    return torch.cat([b[shard * m : (shard + 1) * m] for m, b in cut], dim=0)
 
 
 def merge(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
@@ -231,8 +234,11 @@ def merge(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
         return torch.cat([pieces[h * spec.kv_share] for h in range(spec.num_heads)], dim=0)
     if spec.kind == "vocab":
         return torch.cat(pieces, dim=0)[: spec.full_rows]
-    split = [p.chunk(spec.chunks, dim=0) for p in pieces]
-    return torch.cat([torch.cat([s[c] for s in split], dim=0) for c in range(spec.chunks)], dim=0)
+    if spec.blocks:
+        split = [p.split([b // len(pieces) for b in spec.blocks]) for p in pieces]
+    else:
+        split = [p.chunk(spec.chunks, dim=0) for p in pieces]
+    return torch.cat([torch.cat([s[c] for s in split], dim=0) for c in range(len(split[0]))], dim=0)
 
 
 def _pad_rows(t: torch.Tensor, degree: int) -> torch.Tensor:

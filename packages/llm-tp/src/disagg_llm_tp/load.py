@@ -46,9 +46,14 @@ def local_pieces(spec: ShardSpec, shape: list[int], shard: int, degree: int) -> 
         m = padded_size(shape[0], degree) // degree
         start, end = shard * m, min((shard + 1) * m, shape[0])
         return [(0, start, end - start, every)] if end > start else []
-    block = shape[0] // spec.chunks  # fused q/k/v: this rank's rows of each block
-    m = block // degree
-    return [(c * m, c * block + shard * m, m, every) for c in range(spec.chunks)]
+    # fused q/k/v (equal ``chunks`` or unequal ``blocks``): this rank's rows of each block
+    sizes = list(spec.blocks) or [shape[0] // spec.chunks] * spec.chunks
+    pieces, local, start = [], 0, 0
+    for block in sizes:
+        m = block // degree
+        pieces.append((local, start + shard * m, m, every))
+        local, start = local + m, start + block
+    return pieces
 
 
 def read_into(

@@ -25,7 +25,10 @@ Driven only by the family's :class:`~disagg.interfaces.LayerMap`:
   The biases of row linears are replicated by construction;
 - ``head_replicated`` (patterns) declares full copies that each TP rank
   applies to its own attention heads only (Qwen3's per-head q/k norms): each
-  rank then holds part of their gradient, summed over the TP ranks.
+  rank then holds part of their gradient, summed over the TP ranks;
+- ``extra[module_split.SPLITS]`` (``{pattern: ModuleSplit}``) hands whole
+  modules to a family-supplied split (a gated-delta-net layer,
+  :mod:`disagg_llm_tp.module_split`).
 
 Every parameter leaves with a ``tp_spec`` (:class:`ShardSpec`); one that no
 declaration names is an error naming it, never a silent replica.
@@ -50,6 +53,7 @@ from disagg_llm_tp.layers import (
     mark,
     padded_size,
 )
+from disagg_llm_tp.module_split import SplitContext, module_splits, under
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
 
 
@@ -106,6 +110,8 @@ def parallelize_module(
     chunks = dict(lmap.column_chunks)
     named = dict(module.named_modules())
     tied: dict[int, nn.Parameter] = {}
+    splits = module_splits(lmap)
+    split_owned = under(splits)
 
     # Embeddings first so that an output layer tied to one can share its new weight.
     for name, mod in named.items():
@@ -127,6 +133,8 @@ def parallelize_module(
     for name, mod in named.items():
         if not name or name in plan.swapped:
             continue
+        if _match(name, split_owned):
+            continue  # cut by its family-supplied split (below)
         if _match(name, lmap.output):
             _swap_output(module, name, mod, shard, degree, config, comm, tied, plan, sp)
         elif _match(name, lmap.column):
@@ -144,6 +152,12 @@ def parallelize_module(
                 mark(new.bias, ShardSpec("replicated", sp_partial=region is not None))
                 copy_into(new.bias, mod.bias, shard, degree)
             _set_child(module, name, new)
+            plan.swapped.append(name)
+
+    for name, mod in named.items():  # family-supplied splits (module_split.py)
+        split = _lookup(name, splits) if name else None
+        if split is not None:
+            split.split(name, mod, SplitContext(shard, degree, config, comm, sp, sp_rows))  # type: ignore[attr-defined]
             plan.swapped.append(name)
 
     for name, mod in module.named_modules():
@@ -182,7 +196,7 @@ def unclassified_parameters(module: nn.Module, lmap: LayerMap) -> list[str]:
     wrong if it acts on a sharded activation (a new family's extra projection,
     say), so every one must be declared."""
     swapped = (*lmap.column, *lmap.row, *lmap.vocab, *lmap.output)
-    replicated = (*lmap.replicated, *lmap.head_replicated)
+    replicated = (*lmap.replicated, *lmap.head_replicated, *under(module_splits(lmap)))
     return [
         name
         for name, _ in module.named_parameters()

@@ -48,6 +48,7 @@ from disagg_llm_tp import lora
 from disagg_llm_tp.fullstate import TPFullState
 from disagg_llm_tp.layers import ShardSpec
 from disagg_llm_tp.load import load_local
+from disagg_llm_tp.module_split import module_splits
 from disagg_llm_tp.parallelize import TPPlan, parallelize_module
 from disagg_llm_tp.rng import fork_around, fork_between
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
@@ -100,6 +101,8 @@ class MegatronTPStrategy(TPFullState, Strategy):
             for p in head_split_problems(spec.num_heads, spec.num_kv_heads, degree, str(family.path)):
                 if p not in problems:  # every layer declares the same counts
                     problems.append(p)
+        for split in module_splits(lmap).values() if lmap is not None else ():  # module_split.py
+            problems += [p for p in split.problems(degree, str(family.path)) if p not in problems]
         if getattr(options, "sequence_parallel", False):
             if degree < 2:
                 problems.append(

@@ -8,37 +8,27 @@ layers in ``layer_types`` order: gated-delta-net (linear attention) layers
 and gated full-attention layers. The image rows the ``qwen3_5`` vision family
 sends are one merged embedding per placeholder (no DeepStack).
 
-What it runs under: ``ddp`` (and its ``shard``), ``zero``. Refused, with the
-reason, before any actor starts:
+What it runs under: ``ddp`` (and its ``shard``), ``zero`` and ``megatron_tp`` (with or
+without sequence parallelism). Under ``megatron_tp`` the full-attention layers split as every
+decoder's (gated ``q_proj``: each head's query and gate rows are contiguous, so a column
+split keeps them together); each gated-delta-net layer is split by its heads by
+:mod:`disagg_llm_tp.gdn` (declared in ``LayerMap.extra``, :mod:`disagg_llm_tp.module_split`):
+its linear key heads and value heads must be divisible by the degree.
 
-- ``megatron_tp``: the gated-delta-net layer would need its heads split where
-  the layer map cannot say so: ``in_proj_qkv`` fuses blocks of unequal width
-  (queries and keys ``linear_num_key_heads · linear_key_head_dim`` each,
-  values ``linear_num_value_heads · linear_value_head_dim``) where
-  ``column_chunks`` cuts equal blocks; the depthwise ``conv1d`` over those
-  channels, and ``dt_bias``/``A_log`` per value head, are neither linears nor
-  replicas. Declaring them replicated would run every rank's heads on the
-  wrong channels.
-- context parallelism: a linear-attention layer carries a recurrent state
-  along the whole sequence (and its causal conv looks back 3 tokens), so a
-  rank holding a later slice needs every earlier rank's final state, which
-  ``disagg.kit.context_parallel``'s K/V exchange does not pass.
+Refused, with the reason, before any actor starts: context parallelism. A linear-attention
+layer carries a recurrent state along the whole sequence (and its causal conv looks back 3
+tokens), so a rank holding a later slice needs every earlier rank's final state, which
+``disagg.kit.context_parallel``'s K/V exchange does not pass.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from disagg.interfaces import AttentionSpec, LayerMap
+from disagg.interfaces import AttentionSpec, LayerMap, SequenceParallelRegions
 from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
-
-#: why megatron_tp is refused (validation's message; see the module docstring)
-TP_REFUSED = (
-    "its gated-delta-net layers cannot be split by heads yet: in_proj_qkv fuses query, key and value "
-    "blocks of unequal widths ({keys}, {keys}, {values}) that the layer map's equal column_chunks "
-    "cannot cut per head, and the depthwise conv1d over those channels and the per-value-head "
-    "dt_bias/A_log have no tensor-parallel split"
-)
+from disagg_llm_tp.gdn import GatedDeltaNetSplit
+from disagg_llm_tp.module_split import SPLITS
 
 
 class Qwen35LanguageFamily(Qwen25VLLanguageFamily):
@@ -62,11 +52,17 @@ class Qwen35LanguageFamily(Qwen25VLLanguageFamily):
         return qwen3_5_decoder_shape(config)
 
     def layer_map(self) -> LayerMap:
-        """Every parameter's kind, as LoRA and the chunked loss read it; ``no_split`` makes
-        ``megatron_tp`` refuse the family, so no strategy cuts the linear layers by this map."""
+        """Every parameter's kind (what LoRA and the chunked loss read; the gated-delta-net
+        linears are column/row there) and the split of each gated-delta-net layer by heads."""
         tc, p = self.text_config, self.prefix
         attn, lin = f"{p}.layers.*.self_attn", f"{p}.layers.*.linear_attn"
         heads = AttentionSpec(num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads)
+        gdn = GatedDeltaNetSplit(
+            key_heads=tc.linear_num_key_heads,
+            value_heads=tc.linear_num_value_heads,
+            key_head_dim=tc.linear_key_head_dim,
+            value_head_dim=tc.linear_value_head_dim,
+        )
         return LayerMap(
             column=(
                 f"{attn}.q_proj",
@@ -84,17 +80,20 @@ class Qwen35LanguageFamily(Qwen25VLLanguageFamily):
                 f"{p}.layers.*.input_layernorm.*",
                 f"{p}.layers.*.post_attention_layernorm.*",
                 f"{p}.norm.*",
-                f"{lin}.conv1d.*",
-                f"{lin}.dt_bias",
-                f"{lin}.A_log",
             ),
             head_replicated=(f"{attn}.q_norm.*", f"{attn}.k_norm.*", f"{lin}.norm.*"),
-            no_split={
-                lin: TP_REFUSED.format(
-                    keys=tc.linear_num_key_heads * tc.linear_key_head_dim,
-                    values=tc.linear_num_value_heads * tc.linear_value_head_dim,
-                )
-            },
+            # the residual stream from the first layer on; either kind of token mixer reads a
+            # gathered norm output and its row linear re-enters the region
+            sequence_parallel=SequenceParallelRegions(
+                split=(f"{p}.layers.0",),
+                gather=(
+                    f"{p}.layers.*.input_layernorm",
+                    f"{p}.layers.*.post_attention_layernorm",
+                    f"{p}.norm",
+                ),
+                reduce_scatter=(f"{attn}.o_proj", f"{lin}.out_proj", f"{p}.layers.*.mlp.down_proj"),
+            ),
+            extra={SPLITS: {lin: gdn}},
         )
 
     @classmethod
