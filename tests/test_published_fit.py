@@ -287,6 +287,20 @@ def test_longest_fit_is_the_edge_and_its_reason_is_the_next_step_s_largest_term(
     }
 
 
+def test_a_row_validation_would_refuse_is_not_predicted(strategies):
+    """The fit table asks each strategy's own precision checks, as validation does: ``zero`` with
+    DeepSpeed's offloaded optimizer under ``bf16-pure`` is refused (DeepSpeed offloads bf16
+    masters only with its own ``DeepSpeedCPUAdam``), so its rows carry no length; under ``bf16``
+    (verified at stages 1 and 3) the same layout is predicted."""
+    from disagg.bench.published_fit import longest_fit
+
+    budget = int(0.9 * 80 * GB)
+    for recipe in ("bf16-pure+offload", "bf16-pure+all"):
+        row = longest_fit("zero3", recipe, budget, strategies)
+        assert row.longest is None and "DeepSpeedCPUAdam" in row.reason, row
+    assert longest_fit("zero3", "bf16+offload", budget, strategies).longest
+
+
 def test_zero3_terms_in_deepspeed_s_bf16_mode(strategies):
     """What the ZeRO-3 row is made of at 16k under ``bf16`` (the paper's "BF16 mixed precision"):
     the LLM state is 18 B per parameter over 8 ranks (bf16 partition 2, fp32 master 4, gradient 4,

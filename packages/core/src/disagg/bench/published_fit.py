@@ -148,9 +148,12 @@ class Fit:
 
 
 def refusal(layout: dict[str, dict[str, Any]], precision: str, strategies: dict[str, Any]) -> str:
-    """Why ``layout`` cannot run ``precision`` ('' when every strategy honours it)."""
-    precision = recipe_of(precision)[0]
-    for module, group in layout.items():
+    """Why ``layout`` cannot run ``precision`` ('' when every strategy honours it): the recipe is
+    not one the strategy honours, or its own precision checks refuse the options under it (as
+    validation would, e.g. ``zero``'s offloaded optimizer under ``bf16-pure``) — a table must not
+    predict a layout the config would refuse."""
+    precision, offload = recipe_of(precision)
+    for module, group in with_offload(layout, offload).items():
         cls = strategies.get(group["strategy"])
         if cls is None:
             return f"strategy {group['strategy']!r} ({module}) is not installed"
@@ -160,6 +163,13 @@ def refusal(layout: dict[str, dict[str, Any]], precision: str, strategies: dict[
                 f"{group['strategy']} ({module}) does not honour train.precision {precision} "
                 f"(it honours {', '.join(honoured)}): not predicted"
             )
+        fields = cls.options_model.model_fields
+        given = {k: v for k, v in group.items() if k in fields}
+        if "recompute" in fields:
+            given.setdefault("recompute", "full")  # every published row recomputes in full
+        problems = cls.precision_problems(precision, cls.options_model(**given), f"parallel.{module}")
+        if problems:
+            return f"{group['strategy']} ({module}) refused: {problems[0]}: not predicted"
     return ""
 
 
