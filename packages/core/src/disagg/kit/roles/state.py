@@ -115,15 +115,20 @@ class StateAdapter:
     def rng_state(self) -> dict[str, torch.Tensor]:
         """Random streams of this rank's own beyond torch's default generators
         (core saves those): by default the per-shard dropout stream ``self.rng``
-        when the strategy made one (:class:`~disagg.kit.recompute.rng.ShardRNG`)."""
-        rng = getattr(self, "rng", None)
-        return {"shard_dropout": rng.state.cpu()} if isinstance(rng, ShardRNG) else {}
+        when the strategy made one (:class:`~disagg.kit.recompute.rng.ShardRNG`), and
+        the further ones it named in ``self.rng_streams``."""
+        return {name: rng.state.cpu() for name, rng in self._streams().items()}
 
     def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`rng_state` returned (same layout only)."""
+        for name, rng in self._streams().items():
+            if name in state:
+                rng.state = state[name].clone()
+
+    def _streams(self) -> dict[str, ShardRNG]:
         rng = getattr(self, "rng", None)
-        if isinstance(rng, ShardRNG) and "shard_dropout" in state:
-            rng.state = state["shard_dropout"].clone()
+        own = {"shard_dropout": rng} if isinstance(rng, ShardRNG) else {}
+        return {**own, **getattr(self, "rng_streams", {})}
 
     # -- sharded checkpoints ----------------------------------------------------------------------
     def tensor_layout(self, param: torch.Tensor) -> Layout:
