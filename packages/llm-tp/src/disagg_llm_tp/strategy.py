@@ -45,7 +45,6 @@ from disagg.kit.lora import is_adapter_param
 from disagg.kit.masters import in_master_view
 from disagg.kit.recompute import Recompute
 from disagg.kit.recompute.rng import ShardRNG
-from disagg.kit.roles.state import Layout
 from disagg_llm_tp import lora
 from disagg_llm_tp.fullstate import TPFullForm
 from disagg_llm_tp.layers import ShardSpec
@@ -78,9 +77,9 @@ class MegatronTPStrategy(ContextParallelLanguage, Strategy):
       gradients are broadcast back (:meth:`encode`, :meth:`backward`, :meth:`release`);
     - gradients: :meth:`reduce_gradients` and :meth:`grad_norm_sq` through each parameter's
       :class:`ShardSpec`;
-    - state: the full form through the shard specs (``self.form``, a
-      :class:`~disagg_llm_tp.fullstate.TPFullForm`: five one-line delegations), the adapters'
-      dropout stream in ``rng_streams`` (the kit saves it);
+    - state: no method; the full form through the shard specs is a component the kit's state
+      adapter calls (``self.form``, a :class:`~disagg_llm_tp.fullstate.TPFullForm`), and the
+      adapters' dropout stream is in ``rng_streams`` (the kit saves it);
     - class level: :meth:`check`, :meth:`estimate`, :meth:`option_variants` and the
       capabilities below.
 
@@ -137,8 +136,9 @@ class MegatronTPStrategy(ContextParallelLanguage, Strategy):
     def __init__(self, ctx: Any, family: Family, options: StrategyOptions) -> None:
         super().__init__(ctx, family, options)
         self.plan = TPPlan()
-        #: the state adapter's full form through each tensor's shard spec (fullstate.py)
-        self.form = TPFullForm(ctx)
+        #: the full form through each tensor's shard spec (fullstate.py): the kit's state
+        #: adapter calls it (full_state_dict, full_grads, ..., tensor_layout)
+        self.form: TPFullForm = TPFullForm(ctx)
         #: Megatron's layer config and the sequence-parallel region (None without it), for
         #: the layers :meth:`apply_lora` adds after :meth:`apply_tensor_parallel`
         self.mp_config: Any = None
@@ -427,32 +427,6 @@ class MegatronTPStrategy(ContextParallelLanguage, Strategy):
         if spec.kind == "kv_replicated":
             return self.ctx.shard % spec.kv_share == 0
         return True
-
-    # -- state adapter: the full form through each tensor's shard spec (self.form) ------------------
-    @in_master_view()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        assert self.module is not None
-        return self.form.state_dict(self.module)
-
-    @in_master_view()
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        assert self.module is not None
-        return self.form.grads(self.module)
-
-    @in_master_view()
-    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        assert self.module is not None
-        return self.form.optimizer_state(self.module, self.optimizer)
-
-    @in_master_view(write=True)
-    def load_full_state(
-        self, params: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
-    ) -> None:
-        assert self.module is not None
-        self.form.load(self.module, self.optimizer, params, optim_state)
-
-    def tensor_layout(self, param: torch.Tensor) -> Layout:
-        return self.form.layout(param)
 
     # -- class level -----------------------------------------------------------------------------------
     @classmethod
