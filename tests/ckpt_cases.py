@@ -110,7 +110,9 @@ def _build_lora(kind: str, rank: int, path: str) -> Any:
 
         ctx = ranks.rank_context("llm", rank, int(kind[2:]), 4 // int(kind[2:]))
     strat = cls(ctx, fam, cls.options_model(**options))
-    module = apply_lora(strat.build_module(), LORA, "llm", "lora")
+    module = strat.build_module()
+    if not cls.lora_step:  # megatron_tp applies its adapters itself, on its parallel linears
+        module = apply_lora(module, LORA, "llm", "lora")
     optim = OptimSpec(lr=LR, weight_decay=0.1, lora=LORA)
     return ranks.strategy_rank(cls, fam, ctx, options=options, optim=optim, module=module, train=True)
 

@@ -8,7 +8,6 @@ from tp_cases import LR, MAX_NORM, label_count
 
 from disagg.interfaces import OptimSpec
 from disagg.interfaces.lora import LoraSpec, lora_seed
-from disagg.kit.lora import apply_lora
 from disagg.testing import ranks
 from disagg.testing.ranks import dumps, loads
 from disagg.testing.reference import reference_adamw
@@ -54,9 +53,10 @@ def reference(path: str, samples: list[dict], steps: int = STEPS) -> dict:
 
 
 def _tp_lora(rank: int, path: str, spec, optim, options: dict, train: bool = False):  # noqa: ANN001, ANN202
-    """``megatron_tp`` 2 on the tiny Qwen2 with ``spec``'s adapters applied after the build,
-    as core's worker applies them: to the module the strategy built empty (meta device, no
-    base weight allocated), whose ranks then load their own slices. ``(ctx, strategy)``."""
+    """``megatron_tp`` 2 on the tiny Qwen2 with ``spec``'s adapters, set up as core's worker
+    sets it up: the module the strategy built empty (meta device, no base weight allocated),
+    whose ranks load their own slices, and the adapters applied by the strategy's own LoRA
+    step on its parallel linears (``lora_step``: no PEFT layers injected). ``(ctx, strategy)``."""
     from disagg_llm_tp.families.qwen2 import Qwen2Family
     from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
@@ -65,10 +65,9 @@ def _tp_lora(rank: int, path: str, spec, optim, options: dict, train: bool = Fal
     opts = MegatronTPOptions(**options)
     empty = MegatronTPStrategy(ctx, fam, opts).build_module()
     assert all(p.is_meta for p in empty.parameters()), "megatron_tp builds the module empty"
-    module = apply_lora(empty, spec, "llm", "train.modules.llm.lora")
-    assert all(p.is_meta != (".lora_" in n) for n, p in module.named_parameters()), "only adapters exist"
+    assert MegatronTPStrategy.lora_step, "megatron_tp applies its adapters itself"
     strat = ranks.strategy_rank(
-        MegatronTPStrategy, fam, ctx, options=opts, optim=optim, module=module, train=train
+        MegatronTPStrategy, fam, ctx, options=opts, optim=optim, module=empty, train=train
     )
     return ctx, strat
 

@@ -1,16 +1,12 @@
-"""LoRA adapters on megatron_tp's column- and row-parallel linears.
+"""LoRA adapters on megatron_tp's column- and row-parallel linears: the strategy's LoRA step,
+after tensor parallelism (``StrategySpec.lora_step``: core injects no PEFT layers first).
 
-Core injects PEFT's ``lora.Linear`` layers into the module as the strategy
-built it: empty, on the meta device (:mod:`disagg.kit.lora`; the
-adapters' full ``[r, in]``/``[out, r]`` values are drawn on the CPU, a few MB
-at most, the base is never allocated whole); tensor parallelism then replaces
-the linears they wrap, each rank loads its own slices of the base
-(:mod:`disagg_llm_tp.load`) and cuts the adapters for itself. Before
-:func:`~disagg_llm_tp.parallelize.parallelize_module` runs,
-:func:`unwrap` puts each wrapped base ``nn.Linear`` back and keeps the
-adapter's full weights; after it, :func:`rewrap` puts a :class:`TPLoraLinear`
-around the new parallel base. The split is PEFT's ``LoraParallelLinear`` for
-megatron-core:
+The adapters' values are PEFT's own draws (:func:`disagg.kit.lora.draw_adapters`): PEFT
+injects them, under the module's LoRA seed, into a stand-in of the module's linears at their
+full shapes (:attr:`TPPlan.linears <disagg_llm_tp.parallelize.TPPlan.linears>` for those tensor
+parallelism replaced), exactly the values it would draw on the single-process HF model. Each
+adapter is then cut for this rank around its parallel base, the split of PEFT's
+``LoraParallelLinear`` for megatron-core:
 
 - column-parallel base (output split): ``lora_A`` replicated (a full
   ``[r, in]`` on every TP rank), ``lora_B`` column-parallel, cut like the
@@ -54,14 +50,17 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from disagg.interfaces.lora import ADAPTER
+from disagg.interfaces import LayerMap
+from disagg.interfaces.lora import ADAPTER, LoraSpec
+from disagg.kit.lora import draw_adapters
 from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp.layers import ShardSpec, TPColumnLinear, TPRowLinear, copy_into, mark
+from disagg_llm_tp.parallelize import TPPlan
 
 
 @dataclass
 class Site:
-    """One PEFT LoRA layer taken off before parallelization."""
+    """One adapter as PEFT drew it, at its linear's full shape."""
 
     name: str
     kind: str  # "column" or "row"
@@ -69,7 +68,6 @@ class Site:
     b: torch.Tensor  # full [out, r]
     scaling: float
     dropout: float
-    trainable: bool
 
 
 def _set_child(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -77,42 +75,45 @@ def _set_child(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
-def unwrap(module: nn.Module, column: tuple[str, ...], row: tuple[str, ...]) -> list[Site]:
-    """Replace every PEFT ``lora.Linear`` by its base ``nn.Linear``; return what
-    the adapters held. One on a linear the layer map does not split is an
-    error (validation refuses such targets first)."""
-    if not any(".lora_A." in n for n, _ in module.named_parameters()):
-        return []  # no adapters: peft need not even be installed
+def draw_sites(
+    module: nn.Module, spec: LoraSpec, module_name: str, plan: TPPlan, lmap: LayerMap
+) -> list[Site]:
+    """PEFT's adapters for ``spec`` on ``module`` after tensor parallelism: drawn at the full
+    shapes of its linears (``plan.linears`` for the parallel ones), in the module's order, as on
+    the unpartitioned module. One on a linear the layer map does not split is an error
+    (validation refuses such targets first)."""
     from peft.tuners.lora import Linear as LoraLinear
 
+    linears = {
+        n: plan.linears.get(n) or (m.in_features, m.out_features)
+        for n, m in module.named_modules()
+        if n in plan.linears or isinstance(m, nn.Linear)
+    }
+    drawn = draw_adapters(linears, spec, module_name, f"train.modules.{module_name}.lora")
     sites = []
-    for name, mod in list(module.named_modules()):
+    for name, mod in drawn.named_modules():
         if not isinstance(mod, LoraLinear):
             continue
-        if any(fnmatchcase(name, p) for p in column):
+        if any(fnmatchcase(name, p) for p in lmap.column):
             kind = "column"
-        elif any(fnmatchcase(name, p) for p in row):
+        elif any(fnmatchcase(name, p) for p in lmap.row):
             kind = "row"
         else:
             raise ValueError(
                 f"megatron_tp: LoRA wraps {name!r}, which the layer map does not split as a column or "
                 "row linear; target only column/row linears under megatron_tp"
             )
-        a, b = mod.lora_A[ADAPTER].weight, mod.lora_B[ADAPTER].weight
         drop = mod.lora_dropout[ADAPTER]
         sites.append(
             Site(
                 name,
                 kind,
-                a.detach().clone(),
-                b.detach().clone(),
+                mod.lora_A[ADAPTER].weight.detach(),
+                mod.lora_B[ADAPTER].weight.detach(),
                 float(mod.scaling[ADAPTER]),
                 float(drop.p) if isinstance(drop, nn.Dropout) else 0.0,
-                a.requires_grad,
             )
         )
-        base = mod.get_base_layer()
-        _set_child(module, name, base)
     return sites
 
 
@@ -146,7 +147,7 @@ class TPLoraLinear(nn.Module):
         return out + delta * self.scaling[ADAPTER]
 
 
-def rewrap(
+def wrap(
     module: nn.Module,
     sites: list[Site],
     shard: int,
@@ -158,9 +159,9 @@ def rewrap(
     replica_rng: ShardRNG | None,
     shard_rng: ShardRNG | None,
 ) -> list[str]:
-    """Wrap each site's (now parallel) base layer in a :class:`TPLoraLinear` with
-    its adapters cut for this rank; ``sp_rows``: row linears inside a
-    sequence-parallel region (their adapter reduce-scatters too). Returns the names."""
+    """Wrap each site's parallel base layer in a :class:`TPLoraLinear` with its adapters cut for
+    this rank; ``sp_rows``: row linears inside a sequence-parallel region (their adapter
+    reduce-scatters too). Returns the names."""
     done = []
     for s in sites:
         base = module.get_submodule(s.name)
@@ -183,13 +184,7 @@ def rewrap(
             rng = shard_rng
         copy_into(a.weight, s.a, shard, degree)
         copy_into(b.weight, s.b, shard, degree)
-        for p in (a.weight, b.weight):
-            p.requires_grad_(s.trainable)
         new = TPLoraLinear(base, a, b, s.scaling, s.dropout, rng if s.dropout > 0 else None)
         _set_child(module, s.name, new)
         done.append(s.name)
     return done
-
-
-def wrapped_names(sites: list[Site]) -> set[str]:
-    return {s.name for s in sites}

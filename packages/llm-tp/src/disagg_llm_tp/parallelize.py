@@ -68,6 +68,11 @@ class TPPlan:
     #: number of key/value heads replicated across ranks and how many ranks share each
     kv_replication: tuple[int, int] | None = None
     swapped: list[str] = field(default_factory=list)
+    #: full ``(in_features, out_features)`` of every linear replaced by a parallel one (LoRA's
+    #: adapters are drawn for the full shapes, then cut like the base: ``lora.py``)
+    linears: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: names of the row linears inside a sequence-parallel region (they reduce-scatter)
+    sp_rows: set[str] = field(default_factory=set)
 
 
 def _match(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
@@ -105,6 +110,7 @@ def parallelize_module(
         )
     plan = TPPlan()
     sp_rows = _wire_sequence_parallel(module, lmap, sp) if sp is not None else set()
+    plan.sp_rows = sp_rows
     # only grouped-query declarations change how key/value projections are cut
     attention = {pat: spec for pat, spec in lmap.attention.items() if spec.num_kv_heads is not None}
     chunks = dict(lmap.column_chunks)
@@ -133,6 +139,8 @@ def parallelize_module(
     for name, mod in named.items():
         if not name or name in plan.swapped:
             continue
+        if isinstance(mod, nn.Linear) and _match(name, (*lmap.output, *lmap.column, *lmap.row)):
+            plan.linears[name] = (mod.in_features, mod.out_features)
         if _match(name, split_owned):
             continue  # cut by its family-supplied split (below)
         if _match(name, lmap.output):

@@ -20,7 +20,7 @@ Gradient bookkeeping (the loss is already divided by the global label count):
   gradients and are summed over the whole group (TP ranks and replicas).
 
 The full form (checkpoints, export) is merged and cut through each tensor's
-shard spec in :mod:`disagg_llm_tp.fullstate`.
+shard spec by a component, :class:`~disagg_llm_tp.fullstate.TPFullForm` (``self.form``).
 
 The input-embedding gradient is complete on every TP rank for the same reason
 (ColumnParallelLinear all-reduces its input gradient; under sequence parallelism
@@ -30,7 +30,6 @@ replica.
 
 from __future__ import annotations
 
-from fnmatch import fnmatchcase
 from typing import Any, ClassVar
 
 import torch
@@ -38,14 +37,16 @@ import torch.distributed as dist
 from torch import nn
 
 from disagg.interfaces import EmbeddingShard, EncoderFamily, Family, LayerMap, StrategyOptions, dropout_seed
+from disagg.interfaces.cost import Cost, CostQuery
 from disagg.kit import Strategy, agree_on_grads, context_parallel, sum_of_squares
 from disagg.kit.hf import head_split_problems
+from disagg.kit.lora import is_adapter_param
 from disagg.kit.masters import in_master_view
 from disagg.kit.offload import offloaded, offloads_activations
 from disagg.kit.recompute import Recompute
 from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp import lora
-from disagg_llm_tp.fullstate import TPFullState
+from disagg_llm_tp.fullstate import TPFullForm
 from disagg_llm_tp.layers import ShardSpec
 from disagg_llm_tp.load import load_local
 from disagg_llm_tp.module_split import module_splits
@@ -62,8 +63,26 @@ class MegatronTPOptions(StrategyOptions):
     family whose layer map declares its regions."""
 
 
-class MegatronTPStrategy(TPFullState, Strategy):
+class MegatronTPStrategy(Strategy):
     """Tensor parallelism with megatron-core layers swapped into the HF module.
+
+    What it changes from the kit's defaults (:class:`disagg.kit.Strategy`, a module every
+    rank holds whole):
+
+    - set-up: :meth:`build_module` builds empty (each rank loads its own slices);
+      :meth:`parallelize` is the ordered ``apply_*`` steps; LoRA is one of them, on its own
+      parallel linears (``lora_step``: core injects no PEFT layers);
+    - LLM role: :meth:`token_losses` and :meth:`correct_predictions` over this rank's slice
+      of the vocabulary (megatron's vocabulary-parallel cross entropy);
+    - encoder role: every TP rank computes the whole output, shard 0 ships it, the
+      gradients are broadcast back (:meth:`encode`, :meth:`backward`, :meth:`release`);
+    - gradients: :meth:`reduce_gradients` and :meth:`grad_norm_sq` through each parameter's
+      :class:`ShardSpec`;
+    - state: no method; the full form through the shard specs is a component the kit's state
+      adapter calls (``self.form``, a :class:`~disagg_llm_tp.fullstate.TPFullForm`), and the
+      adapters' dropout stream is in ``rng_streams`` (the kit saves it);
+    - class level: :meth:`check`, :meth:`estimate`, :meth:`option_variants` and the
+      capabilities below.
 
     With ``parallel.llm.context_parallel: N`` (TP x CP): megatron's parallel state is built
     with ``context_parallel_size=N`` on core's layout (TP ranks contiguous, then CP, then
@@ -80,6 +99,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "bf16-pure")
     #: adapters on the column and row linears it splits (lora.py: column/row-parallel adapters)
     lora_support: ClassVar[tuple[str, ...]] = ("column", "row")
+    lora_step: ClassVar[bool] = True
     context_parallel_support: ClassVar[bool] = True
 
     @classmethod
@@ -116,12 +136,20 @@ class MegatronTPStrategy(TPFullState, Strategy):
                 )
         return problems
 
-    def __init__(self, ctx, family, options) -> None:
+    def __init__(self, ctx: Any, family: Family, options: StrategyOptions) -> None:
         super().__init__(ctx, family, options)
         self.plan = TPPlan()
+        #: the full form through each tensor's shard spec (fullstate.py): the kit's state
+        #: adapter calls it (full_state_dict, full_grads, ..., tensor_layout)
+        self.form: TPFullForm = TPFullForm(ctx)
+        #: Megatron's layer config and the sequence-parallel region (None without it), for
+        #: the layers :meth:`apply_lora` adds after :meth:`apply_tensor_parallel`
+        self.mp_config: Any = None
+        self.sp: SequenceParallelRegion | None = None
         #: dropout stream of this (replica, TP rank) for head-sharded regions (degree > 1);
-        #: the base rng_state/set_rng_state save and restore it
+        #: the kit's rng_state/set_rng_state save and restore it, and ``rng_streams``' too
         self.rng: ShardRNG | None = None
+        self.rng_streams: dict[str, ShardRNG] = {}
         #: microbatch -> every output of the encoder on this TP rank, until its backward
         self._pending: dict[int, list[torch.Tensor]] = {}
         #: microbatch -> the autocast state its forward ran under (see :meth:`backward`)
@@ -145,6 +173,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
                 distributed_timeout_minutes=self.ctx.collective_timeout.total_seconds() / 60,
             )
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.form.bind(self.tp_group)
         # CP ranks hold partial gradients of the same slices, like replicas: one sum over both
         self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         assert dist.get_process_group_ranks(self.tp_group) == self.ctx.shard_ranks(), (
@@ -178,105 +207,98 @@ class MegatronTPStrategy(TPFullState, Strategy):
         return self.family.build(torch.float32) if module is None else module
 
     def parallelize(self, module: nn.Module) -> nn.Module:
-        """Ordered steps: tensor (and sequence) parallel linears, LoRA's adapters taken off
-        around them -> this rank's slices loaded (a module built empty) -> context
-        parallelism -> the TP dropout streams -> LoRA's adapters back on the parallel
-        linears -> recompute."""
+        """Ordered steps, as torchtitan's ``parallelize_llama``: tensor (and sequence) parallel
+        linears, this rank's slices loaded into a module built empty -> context parallelism ->
+        the TP dropout streams -> LoRA on the parallel linears -> recompute (last: it wraps the
+        blocks the steps before rewrote). No ``shard`` step: the TP split is the sharding."""
         lmap = self.family.layer_map()
         if lmap is None:
             raise ValueError(
                 f"family {self.family.name!r} has no layer map; strategy 'megatron_tp' cannot split it"
             )
-        sites, sp, config = self.apply_tensor_parallel(module, lmap)
+        self.apply_tensor_parallel(module, lmap)
         context_parallel.apply(module, self.ctx, self)
-        replica_rng = self.apply_dropout_streams(module, lmap, lora_dropout=any(s.dropout > 0 for s in sites))
-        self.apply_lora(module, lmap, sites, sp, config, replica_rng)
-        self.apply_recompute(module, sp, replica_rng)
+        self.apply_dropout_streams(module, lmap)
+        self.apply_lora(module, lmap)
+        self.apply_recompute(module)
         return module.to(self.ctx.device)
 
-    def apply_tensor_parallel(self, module: nn.Module, lmap: LayerMap) -> tuple[list, Any, Any]:
+    def apply_tensor_parallel(self, module: nn.Module, lmap: LayerMap) -> None:
         """megatron-core's column / row / vocabulary layers in place of the layer map's
-        linears (PEFT's adapters come off first, ``lora.py``); a module built empty gets its
-        own slices from the stored tensors. Returns the LoRA sites, the sequence-parallel
-        region and megatron's config."""
+        linears (:mod:`disagg_llm_tp.parallelize`; ``self.plan`` says what it did); a module
+        built empty gets its own slices from the stored tensors."""
         from megatron.core.model_parallel_config import ModelParallelConfig
 
+        if any(is_adapter_param(n) for n, _ in module.named_parameters()):
+            raise ValueError(
+                "megatron_tp applies train.modules.<m>.lora itself, to its parallel linears "
+                "(lora_step): set the module up without PEFT layers injected"
+            )
         self._init_megatron()
-        dtype = next(module.parameters()).dtype
-        config = ModelParallelConfig(
+        self.mp_config = ModelParallelConfig(
             tensor_model_parallel_size=self.ctx.degree,
             # Layers are built on the CPU and moved: the same code on CPU and CUDA.
             use_cpu_initialization=True,
             perform_initialization=False,
-            params_dtype=dtype,
+            params_dtype=next(module.parameters()).dtype,
         )
-        sp = None
         if self.options.sequence_parallel and self.ctx.degree > 1:
-            sp = SequenceParallelRegion(self.tp_group, self.ctx.degree, self.ctx.shard, self.ctx.comm)
-        # PEFT's adapters come off before the linears are split and go back on around them (lora.py)
-        sites = lora.unwrap(module, lmap.column, lmap.row)
+            self.sp = SequenceParallelRegion(self.tp_group, self.ctx.degree, self.ctx.shard, self.ctx.comm)
         empty = any(p.is_meta for p in module.parameters())
         self.plan = parallelize_module(
-            module, lmap, self.ctx.shard, self.ctx.degree, config, self.ctx.comm, sp
+            module, lmap, self.ctx.shard, self.ctx.degree, self.mp_config, self.ctx.comm, self.sp
         )
         if empty:
             # megatron's layers hold only this rank's piece: fill them (and the replicated
             # rest) from the stored tensors; nothing has been moved to the device yet
             load_local(module, self.family, self.ctx.shard, self.ctx.degree)
         self.kv_groups = self._kv_groups()
-        return sites, sp, config
 
-    def apply_dropout_streams(self, module: nn.Module, lmap: LayerMap, lora_dropout: bool) -> ShardRNG | None:
+    def apply_dropout_streams(self, module: nn.Module, lmap: LayerMap) -> None:
         """Attention probabilities are a head shard on each TP rank: their dropout draws from
-        a stream per (replica, TP rank) (``rng.py``). Returns the stream every TP rank of the
-        replica shares for LoRA's dropout (None without it)."""
-        replica_rng = None
-        if self.ctx.degree > 1:
-            ctx = self.ctx
-            self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
-            fork_around(module, [*lmap.heads, *lmap.attention], self.rng)
-            fork_between(module, lmap.feature_split, self.rng)
-            if lora_dropout:
-                # a stream every TP rank of the replica shares, apart from the default one
-                replica_rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.degree), ctx.device)
-        self.lora_rng = replica_rng  # checkpointed with the rest of the rank's streams (fullstate.py)
-        return replica_rng
-
-    def apply_lora(
-        self,
-        module: nn.Module,
-        lmap: LayerMap,
-        sites: list,
-        sp: Any,
-        config: Any,
-        replica_rng: ShardRNG | None,
-    ) -> None:
-        """LoRA's adapters back on, around the parallel linears (``lora.py``)."""
-        if not sites:
+        a stream per (replica, TP rank) (``rng.py``); with adapter dropout, a column adapter's
+        input is the replica's, so its masks come from a stream every TP rank of the replica
+        shares (``rng_streams["lora_dropout"]``)."""
+        if self.ctx.degree == 1:
             return
-        rows = lmap.sequence_parallel.reduce_scatter if sp is not None and lmap.sequence_parallel else ()
-        sp_rows = {n for n, _ in module.named_modules() if n and any(fnmatchcase(n, p) for p in rows)}
-        lora.rewrap(
+        ctx = self.ctx
+        self.rng = ShardRNG(dropout_seed(ctx.seed, ctx.replica, ctx.shard), ctx.device)
+        fork_around(module, [*lmap.heads, *lmap.attention], self.rng)
+        fork_between(module, lmap.feature_split, self.rng)
+        if self.lora is not None and self.lora.dropout > 0:
+            # apart from the default stream; checkpointed with the rank's others (the kit's rng_state)
+            self.rng_streams["lora_dropout"] = ShardRNG(
+                dropout_seed(ctx.seed, ctx.replica, ctx.degree), ctx.device
+            )
+
+    def apply_lora(self, module: nn.Module, lmap: LayerMap) -> None:
+        """``train.modules.<m>.lora`` on the parallel linears (``lora.py``): PEFT's draws at
+        the full shapes, cut for this rank around each column / row base."""
+        if self.lora is None:
+            return
+        sites = lora.draw_sites(module, self.lora, self.ctx.module, self.plan, lmap)
+        lora.wrap(
             module,
             sites,
             self.ctx.shard,
             self.ctx.degree,
-            config,
+            self.mp_config,
             self.ctx.comm,
-            sp,
-            sp_rows,
-            replica_rng,
+            self.sp,
+            self.plan.sp_rows if self.sp is not None else set(),
+            self.rng_streams.get("lora_dropout"),
             self.rng,
         )
 
-    def apply_recompute(self, module: nn.Module, sp: Any, replica_rng: ShardRNG | None) -> None:
-        """A replayed block draws its attention masks from the TP stream again and gathers
+    def apply_recompute(self, module: nn.Module) -> None:
+        """A replayed block draws its attention masks from the TP streams again and gathers
         into the shape its forward saw (another microbatch's split may have changed the
         region's since: encoders run ahead)."""
+        rngs = [self.rng] if self.rng is not None else []
         self.recompute = Recompute(
             self.options.recompute,
-            rngs=[r for r in (self.rng, replica_rng) if r is not None],
-            captures=[sp.capture_shape] if sp is not None else [],
+            rngs=rngs + list(self.rng_streams.values()),
+            captures=[self.sp.capture_shape] if self.sp is not None else [],
             offload=offloads_activations(self.options),
         )
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
@@ -307,7 +329,7 @@ class MegatronTPStrategy(TPFullState, Strategy):
         best, idx = local.max(-1)
         if self.ctx.degree > 1:
             pair = torch.stack([best.double(), (idx + start).double()])
-            stacked = torch.stack(self._tp_all_gather(pair))  # [degree, 2, tokens]
+            stacked = torch.stack(self.form.all_gather(pair))  # [degree, 2, tokens]
             winner = stacked[:, 0].argmax(0)
             idx = stacked[:, 1].gather(0, winner[None])[0].long()
         else:
@@ -410,8 +432,9 @@ class MegatronTPStrategy(TPFullState, Strategy):
             return self.ctx.shard % spec.kv_share == 0
         return True
 
+    # -- class level -----------------------------------------------------------------------------------
     @classmethod
-    def estimate(cls, query, options):  # type: ignore[no-untyped-def]
+    def estimate(cls, query: CostQuery, options: StrategyOptions) -> Cost | None:
         """With or without sequence parallelism (:mod:`disagg_llm_tp.cost`)."""
         from disagg_llm_tp import cost
 

@@ -133,6 +133,10 @@ class StrategySpec:
     #: linears its adapters may wrap (a strategy that rewrites linears builds its own
     #: adapters for those); False: refused at validation
     lora_support: ClassVar[bool | tuple[str, ...]] = True
+    #: its ``parallelize`` applies ``train.modules.<m>.lora`` itself (``self.lora``, after
+    #: rewriting the linears it wraps, from :func:`disagg.kit.lora.draw_adapters`'s draws):
+    #: core then injects no PEFT layers into the module it builds
+    lora_step: ClassVar[bool] = False
     #: values of ``train.precision`` (:data:`disagg.interfaces.precision.RECIPES`) this strategy
     #: honours; a run whose recipe a module's strategy does not list is refused at validation,
     #: naming the module, the strategy and these

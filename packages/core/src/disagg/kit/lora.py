@@ -6,9 +6,10 @@ drawn on the CPU all the same and no base weight is allocated for them), in
 the actor, before the strategy parallelizes it: the base weights get
 ``requires_grad = False`` (no gradient, no optimizer state, no gradient
 all-reduce), the adapters and the ``modules_to_save`` parts train. Strategies
-see an ordinary module with fewer trainable parameters; one that rewrites the
-linears LoRA wraps (``megatron_tp``) builds its own parallel adapters from the
-PEFT layers it finds (``Strategy.lora_support``).
+see an ordinary module with fewer trainable parameters. A strategy that rewrites the
+linears LoRA wraps (``megatron_tp``) sets ``StrategySpec.lora_step``: core then injects
+nothing, and the strategy's ``parallelize`` applies ``self.lora`` to its own layers, from
+the same draws (:func:`draw_adapters`).
 
 Targets follow PEFT's ``target_modules`` list semantics: a target names a
 module by its full dotted name or by a suffix of whole components (``q_proj``,
@@ -119,26 +120,60 @@ def apply_lora(module: nn.Module, spec: LoraSpec, module_name: str, where: str) 
     Every target must wrap at least one layer (an error naming ``where`` and the
     module's linears otherwise); after it only adapters and the parameters of
     ``spec.save_patterns`` require gradients."""
-    peft = require_peft()
     linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+    check_targets(spec, linears, where)
+    with _real_looking_bases(module):
+        module = _seeded_inject(module, spec, module_name)
+    freeze_base(module, spec)
+    return module
+
+
+def draw_adapters(
+    linears: dict[str, tuple[int, int]], spec: LoraSpec, module_name: str, where: str
+) -> nn.Module:
+    """The adapters :func:`apply_lora` would inject into a module whose linear layers are
+    ``linears`` (name -> full ``(in_features, out_features)``, in the module's order), drawn
+    the same way, on a stand-in: a tree of shape-only linears (no base storage) with PEFT's
+    layers injected. For a strategy that applies LoRA itself, to linears it rewrote
+    (``StrategySpec.lora_step``): it reads each PEFT layer's ``lora_A``/``lora_B``/``scaling``/
+    ``lora_dropout`` from the returned tree and cuts them for its own layers."""
+    check_targets(spec, list(linears), where)
+    root = nn.Module()
+    for name, (fan_in, fan_out) in linears.items():
+        parent = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        lin = nn.Linear(fan_in, fan_out, bias=False, device="meta")
+        # zero-storage stand-in: PEFT draws its adapters on the CPU in fp32, as on a loaded module
+        lin.weight = nn.Parameter(torch.zeros(()).expand(fan_out, fan_in), requires_grad=False)
+        parent.add_module(leaf, lin)
+    return _seeded_inject(root, spec, module_name)
+
+
+def check_targets(spec: LoraSpec, linears: list[str], where: str) -> None:
+    """Every target of ``spec`` names at least one of ``linears`` (an error naming ``where`` and
+    the linears' last components otherwise)."""
     missing = [t for t in spec.targets if not any(target_matches(n, t) for n in linears)]
     if missing:
         raise ValueError(
             f"{where}.targets: {', '.join(map(repr, missing))} match no linear layer of the module; "
             f"its linears end in: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in linears}))}"
         )
+
+
+def _seeded_inject(module: nn.Module, spec: LoraSpec, module_name: str) -> nn.Module:
+    """PEFT's injection under :func:`lora_seed`, leaving the default RNG stream where it was."""
+    peft = require_peft()
     state = torch.random.get_rng_state()
     torch.manual_seed(lora_seed(spec.seed, module_name))
     try:
-        with _real_looking_bases(module):
-            module = peft.inject_adapter_in_model(
-                peft_config(spec, with_saved=False), module, adapter_name=ADAPTER
-            )
+        return peft.inject_adapter_in_model(peft_config(spec, with_saved=False), module, adapter_name=ADAPTER)
     finally:
         # the adapters' draws must not move the RNG stream that dropout reads later
         torch.random.set_rng_state(state)
-    freeze_base(module, spec)
-    return module
 
 
 @contextmanager

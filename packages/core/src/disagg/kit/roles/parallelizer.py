@@ -32,6 +32,7 @@ from torch import nn
 
 from disagg.interfaces.context import GroupContext, OptimSpec
 from disagg.interfaces.family import Family
+from disagg.interfaces.lora import LoraSpec
 from disagg.kit.grads import agree_on_grads, all_reduce_bucketed, sum_of_squares
 from disagg.kit.grads.overlap import OverlappedReducer
 from disagg.kit.lora import freeze_base
@@ -67,6 +68,9 @@ class Parallelizer(ABC):
     offload_policy: bool | None = None
     #: the largest whole-parameter bytes a ``gradients`` forward left gathered (held until backward)
     whole_bytes: int = 0
+    #: the module's LoRA spec while :meth:`setup` runs (None: no adapters); a strategy with
+    #: ``lora_step`` applies it in its ``parallelize``
+    lora: LoraSpec | None = None
 
     @property
     def master_weights(self) -> MasterWeights | None:
@@ -94,6 +98,7 @@ class Parallelizer(ABC):
         if not any(p.is_meta for p in module.parameters()):
             module = module.to(self.ctx.device)
         # else built empty (build_module): its parallelize allocates and loads its own part
+        self.lora = optim.lora if optim is not None else None
         self.module = self.parallelize(module)
         if optim is None:
             self.module.requires_grad_(False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -31,10 +31,33 @@ Layout = tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[slice, ...]]]]
 Pieces = dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]]
 
 
+class FullForm(Protocol):
+    """A strategy's own full form, held as a component (:attr:`StateAdapter.form`) when its
+    tensors are partitioned its own way (``megatron_tp``: through each tensor's TP shard spec);
+    the state adapter's defaults then call it, in the master view, with the rank's module and
+    optimizer. Collective like those methods."""
+
+    def state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]: ...
+    def grads(self, module: nn.Module) -> dict[str, torch.Tensor]: ...
+    def optimizer_state(self, module: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]: ...
+    def load(
+        self,
+        module: nn.Module,
+        optimizer: Any,
+        params: dict[str, torch.Tensor],
+        optim_state: dict[str, dict[str, torch.Tensor]],
+    ) -> None: ...
+    def layout(self, param: torch.Tensor) -> Layout: ...
+
+
 class StateAdapter:
     """Defaults for a module whose parameters and AdamW state every rank holds whole, or
     sharded over the group by :meth:`~.parallelizer.Parallelizer.shard_state` (FSDP2 shards
-    are gathered, ZeRO-1's partitions consolidated: :mod:`disagg.kit.sharding`)."""
+    are gathered, ZeRO-1's partitions consolidated: :mod:`disagg.kit.sharding`), or whose
+    strategy holds its own :class:`FullForm` in :attr:`form`."""
+
+    #: the strategy's own full form (None: the defaults below)
+    form: FullForm | None = None
 
     def _zero1(self) -> bool:
         """``shard: optimizer`` over more than one rank: the AdamW state is partitioned."""
@@ -55,6 +78,8 @@ class StateAdapter:
         """Merged, unpartitioned parameters named as in ``family.build()``'s
         module. Collective: call on every rank; rank 0's result is complete."""
         assert self.module is not None
+        if self.form is not None:
+            return self.form.state_dict(self.module)
         with self.module_call():
             return {k: fsdp.full(v) for k, v in self.module.state_dict().items()}
 
@@ -64,6 +89,8 @@ class StateAdapter:
         :meth:`full_state_dict`; collective like it. A parameter that got no
         gradient anywhere is left out."""
         assert self.module is not None
+        if self.form is not None:
+            return self.form.grads(self.module)
         return {n: fsdp.full(p.grad) for n, p in self.module.named_parameters() if p.grad is not None}
 
     @in_master_view()
@@ -76,6 +103,8 @@ class StateAdapter:
         if self.optimizer is None:
             return {}
         assert self.module is not None
+        if self.form is not None:
+            return self.form.optimizer_state(self.module, self.optimizer)
         if self._zero1():
             return zero1.full_state(self.optimizer, self.module, self.ctx.rank)
         out = {}
@@ -94,6 +123,9 @@ class StateAdapter:
         possibly saved under another layout). Collective; every rank gets the
         full tensors."""
         assert self.module is not None
+        if self.form is not None:
+            self.form.load(self.module, self.optimizer, params, optim_state)
+            return
         with torch.no_grad():
             for name, t in self.module.state_dict(keep_vars=True).items():
                 if name not in params:
@@ -115,21 +147,28 @@ class StateAdapter:
     def rng_state(self) -> dict[str, torch.Tensor]:
         """Random streams of this rank's own beyond torch's default generators
         (core saves those): by default the per-shard dropout stream ``self.rng``
-        when the strategy made one (:class:`~disagg.kit.recompute.rng.ShardRNG`)."""
-        rng = getattr(self, "rng", None)
-        return {"shard_dropout": rng.state.cpu()} if isinstance(rng, ShardRNG) else {}
+        when the strategy made one (:class:`~disagg.kit.recompute.rng.ShardRNG`), and
+        the further ones it named in ``self.rng_streams``."""
+        return {name: rng.state.cpu() for name, rng in self._streams().items()}
 
     def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`rng_state` returned (same layout only)."""
+        for name, rng in self._streams().items():
+            if name in state:
+                rng.state = state[name].clone()
+
+    def _streams(self) -> dict[str, ShardRNG]:
         rng = getattr(self, "rng", None)
-        if isinstance(rng, ShardRNG) and "shard_dropout" in state:
-            rng.state = state["shard_dropout"].clone()
+        own = {"shard_dropout": rng} if isinstance(rng, ShardRNG) else {}
+        return {**own, **getattr(self, "rng_streams", {})}
 
     # -- sharded checkpoints ----------------------------------------------------------------------
     def tensor_layout(self, param: torch.Tensor) -> Layout:
         """Where this rank's ``param`` (and each optimizer state of its shape) lies in the
         full form. Default: every rank holds it whole, or its FSDP2 rows
-        (:func:`disagg.kit.sharding.fsdp.rows`)."""
+        (:func:`disagg.kit.sharding.fsdp.rows`); the strategy's :attr:`form`'s when it has one."""
+        if self.form is not None:
+            return self.form.layout(param)
         if fsdp.is_sharded(param):
             return fsdp.rows(param)
         return tuple(param.shape), [((0,) * param.dim(), ())]

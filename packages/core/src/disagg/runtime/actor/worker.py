@@ -146,9 +146,14 @@ class ModuleWorker:
         # masters under bf16): no autocast anywhere.
         # the strategy builds: the whole module, or a partitioned or empty one
         module = self.strategy.build_module()
-        if self.optim is not None and self.optim.lora is not None:
+        if (
+            self.optim is not None
+            and self.optim.lora is not None
+            and not getattr(self.strategy_cls, "lora_step", False)
+        ):
             # adapters before parallelization: the strategy sees which weights train; on a
-            # module built empty they are drawn on the CPU and its base stays empty (lora.py)
+            # module built empty they are drawn on the CPU and its base stays empty (lora.py);
+            # a strategy with lora_step applies them to its own layers in parallelize
             module = apply_lora(module, self.optim.lora, self.module, f"train.modules.{self.module}.lora")
         self.strategy.setup(module, self.optim)
         #: this rank's host memory over the set-up (``host_memory.finish``)
