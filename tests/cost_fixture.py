@@ -34,6 +34,11 @@ DeepSpeed's default in fp32/bf16): the 432 stage-3 estimates gained ``buffer_byt
 ``memory_bytes`` moved, and with them the memory of every layout with a ``zero`` stage-3 group
 (and so the order of the ranked rows); no other estimate or layout moved, no layout's fit flipped
 and every plan's best layout is the same (checked by diffing the old and new file).
+
+Re-recorded when ``ddp`` began estimating ``shard: gradients|parameters`` on the LLM (FSDP2 with
+the lockstep placeholder, issue 37; ``None`` before): those LLM estimates were added (with the
+whole units FSDP2 holds gathered beside its shards), and the published plans rank layouts with
+the LLM under ``ddp`` + FSDP2 (at 16k one leads: ``test_plan_published.py``).
 """
 
 from __future__ import annotations

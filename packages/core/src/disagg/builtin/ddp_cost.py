@@ -7,6 +7,8 @@ Exact (equal to what :class:`disagg.interfaces.CommCounter` and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from disagg.interfaces.compute import Split
 from disagg.interfaces.cost import Cost, CostQuery
 from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
@@ -24,7 +26,7 @@ from disagg.kit.cost.rules import (
     transfer_bytes,
 )
 from disagg.kit.cost.training import query_trained
-from disagg.kit.sharding.cost import with_offload
+from disagg.kit.sharding.cost import decoder_gathered_elements, with_offload
 
 
 def estimate(
@@ -36,11 +38,6 @@ def estimate(
     collective counter sees FSDP2's (``fsdp.counted_comms``), not ZeRO-1's, and with ``shard``
     only the state term is marked exact. ``offload``: ``offload: optimizer``
     (:func:`disagg.kit.sharding.cost.with_offload`: device and host state)."""
-    if shard in sharded.FSDP_MODES and not query.encoder:
-        # trainable (the LLM's lockstep placeholder), but not offered to the planner yet: with its
-        # 16 B/param FSDP2 state it outranks megatron_tp 8 at 16k in test_plan_published (branch
-        # llmfsdp-cost holds the estimate; the published model counts FSDP + CP itself)
-        return None
     if query.context_parallel > 1:
         from disagg.kit.context_parallel.cost import with_context_parallel
 
@@ -83,6 +80,10 @@ def estimate(
         compute=compute,
         exact=("state_bytes", "comm_bytes") if query.encoder and shard == "none" else ("state_bytes",),
     )
+    if shard == "parameters" and not query.encoder and w.world > 1:
+        # the LLM's whole units beside its shards (its root, the head, is no small unit)
+        gathered = w.weight_bytes * decoder_gathered_elements(shape)
+        cost = replace(cost, gathered_bytes=gathered)
     if not offload:
         return cost
     mode = shard if w.world > 1 else "none"

@@ -69,6 +69,17 @@ def state_bytes(shapes: list[tuple[int, ...]], mode: str, world: int, recipe: Re
     return held + weight * whole if mode == "gradients" else held
 
 
+def decoder_gathered_elements(shape: Any) -> int:
+    """Elements a decoder's FSDP2 ``parameters`` rank holds whole at once beside its shards (the
+    unit computing and the one prefetched, FSDP2's default of one: the largest of a layer and the
+    head, plus a layer); the count :mod:`disagg.plan.extended` models FSDP + CP with."""
+    from disagg.kit.cost.rules import one_block
+
+    layer = sum(t.numel for t in one_block(shape).tensors() if ".layers." in f".{t.name}")
+    head = max(t.numel for t in shape.tensors())
+    return max(layer, head) + layer
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
