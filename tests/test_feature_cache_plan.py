@@ -114,3 +114,22 @@ def test_parallel_auto_keeps_the_feature_cache_keys(tiny: Path):
     assert vision.strategy == record["chosen"]["parallel"]["vision"]["strategy"]
     assert resolved.parallel.llm.feature_cache == "none"
     validate(resolved, get_registry())
+
+
+def test_bench_predicts_the_epoch_2_ratio_of_the_configs_own_layout(tiny: Path, tmp_path: Path):
+    """``disagg bench --feature-cache``'s prediction: the config's own layout, the data's mean
+    sample, every tower output cached ÷ none cached; the tower's work is all that goes."""
+    from disagg.bench.feature_cache import cache_config, data_tokens, predicted
+    from disagg.config.schema import Config
+    from disagg.plugins import get_registry
+
+    reg = get_registry()
+    base = Config.model_validate(_config(tiny, 1, {"strategy": "ddp"}, llm={"strategy": "ddp"}))
+    cfg = cache_config(base, "host", tmp_path, 6)
+    assert cfg.parallel.vision.feature_cache == "host" and cfg.train.modules["vision"].freeze is True
+    rows, text = data_tokens(cfg, reg)
+    assert rows > 0 and text > 0
+    got = predicted(cfg, reg)
+    assert (got["vision_tokens"], got["text_tokens"]) == (rows, text)
+    assert 0 < got["ratio"] < 1
+    assert got["step_time_s"]["cached"] == pytest.approx(got["ratio"] * got["step_time_s"]["uncached"])
