@@ -3,7 +3,8 @@ same layout without, measured and predicted.
 
 Two runs of the config's own layout (``train.modules.vision.freeze: true`` set), two epochs each
 over its ``data.train``: one with ``parallel.vision.feature_cache`` and one without. The figure
-is epoch 2's mean step time (every tower output cached) with the cache ÷ without, beside the
+is epoch 2's median step time (the median: one slow step on a shared machine moves a mean of a
+few steps a lot) (every tower output cached) with the cache ÷ without, beside the
 planner's ratio for the same layout in the same steady state (:mod:`disagg.plan.feature_cache`
 with the share encoded 0, on the ``cpu`` preset or ``--calibrate``'s cluster); and what a cached
 sample costs: host bytes (``cache_bytes`` ÷ entries) and disk bytes (the files ÷ entries).
@@ -54,6 +55,7 @@ def run_cache_bench(
 ) -> dict[str, Any]:
     """The uncached run and one per cache kind, measured and predicted; written to
     ``out_dir/feature_cache.{json,md}``."""
+    from disagg.bench.versus import machine_load
     from disagg.config.validate import validate
     from disagg.runtime.run import run_training
 
@@ -62,18 +64,21 @@ def run_cache_bench(
     per_epoch = epoch_steps(base)
     epoch2 = slice(per_epoch, 2 * per_epoch)
     runs: dict[str, list[dict[str, Any]]] = {}
+    load = [machine_load()]
     for kind in ("none", *caches):
         run_dir = out_dir / f"cache-{kind}"
         cfg = cache_config(base, kind, run_dir, EPOCHS * per_epoch)
         run_training(validate(cfg, registry), progress=False)
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         runs[kind] = [r for r in map(json.loads, lines) if "loss" in r]
-    step = {k: statistics.mean(r["step_time_s"] for r in v[epoch2]) for k, v in runs.items()}
+    step = {k: statistics.median(r["step_time_s"] for r in v[epoch2]) for k, v in runs.items()}
     calls = {k: sum(r["encode_calls_per_rank"]["vision"] for r in v[epoch2]) for k, v in runs.items()}
     ref = cache_config(base, caches[0], out_dir / "predict", per_epoch)
     result: dict[str, Any] = {
         "steps_per_epoch": per_epoch,
+        "machine_load": {"start": load[0], "end": machine_load()},
         "epoch2_step_time_s": step,
+        "epoch2_step_times_s": {k: [r["step_time_s"] for r in v[epoch2]] for k, v in runs.items()},
         "epoch2_encode_calls_per_rank": calls,
         "predicted": predicted(ref, registry, cluster),
         "caches": {},
@@ -143,7 +148,7 @@ def predicted(cfg: Config, registry: Registry, cluster: Any = None) -> dict[str,
 def markdown(r: dict[str, Any]) -> str:
     p, step, calls = r["predicted"], r["epoch2_step_time_s"], r["epoch2_encode_calls_per_rank"]
     rows = [
-        "| run | epoch-2 step time (s) | ÷ uncached, measured | ÷ uncached, predicted | "
+        "| run | epoch-2 step time, median (s) | ÷ uncached, measured | ÷ uncached, predicted | "
         "tower calls/rank, epoch 2 | per cached sample |",
         "|---|---|---|---|---|---|",
         f"| uncached | {step['none']:.4f} | 1 | 1 | {calls['none']} | |",
@@ -161,6 +166,11 @@ def markdown(r: dict[str, Any]) -> str:
         f"{p['text_tokens']} text tokens per sample (the data's means); every tower output cached"
         if p["ratio"] is not None
         else f"no prediction: {p['why']}"
+    )
+    load = r["machine_load"]
+    why += (
+        f"; load average {load['start']['loadavg_1_5_15'][0]} → {load['end']['loadavg_1_5_15'][0]} "
+        f"on {load['start']['cores']} cores"
     )
     return (
         f"# Frozen tower with a feature cache ÷ without, epoch 2 ({r['steps_per_epoch']} steps per epoch)\n\n"
