@@ -7,9 +7,15 @@ two-image sample, text-only samples and a text-only step; 2 microbatches, weight
 - after epoch 1 the tower runs no forward (counted on its ranks) and its busy time per step
   falls under 5% of epoch 1's;
 - a resume from a checkpoint with the disk cache runs the tower on no cached sample;
-- another ``data.max_pixels`` or other tower weights miss every entry (counted).
+- another ``data.max_pixels`` or other tower weights miss every entry (counted);
+- the LLM under LoRA (``train.modules.llm.lora``) with a ``disk`` cache over 3 epochs equals
+  its uncached run at every step; its cache dir is the one the full-LLM runs left, under
+  another ``data.max_pixels``: step 1 misses every entry (the pixel-limit check), then the
+  tower runs in epoch 1 only.
 
-One uncached run is the reference; the cases share the module's Ray session.
+Seven ``run_training`` start-ups share the module's Ray session: the uncached full-LLM
+reference (every full-LLM case compares with it), host, disk epoch 1 and its resume, other
+tower weights, and the LoRA pair.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ STEPS = 3 * EPOCH
 #: samples with images per epoch, and how many distinct (the set repeats three of them)
 IMAGE_SAMPLES, DISTINCT = 5, 4
 TP2 = {"strategy": "megatron_tp", "degree": 2}
+LLM_LORA = {"r": 4, "alpha": 16, "targets": ["q_proj", "v_proj"]}
+#: resizes none of the images (the processor's own limits are 3136..12544 and every image
+#: lands at or under 4704), so only the settings in the key tell its entries apart
+OTHER_MAX_PIXELS = 6272
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +49,13 @@ def tiny(tmp_path_factory):
     return make_mixed_tiny(tmp_path_factory.mktemp("tiny"), "qwen2_5_vl")
 
 
-def _config(tiny: dict, out: Path, cache: dict | None, steps: int = STEPS, **extra):
+def _config(tiny: dict, out: Path, cache: dict | None, steps: int = STEPS, lora: bool = False, **extra):
     model = {m: {"family": "qwen2_5_vl", "path": tiny["models"]["qwen2_5_vl"]} for m in ("vision", "llm")}
     vision = {"strategy": "ddp", **(cache or {})}
     data = {**tiny, **extra.pop("data", {})}
+    modules = {"vision": {"freeze": True}, **({"llm": {"lora": LLM_LORA}} if lora else {})}
     cfg = mixed_config(
-        model,
-        {"vision": vision, "llm": TP2},
-        data,
-        out,
-        steps,
-        checkpoint_every=1,
-        modules={"vision": {"freeze": True}},
-        **extra,
+        model, {"vision": vision, "llm": TP2}, data, out, steps, checkpoint_every=1, modules=modules, **extra
     )
     if "max_pixels" in data:
         cfg.data.max_pixels = data["max_pixels"]
@@ -115,9 +119,15 @@ def test_host_cache_equals_uncached_and_skips_the_tower_after_epoch_1(tiny, unca
     assert _busy(records[EPOCH : 2 * EPOCH]) < 0.05 * _busy(records[:EPOCH])
 
 
-def test_disk_cache_equals_uncached_and_a_resume_reuses_it(tiny, uncached, tmp_path):
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory) -> Path:
+    """The full-LLM disk runs' cache dir, which the LoRA case then reads under other settings."""
+    return tmp_path_factory.mktemp("features")
+
+
+def test_disk_cache_equals_uncached_and_a_resume_reuses_it(tiny, uncached, disk_dir, tmp_path):
     ref, ref_records = uncached
-    cache = {"feature_cache": "disk", "feature_cache_dir": str(tmp_path / "features")}
+    cache = {"feature_cache": "disk", "feature_cache_dir": str(disk_dir)}
     # epoch 1 one batch ahead: its checkpoints must still name the trained batches' end
     first = _run(_config(tiny, tmp_path / "disk", {**cache, "feature_cache_ahead": 1}, steps=EPOCH))
     assert [r["cache_misses"]["vision"] for r in first] == [2, 0, 0]
@@ -132,16 +142,32 @@ def test_disk_cache_equals_uncached_and_a_resume_reuses_it(tiny, uncached, tmp_p
     assert sum(r["cache_misses"]["vision"] for r in resumed) == 0
     assert sum(r["cache_hits"]["vision"] for r in resumed) == IMAGE_SAMPLES
 
-    # another pixel limit, or other tower weights: every entry misses (step 1: two image samples).
-    # 6272 resizes none of the images (the processor's own limits are 3136..12544 and every
-    # image lands at or under 4704), so only the settings in the key tell the entries apart
-    resized = _run(_config(tiny, tmp_path / "resized", cache, steps=1, data={"max_pixels": 6272}))
-    assert (resized[0]["cache_misses"]["vision"], resized[0]["cache_hits"]["vision"]) == (2, 0)
+    # other tower weights: every entry misses (step 1: two image samples); another pixel
+    # limit: the LoRA case (test_lora_llm_with_a_disk_cache_equals_its_uncached_run)
     other = _other_tower(Path(tiny["models"]["qwen2_5_vl"]), tmp_path / "other")
     cfg = _config(tiny, tmp_path / "reweighted", cache, steps=1)
     cfg.model.vision.path = str(other)
     reweighted = _run(cfg)
     assert (reweighted[0]["cache_misses"]["vision"], reweighted[0]["cache_hits"]["vision"]) == (2, 0)
+
+
+def test_lora_llm_with_a_disk_cache_equals_its_uncached_run(tiny, disk_dir, tmp_path):
+    """The LLM under LoRA, 3 epochs: the same tensors reach it with the cache as without."""
+    cache = {"feature_cache": "disk", "feature_cache_dir": str(disk_dir)}
+    if not any(disk_dir.iterdir()):  # run alone: fill the dir as the full-LLM disk case does
+        _run(_config(tiny, tmp_path / "fill", cache, steps=1))
+    pixels = {"max_pixels": OTHER_MAX_PIXELS}
+    ref_records = _run(_config(tiny, tmp_path / "ref", None, lora=True, data=pixels))
+    records = _run(_config(tiny, tmp_path / "lora", cache, lora=True, data=pixels))
+    _assert_equal_runs(tmp_path / "lora", records, tmp_path / "ref", ref_records, range(1, STEPS + 1))
+    assert "lora" in " ".join(_params(tmp_path / "lora", 1)["llm"]), "the LLM trains adapters"
+    # the dir holds the full-LLM runs' entries, made under the processor's own pixel limit:
+    # every one misses (step 1: two image samples), and the run adds its own
+    assert (records[0]["cache_misses"]["vision"], records[0]["cache_hits"]["vision"]) == (2, 0)
+    assert _calls(records)[EPOCH:] == [0] * (2 * EPOCH)
+    assert all(_calls(ref_records)[s] > 0 for s in (0, 2, 3, 5, 6, 8)), "the uncached tower runs every epoch"
+    assert sum(r["cache_hits"]["vision"] for r in records[EPOCH:]) == 2 * IMAGE_SAMPLES
+    assert _busy(records[EPOCH : 2 * EPOCH]) < 0.05 * _busy(records[:EPOCH])
 
 
 def _other_tower(src: Path, out: Path) -> Path:

@@ -111,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="predict the published setting with this calibration file (python -m disagg.gpucheck) "
         "in place of the h100x8 preset, and the runs' step times with it unless --calibrate",
     )
+    parser.add_argument(
+        "--feature-cache",
+        default=None,
+        metavar="KINDS",
+        help="instead of the sweep: the config's own layout with a frozen tower, 2 epochs with "
+        "parallel.vision.feature_cache (host, disk or host,disk) and without; epoch 2's step time "
+        "ratio beside the planner's, bytes per cached sample (disagg.bench.feature_cache)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=None, help="output dir (default: OUTPUT_DIR/bench)")
 
@@ -163,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         return predict_json(args)
     if args.config is None:
         raise _problem("config", "a train config is needed to run layouts (only --predict --json runs none)")
+    if args.feature_cache:
+        return feature_cache(args)
 
     from disagg.bench.plots import require_matplotlib
 
@@ -236,6 +246,25 @@ def run(args: argparse.Namespace) -> int:
     print(files["table_text"])
     for key in ("json", "markdown", "versus_json", "versus_markdown", "throughput_png", "memory_png"):
         print(f"{key}: {files[key]}")
+    return 0
+
+
+def feature_cache(args: argparse.Namespace) -> int:
+    """``--feature-cache KINDS``: :func:`disagg.bench.feature_cache.run_cache_bench`."""
+    from pathlib import Path
+
+    from disagg.bench.feature_cache import run_cache_bench
+    from disagg.config.load import load_config
+    from disagg.config.model_path import with_local_model_paths
+    from disagg.plugins import get_registry
+
+    kinds = [k.strip() for k in args.feature_cache.split(",") if k.strip()]
+    if not kinds or any(k not in ("host", "disk") for k in kinds):
+        raise _problem("--feature-cache", f"{args.feature_cache!r}; allowed: host, disk, host,disk")
+    cfg = with_local_model_paths(load_config(args.config, args.overrides))
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / "bench"
+    run_cache_bench(cfg, kinds, out, get_registry(), _time_model(args, _calibration(args)))
+    print((out / "feature_cache.md").read_text())
     return 0
 
 

@@ -28,6 +28,7 @@ def resolve_auto(cfg: Config, registry: Registry) -> tuple[Config, dict[str, Any
 def _resolve(cfg: Config, registry: Registry) -> tuple[Config, dict[str, Any]]:
     from disagg.plan.cluster import cluster_from
     from disagg.plan.explain import plan_yaml, why
+    from disagg.plan.feature_cache import user_cache_keys
     from disagg.plan.search import PLACEMENTS, plan
     from disagg.plan.workload import config_families, config_workload
 
@@ -61,6 +62,8 @@ def _resolve(cfg: Config, registry: Registry) -> tuple[Config, dict[str, Any]]:
     raw = cfg.model_dump(mode="json")
     settings = {k: v for k, v in raw["parallel"].items() if k not in ("vision", "audio", "llm", "auto")}
     raw["parallel"] = {**settings, **chosen["parallel"]}
+    for m, keys in user_cache_keys(cfg).items():  # the user's, not the planner's to choose
+        raw["parallel"][m] = {**raw["parallel"][m], **keys}
     raw["train"] = {**raw["train"], **chosen["train"]}
     record = {
         "cluster": cluster.to_dict(),

@@ -59,6 +59,7 @@ from disagg.kit.cost.offload import offload_seconds
 from disagg.plan.cluster import Cluster
 from disagg.plan.efficiency import compute_seconds
 from disagg.plan.extended import KEYS, GroupCost, extended_cost
+from disagg.plan.feature_cache import cached_times
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ class Workload:
     #: ``offload`` option variants on GPU clusters (``disagg plan`` and ``parallel: auto`` on a
     #: config; off where recorded plans are computed from a bare workload, which predate them)
     strategy_keys: bool = False
+    #: module -> share of a step's samples a frozen, cached encoder still encodes
+    #: (``parallel.<m>.feature_cache``: :mod:`disagg.plan.feature_cache`); absent: every one
+    encoded: dict[str, float] = field(default_factory=dict)
 
     def seq_len(self, module: str) -> int:
         if module == "llm":
@@ -365,6 +369,8 @@ def evaluate(
             "overhead_s": overhead_seconds(work.shapes[name], m, cluster, compute) if work else 0.0,
             "transfer_s": c.sent_bytes / across + m * hop,
         }
+        if work and name in work.encoded:
+            layout.times[name] = cached_times(layout.times[name], work.encoded[name], hop)
         got = (groups or {}).get(name)
         if got is not None and got.offload is not None:
             ranks_per_node = min(cluster.devices_per_node, g.ranks)

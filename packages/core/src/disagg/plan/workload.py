@@ -18,6 +18,7 @@ from disagg.interfaces import EncoderShape, Family
 from disagg.interfaces.cost import Shape
 from disagg.interfaces.family import link_to_llm
 from disagg.interfaces.lora import LoraSpec
+from disagg.plan.feature_cache import encoded_shares
 from disagg.plan.model import Workload
 from disagg.plugins import Registry
 
@@ -150,5 +151,6 @@ def config_workload(
         recompute=recompute,
         max_inflight=cfg.train.max_inflight,
         strategy_keys=True,
+        encoded=encoded_shares(cfg),
         **extra,
     )
