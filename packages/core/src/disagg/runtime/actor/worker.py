@@ -371,7 +371,7 @@ class ModuleWorker:
         token ids before any row is sent."""
         inputs = ray.get(input_refs)
         n = self.spec.context_parallel
-        return cp_routing.rows_per_rank(self.strategy.family, sample_ids, inputs, totals, n)  # type: ignore[union-attr]
+        return cp_routing.rows_per_rank(self.family, sample_ids, inputs, totals, n)
 
     def release(self, mb: int) -> None:
         self.llm_leaves.pop(mb, None)
