@@ -164,3 +164,38 @@ def test_block_spec_slices_merges_and_reads_alike():
     two = [local_slice(full, spec, r, 2) for r in range(2)]
     four = [local_slice(merge(two, spec), spec, r, 4) for r in range(4)]
     assert_exact(merge([local_slice(merge(four, spec), spec, r, 2) for r in range(2)], spec), full)
+
+
+@pytest.mark.parametrize("target", ["in_proj_qkv", "out_proj"])
+def test_lora_on_a_family_split_linear_is_refused(target):
+    """LoRA on a linear a family splits by its own rule (``in_proj_qkv``'s q, k and v blocks cut
+    by heads separately) would be cut as a plain column / row linear, which it is not: the
+    strategy refuses it by name at set-up instead of training wrong adapters."""
+    from torch import nn
+
+    from disagg.interfaces import LayerMap
+    from disagg.interfaces.lora import LoraSpec
+    from disagg_llm_tp.gdn import GatedDeltaNetSplit
+    from disagg_llm_tp.lora import draw_sites
+    from disagg_llm_tp.module_split import SPLITS
+    from disagg_llm_tp.parallelize import TPPlan
+
+    lin = "layers.*.linear_attn"
+    block = nn.Module()
+    block.linear_attn = _layer()
+    root = nn.Module()
+    root.layers = nn.ModuleList([block])
+    gdn = GatedDeltaNetSplit(
+        key_heads=CONFIG["linear_num_key_heads"],
+        value_heads=CONFIG["linear_num_value_heads"],
+        key_head_dim=CONFIG["linear_key_head_dim"],
+        value_head_dim=CONFIG["linear_value_head_dim"],
+    )
+    lmap = LayerMap(
+        column=tuple(f"{lin}.in_proj_{x}" for x in ("qkv", "z", "b", "a")),
+        row=(f"{lin}.out_proj",),
+        extra={SPLITS: {lin: gdn}},
+    )
+    spec = LoraSpec(r=2, alpha=4.0, dropout=0.0, targets=(target,))
+    with pytest.raises(ValueError, match=rf"LoRA on 'layers\.0\.linear_attn\.{target}' is not supported"):
+        draw_sites(root, spec, "llm", TPPlan(), lmap)

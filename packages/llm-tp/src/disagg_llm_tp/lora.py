@@ -55,6 +55,7 @@ from disagg.interfaces.lora import ADAPTER, LoraSpec
 from disagg.kit.lora import draw_adapters
 from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp.layers import ShardSpec, TPColumnLinear, TPRowLinear, copy_into, mark
+from disagg_llm_tp.module_split import module_splits, under
 from disagg_llm_tp.parallelize import TPPlan
 
 
@@ -90,6 +91,7 @@ def draw_sites(
         if n in plan.linears or isinstance(m, nn.Linear)
     }
     drawn = draw_adapters(linears, spec, module_name, f"train.modules.{module_name}.lora")
+    owned = under(module_splits(lmap))
     sites = []
     for name, mod in drawn.named_modules():
         if not isinstance(mod, LoraLinear):
@@ -102,6 +104,15 @@ def draw_sites(
             raise ValueError(
                 f"megatron_tp: LoRA wraps {name!r}, which the layer map does not split as a column or "
                 "row linear; target only column/row linears under megatron_tp"
+            )
+        if any(fnmatchcase(name, p) for p in owned):
+            # a family-supplied split (e.g. qwen3_5's gated delta net: in_proj_qkv's q, k and v
+            # blocks cut by heads separately) does not cut like a plain column / row linear, and
+            # adapters on it were never compared with PEFT: refused rather than cut wrongly
+            raise ValueError(
+                f"megatron_tp: LoRA on {name!r} is not supported: family {module_name!r} splits it "
+                "by its own rule (LayerMap.extra); leave it out of train.modules.<m>.lora.targets "
+                "or use strategy ddp/zero for this module"
             )
         drop = mod.lora_dropout[ADAPTER]
         sites.append(
