@@ -78,7 +78,13 @@ def _load(kind: str, path: str | bytes, family: Any, video: dict[str, Any] | Non
         from disagg.data.video import load_video
 
         v = video or {"fps": 2.0, "max_frames": 768}
-        return load_video(path, fps=v["fps"], max_frames=v["max_frames"], factor=family.video_frame_factor())
+        return load_video(
+            path,
+            fps=v["fps"],
+            max_frames=v["max_frames"],
+            factor=family.video_frame_factor(),
+            sampling=family.video_sampling,
+        )
     return load_media(kind, path)
 
 
@@ -108,6 +114,8 @@ def preprocess_record(
     #: per media kind (not module: a vision module reads images and videos), tokens per item
     counts: dict[str, list[int]] = {}
     frames: list[int] = []
+    #: per video, the seconds of each sampled frame (transformers' ``VideoMetadata.timestamps``)
+    times: list[list[float]] = []
     # images before videos: the encoder's rows of a sample come in this order
     for kind in sorted(rec.media, key=lambda k: k == "video"):
         paths = rec.media[kind]
@@ -144,9 +152,10 @@ def preprocess_record(
             )
         if kind == "video":
             frames = [len(v.indices) for v in items]
+            times = [[i / v.fps for i in v.indices] for v in items]
         enc_inputs[module] = {**enc_inputs.get(module, {}), **got}
 
-    messages = _expand(rec.messages, counts, llm, kind_module)
+    messages = _expand(rec.messages, counts, llm, kind_module, times)
     ids, labels = tokenize_conversation(messages, tokenizer, rec.source)
 
     num_media: dict[str, int] = {}
@@ -226,9 +235,10 @@ def _expand(
     counts: dict[str, list[int]],
     llm: LanguageFamily,
     kind_module: dict[str, str],
+    times: list[list[float]] | None = None,
 ) -> list[dict[str, str]]:
     """Replace each ``<image>``/``<audio>``/``<video>`` marker, in order, by the family's
-    placeholder text."""
+    placeholder text (a video's also gets its frames' seconds: Qwen3-VL writes them)."""
     next_item = {k: 0 for k in counts}
 
     def repl(match: re.Match[str]) -> str:
@@ -236,7 +246,8 @@ def _expand(
         n = counts[kind][next_item[kind]]
         next_item[kind] += 1
         if kind == "video":
-            return llm.video_placeholder_text(n)
+            i = next_item[kind] - 1
+            return llm.video_placeholder_text(n, times[i] if times and i < len(times) else None)
         return llm.placeholder_text(kind_module[kind], n)
 
     return [{"role": role, "content": _MARKER.sub(repl, text)} for role, text in messages]

@@ -10,6 +10,12 @@ The sampled rate (``n / total * source fps``) is what sets MRoPE's time axis
 (``second_per_grid_ts = frame_factor / sampled_fps``).
 A video shorter than one temporal patch keeps all its frames (the family repeats
 the last one, as the processor's patchify does); transformers refuses it.
+
+``sampling="qwen3_vl"`` follows ``Qwen3VLVideoProcessor.sample_frames`` instead
+(:func:`sample_indices_qwen3`): ``int(duration * data.video_fps)`` frames, at least
+``MIN_FRAMES``, at most ``data.video_max_frames`` and the frame count, no rounding to
+the temporal patch (its patchify repeats the last frame), taken at
+``round(linspace(0, total - 1, n))``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -69,7 +76,26 @@ def sample_indices(total: int, video_fps: float, *, fps: float, max_frames: int,
     return [int(i) for i in torch.arange(0, total, total / n).int().tolist()]
 
 
-def load_video(path: str | bytes, *, fps: float, max_frames: int, factor: int) -> Video:
+def sample_indices_qwen3(total: int, video_fps: float, *, fps: float, max_frames: int) -> list[int]:
+    """Source frame indices as transformers' ``Qwen3VLVideoProcessor.sample_frames`` picks them
+    (``fps`` given, ``min_frames`` = ``MIN_FRAMES``)."""
+    n = int(total / video_fps * fps)
+    n = min(max(n, MIN_FRAMES), max_frames, total)
+    return [int(i) for i in np.linspace(0, total - 1, n).round().astype(int)]
+
+
+#: ``sampling`` -> indices(total, video_fps, fps=, max_frames=, factor=)
+SAMPLERS = {
+    "qwen2_vl": sample_indices,
+    "qwen3_vl": lambda total, video_fps, *, fps, max_frames, factor: sample_indices_qwen3(
+        total, video_fps, fps=fps, max_frames=max_frames
+    ),
+}
+
+
+def load_video(
+    path: str | bytes, *, fps: float, max_frames: int, factor: int, sampling: str = "qwen2_vl"
+) -> Video:
     """Decode ``path`` (a file or its bytes) and keep the sampled frames; raises PyAV's own error
     on a file it cannot decode, ValueError on a file without a video stream or frames."""
     require_av()
@@ -93,7 +119,8 @@ def load_video(path: str | bytes, *, fps: float, max_frames: int, factor: int) -
     video_fps = float(rate)
     if total == 0:
         raise ValueError("the video has no frames")
-    wanted = sample_indices(total, video_fps, fps=fps, max_frames=max_frames, factor=factor)
+    sampler = SAMPLERS[sampling]
+    wanted = sampler(total, video_fps, fps=fps, max_frames=max_frames, factor=factor)
     keep = set(wanted)
     frames: dict[int, np.ndarray] = {}
     decoded = 0
@@ -105,16 +132,26 @@ def load_video(path: str | bytes, *, fps: float, max_frames: int, factor: int) -
     if decoded != total:  # the header's count was wrong: sample again over what decodes
         if decoded == 0:
             raise ValueError("no frame could be decoded")
-        return _resample(path, decoded, video_fps, fps=fps, max_frames=max_frames, factor=factor, name=name)
+        return _resample(
+            path, decoded, video_fps, sampler, fps=fps, max_frames=max_frames, factor=factor, name=name
+        )
     return Video(np.stack([frames[i] for i in wanted]), wanted, total, video_fps, name)
 
 
 def _resample(
-    path: str | bytes, total: int, video_fps: float, *, fps: float, max_frames: int, factor: int, name: str
+    path: str | bytes,
+    total: int,
+    video_fps: float,
+    sampler: Any,
+    *,
+    fps: float,
+    max_frames: int,
+    factor: int,
+    name: str,
 ) -> Video:
     import av
 
-    wanted = sample_indices(total, video_fps, fps=fps, max_frames=max_frames, factor=factor)
+    wanted = sampler(total, video_fps, fps=fps, max_frames=max_frames, factor=factor)
     keep = set(wanted)
     frames: dict[int, np.ndarray] = {}
     with av.open(io.BytesIO(path) if isinstance(path, bytes) else path) as container:

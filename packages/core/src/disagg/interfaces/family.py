@@ -219,6 +219,9 @@ class EncoderFamily(Family):
     #: True when the family also encodes video (``preprocess_video``): its rows come after the
     #: sample's image rows, and the LLM family places them at its ``video_token_id``
     reads_video: ClassVar[bool] = False
+    #: how video frames are sampled (:data:`disagg.data.video.SAMPLERS`): ``qwen2_vl``
+    #: (Qwen2/2.5-VL's processor) or ``qwen3_vl`` (Qwen3-VL's)
+    video_sampling: ClassVar[str] = "qwen2_vl"
 
     def video_frame_factor(self) -> int:
         """Frames per temporal patch: sampled frame counts are a multiple of it."""
@@ -292,8 +295,9 @@ class LanguageFamily(Family):
         (after its image rows); None: this family does not take video."""
         return None
 
-    def video_placeholder_text(self, n_tokens: int) -> str:
-        """Text that stands for one video once expanded to ``n_tokens`` placeholders."""
+    def video_placeholder_text(self, n_tokens: int, timestamps: list[float] | None = None) -> str:
+        """Text that stands for one video once expanded to ``n_tokens`` placeholders;
+        ``timestamps``: the seconds of each sampled frame (for families that write them)."""
         raise NotImplementedError(f"family {self.name!r} does not take video")
 
     def extra_inputs(self, encoder_inputs: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -53,7 +53,7 @@ class Qwen25VLLanguageFamily(HFDecoderFamily):
     def video_token_id(self) -> int | None:
         return int(self.config.video_token_id) if self.takes_video else None
 
-    def video_placeholder_text(self, n_tokens: int) -> str:
+    def video_placeholder_text(self, n_tokens: int, timestamps: list[float] | None = None) -> str:
         return "<|vision_start|>" + "<|video_pad|>" * n_tokens + "<|vision_end|>"
 
     def extra_inputs(self, encoder_inputs: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,15 @@ features are added, and the embeddings' gradient (every column) is complete on
 every rank. Sequence parallelism would cut the stream the features are added
 to, so this family declares no sequence-parallel regions (refused by
 ``megatron_tp``'s check).
+
+Video is placed as ``Qwen3VLProcessor.replace_video_token`` writes it: per
+temporal patch ``<{t:.1f} seconds><|vision_start|>`` + its ``<|video_pad|>``
+tokens + ``<|vision_end|>`` (``t`` from ``_calculate_timestamps``: the mean of
+the patch's first and last frame's seconds), with no outer start/end pair.
+``video_grid_thw`` goes to HF's ``get_rope_index`` whole (it splits it per
+temporal patch itself, with no ``second_per_grid_ts``). The DeepStack features
+of image and video tokens are added at both in token order, as HF's forward
+joins them.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
 
 
 class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
-    takes_video: ClassVar[bool] = False  # video is Qwen2.5-VL's only so far
+    #: video at ``<|video_pad|>``, one timestamped group per temporal patch (module docstring)
+    takes_video: ClassVar[bool] = True
     #: its forward is not split yet (its own positions/run are untested under context parallelism)
     context_parallel_support: ClassVar[bool] = False
 
@@ -51,6 +61,24 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
 
     def deepstack_layers(self) -> int:
         return len(self.config.vision_config.deepstack_visual_indexes)
+
+    def video_placeholder_text(self, n_tokens: int, timestamps: list[float] | None = None) -> str:
+        if timestamps is None:
+            raise ValueError("family 'qwen3_vl' writes each video's frame timestamps: it needs them")
+        temporal = int(self.config.vision_config.temporal_patch_size)
+        seconds = patch_timestamps(timestamps, temporal)
+        if n_tokens % len(seconds):
+            raise ValueError(f"{n_tokens} video tokens do not split over {len(seconds)} temporal patches")
+        per = n_tokens // len(seconds)
+        group = "<|vision_start|>" + "<|video_pad|>" * per + "<|vision_end|>"
+        return "".join(f"<{t:.1f} seconds>" + group for t in seconds)
+
+    def video_inputs(
+        self, ids: torch.Tensor, inputs: list[dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        # whole grids (get_rope_index splits them per temporal patch); no second_per_grid_ts
+        grids = [x["video_grid_thw"].reshape(-1, 3) for x in inputs if "video_grid_thw" in x]
+        return {"video_grid_thw": torch.cat(grids).to(ids.device)} if grids else {}
 
     def layer_map(self) -> LayerMap:
         p = self.prefix
@@ -75,15 +103,27 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
 
     def run(self, module, ids, embeds, mask, inputs, rows):
         width, k = self.hidden_size(), self.deepstack_layers()
-        images = [e["vision"] for e in rows if "vision" in e]
         deepstack: dict[str, Any] = {}
-        if images:
+        if any("vision" in e for e in rows):
+            image = ids == self._pid("vision")
+            video = ids == self.config.video_token_id
+            visual = image | video
+            feats = []
+            for i, e in enumerate(rows):
+                if "vision" not in e:
+                    continue
+                # a sample's rows are its images', then its videos'; HF adds each at its own
+                # tokens, in token order (its embed_joint)
+                f = torch.zeros(ids.shape[1], width * k, dtype=e["vision"].dtype, device=e["vision"].device)
+                n_image = int(image[i].sum())
+                f[image[i]] = e["vision"][:n_image, width:]
+                f[video[i]] = e["vision"][n_image:, width:]
+                feats.append(f[visual[i]])
+            joint = torch.cat(feats)  # batch order = the row-major order of hidden_states[visual]
             deepstack = {
-                "visual_pos_masks": ids == self._pid("vision"),
-                # batch order = the row-major order of hidden_states[visual_pos_masks]
+                "visual_pos_masks": visual,
                 "deepstack_visual_embeds": [
-                    torch.cat([r[:, width * (j + 1) : width * (j + 2)] for r in images]).to(embeds.dtype)
-                    for j in range(k)
+                    joint[:, width * j : width * (j + 1)].to(embeds.dtype) for j in range(k)
                 ],
             }
         types, grid = self.mrope_inputs(ids, inputs)
@@ -95,6 +135,7 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
             image_grid_thw=grid,
             attention_mask=mask,
             mm_token_type_ids=types,
+            **self.video_inputs(ids, inputs),
         )
         hidden = model.language_model(
             inputs_embeds=embeds, position_ids=positions, attention_mask=mask, use_cache=False, **deepstack
@@ -120,3 +161,13 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
                 "mrope_interleaved": True,
             },
         }
+
+
+def patch_timestamps(frame_seconds: list[float], temporal: int) -> list[float]:
+    """Seconds of each temporal patch, as ``Qwen3VLProcessor._calculate_timestamps``: the frames'
+    list padded with its last entry to a multiple of ``temporal``, then the mean of each
+    patch's first and last frame."""
+    t = list(frame_seconds)
+    if pad := -len(t) % temporal:
+        t.extend(t[-1] for _ in range(pad))
+    return [(t[i] + t[i + temporal - 1]) / 2 for i in range(0, len(t), temporal)]

@@ -24,6 +24,8 @@ class Qwen3_5Vision(Qwen3VLVision):
 
     name: ClassVar[str] = "qwen3_5"
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_5",)
+    #: Qwen3-VL's video path is untested on Qwen3.5's tower and hybrid decoder: refused
+    reads_video: ClassVar[bool] = False
 
     @classmethod
     def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]

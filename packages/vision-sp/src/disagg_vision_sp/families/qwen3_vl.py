@@ -11,6 +11,12 @@ the LLM width (``hidden_size()`` reports that width), routed per row like any
 embedding; the ``qwen3_vl`` LLM family splits the columns again. Attention is
 as Qwen2-VL's (whole images, no windows); the learned position embedding is
 resampled per token, so each shard computes only its own tokens'.
+
+Video follows transformers' ``Qwen3VLVideoProcessor`` (its frame sampling,
+its ``smart_resize`` over the whole video, :func:`qwen3_video_inputs`); a
+sample's videos go through the tower after its images, each temporal patch
+attending on its own as in HF's call, and the DeepStack columns come along.
+The prompt's per-frame timestamps are the ``qwen3_vl`` LLM family's.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ class Qwen3VLVision(Qwen2VLVision):
         return qwen3_vl_shape(config)
 
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
-    #: Qwen3-VL's video (timestamps in the prompt, per-frame grids) is not read yet
-    reads_video: ClassVar[bool] = False
+    #: Qwen3-VL's video: its own sampling and resize; timestamps are the LLM family's
+    reads_video: ClassVar[bool] = True
+    video_sampling: ClassVar[str] = "qwen3_vl"
 
     def deepstack_layers(self) -> int:
         return len(self.vision_config().deepstack_visual_indexes)
@@ -88,10 +95,25 @@ class Qwen3VLVision(Qwen2VLVision):
 
         return make_tiny_qwen3_vl(Path(out_dir))
 
+    def preprocess_video(self, videos: list[Any], **limits: int) -> dict[str, torch.Tensor]:
+        from disagg_vision_sp.families.common import image_processor
+        from disagg_vision_sp.families.qwen_video import qwen3_video_inputs
+
+        cfg = self.vision_config()
+        return qwen3_video_inputs(
+            videos,
+            image_processor(str(self.path)),
+            patch=int(cfg.patch_size),
+            merge=int(cfg.spatial_merge_size),
+            temporal=int(cfg.temporal_patch_size),
+            **limits,
+        )
+
     # -- forward ----------------------------------------------------------------------------------
     def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = inputs["pixel_values"].to(module.device, module.dtype)
-        out = module(pixels, grid_thw=inputs["image_grid_thw"].to(module.device))
+        # images, then videos: each grid attends on its own, so one call equals HF's two
+        pixels = self.pixels(inputs).to(module.device, module.dtype)
+        out = module(pixels, grid_thw=self.grid(inputs).to(module.device))
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
     def ulysses_layout(self, inputs: list[dict[str, torch.Tensor]]) -> SeqLayout:
@@ -99,7 +121,7 @@ class Qwen3VLVision(Qwen2VLVision):
 
         layout = super().ulysses_layout(inputs)
         cfg = self.vision_config()
-        grid = torch.cat([x["image_grid_thw"] for x in inputs]).to(torch.long)
+        grid = torch.cat([self.grid(x) for x in inputs])  # images, then videos, per sample
         # Qwen3VLVisionModel's resampling settings (bilinear, corners aligned), per token
         side = int(cfg.num_position_embeddings**0.5)
         idx, w = get_vision_interpolation_indices_and_weights(
@@ -112,7 +134,7 @@ class Qwen3VLVision(Qwen2VLVision):
     def embed(
         self, module: nn.Module, inputs: list[dict[str, torch.Tensor]], layout: SeqLayout, lo: int, hi: int
     ) -> tuple[torch.Tensor, Any]:
-        pixels = torch.cat([x["pixel_values"] for x in inputs])[lo:hi].to(module.device, module.dtype)
+        pixels = torch.cat([self.pixels(x) for x in inputs])[lo:hi].to(module.device, module.dtype)
         hidden = module.patch_embed(pixels)
         idx = layout.extra["interp_indices"][lo:hi].to(module.device)
         w = layout.extra["interp_weights"][lo:hi].to(module.device)
