@@ -225,11 +225,12 @@ class DataConfig(Strict):
     """Most frames sampled from one video (qwen-vl-utils' ``FPS_MAX_FRAMES``)."""
     video_min_pixels: PositiveInt | None = None
     """Smallest area each video frame is resized to; ``null``: the family's default
-    (Qwen2.5-VL: 128*28*28, as transformers' and qwen-vl-utils' video processing)."""
+    (Qwen2.5-VL: 128*28*28, as transformers' and qwen-vl-utils' video processing). Qwen3-VL:
+    over all the video's frames (its processor's ``size.shortest_edge``, 128*32*32)."""
     video_max_pixels: PositiveInt | None = None
     """Largest area each video frame is resized to, which bounds tokens per frame pair
     (Qwen2.5-VL: one token per 28x28 pixels per 2 frames); ``null``: the family's default
-    (768*28*28)."""
+    (768*28*28). Qwen3-VL: over all the video's frames (``size.longest_edge``, 768*32*32)."""
     batch_size: PositiveInt = 4
     """Samples per optimizer step (the global batch)."""
     max_tokens: PositiveInt | None = None
