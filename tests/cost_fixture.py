@@ -39,6 +39,15 @@ Re-recorded when ``ddp`` began estimating ``shard: gradients|parameters`` on the
 the lockstep placeholder, issue 37; ``None`` before): those LLM estimates were added (with the
 whole units FSDP2 holds gathered beside its shards), and the published plans rank layouts with
 the LLM under ``ddp`` + FSDP2 (at 16k one leads: ``test_plan_published.py``).
+
+Re-recorded when ``ddp`` began counting its flat gradient all-reduce bucket (``Cost.buffer_bytes``,
+issue 38: the largest bucket of several gradients, at most 25 MiB, :mod:`disagg.kit.grads`; on
+more than one rank, not under FSDP2 or ``offload: optimizer``; ``tests/test_allocator_peak.py``
+had added it itself): the 360 ``ddp`` estimates on more than one rank with ``shard: none |
+optimizer`` gained ``buffer_bytes`` (25.7 MB for the published tower) and their ``memory_bytes``
+moved, and with them the memory of the layouts with such a group; no other estimate moved,
+``bench --predict``'s rows did not, no layout's fit flipped and every plan's best layout is the
+same (checked by diffing the old and new file).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ samples and a text-only global batch, two microbatches, weight decay on.
 Layouts are combined into few runs (CI time), the tower under ``ulysses`` 2 in each: the LLM at
 ``ddp`` CP 2 x 2 replicas with ``shard: optimizer`` and ``recompute: full``, at ``megatron_tp``
 TP 2 x CP 2, and at ``ddp`` CP 2 x 2 replicas with ``shard: parameters`` (FSDP2 + CP, a replica
-without samples in a microbatch); the first run's step-2 checkpoint is resumed at CP 1, and the
-TP 2 x CP 2 run's at TP 2 (layout changes, like TP resharding).
+without samples in a microbatch, ``train.schedule: encoders_ahead``); the first run's step-2
+checkpoint is resumed at CP 1, and the TP 2 x CP 2 run's at TP 2 (layout changes, like TP
+resharding).
 """
 
 from __future__ import annotations
@@ -123,11 +124,14 @@ LAYOUTS = {
     ),
     # FSDP + CP: the LLM's parameters, gradients and AdamW state FSDP2-sharded over all 4 ranks
     # (CP ranks are more data-parallel ranks); 3 microbatches of 2, 1, 1 samples over 2 replicas,
-    # so replica 1 has none in the last two and forwards the placeholder sample (lockstep)
+    # so replica 1 has none in the last two and forwards the placeholder sample (lockstep).
+    # Under encoders_ahead (2 in flight): the tower encodes microbatch k+1 before the LLM runs k,
+    # so the CP routing rows of k+1 (the replica's first rank, ``cp_rows``) are asked for, and
+    # its rows sent, while k's are still to be used and its gradients to come back
     "ulysses2+ddp_cp2x2_shard_parameters": (
         {"strategy": "ulysses", "degree": 2},
         {"strategy": "ddp", "context_parallel": 2, "replicas": 2, "shard": "parameters"},
-        {"microbatches": 3},
+        {"microbatches": 3, "schedule": "encoders_ahead"},
     ),
 }
 

@@ -351,3 +351,29 @@ def test_the_goals_are_printed_met_or_not():
         "goal: DHP fits 1,000,000 vision tokens under `bf16-pure` (usable 0.90): not met "
         "(predicted 900k (dhp_sp); stopped by llm state)",
     ]
+
+
+def test_terms_list_the_buffers():
+    """A layout's memory terms (what a "does not fit" reason names) include each module's
+    ``Cost.buffer_bytes`` (ZeRO-3's reduce bucket, ``ddp``'s gradient bucket), largest first."""
+    from disagg.bench.published_fit import terms
+    from disagg.interfaces.cost import Cost
+
+    def cost(state: int, act: int, buffers: int) -> Cost:
+        return Cost(
+            state_bytes=state,
+            activation_bytes=act,
+            comm_bytes_by_kind={},
+            sent_bytes=0,
+            flops=0.0,
+            buffer_bytes=buffers,
+        )
+
+    got = terms({"vision": cost(5, 1, 0), "llm": cost(3, 2, 7)})
+    assert got == [
+        ("llm buffers", 7),
+        ("vision state", 5),
+        ("llm state", 3),
+        ("llm activations", 2),
+        ("vision activations", 1),
+    ]

@@ -133,17 +133,66 @@ def recipe_run(path: str, samples: list, rank: int, cp: int, precision: str) -> 
     return recipe_steps(strat, microbatch, copies=cp)
 
 
+def lora_steps(
+    strategy: str, path: str, samples: list, rank: int, degree: int, cp: int, replicas: int
+) -> dict:
+    """``lora_cases.STEPS`` clipped AdamW steps of ``strategy`` at ``context_parallel`` ``cp``
+    with ``lora_cases.SPEC``'s adapters, set up as core's worker sets them up: PEFT layers
+    injected before set-up for ``ddp`` (``disagg.kit.lora.apply_lora``), none for
+    ``megatron_tp`` (``lora_step``: it wraps its parallel linears after
+    ``context_parallel.apply``). Per step: the replica's loss, the norm, the merged gradients."""
+    from lora_cases import OPTIM, STEPS
+    from tp_cases import MAX_NORM
+
+    from disagg.kit.lora import apply_lora
+
+    world = degree * cp * replicas
+    cpu = torch.device("cpu")
+    ctx = GroupContext("llm", rank, world, degree, replicas, cpu, torch.float32, context_parallel=cp)
+    fam = family_cls("qwen2")(path)
+    opts: dict[str, Any] = {"loss_chunk_tokens": None}
+    if strategy == "megatron_tp":
+        from disagg_llm_tp.strategy import MegatronTPStrategy as cls
+    else:
+        from disagg.builtin.ddp import DDPStrategy as cls
+    module = cls(ctx, fam, cls.options_model(**opts)).build_module()
+    if not cls.lora_step:
+        module = apply_lora(module, OPTIM.lora, "llm", "train.modules.llm.lora")
+    strat: Any = ranks.strategy_rank(cls, fam, ctx, options=opts, optim=OPTIM, module=module)
+    mine = samples[ctx.replica :: replicas]
+    labels = sum(int((s["labels"][1:] != -100).sum()) for s in samples)
+    rec: dict[str, Any] = {"replica": ctx.replica, "active": current() is not None, "loss": [], "norm_sq": []}
+    rec["grads"] = []
+    for _ in range(STEPS):
+        rec["loss"].append(ranks.loss_and_backward(strat, 0, mine, [{} for _ in mine], 1.0 / labels))
+        norm_sq = ranks.reduce(strat)
+        rec["norm_sq"].append(norm_sq)
+        rec["grads"].append(ranks.full_grads(strat))
+        ranks.step(strat, norm_sq, MAX_NORM)
+    rec["params"] = ranks.full_state(strat)
+    rec["trainable"] = sorted(n for n, p in strat.module.named_parameters() if p.requires_grad)
+    return rec
+
+
 def cp_rank(rank: int, payload: bytes) -> bytes:
-    """``payload``: (path, samples, cases, precision); a case is (strategy, degree, cp,
-    replicas); then ``precision`` at CP 4 and, on rank 0 alone, at CP 1."""
-    path, samples, cases, precision = loads(payload)
+    """``payload``: (path, samples, cases, precision, lora cases); a case is (strategy, degree,
+    cp, replicas); then ``precision`` at CP 4 and, on rank 0 alone, at CP 1; then the LoRA
+    cases (:func:`lora_steps`) and, on rank 0, the PEFT reference of them."""
+    path, samples, cases, precision, lora = loads(payload)
     out: list[Any] = [one_step(s, path, samples, rank, d, c, r) for s, d, c, r in cases]
     out.append(recipe_run(path, samples, rank, 4, precision))
+    # before single_rank_share: every rank leaves the spawned group there
+    adapted = [lora_steps(s, path, samples, rank, d, c, r) for s, d, c, r in lora]
     from disagg.testing.recipes import single_rank_share
 
     for p in single_rank_share([precision], rank, 4):  # rank 0, in a group of one
         out.append(recipe_run(path, samples, 0, 1, p))
         out.append(reference(path, samples))
+    out.append(adapted)
+    if rank == 0 and lora:
+        from lora_cases import reference as peft_reference
+
+        out.append(peft_reference(path, samples))
     return dumps(out)
 
 

@@ -11,6 +11,7 @@ reduce-scatters of their gradients) equals the strategy-level estimate
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -25,12 +26,66 @@ CASES = [("ddp", 1, 4, 1), ("ddp", 1, 2, 2), ("megatron_tp", 2, 2, 1)]
 LENGTHS = (13, 3, 22)  # the 3-token sample is shorter than CP 4; 3 samples over 2 replicas
 
 
+#: LoRA (``train.modules.llm.lora``) under context parallelism, in the same spawn: the adapters
+#: PEFT-injected before ``ddp``'s set-up, and ``megatron_tp``'s own parallel adapters wrapped
+#: after ``context_parallel.apply`` (needs peft, as the other LoRA tests)
+LORA_CASES = [("ddp", 1, 2, 2), ("megatron_tp", 2, 2, 1)] if importlib.util.find_spec("peft") else []
+
+
 @pytest.fixture(scope="module")
-def results(tiny_dirs):
+def spawned(tiny_dirs):
+    """Per rank: the cases, the recipe runs and (rank 0) the HF reference; the LoRA cases; and
+    (rank 0) the PEFT reference of them."""
     path = tiny_dirs["qwen2"]
     samples = text_batch(family_cls("qwen2")(path).text_config.vocab_size, LENGTHS)
-    out = [loads(b) for b in run_ranks(cp_rank, 4, dumps((path, samples, CASES, "bf16")))]
+    out = [loads(b) for b in run_ranks(cp_rank, 4, dumps((path, samples, CASES, "bf16", LORA_CASES)))]
+    peft = out[0].pop() if LORA_CASES else None
+    lora = [r.pop() for r in out]
+    return out, lora, peft
+
+
+@pytest.fixture(scope="module")
+def results(spawned):
+    out, _, _ = spawned
     return out, out[0][-1]
+
+
+@pytest.mark.parametrize("case", range(len(LORA_CASES)))
+def test_lora_under_context_parallelism_equals_peft_model(spawned, case):
+    """LoRA at CP 2 (``ddp`` CP 2 x 2 uneven replicas; ``megatron_tp`` TP 2 x CP 2) equals
+    PEFT's LoRA on the single-process HF model at each of 3 clipped AdamW steps (loss, every
+    adapter gradient merged from the ranks, grad norm) and in the adapters after them (the
+    tolerance policy in lr units); only the adapters train."""
+    from lora_cases import OPTIM, STEPS
+    from tp_cases import LR
+
+    from disagg.testing.tolerance import assert_params_close, first_grads
+
+    _, lora, ref = spawned
+    name = "lora {} tp{} cp{} x{} replicas".format(*LORA_CASES[case])
+    rows = [r[case] for r in lora]
+    adapters = sorted(ref["grads"][0])
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters), adapters[:4]
+    assert all(r["active"] for r in rows), f"{name}: context parallelism was not installed"
+    for r in rows:
+        assert r["trainable"] == adapters, name
+    for step in range(STEPS):
+        by_replica = {r["replica"]: r["loss"][step] for r in rows}
+        assert_scalar_close(sum(by_replica.values()), ref["loss"][step], f"{name} step {step + 1} loss")
+        want_sq = sum(float(g.double().pow(2).sum()) for g in ref["grads"][step].values())
+        for r in rows:
+            assert_tensors_close(r["grads"][step], ref["grads"][step], f"{name} step {step + 1} ")
+            assert_scalar_close(r["norm_sq"][step], want_sq, f"{name} step {step + 1} norm^2")
+    params = rows[0]["params"]
+    assert_params_close(
+        {k: params[k] for k in adapters},
+        {k: ref["params"][k] for k in adapters},
+        lr=LR,
+        steps=STEPS,
+        grads=first_grads(ref["grads"]),
+        what=f"{name} after {STEPS} steps: ",
+        eps=OPTIM.eps,
+    )
 
 
 def test_bf16_context_parallel_equals_one_rank(results):

@@ -235,6 +235,7 @@ def terms(costs: dict[str, Cost] | DeviceMemory) -> list[tuple[str, int]]:
             ("state", c.state_bytes),
             ("gathered", c.gathered_bytes),
             ("activations", c.activation_bytes),
+            ("buffers", c.buffer_bytes),  # e.g. ZeRO-3's reduce bucket, ddp's gradient bucket
         ):
             if v:
                 out.append((f"{m} {kind}", v))

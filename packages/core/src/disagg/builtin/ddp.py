@@ -54,6 +54,7 @@ class DDPStrategy(Strategy):
             getattr(options, "loss_chunk_tokens", None),
             getattr(options, "shard", "none"),
             offloaded(options),
+            getattr(options, "overlap_grad_reduce", False),
         )
 
     @classmethod

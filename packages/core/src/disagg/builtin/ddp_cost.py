@@ -3,6 +3,9 @@ gradients summed over the group in buckets (the base class's reduction).
 
 Exact (equal to what :class:`disagg.interfaces.CommCounter` and
 ``Strategy.state_bytes`` count): state bytes, and an encoder's communication.
+
+``buffer_bytes`` (the allocator view's ``buffers`` term, :mod:`disagg.kit.cost.memory`): the flat
+gradient bucket the replicas' all-reduce fills (:func:`grad_bucket_bytes`).
 """
 
 from __future__ import annotations
@@ -26,22 +29,52 @@ from disagg.kit.cost.rules import (
     transfer_bytes,
 )
 from disagg.kit.cost.training import query_trained
+from disagg.kit.grads.buckets import bucket_sizes
 from disagg.kit.sharding.cost import decoder_gathered_elements, with_offload
+from disagg.kit.sharding.modes import FSDP_MODES
+
+
+def grad_bucket_bytes(
+    numels: list[int], grad_bytes: int, world: int, shard: str, offload: bool, overlap: bool = False
+) -> int:
+    """Device bytes of the flat buffers the group's gradient all-reduce allocates
+    (:func:`disagg.kit.grads.all_reduce_bucketed`): a bucket of several gradients (at most
+    ``BUCKET_BYTES``, 25 MiB, or all of them if fewer) is concatenated into one tensor, one bucket
+    at a time; a bucket of one contiguous gradient is reduced in place. ``overlap``
+    (``overlap_grad_reduce``, :class:`disagg.kit.grads.overlap.OverlappedReducer`): every
+    bucket's buffer is held until the reduction ends, a copy of all the gradients. None on one
+    rank, under FSDP2 (``shard: gradients | parameters`` reduce-scatter in backward) or
+    ``offload: optimizer`` (the reduction runs on the host masters' gradient sums). Counted as
+    held beside the activations: whether it is live at their peak is timing
+    (``tests/test_allocator_peak.py`` measured ``ddp``'s llm peak at 0.85 and 1.22 of the
+    prediction without it, the two peaks apart by exactly the gradients' bytes)."""
+    if world == 1 or shard in FSDP_MODES or offload:
+        return 0
+    buckets = bucket_sizes(numels, grad_bytes)
+    sizes = [sum(numels[i] for i in b) * grad_bytes for b in buckets]
+    if overlap:
+        return sum(sizes)
+    return max((n for n, b in zip(sizes, buckets) if len(b) > 1), default=0)
 
 
 def estimate(
-    query: CostQuery, chunk: int | None = DEFAULT_CHUNK_TOKENS, shard: str = "none", offload: bool = False
+    query: CostQuery,
+    chunk: int | None = DEFAULT_CHUNK_TOKENS,
+    shard: str = "none",
+    offload: bool = False,
+    overlap: bool = False,
 ) -> Cost | None:
     """``shard``: ``parallel.<module>.shard`` (:mod:`disagg.kit.sharding`): its state term
     is exact; the sharded state's own collectives (ZeRO-1's broadcasts, FSDP2's all-gathers and
     reduce-scatters, :func:`disagg.kit.sharding.step_comm`) are the libraries': the
     collective counter sees FSDP2's (``fsdp.counted_comms``), not ZeRO-1's, and with ``shard``
     only the state term is marked exact. ``offload``: ``offload: optimizer``
-    (:func:`disagg.kit.sharding.cost.with_offload`: device and host state)."""
+    (:func:`disagg.kit.sharding.cost.with_offload`: device and host state). ``overlap``:
+    ``overlap_grad_reduce`` (every gradient bucket's buffer held, :func:`grad_bucket_bytes`)."""
     if query.context_parallel > 1:
         from disagg.kit.context_parallel.cost import with_context_parallel
 
-        return with_context_parallel(lambda q: estimate(q, chunk, shard), query)
+        return with_context_parallel(lambda q: estimate(q, chunk, shard, overlap=overlap), query)
     mode = recompute_mode(query.recompute)
     w = workload(query)
     shape = query.shape
@@ -79,6 +112,9 @@ def estimate(
         sent_bytes=transfer_bytes(w),
         compute=compute,
         exact=("state_bytes", "comm_bytes") if query.encoder and shard == "none" else ("state_bytes",),
+    )
+    cost = replace(
+        cost, buffer_bytes=grad_bucket_bytes(numels, w.grad_bytes, w.world, shard, offload, overlap)
     )
     if shard == "parameters" and not query.encoder and w.world > 1:
         # the LLM's whole units beside its shards (its root, the head, is no small unit)

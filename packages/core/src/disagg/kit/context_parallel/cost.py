@@ -110,4 +110,5 @@ def with_context_parallel(estimate: Callable[[CostQuery], Cost | None], query: C
         comm_calls_by_kind=calls,
         gathered_bytes=split.gathered_bytes,
         host_bytes=split.host_bytes,  # offload: optimizer moves the CP rank's state as the split's
+        buffer_bytes=split.buffer_bytes,  # e.g. ddp's gradient bucket: CP ranks reduce like replicas
     )
