@@ -1,7 +1,10 @@
-"""Qwen3-VL video rows end to end (issue 40): the video dataset (real encoded videos, images,
-text, a corrupt video skipped) on a tiny Qwen3-VL dir, the tower under ``ulysses`` 2, equals the
-single-process ``Qwen3VLForConditionalGeneration`` fed the same ``pixel_values_videos`` /
-``video_grid_thw`` / ``input_ids`` (and ``mm_token_type_ids``) at every step.
+"""Qwen3-VL and Qwen3.5 video rows end to end (issue 40): the video dataset (real encoded videos,
+images, text, a corrupt video skipped) on a tiny Qwen3-VL / Qwen3.5 dir, the tower under
+``ulysses`` 2, equals the single-process ``Qwen3VLForConditionalGeneration`` /
+``Qwen3_5ForConditionalGeneration`` fed the same ``pixel_values_videos`` / ``video_grid_thw`` /
+``input_ids`` (and ``mm_token_type_ids``) at every step. Qwen3.5 dirs have no processor of
+their own (they ship Qwen3-VL's) and ``Qwen3_5Model.get_rope_index`` is Qwen3-VL's, so one
+reference serves both; Qwen3.5's tower has no DeepStack and its decoder is hybrid.
 
 The prompt and inputs are checked against transformers' own Qwen3-VL code (the parts that
 import without torchvision): ``Qwen3VLVideoProcessor.sample_frames`` (the frames),
@@ -37,8 +40,12 @@ STEPS = 2
 VIDEO = {"video_fps": 2.0, "video_max_frames": 8, "video_min_pixels": 64, "video_max_pixels": 3072}
 
 
-def _config(tiny: dict, out: Path, vision: dict) -> Config:
-    model = {m: {"family": "qwen3_vl", "path": tiny["model"]} for m in ("vision", "llm")}
+#: family -> its HF class (in ``transformers``)
+FAMILIES = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+
+
+def _config(tiny: dict, out: Path, vision: dict, family: str = "qwen3_vl") -> Config:
+    model = {m: {"family": family, "path": tiny["model"]} for m in ("vision", "llm")}
     cfg = Config.model_validate(
         {
             "model": model,
@@ -107,7 +114,8 @@ def _transformers_video(path: Path, config) -> tuple[list[int], str]:  # noqa: A
     return grid, text
 
 
-def test_qwen3_vl_video_run_equals_hf_model_every_step(ray_local, tmp_path):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_qwen3_vl_video_run_equals_hf_model_every_step(ray_local, tmp_path, family):
     import transformers
 
     from disagg.cli.make_tiny import make_tiny
@@ -115,16 +123,17 @@ def test_qwen3_vl_video_run_equals_hf_model_every_step(ray_local, tmp_path):
     from disagg.runtime.plan import families_for
     from disagg.runtime.run import run_training
 
-    manifest = make_tiny(tmp_path / "tiny", ["qwen3_vl"], data=False)
-    tiny = {"model": manifest["models"]["qwen3_vl"], **write_video_data(tmp_path / "data")}
-    ref_cfg = _config(tiny, tmp_path / "ref", {"strategy": "ddp"})
+    hf_class = getattr(transformers, FAMILIES[family])
+    manifest = make_tiny(tmp_path / "tiny", [family], data=False)
+    tiny = {"model": manifest["models"][family], **write_video_data(tmp_path / "data")}
+    ref_cfg = _config(tiny, tmp_path / "ref", {"strategy": "ddp"}, family)
     source = build_data_source(ref_cfg, families_for(ref_cfg, get_registry()))
     batches = [
         [{m: ray.get(ref) for m, ref in s.inputs.items()} for s in batch]
         for _, batch in zip(range(STEPS), source.batches(0))
     ]
     assert source.stats()["skipped"] == 1  # broken.mp4
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tiny["model"], dtype=torch.float32)
+    model = hf_class.from_pretrained(tiny["model"], dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(tiny["model"])
     # the first row is clip.mp4's: 5 of 10 frames (odd: the last repeats) -> 3 temporal patches
     clip = batches[0][0]
@@ -141,21 +150,21 @@ def test_qwen3_vl_video_run_equals_hf_model_every_step(ray_local, tmp_path):
 
     want = train_reference(model, batches, _hf_kwargs(model.config), ref_cfg.train)
     run = tmp_path / "run"
-    cfg = _config(tiny, run, {"strategy": "ulysses", "degree": 2})
+    cfg = _config(tiny, run, {"strategy": "ulysses", "degree": 2}, family)
     run_training(validate(cfg, get_registry()), progress=False)
     losses, norms = run_metrics(run)
     assert len(losses) == len(norms) == len(want.losses) == STEPS
     for step in range(STEPS):
-        assert_scalar_close(losses[step], want.losses[step], f"qwen3_vl video step {step + 1} loss")
-        assert_scalar_close(norms[step], want.grad_norms[step], f"qwen3_vl video step {step + 1} grad norm")
-    got = exported_state(run, STEPS, tmp_path / "export", transformers.Qwen3VLForConditionalGeneration)
+        assert_scalar_close(losses[step], want.losses[step], f"{family} video step {step + 1} loss")
+        assert_scalar_close(norms[step], want.grad_norms[step], f"{family} video step {step + 1} grad norm")
+    got = exported_state(run, STEPS, tmp_path / "export", hf_class)
     assert_params_close(
         got,
         want.state,
         lr=cfg.train.lr,
         steps=STEPS,
         grads=first_grads(want.grads),
-        what=f"qwen3_vl video ulysses2 after {STEPS} steps: ",
+        what=f"{family} video ulysses2 after {STEPS} steps: ",
         betas=tuple(cfg.train.betas),
         eps=cfg.train.eps,
     )

@@ -8,6 +8,12 @@ layers in ``layer_types`` order: gated-delta-net (linear attention) layers
 and gated full-attention layers. The image rows the ``qwen3_5`` vision family
 sends are one merged embedding per placeholder (no DeepStack).
 
+Video is placed and positioned as Qwen3-VL's (``Qwen3_5Model.get_rope_index`` is
+Qwen3-VL's, and Qwen3.5 dirs use ``Qwen3VLProcessor``): per temporal patch
+``<t seconds><|vision_start|>`` + its ``<|video_pad|>`` tokens + ``<|vision_end|>``,
+and the whole ``video_grid_thw`` with no ``second_per_grid_ts`` (which its
+forward does not take).
+
 What it runs under: ``ddp`` (and its ``shard``), ``zero`` and ``megatron_tp`` (with or
 without sequence parallelism). Under ``megatron_tp`` the full-attention layers split as every
 decoder's (gated ``q_proj``: each head's query and gate rows are contiguous, so a column
@@ -27,6 +33,7 @@ from typing import ClassVar
 
 from disagg.interfaces import AttentionSpec, LayerMap, SequenceParallelRegions
 from disagg_llm_tp.families.qwen2_5_vl import Qwen25VLLanguageFamily
+from disagg_llm_tp.families.qwen3_vl import Qwen3VLLanguageFamily
 from disagg_llm_tp.gdn import GatedDeltaNetSplit
 from disagg_llm_tp.module_split import SPLITS
 
@@ -38,6 +45,9 @@ class Qwen35LanguageFamily(Qwen25VLLanguageFamily):
     context_parallel_support: ClassVar[bool] = False
     # Qwen3.5's attention keeps no head count (it reshapes with -1)
     head_attrs: ClassVar[tuple[str, ...]] = ()
+    # Qwen3-VL's video prompt (timestamped groups per temporal patch) and rope inputs
+    video_placeholder_text = Qwen3VLLanguageFamily.video_placeholder_text
+    video_inputs = Qwen3VLLanguageFamily.video_inputs
 
     @classmethod
     def hf_classes(cls) -> tuple[type, type]:

@@ -64,7 +64,7 @@ class Qwen3VLLanguageFamily(Qwen25VLLanguageFamily):
 
     def video_placeholder_text(self, n_tokens: int, timestamps: list[float] | None = None) -> str:
         if timestamps is None:
-            raise ValueError("family 'qwen3_vl' writes each video's frame timestamps: it needs them")
+            raise ValueError(f"family {self.name!r} writes each video's frame timestamps: it needs them")
         temporal = int(self.config.vision_config.temporal_patch_size)
         seconds = patch_timestamps(timestamps, temporal)
         if n_tokens % len(seconds):

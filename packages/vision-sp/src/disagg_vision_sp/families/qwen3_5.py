@@ -6,6 +6,8 @@ attention over each image in every block and 2x2 merger, and it returns only
 the merged embeddings (``pooler_output``), one row per image token at the
 LLM's width. So everything Qwen3-VL's family does under ``ulysses`` (each
 shard resamples only its own tokens' positions) holds with no tapped blocks.
+Video is Qwen3-VL's too (its sampling, whole-video resize, a sample's videos
+after its images); the prompt's timestamps are the ``qwen3_5`` LLM family's.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ class Qwen3_5Vision(Qwen3VLVision):
 
     name: ClassVar[str] = "qwen3_5"
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_5",)
-    #: Qwen3-VL's video path is untested on Qwen3.5's tower and hybrid decoder: refused
-    reads_video: ClassVar[bool] = False
+    # video: Qwen3-VL's (inherited reads_video / video_sampling / preprocess_video; Qwen3.5
+    # dirs ship Qwen3VLProcessor and Qwen3VLVideoProcessor, no processor of their own)
 
     @classmethod
     def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
@@ -54,8 +56,9 @@ class Qwen3_5Vision(Qwen3VLVision):
         return make_tiny_qwen3_5(Path(out_dir))
 
     def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = inputs["pixel_values"].to(module.device, module.dtype)
-        return module(pixels, grid_thw=inputs["image_grid_thw"].to(module.device)).pooler_output
+        # images, then videos: each grid attends on its own, so one call equals HF's two
+        pixels = self.pixels(inputs).to(module.device, module.dtype)
+        return module(pixels, grid_thw=self.grid(inputs).to(module.device)).pooler_output
 
     def tapped_blocks(self, module: nn.Module) -> tuple[int, ...]:
         return ()
