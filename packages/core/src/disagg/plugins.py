@@ -40,6 +40,7 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "family:encoder:qwen3_5": "disagg-vision-sp",
     "family:encoder:llava": "disagg-vision-sp",
     "family:encoder:qwen2_5_omni": "disagg-vision-sp",
+    "family:encoder:internvl": "disagg-vision-sp",
     "family:encoder:whisper": "disagg-audio",
     "family:encoder:qwen2_audio": "disagg-audio",
     "family:encoder:qwen2_5_omni_audio": "disagg-audio",
@@ -51,6 +52,7 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "family:llm:llama": "disagg-llm-tp",
     "family:llm:qwen2_audio": "disagg-llm-tp",
     "family:llm:qwen2_5_omni": "disagg-llm-tp",
+    "family:llm:internvl": "disagg-llm-tp",
 }
 
 
