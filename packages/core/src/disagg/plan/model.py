@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from disagg.interfaces import Cost, CostQuery, EncoderShape, StrategyOptions
@@ -122,11 +123,12 @@ class Group:
     replicas: int
     options: tuple[tuple[str, Any], ...] = ()
 
-    @property
+    # cached: the search reads them for every one of (up to) millions of layouts
+    @cached_property
     def context_parallel(self) -> int:
         return int(dict(self.options).get("context_parallel", 1) or 1)
 
-    @property
+    @cached_property
     def ranks(self) -> int:
         return self.degree * self.context_parallel * self.replicas
 
@@ -350,11 +352,14 @@ def evaluate(
     cluster: Cluster,
     work: Workload | None = None,
     groups: dict[str, GroupCost] | None = None,
+    memo: dict[tuple[Any, ...], dict[str, float]] | None = None,
 ) -> Layout:
     """Fill ``layout``'s time and memory from its groups' ``costs`` on ``cluster``
     (``work``: the module shapes, for the per-layer overhead; without it none is charged;
     ``groups``: each group's allocator view and offload (:func:`group_cost`): on a
-    ``cuda_allocator`` cluster the memory is the allocator's, and offload's exposed seconds count)."""
+    ``cuda_allocator`` cluster the memory is the allocator's, and offload's exposed seconds count;
+    ``memo``: each group's times by its cost object, microbatches and link, kept by the search
+    across the layouts that share the group — the same numbers, computed once)."""
     layout.costs = costs
     total_ranks = sum(g.ranks for g in layout.groups.values())
     spans = total_ranks if layout.placement == "disaggregated" else 1
@@ -362,6 +367,10 @@ def evaluate(
     m = layout.microbatches
     for name, g in layout.groups.items():
         c = costs[name]
+        key = (name, g, id(c), m, across)
+        if memo is not None and key in memo:
+            layout.times[name] = dict(memo[key])
+            continue
         compute = compute_seconds(c, cluster)
         layout.times[name] = {
             "compute_s": compute,
@@ -381,6 +390,8 @@ def evaluate(
             layout.times[name]["activation_offload_s"] = activation_offload_seconds(**got.activation_offload)[
                 "exposed_s"
             ]
+        if memo is not None:
+            memo[key] = dict(layout.times[name])
     per = {name: sum(t.values()) for name, t in layout.times.items()}
     encoders = [per[name] for name in layout.groups if name != "llm"]
     if layout.placement == "disaggregated" and layout.schedule == "encoders_ahead" and encoders:

@@ -252,6 +252,7 @@ def evaluate_layouts(
     modules = list(per_module)
     encoders = [m for m in modules if m != "llm"]
     cache: dict[tuple[Any, ...], GroupCost | None] = {}
+    memo: dict[tuple[Any, ...], dict[str, float]] = {}  # each group's times, shared by its layouts
     out: list[Layout] = []
     for combo in itertools.product(*(per_module[m] for m in modules)):
         groups = {g.module: g for g, _ in combo}
@@ -269,7 +270,7 @@ def evaluate_layouts(
             got = _costs(combo, layout, work, cluster, strategies, cache)
             if got is not None:
                 costs = {m: c.cost for m, c in got.items()}
-                out.append(evaluate(layout, costs, cluster, work, got))
+                out.append(evaluate(layout, costs, cluster, work, got, memo))
     return out
 
 
