@@ -22,9 +22,8 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
 from hf_reference import exported_state, run_metrics, train_reference  # noqa: E402
-from video_data import write_video_data  # noqa: E402
+from video_data import video_config, write_video_data  # noqa: E402
 
-from disagg.config.schema import Config  # noqa: E402
 from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
 from disagg.testing.tolerance import assert_params_close, assert_scalar_close, first_grads  # noqa: E402
@@ -34,39 +33,8 @@ STEPS = 2
 VIDEO = {"video_fps": 2.0, "video_max_frames": 8, "video_min_pixels": 64, "video_max_pixels": 1024}
 
 
-def _config(tiny: dict, out: Path, vision: dict, llm: dict) -> Config:
-    path = tiny["model"]
-    cfg = Config.model_validate(
-        {
-            "model": {
-                "vision": {"family": "qwen2_5_vl", "path": path},
-                "llm": {"family": "qwen2_5_vl", "path": path},
-            },
-            "parallel": {"vision": vision, "llm": llm},
-            "data": {
-                "train": tiny["train"],
-                "media_root": tiny["media_root"],
-                "batch_size": 4,
-                "shuffle": False,
-                "num_workers": 1,
-                "on_error": "skip",
-                **VIDEO,
-            },
-            "train": {
-                "steps": STEPS,
-                "lr": 1e-3,
-                "eps": 1e-3,
-                "weight_decay": 0.1,
-                "microbatches": 2,
-                "seed": 0,
-                "clip_grad_norm": 1.0,
-            },
-            "checkpoint": {"every": 0},
-            "output_dir": str(out),
-        }
-    )
-    validate(cfg, get_registry())
-    return cfg
+def _config(tiny: dict, out: Path, vision: dict, llm: dict):  # noqa: ANN202
+    return video_config(tiny, out, "qwen2_5_vl", vision, llm, VIDEO, STEPS)
 
 
 def hf_video_kwargs(config) -> callable:  # noqa: ANN001

@@ -28,9 +28,8 @@ pytest.importorskip("disagg_llm_tp")
 
 from hf_reference import exported_state, run_metrics, train_reference  # noqa: E402
 from test_e2e_video_qwen2_vl import _hf_kwargs  # noqa: E402
-from video_data import write_video_data  # noqa: E402
+from video_data import video_config, write_video_data  # noqa: E402
 
-from disagg.config.schema import Config  # noqa: E402
 from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
 from disagg.testing.tolerance import assert_params_close, assert_scalar_close, first_grads  # noqa: E402
@@ -44,36 +43,8 @@ VIDEO = {"video_fps": 2.0, "video_max_frames": 8, "video_min_pixels": 64, "video
 FAMILIES = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 
 
-def _config(tiny: dict, out: Path, vision: dict, family: str = "qwen3_vl") -> Config:
-    model = {m: {"family": family, "path": tiny["model"]} for m in ("vision", "llm")}
-    cfg = Config.model_validate(
-        {
-            "model": model,
-            "parallel": {"vision": vision, "llm": {"strategy": "ddp"}},
-            "data": {
-                "train": tiny["train"],
-                "media_root": tiny["media_root"],
-                "batch_size": 4,
-                "shuffle": False,
-                "num_workers": 1,
-                "on_error": "skip",
-                **VIDEO,
-            },
-            "train": {
-                "steps": STEPS,
-                "lr": 1e-3,
-                "eps": 1e-3,
-                "weight_decay": 0.1,
-                "microbatches": 2,
-                "seed": 0,
-                "clip_grad_norm": 1.0,
-            },
-            "checkpoint": {"every": 0},
-            "output_dir": str(out),
-        }
-    )
-    validate(cfg, get_registry())
-    return cfg
+def _config(tiny: dict, out: Path, vision: dict, family: str = "qwen3_vl"):  # noqa: ANN202
+    return video_config(tiny, out, family, vision, {"strategy": "ddp"}, VIDEO, STEPS)
 
 
 def _transformers_video(path: Path, config) -> tuple[list[int], str]:  # noqa: ANN001

@@ -79,3 +79,42 @@ def write_video_data(root: Path) -> dict[str, Any]:
     path = root / "video.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"train": str(path), "media_root": str(root), "broken_line": 4}
+
+
+def video_config(tiny: dict, out: Path, family: str, vision: dict, llm: dict, video: dict, steps: int) -> Any:
+    """The validated config the video end-to-end tests train: ``family`` for both modules from
+    the tiny dir, the mixed dataset (a broken video skipped), 2 microbatches, weight decay and
+    clipping on, ``video``: the ``data.video_*`` settings."""
+    from disagg.config.schema import Config
+    from disagg.config.validate import validate
+    from disagg.plugins import get_registry
+
+    model = {m: {"family": family, "path": tiny["model"]} for m in ("vision", "llm")}
+    cfg = Config.model_validate(
+        {
+            "model": model,
+            "parallel": {"vision": vision, "llm": llm},
+            "data": {
+                "train": tiny["train"],
+                "media_root": tiny["media_root"],
+                "batch_size": 4,
+                "shuffle": False,
+                "num_workers": 1,
+                "on_error": "skip",
+                **video,
+            },
+            "train": {
+                "steps": steps,
+                "lr": 1e-3,
+                "eps": 1e-3,
+                "weight_decay": 0.1,
+                "microbatches": 2,
+                "seed": 0,
+                "clip_grad_norm": 1.0,
+            },
+            "checkpoint": {"every": 0},
+            "output_dir": str(out),
+        }
+    )
+    validate(cfg, get_registry())
+    return cfg
