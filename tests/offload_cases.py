@@ -65,9 +65,11 @@ def _strategy(
     offload: bool | str,
     paths: dict[str, str],
     recompute: str = "none",
+    more: dict[str, Any] | None = None,
 ) -> Any:
+    """``more``: further ``parallel.<module>`` keys (``mlp_tiles``: tests/tiles_cases.py)."""
     value = "optimizer" if offload is True else offload or "none"
-    extra = {"offload": value, "recompute": recompute}
+    extra = {"offload": value, "recompute": recompute, **(more or {})}
     if layout in ("ddp", "ulysses-fsdp", "ulysses"):
         from disagg.builtin.ddp import DDPStrategy
         from disagg_vision_sp.families.llava import LlavaVision
@@ -79,11 +81,12 @@ def _strategy(
             options = {}
         family: Any = LlavaVision(Path(paths["llava"]), {"attn_implementation": "eager"})
         module = "vision"
-    elif layout == "megatron_tp-sp":
+    elif layout in ("megatron_tp-sp", "megatron_tp"):
         from disagg_llm_tp.families.qwen2 import Qwen2Family
         from disagg_llm_tp.strategy import MegatronTPStrategy
 
-        degree, replicas, cls, options = 2, 1, MegatronTPStrategy, {"sequence_parallel": True}
+        degree, replicas, cls = 2, 1, MegatronTPStrategy
+        options = {"sequence_parallel": layout == "megatron_tp-sp"}
         family, module = Qwen2Family(paths["qwen2"], {"attn_implementation": "eager"}), "llm"
     else:
         from disagg.testing.toy import ToyLMFamily
@@ -163,7 +166,7 @@ def _train(
     run_mb = _microbatch(layout, strat, data)
     if count:
         run_mb = _counted(strat, run_mb, out)
-    copies = 2 if layout == "megatron_tp-sp" else 1  # the TP ranks hold the same loss
+    copies = 2 if layout.startswith("megatron_tp") else 1  # the TP ranks hold the same loss
     for step in steps:
         part = torch.tensor([sum(run_mb(mb) for mb in range(MICROBATCHES))], dtype=torch.float64)
         dist.all_reduce(part)

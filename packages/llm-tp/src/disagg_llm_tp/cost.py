@@ -20,6 +20,7 @@ from typing import Any
 from disagg.interfaces.compute import Split
 from disagg.interfaces.cost import Cost, CostQuery, DecoderShape, EncoderShape, ParamTensor, Shape, Workload
 from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
+from disagg.kit.cost import tiled_mlp as cost_tiles
 from disagg.kit.cost import training as cost_training
 from disagg.kit.cost.assemble import assemble, held_tokens, workload
 from disagg.kit.cost.gemms import strategy_compute
@@ -33,6 +34,7 @@ from disagg.kit.cost.rules import (
     recompute_mode,
     train_flops,
     transfer_bytes,
+    with_peaks,
     with_recompute,
 )
 from disagg.kit.cost.training import query_trained
@@ -238,17 +240,20 @@ def activation_bytes(
     chunk: int | None = DEFAULT_CHUNK_TOKENS,
     samples: int = 1,
     rows_in: bool = False,
+    tiles: int | str = 1,
 ) -> int:
     """Saved bytes on one rank for ``tokens`` tokens (of ``samples`` sequences; ``rows_in``:
     encoder rows are scattered into the decoder's embeddings): the column outputs and what
     follows them are split ``1/d``, the rest is a full replica; sequence parallelism
     also splits the norms and saves the column inputs as shards
     (:func:`sp_decoder_activation_bytes`, exact for a decoder). A decoder's logits:
-    ``1/d`` of the vocabulary for one loss chunk (``chunk`` tokens)."""
+    ``1/d`` of the vocabulary for one loss chunk (``chunk`` tokens). ``tiles``: ``mlp_tiles``
+    (:func:`tiled_mlp_saves`)."""
     d = degree
     if d == 1:
-        return whole_activation_bytes(shape, tokens, act_bytes, chunk)
+        return whole_activation_bytes(shape, tokens, act_bytes, chunk, tiles)
     h, i, hd, heads = shape.hidden, shape.intermediate, shape.head_dim, shape.heads
+    mlp = tiled_mlp_saves(shape, tokens, d, sequence_parallel, tiles)
     if isinstance(shape, EncoderShape):
         mlp_in, mlp_mid = shape.mlp_in, shape.mlp_mid
         if sequence_parallel:
@@ -260,14 +265,37 @@ def activation_bytes(
         per_token = shape.input_elems + shape.depth * block_tp + merger_tp
         norm_tokens = tokens / d if sequence_parallel else tokens
         extra = fp32_internal_bytes(shape, norm_tokens, tokens, act_bytes)
-        return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens) + extra
+        tiled = shape.depth * (mlp.held - mlp.whole) + mlp.peak
+        return int((tokens * per_token + tiled) * act_bytes) + shape.window_index_bytes(tokens) + extra
     if sequence_parallel:
-        return sp_decoder_activation_bytes(shape, tokens, d, act_bytes, chunk, samples, rows_in)
+        return sp_decoder_activation_bytes(shape, tokens, d, act_bytes, chunk, samples, rows_in, tiles)
     layer = 9 * h + 4 + 4 * hd + (5 * h + heads + 4 * i) / d
     head = 4 * h
     logits = logits_bytes(-(-shape.vocab // d), tokens, chunk)  # this rank's vocabulary slice
     extra = fp32_internal_bytes(shape, tokens, 0, act_bytes)
-    return int(tokens * (shape.layers * layer + head) * act_bytes) + logits + extra
+    held = tokens * (shape.layers * layer + head) + shape.layers * (mlp.held - mlp.whole)
+    return int(held * act_bytes) + with_peaks(logits, int(mlp.peak * act_bytes), tokens, chunk) + extra
+
+
+def tiled_mlp_saves(
+    shape: Shape, tokens: int, degree: int, sequence_parallel: bool, tiles: int | str
+) -> cost_tiles.MLPSaves:
+    """One block's MLP saves (elements) on a rank of degree ``d`` for ``tokens`` tokens, without
+    and with ``mlp_tiles`` (:mod:`disagg.kit.cost.tiled_mlp`): its intermediates are ``I/d`` wide;
+    without sequence parallelism it reads all the tokens; with it this rank's ``c = ceil(T/d)``
+    rows, whose inputs it saves as a shard, and each tile gathers ``d x`` its rows (the untiled
+    intermediates are on the ``T`` tokens the norm's gather keeps, a tile's on every rank's rows,
+    the last one's padding included)."""
+    d = degree
+    mid = shape.intermediate // d
+    if not sequence_parallel or d == 1:
+        return cost_tiles.saves(shape, tokens, tiles, mid)
+    c = -(-tokens // d)
+    got = cost_tiles.saves(shape, c, tiles, mid, gather=d)
+    _, mlp_mid = cost_tiles.mlp_widths(shape)
+    whole = got.whole - mlp_mid * mid * (d * c - tokens)  # the gather cut the padding rows
+    held = got.held if cost_tiles.enabled(tiles) else whole
+    return cost_tiles.MLPSaves(whole, held, got.peak)
 
 
 def sp_decoder_activation_bytes(
@@ -278,6 +306,7 @@ def sp_decoder_activation_bytes(
     chunk: int | None = DEFAULT_CHUNK_TOKENS,
     samples: int = 1,
     rows_in: bool = False,
+    tiles: int | str = 1,
 ) -> int:
     """Saved bytes of a decoder under sequence parallelism on the busiest rank, for ``tokens``
     tokens of ``samples`` sequences, as the hooks count them (HF's Qwen2/Llama code, megatron_tp's
@@ -292,13 +321,21 @@ def sp_decoder_activation_bytes(
     layer's whole input (``R·H``), this rank's fp32 logits (``4·R·ceil(V/d)`` bytes), 10 bytes
     per row of masks and targets, the padded vocabulary's mask where ``V % d``, and the loss
     sum's 12 bytes per row + 4; several chunks keep each chunk's input and int64 targets and
-    the loss sum, and one chunk's saves while it is replayed (the peak). Exact in fp32."""
+    the loss sum, and one chunk's saves while it is replayed (the peak). Exact in fp32.
+
+    With ``tiles`` (``mlp_tiles``, :func:`tiled_mlp_saves`): per layer the MLP keeps its input
+    shard (``H`` on ``c``) instead of the gate/up inputs (``2H`` on ``c``) and the ``4·I/d`` on ``T``;
+    one tile's replay (its gathered input twice and its ``4·I/d`` on ``d x ceil(c / tiles)`` rows)
+    is a peak, never at once with a loss chunk's replay (the larger of the two)."""
     d = degree
     h, i, hd = shape.hidden, shape.intermediate, shape.head_dim
     kv_heads = shape.kv_heads
     kv = (kv_heads // d if kv_heads % d == 0 else 1) * hd
     c, t = -(-tokens // d), tokens
     layer = c * (11 * h + 4) + t * ((3 * h + shape.heads + 4 * i) // d + 2 * kv + 4 * hd)
+    mlp = tiled_mlp_saves(shape, tokens, d, True, tiles)
+    layer += mlp.held - mlp.whole
+    tile = int(e * mlp.peak)
     floats = shape.layers * layer + c * (3 * h + 2)
     held = e * floats + 10 * t + (t if rows_in else 0) + fp32_internal_bytes(shape, c, 0, e)
     rows = tokens - samples
@@ -311,8 +348,8 @@ def sp_decoder_activation_bytes(
 
     total = 12 * rows + 4
     if len(chunks) == 1:
-        return held + replayed(rows) + total
-    return held + sum(e * r * h + 8 * r for r in chunks) + total + replayed(chunks[0])
+        return held + replayed(rows) + total + tile
+    return held + sum(e * r * h + 8 * r for r in chunks) + total + max(replayed(chunks[0]), tile)
 
 
 def replay(
@@ -333,13 +370,56 @@ def replay(
     return {"all_reduce": s * 2 * blocks * all_reduce(n * h * e, w.degree)}, {"all_reduce": 2 * blocks * m}
 
 
+def tile_comm(
+    shape: Shape, w: Workload, sequence_parallel: bool, mode: str, tiles: int | str
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes and calls per step ``mlp_tiles`` adds (:mod:`disagg.kit.recompute.tiled_mlp`), per
+    block and forward of ``N`` tiles. Each tile's replay runs the MLP's forward collectives once
+    more: without sequence parallelism the down projection's all-reduce (``ar(n·H·e)`` per sample),
+    the column linears' input-gradient all-reduces split per tile (``4N`` calls for the untiled 3;
+    ``5N`` for 4 under ``full``); with it the down projection's reduce-scatter, and under ``full``
+    the tile's gather too (the replayed block gathered already): ``3N`` all-gathers and ``3N``
+    reduce-scatters for the untiled 3 and 2 (``4N`` and ``4N`` for 3 and 3 under ``full``), each
+    of ``(d-1)·ceil(n/d)·H·e`` bytes in all per sample."""
+    d = w.degree
+    if not cost_tiles.enabled(tiles) or d == 1:
+        return {}, {}
+    s, n, e, h = w.samples_per_replica, w.seq_len, w.act_bytes, shape.hidden
+    blocks = blocks_of(shape)
+    enc = isinstance(shape, EncoderShape)
+    m = max(s, w.microbatches) if enc else w.microbatches  # forwards (an encoder's: one per sample)
+    rows = n if enc else -(-s // w.microbatches) * n  # rows of one forward
+    full = mode == "full"
+    if sequence_parallel:
+        c = -(-rows // d)
+        k = cost_tiles.tile_count(tiles, c, h, d)
+        shard = (d - 1) * -(-n // d) * h * e
+        nbytes = {"reduce_scatter": s * blocks * shard}
+        calls = {"reduce_scatter": m * blocks * ((4 * k - 3) if full else (3 * k - 2))}
+        if full:
+            nbytes["all_gather"] = s * blocks * shard
+        calls["all_gather"] = m * blocks * ((4 * k - 3) if full else (3 * k - 3))
+        return nbytes, calls
+    k = cost_tiles.tile_count(tiles, rows, h)
+    return (
+        {"all_reduce": s * blocks * all_reduce(n * h * e, d)},
+        {"all_reduce": m * blocks * ((5 * k - 4) if full else (4 * k - 3))},
+    )
+
+
 def estimate(
-    query: CostQuery, sequence_parallel: bool, chunk: int | None = DEFAULT_CHUNK_TOKENS, offload: bool = False
+    query: CostQuery,
+    sequence_parallel: bool,
+    chunk: int | None = DEFAULT_CHUNK_TOKENS,
+    offload: bool = False,
+    tiles: int | str = 1,
 ) -> Cost:
+    """``tiles``: ``parallel.<module>.mlp_tiles`` (saves :func:`tiled_mlp_saves`, collectives
+    :func:`tile_comm`, one more forward of the MLPs)."""
     if query.context_parallel > 1:  # TP x CP: TP's own cost on 1/N of the tokens, plus the K/V exchange
         from disagg.kit.context_parallel.cost import with_context_parallel
 
-        cost = with_context_parallel(lambda q: estimate(q, sequence_parallel, chunk, offload), query)
+        cost = with_context_parallel(lambda q: estimate(q, sequence_parallel, chunk, offload, tiles), query)
         assert cost is not None
         return cost
     shape, sp = query.shape, sequence_parallel
@@ -359,23 +439,28 @@ def estimate(
             else {"all_reduce": sites["column"] + sites["row"]}
         )
         _add(calls, {k: m * v for k, v in kinds.items() if v})
+    tiled_bytes, tiled_calls = tile_comm(shape, w, sp, mode, tiles)
+    _add(comm, tiled_bytes)
+    _add(calls, tiled_calls)
     tokens = held_tokens(query, w)
     held_samples, rows_in = max(1, tokens // max(w.seq_len, 1)), w.exchanged_rows > 0
     act = with_recompute(
         shape,
         mode,
-        activation_bytes(shape, tokens, d, w.act_bytes, sp, chunk, held_samples, rows_in),
+        activation_bytes(shape, tokens, d, w.act_bytes, sp, chunk, held_samples, rows_in, tiles),
         w.act_bytes,
         full_held=-(-tokens // d) if sp else tokens,
         selective_held=tokens,
         layer_bytes=lambda one: activation_bytes(
-            one, tokens, d, w.act_bytes, sp, chunk, held_samples, rows_in
+            one, tokens, d, w.act_bytes, sp, chunk, held_samples, rows_in, tiles
         ),
     )
     if mode != "full":  # under full recompute a block's adapters save only while it replays
         act += cost_training.adapter_activation_bytes(tr, tokens, w.act_bytes)
     work = train_flops(shape, query.seq_len) + cost_training.flops_delta(tr, query.seq_len)
-    work += extra_flops(shape, query.seq_len, work, mode)
+    work += extra_flops(shape, query.seq_len, work, mode) + cost_tiles.replay_flops(
+        shape, query.seq_len, tiles
+    )
     split = Split(tp=d, sequence_parallel=sp)
     base = strategy_compute(shape, query.seq_len, split, w.act_bytes, "none")
     cost = assemble(
@@ -389,7 +474,13 @@ def estimate(
         sent_bytes=transfer_bytes(w),
         # every token through 1/d of each split weight; without sequence parallelism the norms and
         # residual adds are repeated on every rank for all tokens
-        compute=cost_training.compute_delta(base, tr, query.seq_len, split).with_recompute(mode),
+        compute=cost_tiles.replay_compute(
+            cost_training.compute_delta(base, tr, query.seq_len, split).with_recompute(mode),
+            shape,
+            query.seq_len,
+            split,
+            tiles,
+        ),
         # with LoRA an encoder's activation collectives depend on which inputs need a gradient
         exact=("state_bytes", "comm_bytes") if enc and not sp and tr.full else ("state_bytes",),
         replay=replay(shape, w, sp, mode),

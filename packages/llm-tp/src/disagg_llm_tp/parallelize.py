@@ -99,7 +99,10 @@ def parallelize_module(
     config: ModelParallelConfig,
     comm: CommCounter,
     sp: SequenceParallelRegion | None = None,
+    ungathered: frozenset[str] = frozenset(),
 ) -> TPPlan:
+    """``ungathered``: norms whose output stays this rank's rows under sequence parallelism (the
+    MLPs they feed gather it per tile, :mod:`disagg.kit.recompute.tiled_mlp`)."""
     undeclared = unclassified_parameters(module, lmap)
     if undeclared:
         raise ValueError(
@@ -109,7 +112,7 @@ def parallelize_module(
             "LayerMap.replicated (fnmatch patterns over parameter names)"
         )
     plan = TPPlan()
-    sp_rows = _wire_sequence_parallel(module, lmap, sp) if sp is not None else set()
+    sp_rows = _wire_sequence_parallel(module, lmap, sp, ungathered) if sp is not None else set()
     plan.sp_rows = sp_rows
     # only grouped-query declarations change how key/value projections are cut
     attention = {pat: spec for pat, spec in lmap.attention.items() if spec.num_kv_heads is not None}
@@ -272,9 +275,12 @@ def _swap_column(module, name, mod, shard, degree, config, comm, attention, chun
     plan.swapped.append(name)
 
 
-def _wire_sequence_parallel(module: nn.Module, lmap: LayerMap, sp: SequenceParallelRegion) -> set[str]:
+def _wire_sequence_parallel(
+    module: nn.Module, lmap: LayerMap, sp: SequenceParallelRegion, ungathered: frozenset[str] = frozenset()
+) -> set[str]:
     """Hook the region transitions into the HF module; returns the names of the
-    row linears whose output re-enters a region."""
+    row linears whose output re-enters a region. A norm in ``ungathered`` keeps its
+    output in the region (its tiled MLP gathers each tile itself)."""
     decl = lmap.sequence_parallel
     if decl is None:
         raise ValueError("the family's layer map declares no sequence-parallel regions")
@@ -296,8 +302,15 @@ def _wire_sequence_parallel(module: nn.Module, lmap: LayerMap, sp: SequenceParal
 
     for name in found["split"]:
         named[name].register_forward_pre_hook(split, with_kwargs=True)
+    missing = sorted(set(ungathered) - set(found["gather"]))
+    if missing:
+        raise ValueError(
+            f"mlp_tiles: the norm(s) {', '.join(missing)} feeding a tiled MLP are not sequence-parallel "
+            f"gather points of the family's layer map ({decl.gather})"
+        )
     for name in found["gather"]:
-        named[name].register_forward_hook(gather)
+        if name not in ungathered:
+            named[name].register_forward_hook(gather)
         for p in named[name].parameters(recurse=True):
             mark(p, ShardSpec("replicated", sp_partial=True))  # a norm on this rank's tokens only
     # Rows outside every region (e.g. a vision merger's) keep their all-reduce.

@@ -114,6 +114,16 @@ class SequenceParallelRegion:
         self._remember(out, shard)
         return out
 
+    def gather_rows(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of ``shard`` (equal row counts on every rank), rank after rank, flat:
+        one tile of a tiled MLP's input (:mod:`disagg.kit.recompute.tiled_mlp`). A row-parallel
+        linear's reduce-scatter of the tile's output then hands each rank back its own rows."""
+        nbytes = self._count("all_gather", shard)
+        full = all_gather_single_autograd(shard.contiguous(), 0, self.group)
+        if full.requires_grad:
+            full.register_hook(lambda _: self.comm.add("reduce_scatter", nbytes))
+        return full
+
     def reduce_scatter(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel linear's partial outputs and keep this rank's tokens."""
         flat = partial.reshape(-1, partial.shape[-1])

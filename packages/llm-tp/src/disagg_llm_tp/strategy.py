@@ -43,7 +43,7 @@ from disagg.kit.hf import head_split_problems
 from disagg.kit.lora import is_adapter_param
 from disagg.kit.masters import in_master_view
 from disagg.kit.offload import offloaded, offloads_activations
-from disagg.kit.recompute import Recompute
+from disagg.kit.recompute import Recompute, tiled_mlp
 from disagg.kit.recompute.rng import ShardRNG
 from disagg_llm_tp import lora
 from disagg_llm_tp.fullstate import TPFullForm
@@ -101,6 +101,9 @@ class MegatronTPStrategy(Strategy):
     lora_support: ClassVar[tuple[str, ...]] = ("column", "row")
     lora_step: ClassVar[bool] = True
     context_parallel_support: ClassVar[bool] = True
+    #: the family's MLPs over row tiles; under sequence parallelism each tile gathers its rows and
+    #: the down projection's reduce-scatter returns them (the same rows per token)
+    mlp_tiles_support: ClassVar[bool] = True
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
@@ -134,6 +137,14 @@ class MegatronTPStrategy(Strategy):
                     f"family {family.name!r} declares no sequence-parallel regions in its layer map, so "
                     "sequence_parallel = true cannot be used with it; allowed: false"
                 )
+            if tiled_mlp.enabled(getattr(options, "mlp_tiles", 1)) and lmap is not None:
+                for pattern, norm in lmap.mlp.items():
+                    if not norm:
+                        problems.append(
+                            f"mlp_tiles with sequence_parallel: family {family.name!r} does not name the "
+                            f"norm whose output feeds {pattern} (LayerMap.mlp), which each tile must "
+                            "gather instead; allowed: mlp_tiles: 1, or sequence_parallel: false"
+                        )
         return problems
 
     def __init__(self, ctx: Any, family: Family, options: StrategyOptions) -> None:
@@ -209,8 +220,10 @@ class MegatronTPStrategy(Strategy):
     def parallelize(self, module: nn.Module) -> nn.Module:
         """Ordered steps, as torchtitan's ``parallelize_llama``: tensor (and sequence) parallel
         linears, this rank's slices loaded into a module built empty -> context parallelism ->
-        the TP dropout streams -> LoRA on the parallel linears -> recompute (last: it wraps the
-        blocks the steps before rewrote). No ``shard`` step: the TP split is the sharding."""
+        the TP dropout streams -> LoRA on the parallel linears -> recompute (it wraps the
+        blocks the steps before rewrote) -> the MLPs in row tiles (inside the blocks, each tile
+        checkpointed by the recompute step's streams). No ``shard`` step: the TP split is the
+        sharding."""
         lmap = self.family.layer_map()
         if lmap is None:
             raise ValueError(
@@ -221,6 +234,7 @@ class MegatronTPStrategy(Strategy):
         self.apply_dropout_streams(module, lmap)
         self.apply_lora(module, lmap)
         self.apply_recompute(module)
+        self.apply_mlp_tiles(module, lmap)
         return module.to(self.ctx.device)
 
     def apply_tensor_parallel(self, module: nn.Module, lmap: LayerMap) -> None:
@@ -245,8 +259,22 @@ class MegatronTPStrategy(Strategy):
         if self.options.sequence_parallel and self.ctx.degree > 1:
             self.sp = SequenceParallelRegion(self.tp_group, self.ctx.degree, self.ctx.shard, self.ctx.comm)
         empty = any(p.is_meta for p in module.parameters())
+        # a tiled MLP gathers its tiles itself: its norm's output stays this rank's rows
+        ungathered = frozenset(
+            norm
+            for _, _, norm in (
+                tiled_mlp.mlp_modules(module, lmap) if tiled_mlp.enabled(self.options.mlp_tiles) else ()
+            )
+        )
         self.plan = parallelize_module(
-            module, lmap, self.ctx.shard, self.ctx.degree, self.mp_config, self.ctx.comm, self.sp
+            module,
+            lmap,
+            self.ctx.shard,
+            self.ctx.degree,
+            self.mp_config,
+            self.ctx.comm,
+            self.sp,
+            ungathered if self.sp is not None else frozenset(),
         )
         if empty:
             # megatron's layers hold only this rank's piece: fill them (and the replicated
@@ -302,6 +330,22 @@ class MegatronTPStrategy(Strategy):
             offload=offloads_activations(self.options),
         )
         self.recompute.apply_full(module, f"family {self.family.name!r} module")
+
+    def apply_mlp_tiles(self, module: nn.Module, lmap: LayerMap) -> None:
+        """``parallel.<module>.mlp_tiles`` (:mod:`disagg.kit.recompute.tiled_mlp`). Under sequence
+        parallelism an MLP's input is its norm's output on this rank's rows (left ungathered by
+        :meth:`apply_tensor_parallel`): each tile gathers its rows from every TP rank (the same
+        tile of each rank's rows) and the down projection's reduce-scatter returns this rank's,
+        so every token meets the same weights as without tiles."""
+        sp = self.sp
+
+        def around(_name: str, _norm: str):  # noqa: ANN202
+            if sp is None:
+                return None
+            return lambda forward: lambda rows, *a, **k: forward(sp.gather_rows(rows), *a, **k)
+
+        gather = sp.degree if sp is not None else 1
+        tiled_mlp.apply(module, lmap, self.options.mlp_tiles, self.recompute.tile, around, gather)
 
     # -- llm role --------------------------------------------------------------------------------------
     def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -440,7 +484,8 @@ class MegatronTPStrategy(Strategy):
 
         chunk = getattr(options, "loss_chunk_tokens", cost.DEFAULT_CHUNK_TOKENS)
         offload = offloaded(options)
-        return cost.estimate(query, bool(getattr(options, "sequence_parallel", False)), chunk, offload)
+        tiles = getattr(options, "mlp_tiles", 1)
+        return cost.estimate(query, bool(getattr(options, "sequence_parallel", False)), chunk, offload, tiles)
 
     @classmethod
     def option_variants(cls) -> list[dict]:

@@ -75,26 +75,60 @@ FIT_LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 #: ``train.precision`` recipes, each alone, with ``offload: optimizer`` in every group (``+offload``)
-#: and with ``offload: all`` (the optimizer and recompute's saved block inputs, ``+all``)
+#: and with ``offload: all`` (the optimizer and recompute's saved block inputs, ``+all``); the last
+#: two also with every group's MLPs in sequence tiles (``+tiles``: :data:`FIT_TILES`)
 FIT_RECIPES = (
     "fp32",
     "bf16",
     "bf16+offload",
     "bf16+all",
+    "bf16+all+tiles",
     "bf16-pure",
     "bf16-pure+offload",
     "bf16-pure+all",
+    "bf16-pure+all+tiles",
 )
 #: a column's suffix -> ``parallel.<module>.offload``
 OFFLOAD_COLUMNS = {"": "none", "offload": "optimizer", "all": "all"}
+#: a column's ``+tiles``: ``parallel.<module>.mlp_tiles`` in every group (ALST's rule: ``auto``, a tile
+#: of about ``hidden`` rows; :mod:`disagg.kit.recompute.tiled_mlp`)
+TILES_COLUMN, FIT_TILES = "tiles", "auto"
 
 
 def recipe_of(column: str) -> tuple[str, str]:
-    """``bf16+offload`` -> (``bf16``, ``optimizer``); ``bf16-pure+all`` -> (``bf16-pure``, ``all``)."""
-    precision, _, extra = column.partition("+")
-    if extra not in OFFLOAD_COLUMNS:
-        raise ValueError(f"{column!r}: a recipe, optionally +offload or +all")
-    return precision, OFFLOAD_COLUMNS[extra]
+    """``bf16+offload`` -> (``bf16``, ``optimizer``); ``bf16-pure+all`` -> (``bf16-pure``, ``all``);
+    a ``+tiles`` is read by :func:`tiles_of`."""
+    precision, *extras = column.split("+")
+    extras = [x for x in extras if x != TILES_COLUMN]
+    if len(extras) > 1 or (extras and extras[0] not in OFFLOAD_COLUMNS):
+        raise ValueError(f"{column!r}: a recipe, optionally +offload or +all, optionally +tiles")
+    return precision, OFFLOAD_COLUMNS[extras[0] if extras else ""]
+
+
+def tiles_of(column: str) -> int | str:
+    """``parallel.<module>.mlp_tiles`` of a column: :data:`FIT_TILES` with ``+tiles``, else 1."""
+    return FIT_TILES if TILES_COLUMN in column.split("+")[1:] else 1
+
+
+def with_tiles(layout: dict[str, dict[str, Any]], column: str) -> dict[str, dict[str, Any]]:
+    """Every group of ``layout`` with the column's ``mlp_tiles`` (as it is without ``+tiles``)."""
+    tiles = tiles_of(column)
+    return {m: {**g, "mlp_tiles": tiles} for m, g in layout.items()} if tiles != 1 else layout
+
+
+def tiles_refusal(layout: dict[str, dict[str, Any]], strategies: dict[str, Any]) -> str:
+    """Why a layout cannot tile its MLPs ('' when every group's strategy can), as validation would
+    refuse it (:mod:`disagg.config.model_checks`: ``mlp_tiles_support``)."""
+    for module, group in layout.items():
+        if group.get("mlp_tiles", 1) == 1:
+            continue
+        cls = strategies.get(group["strategy"])
+        if cls is not None and not getattr(cls, "mlp_tiles_support", False):
+            return (
+                f"{group['strategy']} ({module}) does not run sequence-tiled MLPs "
+                f"(parallel.{module}.mlp_tiles refused at validation): not predicted"
+            )
+    return ""
 
 
 def with_offload(layout: dict[str, dict[str, Any]], offload: str) -> dict[str, dict[str, Any]]:
@@ -135,6 +169,8 @@ class Fit:
             "parallel": FIT_LAYOUTS.get(self.layout),
             "recipe": recipe,
             "offload": offload,
+            # parallel.<module>.mlp_tiles in every group (1: off)
+            "mlp_tiles": tiles_of(self.precision),
             "usable": usable,
             "longest_vision_tokens": self.longest,
             "memory_bytes": self.memory_bytes,
@@ -197,6 +233,7 @@ def device_groups(
     from disagg.bench.published import predict_groups
 
     recipe, offload = recipe_of(precision)
+    layout = with_tiles(layout, precision)
     groups = predict_groups(with_offload(layout, offload), n, "full", recipe, strategies)
     return device_memory([g.memory for g in groups.values()]), groups
 
@@ -253,8 +290,8 @@ def longest_fit(
     """The longest vision length of ``FIT_LAYOUTS[name]`` under ``precision`` within ``budget``
     bytes per GPU, in steps of :data:`STEP` up to ``ceiling`` (memory grows with the length:
     :func:`~disagg.bench.fit_search.longest_fitting`; a layout that fits at the ceiling says so)."""
-    layout = FIT_LAYOUTS[name]
-    refused = refusal(layout, precision, strategies)
+    layout = with_tiles(FIT_LAYOUTS[name], precision)
+    refused = refusal(layout, precision, strategies) or tiles_refusal(layout, strategies)
     if refused:
         return Fit(name, precision, None, reason=refused)
 

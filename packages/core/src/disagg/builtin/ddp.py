@@ -10,6 +10,7 @@ from torch import nn
 from disagg.interfaces import Cost, CostQuery, Family, ReplicatedOptions, StrategyOptions
 from disagg.kit import Strategy, context_parallel
 from disagg.kit.offload import offloaded
+from disagg.kit.recompute import tiled_mlp
 from disagg.kit.sharding import shard_problems
 
 
@@ -31,6 +32,8 @@ class DDPStrategy(Strategy):
     precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "bf16-pure")
     options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
     context_parallel_support: ClassVar[bool] = True
+    #: every rank's MLPs run on its own rows: tiles of them are the same rows
+    mlp_tiles_support: ClassVar[bool] = True
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
@@ -39,9 +42,11 @@ class DDPStrategy(Strategy):
     def parallelize(self, module: nn.Module) -> nn.Module:
         # Gradient sum happens once per step, after (or, with overlap_grad_reduce, during) the
         # last microbatch's backward, which is what DistributedDataParallel's no_sync would do.
-        # torchtitan's order: context parallelism -> recompute -> sharding.
+        # torchtitan's order: context parallelism -> recompute -> the MLPs in row tiles (inside
+        # the blocks) -> sharding.
         context_parallel.apply(module, self.ctx, self)
         self.recompute.apply_full(module, f"module {self.ctx.module!r}")
+        tiled_mlp.apply(module, self.family.layer_map(), self.options.mlp_tiles, self.recompute.tile)
         return self.shard_state(module)
 
     @classmethod
@@ -55,6 +60,7 @@ class DDPStrategy(Strategy):
             getattr(options, "shard", "none"),
             offloaded(options),
             getattr(options, "overlap_grad_reduce", False),
+            getattr(options, "mlp_tiles", 1),
         )
 
     @classmethod

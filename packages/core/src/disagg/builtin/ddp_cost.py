@@ -16,9 +16,11 @@ from disagg.interfaces.compute import Split
 from disagg.interfaces.cost import Cost, CostQuery
 from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
 from disagg.kit import sharding as sharded
+from disagg.kit.cost import tiled_mlp
 from disagg.kit.cost import training as cost_training
 from disagg.kit.cost.assemble import assemble, held_tokens, workload
 from disagg.kit.cost.gemms import strategy_compute
+from disagg.kit.cost.grad_buckets import grad_bucket_bytes
 from disagg.kit.cost.rules import (
     extra_flops,
     grad_reduce_calls,
@@ -29,32 +31,7 @@ from disagg.kit.cost.rules import (
     transfer_bytes,
 )
 from disagg.kit.cost.training import query_trained
-from disagg.kit.grads.buckets import bucket_sizes
 from disagg.kit.sharding.cost import decoder_gathered_elements, with_offload
-from disagg.kit.sharding.modes import FSDP_MODES
-
-
-def grad_bucket_bytes(
-    numels: list[int], grad_bytes: int, world: int, shard: str, offload: bool, overlap: bool = False
-) -> int:
-    """Device bytes of the flat buffers the group's gradient all-reduce allocates
-    (:func:`disagg.kit.grads.all_reduce_bucketed`): a bucket of several gradients (at most
-    ``BUCKET_BYTES``, 25 MiB, or all of them if fewer) is concatenated into one tensor, one bucket
-    at a time; a bucket of one contiguous gradient is reduced in place. ``overlap``
-    (``overlap_grad_reduce``, :class:`disagg.kit.grads.overlap.OverlappedReducer`): every
-    bucket's buffer is held until the reduction ends, a copy of all the gradients. None on one
-    rank, under FSDP2 (``shard: gradients | parameters`` reduce-scatter in backward) or
-    ``offload: optimizer`` (the reduction runs on the host masters' gradient sums). Counted as
-    held beside the activations: whether it is live at their peak is timing
-    (``tests/test_allocator_peak.py`` measured ``ddp``'s llm peak at 0.85 and 1.22 of the
-    prediction without it, the two peaks apart by exactly the gradients' bytes)."""
-    if world == 1 or shard in FSDP_MODES or offload:
-        return 0
-    buckets = bucket_sizes(numels, grad_bytes)
-    sizes = [sum(numels[i] for i in b) * grad_bytes for b in buckets]
-    if overlap:
-        return sum(sizes)
-    return max((n for n, b in zip(sizes, buckets) if len(b) > 1), default=0)
 
 
 def estimate(
@@ -63,6 +40,7 @@ def estimate(
     shard: str = "none",
     offload: bool = False,
     overlap: bool = False,
+    tiles: int | str = 1,
 ) -> Cost | None:
     """``shard``: ``parallel.<module>.shard`` (:mod:`disagg.kit.sharding`): its state term
     is exact; the sharded state's own collectives (ZeRO-1's broadcasts, FSDP2's all-gathers and
@@ -70,18 +48,20 @@ def estimate(
     collective counter sees FSDP2's (``fsdp.counted_comms``), not ZeRO-1's, and with ``shard``
     only the state term is marked exact. ``offload``: ``offload: optimizer``
     (:func:`disagg.kit.sharding.cost.with_offload`: device and host state). ``overlap``:
-    ``overlap_grad_reduce`` (every gradient bucket's buffer held, :func:`grad_bucket_bytes`)."""
+    ``overlap_grad_reduce`` (every gradient bucket's buffer held, :func:`grad_bucket_bytes`).
+    ``tiles``: ``mlp_tiles`` (:mod:`disagg.kit.cost.tiled_mlp`: the MLPs' intermediates one tile at a
+    time, their forward once more)."""
     if query.context_parallel > 1:
         from disagg.kit.context_parallel.cost import with_context_parallel
 
-        return with_context_parallel(lambda q: estimate(q, chunk, shard, overlap=overlap), query)
+        return with_context_parallel(lambda q: estimate(q, chunk, shard, overlap=overlap, tiles=tiles), query)
     mode = recompute_mode(query.recompute)
     w = workload(query)
     shape = query.shape
     tr = query_trained(query)
     numels = cost_training.numels(tr)  # only trained tensors are reduced (LoRA: the adapters)
     tokens = held_tokens(query, w)
-    act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk)
+    act = replica_activation_bytes(shape, mode, tokens, w.act_bytes, chunk, tiles)
     if mode != "full":  # under full recompute a block's adapters save only while it replays
         act += cost_training.adapter_activation_bytes(tr, tokens, w.act_bytes)
     # an encoder: one forward per sample; the LLM: one per microbatch over all its samples (a
@@ -98,9 +78,12 @@ def estimate(
         per_mb,
     )
     work = train_flops(shape, query.seq_len) + cost_training.flops_delta(tr, query.seq_len)
-    work += extra_flops(shape, query.seq_len, work, mode)
+    work += extra_flops(shape, query.seq_len, work, mode) + tiled_mlp.replay_flops(
+        shape, query.seq_len, tiles
+    )
     base = strategy_compute(shape, query.seq_len, Split(), w.act_bytes, "none")
     compute = cost_training.compute_delta(base, tr, query.seq_len, Split()).with_recompute(mode)
+    compute = tiled_mlp.replay_compute(compute, shape, query.seq_len, Split(), tiles)
     cost = assemble(
         w,
         state_bytes=cost_training.replicated_state_bytes(tr, shard, w.world, w),

@@ -17,6 +17,7 @@ from disagg.config.schema import Config, GroupConfig
 from disagg.config.translate import problems_from_errors
 from disagg.interfaces import EncoderFamily, LanguageFamily, StrategyOptions
 from disagg.kit import Strategy
+from disagg.kit.recompute import tiled_mlp
 from disagg.plugins import Registry, provider_of
 
 
@@ -91,6 +92,7 @@ def resolve_module(
         out.add(("parallel", m, "context_parallel"), msg)
     if options is not None and strategy_cls is not None:
         _recompute(m, group, strategy_cls, options, out)
+        _mlp_tiles(m, group, strategy_cls, options, out)
         # by value, not by presence: a resolved config (run dir, parallel: auto) holds every default
         if m != "llm" and group.loss_chunk_tokens != GroupConfig().loss_chunk_tokens:
             out.add(
@@ -110,6 +112,13 @@ def resolve_module(
         )
         return None
     before = len(out)
+    if tiled_mlp.enabled(getattr(options, "mlp_tiles", 1)):
+        try:
+            lmap = family.layer_map()
+        except Exception:  # the strategy's own check below reports a family it cannot split
+            lmap = None
+        for msg in tiled_mlp.mlp_problems(lmap, spec.family, f"parallel.{m}"):
+            out.add(("parallel", m, "mlp_tiles"), msg)
     for who, call in (
         (
             f"strategy {group.strategy!r}",
@@ -208,6 +217,30 @@ def _recompute(m: str, group: GroupConfig, strategy_cls: type[Strategy], options
         out.add(
             ("parallel", m, "recompute"),
             f"strategy {group.strategy!r} cannot recompute {mode!r} for module {m!r}; {allowed(list(modes))}",
+        )
+
+
+#: why a strategy may not tile: ``zero`` (DeepSpeed) gathers ZeRO-3 parameters in module hooks and
+#: marks gradients ready in its own backward hooks; a tile replayed inside autograd's backward is
+#: not proven to get its parameters gathered and its gradients reduced once (DeepSpeed's own
+#: ``TiledMLP`` replaces autograd's backward to mark ``ds_grad_is_ready`` itself), so it is refused
+#: rather than risked
+TILES_STRATEGIES = ("ddp", "ulysses", "megatron_tp")
+
+
+def _mlp_tiles(m: str, group: GroupConfig, strategy_cls: type[Strategy], options: Any, out: Problems) -> None:
+    tiles = getattr(options, "mlp_tiles", 1)
+    if tiled_mlp.enabled(tiles) and not getattr(strategy_cls, "mlp_tiles_support", False):
+        why = (
+            " (DeepSpeed's ZeRO-3 gathers parameters and marks gradients ready in its own hooks, "
+            "which a tile replayed inside autograd's backward is not proven to keep exact)"
+            if group.strategy == "zero"
+            else ""
+        )
+        out.add(
+            ("parallel", m, "mlp_tiles"),
+            f"{tiles!r}: strategy {group.strategy!r} does not run sequence-tiled MLPs{why}; "
+            f"allowed: 1, or strategy {', '.join(TILES_STRATEGIES)}",
         )
 
 

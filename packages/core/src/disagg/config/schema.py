@@ -91,6 +91,13 @@ class GroupConfig(BaseModel):
     ``offload_optimizer``). Not with ``overlap_grad_reduce``. ``activations`` (needs
     ``recompute: full``): the input each recomputed block keeps goes to pinned host memory at
     its forward and comes back for its replay (torch's ``save_on_cpu``). ``all``: both."""
+    mlp_tiles: PositiveInt | Literal["auto"] = 1
+    """Each block's MLP runs over the sequence in this many tiles, each recomputed in its
+    backward, so one tile's MLP intermediates exist at a time instead of every token's
+    (sequence-tiled MLP, as Arctic Long Sequence Training); the same loss and gradients up to
+    summation order, one more forward of the MLPs. ``auto``: ``ceil(tokens / hidden)``, a tile
+    of about ``hidden`` rows. ``1``: off. Strategies ``ddp``, ``ulysses``, ``megatron_tp``;
+    the family must declare its MLP modules."""
     feature_cache: Literal["none", "host", "disk"] = "none"
     """A frozen encoder (``train.modules.<m>.freeze: true``) as a feature service: each
     sample's output (the exact tensors the LLM receives) is kept under a key of the sample's
@@ -112,12 +119,13 @@ class GroupConfig(BaseModel):
 
     def strategy_options(self) -> dict[str, Any]:
         """The strategy's own keys, plus core's keys applied by the strategy (``recompute``,
-        ``loss_chunk_tokens``, ``offload``)."""
+        ``loss_chunk_tokens``, ``offload``, ``mlp_tiles``)."""
         return {
             **(self.model_extra or {}),
             "recompute": self.recompute,
             "loss_chunk_tokens": self.loss_chunk_tokens,
             **({"offload": self.offload} if self.offload != "none" else {}),
+            **({"mlp_tiles": self.mlp_tiles} if self.mlp_tiles != 1 else {}),
         }
 
 

@@ -92,6 +92,12 @@ class LayerMap:
     no_split: pattern -> why tensor parallelism cannot cut those modules exactly yet; a
         strategy that splits by this map refuses the family with the reason (the map still
         names every parameter's kind for LoRA and the chunked loss).
+    mlp: each block's per-token feed-forward module (pattern) -> the child name of the norm,
+        a sibling in the same block, whose output is its one input ('' when not declared).
+        ``parallel.<module>.mlp_tiles`` runs these modules over the sequence in tiles
+        (:mod:`disagg.kit.recompute.tiled_mlp`), which is exact only for a module that mixes no
+        tokens, so it is declared, never guessed (a gated-delta-net's row linear looks like an
+        MLP's). Under Megatron sequence parallelism the norm's output is gathered per tile.
     """
 
     column: tuple[str, ...] = ()
@@ -107,6 +113,7 @@ class LayerMap:
     feature_split: dict[str, tuple[str, str]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     no_split: dict[str, str] = field(default_factory=dict)
+    mlp: dict[str, str] = field(default_factory=dict)
 
 
 class Family(ABC):

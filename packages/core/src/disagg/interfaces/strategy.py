@@ -64,6 +64,12 @@ class StrategyOptions(BaseModel):
     with ``recompute: full``) keeps each recomputed block's saved input in host memory between its
     forward and its replay (:mod:`disagg.kit.recompute.offload`); ``all`` is both."""
 
+    mlp_tiles: PositiveInt | Literal["auto"] = 1
+    """``parallel.<module>.mlp_tiles`` (core's key, the strategies with ``mlp_tiles_support``): each
+    block's MLP over the sequence in this many checkpointed tiles (``auto``: ``ceil(rows /
+    hidden)``), one tile's intermediates alive at a time (:mod:`disagg.kit.recompute.tiled_mlp`);
+    1: off."""
+
     @model_validator(mode="after")
     def _activations_need_full_recompute(self) -> StrategyOptions:
         if self.offload in ("activations", "all") and self.recompute != "full":
@@ -144,6 +150,9 @@ class StrategySpec:
     #: runs ``parallel.<module>.context_parallel`` > 1 (the sequence split over a replica's
     #: ranks, :mod:`disagg.kit.context_parallel`); False: validation refuses a degree > 1
     context_parallel_support: ClassVar[bool] = False
+    #: runs ``parallel.<module>.mlp_tiles`` > 1 (:mod:`disagg.kit.recompute.tiled_mlp`: the family's
+    #: MLPs over checkpointed row tiles) exactly; False: validation refuses it
+    mlp_tiles_support: ClassVar[bool] = False
 
     # -- validation, before any actor starts -------------------------------------------------
     @classmethod

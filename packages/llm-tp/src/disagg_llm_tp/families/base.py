@@ -156,6 +156,8 @@ class HFDecoderFamily(LanguageFamily):
                 ),
                 reduce_scatter=(f"{attn}.o_proj", f"{p}.layers.*.mlp.down_proj"),
             ),
+            # the SwiGLU MLP reads the post-attention norm's output only (parallel.llm.mlp_tiles)
+            mlp={f"{p}.layers.*.mlp": "post_attention_layernorm"},
         )
 
     def parts(self) -> dict[str, tuple[str, ...]]:

@@ -104,6 +104,8 @@ class Qwen35LanguageFamily(Qwen25VLLanguageFamily):
                 reduce_scatter=(f"{attn}.o_proj", f"{lin}.out_proj", f"{p}.layers.*.mlp.down_proj"),
             ),
             extra={SPLITS: {lin: gdn}},
+            # the dense MLP, never the gated delta net (it mixes tokens): parallel.llm.mlp_tiles
+            mlp={f"{p}.layers.*.mlp": "post_attention_layernorm"},
         )
 
     @classmethod

@@ -159,6 +159,8 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
                 "vision_tower.post_layernorm.*",
                 "vision_tower.head.*",
             ),
+            # each layer's fc1 -> activation -> fc2 reads layer_norm2's output only (mlp_tiles)
+            mlp={f"{layers}.mlp": "layer_norm2"},
         )
 
     def parts(self) -> dict[str, tuple[str, ...]]:

@@ -129,6 +129,8 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
                 gather=("blocks.*.norm1", "blocks.*.norm2", "merger.ln_q"),
                 reduce_scatter=("blocks.*.attn.proj", mlp_row),
             ),
+            # each block's MLP reads norm2's output only (parallel.vision.mlp_tiles)
+            mlp={"blocks.*.mlp": "norm2"},
         )
 
     def parts(self) -> dict[str, tuple[str, ...]]:

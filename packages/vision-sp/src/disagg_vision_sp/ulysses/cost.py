@@ -10,12 +10,16 @@ and call for call; saved activations of a Qwen2.5-VL tower in fp32.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from disagg.interfaces.compute import Split
 from disagg.interfaces.cost import Cost, CostQuery, EncoderShape, Workload
 from disagg.kit import sharding as sharded
+from disagg.kit.cost import tiled_mlp
 from disagg.kit.cost import training as cost_training
 from disagg.kit.cost.assemble import assemble, held_tokens, workload
 from disagg.kit.cost.gemms import strategy_compute
+from disagg.kit.cost.grad_buckets import grad_bucket_bytes
 from disagg.kit.cost.rules import (
     block_elems,
     extra_flops,
@@ -23,6 +27,7 @@ from disagg.kit.cost.rules import (
     grad_reduce_calls,
     recompute_mode,
     replicated_comm,
+    tile_peak_bytes,
     train_flops,
     transfer_bytes,
     with_recompute,
@@ -45,12 +50,19 @@ def all_to_all_bytes(shape: EncoderShape, w: Workload) -> int:
     return len(shape.full_blocks) * 8 * (d - 1) * n_local * (shape.hidden // d) * w.act_bytes
 
 
-def activation_bytes(shape: EncoderShape, tokens: int, degree: int, act_bytes: int) -> int:
+def activation_bytes(
+    shape: EncoderShape, tokens: int, degree: int, act_bytes: int, tiles: int | str = 1
+) -> int:
     """Saved bytes on one rank while ``tokens`` tokens of the whole sequence are in
-    flight (it holds ``tokens / degree``; it permutes pixels, not an index)."""
-    per_token = (shape.input_elems + shape.depth * block_elems(shape) + shape.head_act) / degree
-    return int(tokens * per_token * act_bytes) + fp32_internal_bytes(
-        shape, tokens / degree, tokens / degree, act_bytes
+    flight (it holds ``tokens / degree``; it permutes pixels, not an index). ``tiles``:
+    ``mlp_tiles``, the MLPs on the rank's own rows (:func:`disagg.kit.cost.rules.tile_peak_bytes`:
+    one tile of all its rows in flight, an upper bound where images are encoded one by one)."""
+    per_token = (shape.input_elems + shape.depth * block_elems(shape, tiles) + shape.head_act) / degree
+    tile = tile_peak_bytes(shape, -(-tokens // degree), act_bytes, tiles)
+    return (
+        int(tokens * per_token * act_bytes)
+        + tile
+        + fp32_internal_bytes(shape, tokens / degree, tokens / degree, act_bytes)
     )
 
 
@@ -66,12 +78,17 @@ def replay(shape: EncoderShape, w: Workload, mode: str) -> tuple[dict[str, int],
     )
 
 
-def estimate(query: CostQuery, shard: str = "none", offload: bool = False) -> Cost | None:
+def estimate(
+    query: CostQuery, shard: str = "none", offload: bool = False, overlap: bool = False, tiles: int | str = 1
+) -> Cost | None:
     """Nothing for a decoder: ``ulysses`` shards encoder towers only. ``shard``:
     ``parallel.<module>.shard`` (:mod:`disagg.kit.sharding`), exact in the state term;
     the sharded state's own collectives (:func:`disagg.kit.sharding.step_comm`) are the
     libraries' (not counted at run time), so then only the state is marked exact. ``offload``:
-    ``offload: optimizer`` (:func:`disagg.kit.sharding.cost.with_offload`)."""
+    ``offload: optimizer`` (:func:`disagg.kit.sharding.cost.with_offload`). The gradient
+    reduction's flat bucket is ``ddp``'s (the base class's reduction:
+    :func:`disagg.kit.cost.grad_buckets.grad_bucket_bytes`, ``overlap``: ``overlap_grad_reduce``).
+    ``tiles``: ``mlp_tiles`` (:mod:`disagg.kit.cost.tiled_mlp`)."""
     shape = query.shape
     if not isinstance(shape, EncoderShape):
         return None
@@ -98,16 +115,18 @@ def estimate(query: CostQuery, shard: str = "none", offload: bool = False) -> Co
     act = with_recompute(
         shape,
         mode,
-        activation_bytes(shape, tokens, d, w.act_bytes),
+        activation_bytes(shape, tokens, d, w.act_bytes, tiles),
         w.act_bytes,
         full_held=held,
         selective_held=held,
-        layer_bytes=lambda one: activation_bytes(one, tokens, d, w.act_bytes),  # type: ignore[arg-type]
+        layer_bytes=lambda one: activation_bytes(one, tokens, d, w.act_bytes, tiles),  # type: ignore[arg-type]
     )
     if mode != "full":  # under full recompute a block's adapters save only while it replays
         act += cost_training.adapter_activation_bytes(tr, held, w.act_bytes)
     work = train_flops(shape, query.seq_len) + cost_training.flops_delta(tr, query.seq_len)
-    work += extra_flops(shape, query.seq_len, work, mode)
+    work += extra_flops(shape, query.seq_len, work, mode) + tiled_mlp.replay_flops(
+        shape, query.seq_len, tiles
+    )
     split = Split(tokens=d)
     base = strategy_compute(shape, query.seq_len, split, w.act_bytes, "none")
     cost = assemble(
@@ -120,9 +139,18 @@ def estimate(query: CostQuery, shard: str = "none", offload: bool = False) -> Co
         share=d,
         sent_bytes=transfer_bytes(w, split=d),
         # dense layers on 1/d of the tokens at full width, attention on all of them for 1/d of the heads
-        compute=cost_training.compute_delta(base, tr, query.seq_len, split).with_recompute(mode),
+        compute=tiled_mlp.replay_compute(
+            cost_training.compute_delta(base, tr, query.seq_len, split).with_recompute(mode),
+            shape,
+            query.seq_len,
+            split,
+            tiles,
+        ),
         exact=("state_bytes", "comm_bytes") if shard == "none" else ("state_bytes",),
         replay=replay(shape, w, mode),
+    )
+    cost = replace(
+        cost, buffer_bytes=grad_bucket_bytes(numels, w.grad_bytes, w.world, shard, offload, overlap)
     )
     if not offload:
         return cost

@@ -32,7 +32,7 @@ from disagg.interfaces import (
 )
 from disagg.kit import Strategy
 from disagg.kit.offload import offloaded, offloads_activations
-from disagg.kit.recompute import Recompute
+from disagg.kit.recompute import Recompute, tiled_mlp
 from disagg.kit.recompute.rng import ShardRNG
 from disagg.kit.sharding import shard_problems
 from disagg_vision_sp.ulysses import attention
@@ -47,6 +47,8 @@ class UlyssesStrategy(Strategy):
     #: every rank holds the whole tower: gradients summed by the default reduction (overlap
     #: optional), or its state sharded over the group (``shard``, disagg.kit.sharding)
     options_model: ClassVar[type[StrategyOptions]] = ReplicatedOptions
+    #: a rank's MLPs run on its own sequence shard (attention alone exchanges tokens): tiles of it
+    mlp_tiles_support: ClassVar[bool] = True
 
     @classmethod
     def check(cls, family: Family, degree: int, replicas: int, options: StrategyOptions) -> list[str]:
@@ -80,10 +82,12 @@ class UlyssesStrategy(Strategy):
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         """Ordered steps: sequence-parallel attention -> its dropout stream -> recompute ->
-        the sharded state (``parallel.<module>.shard``)."""
+        the MLPs in row tiles (``parallel.<module>.mlp_tiles``) -> the sharded state
+        (``parallel.<module>.shard``)."""
         self.apply_sequence_parallel(module)
         self.apply_dropout_stream()
         self.apply_recompute(module)
+        tiled_mlp.apply(module, self.family.layer_map(), self.options.mlp_tiles, self.recompute.tile)
         return self.shard_state(module)
 
     def apply_sequence_parallel(self, module: nn.Module) -> None:
@@ -222,7 +226,13 @@ class UlyssesStrategy(Strategy):
         """Exact bytes for encoder towers (:mod:`disagg_vision_sp.ulysses.cost`); nothing for decoders."""
         from disagg_vision_sp.ulysses import cost
 
-        return cost.estimate(query, getattr(options, "shard", "none"), offloaded(options))
+        return cost.estimate(
+            query,
+            getattr(options, "shard", "none"),
+            offloaded(options),
+            getattr(options, "overlap_grad_reduce", False),
+            getattr(options, "mlp_tiles", 1),
+        )
 
     @classmethod
     def option_variants(cls) -> list[dict[str, Any]]:

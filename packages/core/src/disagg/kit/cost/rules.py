@@ -49,6 +49,7 @@ from dataclasses import replace
 from disagg.interfaces.cost import GRAD_BYTES, Workload
 from disagg.interfaces.shapes import DecoderShape, EncoderShape, ParamTensor, Shape
 from disagg.interfaces.strategy import DEFAULT_CHUNK_TOKENS
+from disagg.kit.cost import tiled_mlp
 from disagg.kit.grads.buckets import bucket_sizes
 
 STATE_BYTES_PER_ELEMENT = 16  # fp32 parameter, gradient, exp_avg, exp_avg_sq
@@ -121,11 +122,21 @@ def state_bytes(
 
 
 # -- saved activations ---------------------------------------------------------------------------
-def block_elems(shape: Shape) -> int:
-    """Saved elements per token of one block (layer) held whole."""
+def block_elems(shape: Shape, tiles: int | str = 1) -> int:
+    """Saved elements per token of one block (layer) held whole; with ``mlp_tiles``
+    (:mod:`disagg.kit.cost.tiled_mlp`) the MLP keeps its input only (``H``), its intermediates
+    being one tile's peak (:func:`tile_peak_bytes`)."""
     h, i, hd, heads = shape.hidden, shape.intermediate, shape.head_dim, shape.heads
     mlp_in, mlp_mid = (shape.mlp_in, shape.mlp_mid) if isinstance(shape, EncoderShape) else (2, 4)
+    if tiled_mlp.enabled(tiles):
+        return 13 * h + 4 * hd + heads + 4
     return (12 + mlp_in) * h + 4 * hd + heads + 4 + mlp_mid * i
+
+
+def tile_peak_bytes(shape: Shape, rows: int, act_bytes: int, tiles: int | str = 1) -> int:
+    """One tile's MLP saves while it is replayed, on a rank whose MLPs read ``rows`` rows at a
+    time whole (0 without tiles)."""
+    return int(tiled_mlp.saves(shape, rows, tiles, shape.intermediate).peak * act_bytes)
 
 
 #: towers whose HF code computes RMSNorm and the vision rotary in fp32 whatever the compute dtype
@@ -152,10 +163,14 @@ def fp32_internal_bytes(shape: Shape, norm_tokens: float, rope_tokens: float, ac
     return int(norms * norm_tokens * (2 * shape.hidden + 2) * up + rope)
 
 
-def encoder_activation_bytes(shape: EncoderShape, tokens: int, act_bytes: int) -> int:
-    """Saved bytes of a whole tower on a rank holding ``tokens`` tokens of it."""
-    per_token = shape.input_elems + shape.depth * block_elems(shape) + shape.head_act
-    extra = fp32_internal_bytes(shape, tokens, tokens, act_bytes)
+def encoder_activation_bytes(shape: EncoderShape, tokens: int, act_bytes: int, tiles: int | str = 1) -> int:
+    """Saved bytes of a whole tower on a rank holding ``tokens`` tokens of it (with ``tiles``, one
+    tile's replay on top, its rows cut from all ``tokens``: an upper bound where images are encoded
+    one by one)."""
+    per_token = shape.input_elems + shape.depth * block_elems(shape, tiles) + shape.head_act
+    extra = fp32_internal_bytes(shape, tokens, tokens, act_bytes) + tile_peak_bytes(
+        shape, tokens, act_bytes, tiles
+    )
     return int(tokens * per_token * act_bytes) + shape.window_index_bytes(tokens) + extra
 
 
@@ -170,22 +185,36 @@ def logits_bytes(vocab: int, tokens: int, chunk: int | None = DEFAULT_CHUNK_TOKE
     return 2 * vocab * 4 * loss_tokens(tokens, chunk)
 
 
+def with_peaks(logits: int, tile: int, tokens: int, chunk: int | None = DEFAULT_CHUNK_TOKENS) -> int:
+    """The loss's ``logits`` and an MLP tile's replayed saves (``tile``) on top of what is held:
+    one loss chunk (``tokens <= chunk``) is not replayed, its logits are held with the rest;
+    several are each replayed at the start of backward, never at once with a tile's replay."""
+    return logits + tile if loss_tokens(tokens, chunk) == tokens else max(logits, tile)
+
+
 def decoder_activation_bytes(
-    shape: DecoderShape, tokens: int, act_bytes: int, chunk: int | None = DEFAULT_CHUNK_TOKENS
+    shape: DecoderShape,
+    tokens: int,
+    act_bytes: int,
+    chunk: int | None = DEFAULT_CHUNK_TOKENS,
+    tiles: int | str = 1,
 ) -> int:
     """Saved bytes of a whole decoder for ``tokens`` tokens in one forward (an estimate):
-    every layer's and the head's input for every token, the logits of one loss chunk."""
-    per_token = shape.layers * block_elems(shape) + 4 * shape.hidden
+    every layer's and the head's input for every token, the logits of one loss chunk (with
+    ``tiles``: one MLP tile's replay on top, :func:`with_peaks`)."""
+    per_token = shape.layers * block_elems(shape, tiles) + 4 * shape.hidden
     extra = fp32_internal_bytes(shape, tokens, 0, act_bytes)
-    return int(tokens * per_token * act_bytes) + logits_bytes(shape.vocab, tokens, chunk) + extra
+    logits = logits_bytes(shape.vocab, tokens, chunk)
+    tile = tile_peak_bytes(shape, tokens, act_bytes, tiles)
+    return int(tokens * per_token * act_bytes) + with_peaks(logits, tile, tokens, chunk) + extra
 
 
 def activation_bytes(
-    shape: Shape, tokens: int, act_bytes: int, chunk: int | None = DEFAULT_CHUNK_TOKENS
+    shape: Shape, tokens: int, act_bytes: int, chunk: int | None = DEFAULT_CHUNK_TOKENS, tiles: int | str = 1
 ) -> int:
     if isinstance(shape, EncoderShape):
-        return encoder_activation_bytes(shape, tokens, act_bytes)
-    return decoder_activation_bytes(shape, tokens, act_bytes, chunk)
+        return encoder_activation_bytes(shape, tokens, act_bytes, tiles)
+    return decoder_activation_bytes(shape, tokens, act_bytes, chunk, tiles)
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------
@@ -279,16 +308,21 @@ def with_recompute(
 
 
 def replica_activation_bytes(
-    shape: Shape, mode: str, tokens: int, act_bytes: int, chunk: int | None = DEFAULT_CHUNK_TOKENS
+    shape: Shape,
+    mode: str,
+    tokens: int,
+    act_bytes: int,
+    chunk: int | None = DEFAULT_CHUNK_TOKENS,
+    tiles: int | str = 1,
 ) -> int:
     """Saved bytes of a rank that runs the whole module on its own ``tokens`` (``ddp``, ``zero``:
-    no activation split across ranks) under recompute ``mode``."""
+    no activation split across ranks) under recompute ``mode`` (``tiles``: ``mlp_tiles``)."""
     return with_recompute(
         shape,
         mode,
-        activation_bytes(shape, tokens, act_bytes, chunk),
+        activation_bytes(shape, tokens, act_bytes, chunk, tiles),
         act_bytes,
         full_held=tokens,
         selective_held=tokens,
-        layer_bytes=lambda one: activation_bytes(one, tokens, act_bytes, chunk),
+        layer_bytes=lambda one: activation_bytes(one, tokens, act_bytes, chunk, tiles),
     )

@@ -132,6 +132,15 @@ class Recompute:
     def checkpoint(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` keeping only its inputs; replayed in backward
         with the forward's random streams, autocast and captured state."""
+        return self._checkpoint("", fn, *args, **kwargs)
+
+    def tile(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """:meth:`checkpoint` for a region replayed inside a block's backward (one tile of its
+        MLP, :mod:`disagg.kit.recompute.tiled_mlp`): its replay's saves are counted on top of
+        the block's replayed ones."""
+        return self._checkpoint("inner", fn, *args, **kwargs)
+
+    def _checkpoint(self, scope: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
 
@@ -143,7 +152,7 @@ class Recompute:
             enter: list[Callable[[], Any]] = [functools.partial(rng.replay, snap) for rng, snap in snaps]
             enter += replays
             if sink is not None:
-                enter.append(sink.transient)
+                enter.append(functools.partial(sink.transient, scope))
             return _Inside(), _Inside(replay=True, enter=enter)
 
         return torch.utils.checkpoint.checkpoint(
@@ -160,11 +169,11 @@ class Recompute:
         """One transformer block under ``full`` (:meth:`checkpoint`), its kept inputs in host
         memory until the replay when ``offload`` is on."""
         if not self.offload or not torch.is_grad_enabled():
-            return self.checkpoint(fn, *args, **kwargs)
+            return self._checkpoint("block", fn, *args, **kwargs)
         from disagg.kit.recompute.offload import OffloadedInputs
 
         with OffloadedInputs():
-            return self.checkpoint(fn, *args, **kwargs)
+            return self._checkpoint("block", fn, *args, **kwargs)
 
     def attention(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """An attention core: checkpointed under ``selective``, run as is otherwise."""

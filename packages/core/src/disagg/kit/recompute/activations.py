@@ -50,6 +50,8 @@ class SavedBytes(contextlib.AbstractContextManager):
         self.module, self.add, self.peak, self.host = module, add, peak, host
         self._params: set[int] | None = None
         self._stack: list[tuple[Any, Any]] = []
+        #: what the last recomputed block's replay saved (alive through that block's backward)
+        self.block_replayed = 0
 
     def is_param(self, t: torch.Tensor) -> bool:
         if isinstance(t, nn.Parameter):
@@ -81,10 +83,16 @@ class SavedBytes(contextlib.AbstractContextManager):
         hooks.__exit__(*exc)
 
     @contextlib.contextmanager
-    def transient(self) -> Iterator[None]:
-        """Around one checkpointed block's replay: count what it saves (chained
+    def transient(self, scope: str = "") -> Iterator[None]:
+        """Around one checkpointed region's replay: count what it saves (chained
         to torch's recomputation hook, which must still receive every save) and
-        report it as a peak on top of what is held."""
+        report it as a peak on top of what is held.
+
+        ``scope``: ``block`` for a recomputed block, whose replayed saves stay alive
+        while backward runs through the block; ``inner`` for a region replayed in
+        that backward (a tile of the block's MLP, :mod:`disagg.kit.recompute.tiled_mlp`),
+        whose peak is on top of its block's replayed saves too (the MLP is the block's
+        last part, so its backward runs first, with every replayed save still held)."""
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         inner = top(False) if top is not None else None
         if inner is None or self.peak is None:
@@ -101,7 +109,9 @@ class SavedBytes(contextlib.AbstractContextManager):
 
         with torch.autograd.graph.saved_tensors_hooks(pack, inner_unpack):
             yield
-        self.peak(held)
+        if scope == "block":
+            self.block_replayed = held
+        self.peak(held + (self.block_replayed if scope == "inner" else 0))
 
 
 def saved_bytes_hooks(
