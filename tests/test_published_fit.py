@@ -5,9 +5,10 @@ optimizer offload's device/host split and seconds (:mod:`disagg.kit.cost.offload
 parallelism's K/V exchange, attention and state (:mod:`disagg.kit.cost.context_parallel`,
 :mod:`disagg.plan.extended`), and the fit search's edge.
 
-No goal is asserted here: whether DHP fits 128k or 1M vision tokens, and whether ZeRO-3 runs out of
-memory where the paper saw it, are the model's output, printed met / not met by the bench
-(``fit_goal_lines``). Pure computation."""
+The goals (DHP at 128k with fp32 masters, 1M under ``bf16-pure``, ZeRO-3 where the paper saw it) are
+the model's output, printed met / not met by the bench (``fit_goal_lines``); one is asserted
+(:func:`test_dhp_fits_a_million_vision_tokens_in_bf16_pure_with_tiled_mlps`, issue 38's last
+must-show) after its terms are checked by hand. Pure computation."""
 
 from __future__ import annotations
 
@@ -377,3 +378,56 @@ def test_terms_list_the_buffers():
         ("llm activations", 2),
         ("vision activations", 1),
     ]
+
+
+# -- sequence-tiled MLPs (parallel.<module>.mlp_tiles) -------------------------------------------
+def test_tiles_take_the_mlp_out_of_the_llm_s_block_by_hand(strategies):
+    """The published LLM at TP 8 + SP, 1M vision tokens (``T`` = 262,656 LLM tokens, ``c = T/8``
+    per rank), bf16: ``mlp_tiles: auto`` keeps per layer the MLP's input shard (``H`` on ``c``)
+    instead of the gate/up input shards (``2H`` on ``c``) and SwiGLU's ``4·I/8`` on ``T``; one
+    tile's replay is a peak: ``8 x ceil(c / ceil(T / H))`` gathered rows of ``2H + 4·I/8``. Both
+    the activations (one block under full recompute with offload all) and the backward transient
+    (one block's saves) fall by exactly that, computed here from the shape alone."""
+    from disagg.bench.published import QWEN2_5_VL_32B, TEXT_TOKENS
+    from disagg.bench.published_fit import FIT_LAYOUTS, device_groups
+    from disagg.plan.published import published_shapes
+
+    llm = published_shapes(QWEN2_5_VL_32B)["llm"]
+    h, i = llm.hidden, llm.intermediate
+    n = 1024 * 1024
+    t = n // 4 + TEXT_TOKENS
+    c = -(-t // 8)
+    tiles = -(-8 * c // h)  # auto: a gathered tile of about H rows
+    rows = 8 * -(-c // tiles)
+    saved = 2 * (2 * h * c + 4 * (i // 8) * t - h * c)  # per layer, bf16
+    peak = 2 * rows * (2 * h + 4 * (i // 8))
+    # the loss chunk's replay (1024 rows: their bf16 input, fp32 logits of V/8, masks) is a peak
+    # too, never at once with a tile's: the larger one counts
+    loss = 2 * 1024 * h + 4 * 1024 * (llm.vocab // 8) + 10 * 1024
+    assert peak > loss
+    base, _ = device_groups(FIT_LAYOUTS["dhp_sp"], n, "bf16-pure+all", strategies)
+    tiled, groups = device_groups(FIT_LAYOUTS["dhp_sp"], n, "bf16-pure+all+tiles", strategies)
+    assert base.terms["llm activations"] - tiled.terms["llm activations"] == saved - peak + loss
+    assert base.terms["transient"] - tiled.terms["transient"] == saved - peak + loss
+    assert base.terms["llm state"] == tiled.terms["llm state"]
+    # the replay's MLP forward: 2 x 3 x H x I FLOPs per token and layer, per sample
+    assert (
+        groups["llm"].cost.flops
+        > device_groups(FIT_LAYOUTS["dhp_sp"], n, "bf16-pure+all", strategies)[1]["llm"].cost.flops
+    )
+
+
+def test_dhp_fits_a_million_vision_tokens_in_bf16_pure_with_tiled_mlps(strategies):
+    """Issue 38's last must-show: DHP (``ulysses`` 8 tower + ``megatron_tp`` 8 + SP LLM, recompute
+    full, ``offload: all``, every MLP in ``auto`` tiles) fits 1,000,000 vision tokens per image in
+    ``bf16-pure`` at 90% of 80 GB; ZeRO-3 is not predicted with tiles (``zero`` refuses them) and
+    the same DHP without tiles stays below 1M (the tiles are what get it there)."""
+    from disagg.bench.published_fit import longest_fit
+
+    budget = int(0.9 * 80 * GB)
+    fit = longest_fit("dhp_sp", "bf16-pure+all+tiles", budget, strategies)
+    assert fit.longest is not None and fit.longest >= 1_000_000, fit.reason
+    assert fit.to_dict(0.9)["mlp_tiles"] == "auto" and fit.to_dict(0.9)["offload"] == "all"
+    assert longest_fit("dhp_sp", "bf16-pure+all", budget, strategies).longest < 1_000_000
+    zero = longest_fit("zero3", "bf16+all+tiles", budget, strategies)
+    assert zero.longest is None and "sequence-tiled" in zero.reason

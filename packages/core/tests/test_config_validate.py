@@ -94,7 +94,7 @@ def test_many_problems_are_collected(reg, workdir):
     assert "did you mean 'chunks'" in found["parallel.vision.chunkz"]
     allowed = (
         "allowed: strategy, degree, replicas, context_parallel, ranks, resources, recompute, "
-        "loss_chunk_tokens, offload, feature_cache, feature_cache_gb, feature_cache_dir, "
+        "loss_chunk_tokens, offload, mlp_tiles, feature_cache, feature_cache_gb, feature_cache_dir, "
         "feature_cache_ahead, chunks"
     )
     assert allowed in found["parallel.vision.chunkz"]
@@ -406,3 +406,25 @@ def test_activation_offload_needs_full_recompute(reg, workdir):
     cfg["parallel"]["llm"].update(offload="all", recompute="full", overlap_grad_reduce=True)
     got = "\n".join(problems(workdir, cfg).values())
     assert "offload: optimizer cannot be combined with overlap_grad_reduce: true" in got, got
+
+
+def test_mlp_tiles_refused_by_strategy_family_and_value(reg, workdir):
+    """``parallel.<m>.mlp_tiles`` (:mod:`disagg.kit.recompute.tiled_mlp`): a strategy without
+    ``mlp_tiles_support`` (``cfgtest_sp``) and a family that declares no MLP modules (``cfgtest``,
+    under ``ddp``) are refused naming the key and what is allowed; so is a value that is neither a
+    positive int nor ``auto``; 1 (off) is fine everywhere."""
+    cfg = base()
+    cfg["parallel"]["vision"]["mlp_tiles"] = 4
+    cfg["parallel"]["llm"]["mlp_tiles"] = "auto"
+    cfg["parallel"]["llm"]["strategy"] = "ddp"
+    got = problems(workdir, cfg)
+    assert "strategy 'cfgtest_sp' does not run sequence-tiled MLPs" in got["parallel.vision.mlp_tiles"]
+    assert "allowed: 1, or strategy ddp, ulysses, megatron_tp" in got["parallel.vision.mlp_tiles"]
+    assert "declares no per-token MLP modules (LayerMap.mlp)" in got["parallel.llm.mlp_tiles"]
+    assert "c.yaml" in got["parallel.llm.mlp_tiles"]
+    cfg["parallel"]["vision"]["mlp_tiles"] = 1
+    cfg["parallel"]["llm"]["mlp_tiles"] = 0
+    got = problems(workdir, cfg)["parallel.llm.mlp_tiles"]
+    assert "0 is not a number of tiles; allowed: a positive integer (1: off) or 'auto'" in got
+    cfg["parallel"]["llm"].pop("mlp_tiles")
+    assert check(workdir, cfg).modules["vision"].options.mlp_tiles == 1

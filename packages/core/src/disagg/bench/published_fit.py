@@ -390,6 +390,7 @@ FIT_GOALS: tuple[tuple[str, str, int], ...] = (
     ("dhp", "bf16-pure", 1_000_000),
     ("dhp", "bf16-pure+offload", 1_000_000),
     ("dhp", "bf16-pure+all", 1_000_000),
+    ("dhp", "bf16-pure+all+tiles", 1_000_000),
 )
 
 

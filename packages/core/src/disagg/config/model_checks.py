@@ -112,7 +112,9 @@ def resolve_module(
         )
         return None
     before = len(out)
-    if tiled_mlp.enabled(getattr(options, "mlp_tiles", 1)):
+    if tiled_mlp.enabled(getattr(options, "mlp_tiles", 1)) and getattr(
+        strategy_cls, "mlp_tiles_support", False
+    ):
         try:
             lmap = family.layer_map()
         except Exception:  # the strategy's own check below reports a family it cannot split

@@ -117,6 +117,14 @@ class GroupConfig(BaseModel):
     waits for the encoder (0: only the current batch; each batch ahead holds its outputs in the
     cache a step earlier)."""
 
+    @field_validator("mlp_tiles", mode="before")
+    @classmethod
+    def _tiles(cls, v: Any) -> Any:
+        # one message for the union (pydantic would report each of its members apart)
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError(f"{v!r} is not a number of tiles; allowed: a positive integer (1: off) or 'auto'")
+
     def strategy_options(self) -> dict[str, Any]:
         """The strategy's own keys, plus core's keys applied by the strategy (``recompute``,
         ``loss_chunk_tokens``, ``offload``, ``mlp_tiles``)."""
