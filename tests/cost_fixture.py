@@ -48,6 +48,14 @@ optimizer`` gained ``buffer_bytes`` (25.7 MB for the published tower) and their 
 moved, and with them the memory of the layouts with such a group; no other estimate moved,
 ``bench --predict``'s rows did not, no layout's fit flipped and every plan's best layout is the
 same (checked by diffing the old and new file).
+
+Re-recorded when ``ulysses`` began counting its gradient reduction's flat bucket as ``ddp`` does
+(``Cost.buffer_bytes``, :func:`disagg.kit.cost.grad_buckets.grad_bucket_bytes`, issue 38's
+cost-model leftovers; ``mlp_tiles`` added nothing here, it is off by default): the ulysses
+estimates gained ``buffer_bytes`` and their ``memory_bytes`` moved, and with them the memory of
+the layouts holding a ``ulysses`` group (and the order of equal-time rows); no other estimate
+moved, no layout's fit flipped and every plan's best layout is the same (checked by diffing the
+old and new file).
 """
 
 from __future__ import annotations
