@@ -45,6 +45,9 @@ class Video:
     fps: float
     #: file name, for errors
     path: str
+    #: the rate asked for (``data.video_fps``): Qwen2.5-Omni's processor sets MRoPE's time axis
+    #: from it (``video_second_per_grid = temporal_patch_size / fps``), not from the sampled rate
+    requested_fps: float = 2.0
 
     @property
     def sampled_fps(self) -> float:
@@ -135,7 +138,7 @@ def load_video(
         return _resample(
             path, decoded, video_fps, sampler, fps=fps, max_frames=max_frames, factor=factor, name=name
         )
-    return Video(np.stack([frames[i] for i in wanted]), wanted, total, video_fps, name)
+    return Video(np.stack([frames[i] for i in wanted]), wanted, total, video_fps, name, fps)
 
 
 def _resample(
@@ -158,4 +161,4 @@ def _resample(
         for k, frame in enumerate(container.decode(video=0)):
             if k in keep:
                 frames[k] = frame.to_ndarray(format="rgb24")
-    return Video(np.stack([frames[i] for i in wanted]), wanted, total, video_fps, name)
+    return Video(np.stack([frames[i] for i in wanted]), wanted, total, video_fps, name, fps)
