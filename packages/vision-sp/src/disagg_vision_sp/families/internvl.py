@@ -25,17 +25,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import AttentionScope, EncoderFamily, LayerMap, SeqLayout, UlyssesFamily
-from disagg.kit.hf import (
-    check_attn_implementation,
-    checkpoint_keys,
-    empty_from_config,
-    find_prefix,
-    quiet_transformers,
+from disagg.interfaces import AttentionScope, LayerMap, SeqLayout
+from disagg.kit.hf import check_attn_implementation
+from disagg_vision_sp.families.common import (
+    TowerProjectorFamily,
+    check_model_type,
+    image_processor,
+    load_image,
 )
-from disagg_vision_sp.families.common import check_model_type, image_processor, load_image
-
-_PREFIXES = ("", "model.")
 
 
 def _encoder_class() -> type:
@@ -66,12 +63,11 @@ def pixel_shuffle(features: torch.Tensor, ratio: float) -> torch.Tensor:
     return InternVLModel.pixel_shuffle(None, features, scale_factor=ratio)  # type: ignore[arg-type]
 
 
-class InternVLVision(UlyssesFamily, EncoderFamily):
+class InternVLVision(TowerProjectorFamily):
     """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
 
     name: ClassVar[str] = "internvl"
-
-    modality: ClassVar[str] = "image"
+    encoder_class = staticmethod(_encoder_class)
 
     @classmethod
     def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
@@ -79,17 +75,7 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
 
         return internvl_shape(config)
 
-    # -- config ---------------------------------------------------------------------------------
-    def config(self) -> Any:
-        if getattr(self, "_config", None) is None:
-            from transformers import AutoConfig
-
-            self._config = AutoConfig.from_pretrained(self.path)
-        return self._config
-
-    def hidden_size(self) -> int:
-        return int(self.config().text_config.hidden_size)
-
+    # -- config (read once: TowerProjectorFamily) -----------------------------------------------
     def _factor(self) -> int:
         """Patch rows (and columns) one shuffled row merges: ``1 / downsample_ratio``."""
         return round(1 / float(self.config().downsample_ratio))
@@ -130,36 +116,7 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
             )
         return problems
 
-    # -- building -------------------------------------------------------------------------------
-    def _attn(self) -> str:
-        return self.options.get("attn_implementation", "sdpa")
-
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        with quiet_transformers():
-            return _encoder_class().from_pretrained(
-                self.path,
-                key_mapping={
-                    r"^model\.vision_tower\.": "vision_tower.",
-                    r"^model\.multi_modal_projector\.": "multi_modal_projector.",
-                },
-                dtype=dtype,
-                attn_implementation=self._attn(),
-            )
-
-    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """``build()``'s tower and projector on the meta device (sharding strategies read
-        only their own slices)."""
-        return empty_from_config(
-            _encoder_class(), self.config(), dtype=dtype, attn_implementation=self._attn()
-        )
-
-    def checkpoint_name(self, name: str) -> str:
-        # the inverse of build()'s key_mapping: the dir's own prefix (transformers 5 adds "model.")
-        if getattr(self, "_prefix", None) is None:
-            probe = "multi_modal_projector.linear_1.weight"
-            self._prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)
-        return self._prefix + name
-
+    # -- building (build, build_empty, checkpoint_name, parts: TowerProjectorFamily) ------------
     def layer_map(self) -> LayerMap:
         layers = "vision_tower.encoder.layer.*"
         attn = f"{layers}.attention"
@@ -194,12 +151,6 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
             ),
             no_split=no_split,
         )
-
-    def parts(self) -> dict[str, tuple[str, ...]]:
-        return {"tower": ("vision_tower.*",), "projector": ("multi_modal_projector.*",)}
-
-    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.checkpoint_name(k): v for k, v in state.items()}
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
