@@ -261,3 +261,19 @@ def _export_loads_in_the_thinker(tmp: Path, trained: dict) -> None:
     assert set(params) == set(trained)
     for name, value in trained.items():
         assert torch.equal(params[name], value), f"{name}: the exported thinker holds another tensor"
+
+
+@pytest.mark.parametrize("module", ["vision", "llm"])
+def test_audio_in_video_is_refused_by_name(omni, tmp_path, module):
+    """``use_audio_in_video`` (the video's own audio track interleaved with its frames) is
+    refused before any actor starts, naming the option and what to do instead."""
+    from disagg.config.validate import ConfigError, validate
+    from disagg.plugins import get_registry
+
+    cfg = _config(omni, tmp_path / "run", {m: {"strategy": "ddp"} for m in MODULES})
+    spec = getattr(cfg.model, module)
+    spec.options = {**spec.options, "use_audio_in_video": True}
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, get_registry())
+    msg = str(err.value)
+    assert f"model.{module}.options.use_audio_in_video" in msg and "<audio>" in msg, msg
