@@ -15,6 +15,10 @@ positions and the CLS position are rows the family computes (zeros) but the LLM 
 receives (``row_sample`` -1). That keeps one row per token (``unit`` 1: a tile's
 ``1 + g²`` tokens are not a multiple of ``f²``) at the cost of a zero-filled output
 buffer ``f²`` times the rows sent.
+
+Video: every sampled frame is one more tile (``InternVLVideoProcessor``: resized to the tile
+size, no cropping; frames sampled as its ``sample_frames``), after the sample's image tiles;
+the LLM family writes ``Frame{i}: <img>...</img>`` per frame at the same image tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -68,6 +73,9 @@ class InternVLVision(TowerProjectorFamily):
 
     name: ClassVar[str] = "internvl"
     encoder_class = staticmethod(_encoder_class)
+    #: video frames are tiles (``InternVLProcessor``: ``Frame{i}: <img>...</img>`` per frame)
+    reads_video: ClassVar[bool] = True
+    video_sampling: ClassVar[str] = "internvl"
 
     @classmethod
     def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
@@ -167,12 +175,47 @@ class InternVLVision(TowerProjectorFamily):
         tiles = torch.as_tensor(out["num_patches"], dtype=torch.long).reshape(-1)
         return {"pixel_values": out["pixel_values"].to(torch.float32), "num_patches": tiles}
 
+    def preprocess_video(self, videos: list[Any], **limits: int) -> dict[str, torch.Tensor]:
+        """Every sampled frame as one tile, as ``InternVLVideoProcessor`` makes it: resized to the
+        tile size (bicubic; PIL here, torchvision there, so pixels may differ by resampling
+        rounding), rescaled and normalized with the image processor's mean and std; no cropping
+        into several tiles, no thumbnail."""
+        if limits:
+            raise ValueError(
+                f"{', '.join('data.video_' + k for k in sorted(limits))}: family 'internvl' resizes "
+                "every frame to one tile; remove them (bound a video with data.video_max_frames)"
+            )
+        from PIL import Image
+
+        proc = image_processor(str(self.path))
+        side = int(self.config().vision_config.image_size[0])  # the tower's tile
+        frames = [
+            np.asarray(Image.fromarray(f).resize((side, side), Image.Resampling.BICUBIC))
+            for v in videos
+            for f in v.frames
+        ]
+        x = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).to(torch.float32) * float(
+            proc.rescale_factor
+        )
+        mean = torch.tensor(proc.image_mean, dtype=torch.float32)[None, :, None, None]
+        std = torch.tensor(proc.image_std, dtype=torch.float32)[None, :, None, None]
+        counts = torch.tensor([len(v.frames) for v in videos], dtype=torch.long)
+        return {"pixel_values_videos": (x - mean) / std, "video_frames": counts}
+
     def _tile_rows(self) -> int:
         """LLM rows of one tile (``image_seq_length`` in a published dir)."""
         return (self._grid() // self._factor()) ** 2
 
     def num_tokens(self, inputs: dict[str, torch.Tensor]) -> list[int]:
-        return [int(n) * self._tile_rows() for n in inputs["num_patches"].reshape(-1)]
+        # a sample's images (tiles each), then its videos (frames each): the rows' order
+        items = [inputs[k].reshape(-1) for k in ("num_patches", "video_frames") if k in inputs]
+        return [int(n) * self._tile_rows() for n in torch.cat(items)]
+
+    @staticmethod
+    def tiles(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A sample's tiles: its images', then its videos' frames (one tile each)."""
+        parts = [inputs[k] for k in ("pixel_values", "pixel_values_videos") if k in inputs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _project(self, module: nn.Module, bands: torch.Tensor) -> torch.Tensor:
         """Patch tokens ``[n_bands, f·g, C]`` (whole bands) -> LLM rows ``[n_bands·g/f, out]``."""
@@ -181,7 +224,7 @@ class InternVLVision(TowerProjectorFamily):
         return module.multi_modal_projector(shuffled.reshape(-1, shuffled.shape[-1]))
 
     def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = inputs["pixel_values"].to(module.device, module.dtype)
+        pixels = self.tiles(inputs).to(module.device, module.dtype)
         features = module.vision_tower(pixel_values=pixels, return_dict=True).last_hidden_state[:, 1:]
         f, g = self._factor(), self._grid()
         return self._project(module, features.reshape(-1, f * g, features.shape[-1]))
@@ -193,7 +236,7 @@ class InternVLVision(TowerProjectorFamily):
     def ulysses_layout(self, inputs: list[dict[str, torch.Tensor]]) -> SeqLayout:
         f, g = self._factor(), self._grid()
         per_tile, band, out_per_band = 1 + g * g, f * g, g // f
-        tiles = [int(x["pixel_values"].shape[0]) for x in inputs]
+        tiles = [int(self.tiles(x).shape[0]) for x in inputs]
         n = sum(tiles) * per_tile
         # within a tile: the CLS token, then g/f bands; a band's first g/f positions carry its rows
         in_tile = torch.arange(n) % per_tile
@@ -230,7 +273,7 @@ class InternVLVision(TowerProjectorFamily):
     ) -> torch.Tensor:
         p = layout.extra["per_tile"]
         first, last = lo // p, -(-hi // p)  # tiles overlapping [lo, hi)
-        pixels = torch.cat([x["pixel_values"] for x in inputs])[first:last].to(module.device, module.dtype)
+        pixels = torch.cat([self.tiles(x) for x in inputs])[first:last].to(module.device, module.dtype)
         tower = module.vision_tower
         # CLS + patch + position embeddings are per token: embed the overlapping tiles, keep ours
         hidden = tower.embeddings(pixels)
