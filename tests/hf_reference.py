@@ -184,6 +184,38 @@ def assert_run_matches(
     return losses
 
 
+def assert_run_matches_reference(
+    run_dir: Path, reference: ReferenceRun, train: Any, model_cls: type, what: str
+) -> dict[str, torch.Tensor]:
+    """The end-to-end tests' closing check: the run's logged loss and grad norm of every step
+    against the reference's (relative to their size), then the run's last checkpoint through
+    ``disagg export`` and ``model_cls.from_pretrained`` against the reference's final
+    parameters, every one of them (the same names), in units of the learning rate per element
+    from the reference's own first gradients (``disagg.testing.tolerance``). ``what`` names the
+    case in every message; returns the exported state."""
+    from disagg.testing.tolerance import assert_params_close, assert_scalar_close, first_grads
+
+    steps = len(reference.losses)
+    losses, norms = run_metrics(run_dir)
+    assert len(losses) == len(norms) == steps, (what, len(losses), len(norms), steps)
+    for step in range(steps):
+        assert_scalar_close(losses[step], reference.losses[step], f"{what} step {step + 1} loss")
+        assert_scalar_close(norms[step], reference.grad_norms[step], f"{what} step {step + 1} grad norm")
+    got = exported_state(run_dir, steps, Path(run_dir).parent / f"{Path(run_dir).name}-export", model_cls)
+    assert set(got) == set(reference.state), (what, set(got) ^ set(reference.state))
+    assert_params_close(
+        got,
+        reference.state,
+        lr=train.lr,
+        steps=steps,
+        grads=first_grads(reference.grads),
+        what=f"{what} after {steps} steps: ",
+        betas=tuple(train.betas),
+        eps=train.eps,
+    )
+    return got
+
+
 def run_metrics(run_dir: Path) -> tuple[list[float], list[float]]:
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]

@@ -45,6 +45,17 @@ def data_problems(cfg: Config, families: dict[str, Any]) -> list[Problem]:
                         "so it has no pixel budget to set; remove data." + key,
                     )
                 )
+    for key in ("video_min_pixels", "video_max_pixels"):
+        for m, fam in image:
+            if getattr(d, key) is not None and fam.reads_video and not fam.pixel_limits:
+                out.append(
+                    (
+                        ("data", key),
+                        f"family {fam.name!r} (model.{m}) resizes every video frame to its fixed input "
+                        f"size, so it has no pixel budget to set; remove data.{key} (bound a video "
+                        "with data.video_max_frames)",
+                    )
+                )
     entries = (
         [(("data", "train"), d.train, d.format)]
         if isinstance(d.train, str)

@@ -155,19 +155,26 @@ def preprocess_record(
             times = [[i / v.fps for i in v.indices] for v in items]
         enc_inputs[module] = {**enc_inputs.get(module, {}), **got}
 
+    if "video" in counts and "image" in counts:
+        _check_shared_token_order(rec, llm, kind_module)
     messages = _expand(rec.messages, counts, llm, kind_module, times)
     ids, labels = tokenize_conversation(messages, tokenizer, rec.source)
 
     num_media: dict[str, int] = {}
-    for kind, ns in counts.items():
-        module = kind_module[kind]
-        found = int((ids == _token_id(llm, kind, module)).sum())
-        if found != sum(ns):
+    # per placeholder token (a family may place images and video frames at the same one)
+    by_token: dict[int, list[str]] = {}
+    for kind in counts:
+        by_token.setdefault(_token_id(llm, kind, kind_module[kind]), []).append(kind)
+    for tid, kinds in by_token.items():
+        want = sum(sum(counts[k]) for k in kinds)
+        found = int((ids == tid).sum())
+        if found != want:
             raise DataError(
                 rec.source,
-                f"expected {sum(ns)} {kind} placeholder tokens after tokenization, found {found} "
-                "(does the text contain the placeholder token literally?)",
+                f"expected {want} {' and '.join(kinds)} placeholder tokens after tokenization, found "
+                f"{found} (does the text contain the placeholder token literally?)",
             )
+        module = kind_module[kinds[0]]
         num_media[module] = num_media.get(module, 0) + found
     truncated = False
     if max_tokens is not None and len(ids) > max_tokens:
@@ -206,6 +213,22 @@ def preprocess_record(
         video_frames=frames,
         video_tokens=counts.get("video", []),
     )
+
+
+def _check_shared_token_order(rec: Record, llm: LanguageFamily, kind_module: dict[str, str]) -> None:
+    """Where video rows go to the image placeholder token (InternVL: frames are tiles), the
+    encoder's rows (images, then videos) meet the tokens in text order only if every
+    ``<image>`` marker comes before every ``<video>`` one."""
+    if _token_id(llm, "video", kind_module["video"]) != _token_id(llm, "image", kind_module["image"]):
+        return
+    order = [_KIND[m.group(0)] for _, text in rec.messages for m in _MARKER.finditer(text)]
+    order = [k for k in order if k in ("image", "video")]
+    if "video" in order and "image" in order[order.index("video") :]:
+        raise DataError(
+            rec.source,
+            f"an <image> after a <video>: family {llm.name!r} places a sample's images, then its "
+            "videos' frames, at the same image tokens; put the row's <image> markers first",
+        )
 
 
 def _truncate(

@@ -16,6 +16,10 @@ the last one, as the processor's patchify does); transformers refuses it.
 ``MIN_FRAMES``, at most ``data.video_max_frames`` and the frame count, no rounding to
 the temporal patch (its patchify repeats the last frame), taken at
 ``round(linspace(0, total - 1, n))``.
+
+``sampling="internvl"`` follows ``InternVLVideoProcessor.sample_frames``
+(:func:`sample_indices_internvl`): ``int(duration * data.video_fps)`` frames, at most
+``data.video_max_frames``, each from the middle of its span.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class Video:
     fps: float
     #: file name, for errors
     path: str
+    #: the rate asked for (``data.video_fps``): Qwen2.5-Omni's processor sets MRoPE's time axis
+    #: from it (``video_second_per_grid = temporal_patch_size / fps``), not from the sampled rate
+    requested_fps: float = 2.0
 
     @property
     def sampled_fps(self) -> float:
@@ -84,10 +91,25 @@ def sample_indices_qwen3(total: int, video_fps: float, *, fps: float, max_frames
     return [int(i) for i in np.linspace(0, total - 1, n).round().astype(int)]
 
 
+def sample_indices_internvl(total: int, video_fps: float, *, fps: float, max_frames: int) -> list[int]:
+    """Source frame indices as transformers' ``InternVLVideoProcessor.sample_frames`` picks them
+    with ``num_frames = min(int(duration * fps), max_frames)`` (``initial_shift`` on: frames from
+    the middle of equal spans). At least one frame and at most the video's own (transformers
+    refuses both cases)."""
+    import torch
+
+    n = max(1, min(int(total / video_fps * fps), max_frames, total))
+    shift = total / n / 2
+    return [int(i) for i in torch.arange(shift, total, total / n).int().tolist()]
+
+
 #: ``sampling`` -> indices(total, video_fps, fps=, max_frames=, factor=)
 SAMPLERS = {
     "qwen2_vl": sample_indices,
     "qwen3_vl": lambda total, video_fps, *, fps, max_frames, factor: sample_indices_qwen3(
+        total, video_fps, fps=fps, max_frames=max_frames
+    ),
+    "internvl": lambda total, video_fps, *, fps, max_frames, factor: sample_indices_internvl(
         total, video_fps, fps=fps, max_frames=max_frames
     ),
 }
@@ -135,7 +157,7 @@ def load_video(
         return _resample(
             path, decoded, video_fps, sampler, fps=fps, max_frames=max_frames, factor=factor, name=name
         )
-    return Video(np.stack([frames[i] for i in wanted]), wanted, total, video_fps, name)
+    return Video(np.stack([frames[i] for i in wanted]), wanted, total, video_fps, name, fps)
 
 
 def _resample(
@@ -158,4 +180,4 @@ def _resample(
         for k, frame in enumerate(container.decode(video=0)):
             if k in keep:
                 frames[k] = frame.to_ndarray(format="rgb24")
-    return Video(np.stack([frames[i] for i in wanted]), wanted, total, video_fps, name)
+    return Video(np.stack([frames[i] for i in wanted]), wanted, total, video_fps, name, fps)

@@ -4,7 +4,9 @@
 The decoder is transformers' own, so every LLM strategy runs it as it runs a Qwen2 or
 Llama decoder (the layer map is the shared one); the tower and projector are dropped
 unbuilt (the ``internvl`` vision family's group holds them). An image is spelled as
-InternVL's processor spells it: ``<img>``, one ``<IMG_CONTEXT>`` per row, ``</img>``.
+InternVL's processor spells it: ``<img>``, one ``<IMG_CONTEXT>`` per row, ``</img>``; a
+video as ``Frame1: <img>...</img>`` and so on, one line per frame (a frame is one tile, its rows
+at the same ``<IMG_CONTEXT>`` tokens, after the sample's images').
 """
 
 from __future__ import annotations
@@ -50,6 +52,25 @@ class InternVLLanguageFamily(HFDecoderFamily):
 
     def placeholder_text(self, module: str, n_tokens: int) -> str:
         return "<img>" + "<IMG_CONTEXT>" * n_tokens + "</img>"
+
+    def video_token_id(self) -> int | None:
+        # a video's frames are tiles: their rows go to the image tokens, after the images'
+        return self.placeholder_token_id("vision")
+
+    def video_placeholder_text(self, n_tokens: int, timestamps: list[float] | None = None) -> str:
+        """``InternVLProcessor.replace_video_token``: one ``Frame{i}: <img>...</img>`` line per
+        frame, each frame one tile of ``image_seq_length`` tokens."""
+        per = self._tile_tokens()
+        if n_tokens % per:
+            raise ValueError(f"{n_tokens} video tokens are not whole tiles of {per}")
+        frame = "<img>" + "<IMG_CONTEXT>" * per + "</img>"
+        return "\n".join(f"Frame{i + 1}: {frame}" for i in range(n_tokens // per))
+
+    def _tile_tokens(self) -> int:
+        """LLM tokens of one tile: (tile side / patch · downsample_ratio)²."""
+        v = self.config.vision_config
+        side = int(v.image_size[0]) // int(v.patch_size[0])
+        return round(side * float(self.config.downsample_ratio)) ** 2
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:

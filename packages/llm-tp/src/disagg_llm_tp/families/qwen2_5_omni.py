@@ -5,8 +5,11 @@ Qwen2.5-Omni dir (whole, ``thinker.*`` tensors, or a thinker dir).
 dir it reads the thinker's tensors and never the talker's) and drops both
 towers, owned by the vision (``qwen2_5_omni``) and audio (``qwen2_5_omni_audio``)
 groups. ``run`` is the thinker's forward once the rows are in ``inputs_embeds``:
-its mRoPE positions (``compute_3d_position_ids``: 3D for images, consecutive for
-text and audio, which need each clip's mel-frame count), the text model, ``lm_head``.
+its mRoPE positions (``compute_3d_position_ids``: 3D for images and videos, a video's time
+axis at ``video_second_per_grid * position_id_per_seconds`` per temporal patch, consecutive
+for text and audio, which need each clip's mel-frame count), the text model, ``lm_head``.
+A sample's vision rows are its images' then its videos' (placed at ``<|IMAGE|>`` then
+``<|VIDEO|>``, as Qwen2.5-VL's); ``use_audio_in_video`` is refused by name.
 Export maps every name back to the dir's own keys, so the three modules' export
 is one dir that the HF thinker class loads.
 """
@@ -27,7 +30,6 @@ _WRAP = {"vision": ("<|vision_bos|>", "<|vision_eos|>"), "audio": ("<|audio_bos|
 
 
 class Qwen25OmniLanguageFamily(Qwen25VLLanguageFamily):
-    takes_video: ClassVar[bool] = False  # video is Qwen2.5-VL's only so far
     #: its forward is not split yet (its own positions/run are untested under context parallelism)
     context_parallel_support: ClassVar[bool] = False
 
@@ -71,8 +73,27 @@ class Qwen25OmniLanguageFamily(Qwen25VLLanguageFamily):
         bos, eos = _WRAP[module]
         return bos + self.placeholder_tokens[module] * n_tokens + eos
 
+    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        problems = super().check(strategy, degree, replicas)
+        if self.options.get("use_audio_in_video"):
+            problems.append(
+                "model.llm.options.use_audio_in_video: true is not supported: a video's own audio "
+                "track is not read (its frames go to the vision module alone, as "
+                "Qwen2_5OmniProcessor does with load_audio_from_video off); give the audio as its "
+                "own <audio> item instead, or set it to false"
+            )
+        return problems
+
+    def video_placeholder_text(self, n_tokens: int, timestamps: list[float] | None = None) -> str:
+        bos, eos = _WRAP["vision"]
+        return bos + "<|VIDEO|>" * n_tokens + eos
+
     def extra_inputs(self, encoder_inputs: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        vision = encoder_inputs.get("vision") or {}
         out = super().extra_inputs(encoder_inputs)
+        # the thinker's own name for the seconds per temporal patch (Qwen2.5-VL's is not made)
+        if "video_second_per_grid" in vision:
+            out["video_second_per_grid"] = vision["video_second_per_grid"]
         audio = encoder_inputs.get("audio") or {}
         if "feature_attention_mask" in audio:
             # each clip's mel frames: the thinker's positions count its audio rows from them
@@ -82,16 +103,23 @@ class Qwen25OmniLanguageFamily(Qwen25VLLanguageFamily):
     def run(self, module, ids, embeds, mask, inputs, rows):
         grids = [x["image_grid_thw"].reshape(-1, 3) for x in inputs if "image_grid_thw" in x]
         lens = [x["audio_feature_lengths"].reshape(-1) for x in inputs if "audio_feature_lengths" in x]
+        # videos in sample order, as get_rope_index counts them over the batch
+        videos = [x for x in inputs if "video_grid_thw" in x]
         model = module.model
         model.rope_deltas = None  # never reuse positions cached by an earlier call
         positions = model.compute_3d_position_ids(
             input_ids=ids,
             image_grid_thw=torch.cat(grids).to(ids.device) if grids else None,
-            video_grid_thw=None,
+            video_grid_thw=torch.cat([x["video_grid_thw"].reshape(-1, 3) for x in videos]).to(ids.device)
+            if videos
+            else None,
             inputs_embeds=embeds,
             attention_mask=mask,
             cache=None,
             audio_feature_lengths=torch.cat(lens).to(ids.device) if lens else None,
+            video_second_per_grid=torch.cat([x["video_second_per_grid"].reshape(-1) for x in videos])
+            if videos
+            else None,
         )
         hidden = model.language_model(
             inputs_embeds=embeds, position_ids=positions, attention_mask=mask, use_cache=False

@@ -1,12 +1,19 @@
-"""Small pieces the vision families share: media loading, processors, model-type checks
-(checkpoint key names and quiet loading are core's family kit, ``disagg.kit.hf``)."""
+"""Small pieces the vision families share: media loading, processors, model-type checks, the
+tower-plus-projector base of LLaVA and InternVL (checkpoint key names and quiet loading are
+core's family kit, ``disagg.kit.hf``)."""
 
 from __future__ import annotations
 
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from disagg.interfaces import EncoderFamily, UlyssesFamily
+from disagg.kit.hf import checkpoint_keys, empty_from_config, find_prefix, quiet_transformers
 
 
 def load_image(item: Any) -> Any:
@@ -56,3 +63,63 @@ def check_model_type(path: Path, family: str, model_types: tuple[str, ...]) -> l
         f"model.vision.path={str(path)!r} is a {model_type!r} model, which family {family!r} cannot read "
         f"(it reads {', '.join(model_types)}){hint}"
     ]
+
+
+class TowerProjectorFamily(UlyssesFamily, EncoderFamily):
+    """A whole VLM dir's vision tower and ``multi_modal_projector`` (LLaVA, InternVL): the
+    dir's config read once per instance (checks ask for it per mesh: ``disagg plan`` asks ~100
+    times), and the build, names and parts both families share. A subclass gives
+    ``encoder_class`` (the VLM minus its language model, loadable with ``from_pretrained``)."""
+
+    modality: ClassVar[str] = "image"
+    #: where the tower lives in the dir's files (transformers 5 adds ``model.``)
+    prefixes: ClassVar[tuple[str, ...]] = ("", "model.")
+
+    @staticmethod
+    def encoder_class() -> type:
+        raise NotImplementedError
+
+    def config(self) -> Any:
+        if getattr(self, "_config", None) is None:
+            from transformers import AutoConfig
+
+            self._config = AutoConfig.from_pretrained(self.path)
+        return self._config
+
+    def hidden_size(self) -> int:
+        return int(self.config().text_config.hidden_size)
+
+    def _attn(self) -> str:
+        return self.options.get("attn_implementation", "sdpa")
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        with quiet_transformers():
+            return self.encoder_class().from_pretrained(
+                self.path,
+                key_mapping={
+                    r"^model\.vision_tower\.": "vision_tower.",
+                    r"^model\.multi_modal_projector\.": "multi_modal_projector.",
+                },
+                dtype=dtype,
+                attn_implementation=self._attn(),
+            )
+
+    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """``build()``'s tower and projector on the meta device (sharding strategies read only
+        their own slices)."""
+        return empty_from_config(
+            self.encoder_class(), self.config(), dtype=dtype, attn_implementation=self._attn()
+        )
+
+    def checkpoint_name(self, name: str) -> str:
+        # the inverse of build()'s key_mapping: the dir's own prefix
+        if getattr(self, "_prefix", None) is None:
+            probe = "multi_modal_projector.linear_1.weight"
+            self._prefix = find_prefix(checkpoint_keys(self.path), probe, self.prefixes)
+        return self._prefix + name
+
+    def parts(self) -> dict[str, tuple[str, ...]]:
+        return {"tower": ("vision_tower.*",), "projector": ("multi_modal_projector.*",)}
+
+    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.checkpoint_name(k): v for k, v in state.items()}

@@ -15,6 +15,10 @@ positions and the CLS position are rows the family computes (zeros) but the LLM 
 receives (``row_sample`` -1). That keeps one row per token (``unit`` 1: a tile's
 ``1 + g²`` tokens are not a multiple of ``f²``) at the cost of a zero-filled output
 buffer ``f²`` times the rows sent.
+
+Video: every sampled frame is one more tile (``InternVLVideoProcessor``: resized to the tile
+size, no cropping; frames sampled as its ``sample_frames``), after the sample's image tiles;
+the LLM family writes ``Frame{i}: <img>...</img>`` per frame at the same image tokens.
 """
 
 from __future__ import annotations
@@ -22,20 +26,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
-from disagg.interfaces import AttentionScope, EncoderFamily, LayerMap, SeqLayout, UlyssesFamily
-from disagg.kit.hf import (
-    check_attn_implementation,
-    checkpoint_keys,
-    empty_from_config,
-    find_prefix,
-    quiet_transformers,
+from disagg.interfaces import AttentionScope, LayerMap, SeqLayout
+from disagg.kit.hf import check_attn_implementation
+from disagg_vision_sp.families.common import (
+    TowerProjectorFamily,
+    check_model_type,
+    image_processor,
+    load_image,
 )
-from disagg_vision_sp.families.common import check_model_type, image_processor, load_image
-
-_PREFIXES = ("", "model.")
 
 
 def _encoder_class() -> type:
@@ -66,12 +68,14 @@ def pixel_shuffle(features: torch.Tensor, ratio: float) -> torch.Tensor:
     return InternVLModel.pixel_shuffle(None, features, scale_factor=ratio)  # type: ignore[arg-type]
 
 
-class InternVLVision(UlyssesFamily, EncoderFamily):
+class InternVLVision(TowerProjectorFamily):
     """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
 
     name: ClassVar[str] = "internvl"
-
-    modality: ClassVar[str] = "image"
+    encoder_class = staticmethod(_encoder_class)
+    #: video frames are tiles (``InternVLProcessor``: ``Frame{i}: <img>...</img>`` per frame)
+    reads_video: ClassVar[bool] = True
+    video_sampling: ClassVar[str] = "internvl"
 
     @classmethod
     def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
@@ -79,17 +83,7 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
 
         return internvl_shape(config)
 
-    # -- config ---------------------------------------------------------------------------------
-    def config(self) -> Any:
-        if getattr(self, "_config", None) is None:
-            from transformers import AutoConfig
-
-            self._config = AutoConfig.from_pretrained(self.path)
-        return self._config
-
-    def hidden_size(self) -> int:
-        return int(self.config().text_config.hidden_size)
-
+    # -- config (read once: TowerProjectorFamily) -----------------------------------------------
     def _factor(self) -> int:
         """Patch rows (and columns) one shuffled row merges: ``1 / downsample_ratio``."""
         return round(1 / float(self.config().downsample_ratio))
@@ -130,36 +124,7 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
             )
         return problems
 
-    # -- building -------------------------------------------------------------------------------
-    def _attn(self) -> str:
-        return self.options.get("attn_implementation", "sdpa")
-
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        with quiet_transformers():
-            return _encoder_class().from_pretrained(
-                self.path,
-                key_mapping={
-                    r"^model\.vision_tower\.": "vision_tower.",
-                    r"^model\.multi_modal_projector\.": "multi_modal_projector.",
-                },
-                dtype=dtype,
-                attn_implementation=self._attn(),
-            )
-
-    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """``build()``'s tower and projector on the meta device (sharding strategies read
-        only their own slices)."""
-        return empty_from_config(
-            _encoder_class(), self.config(), dtype=dtype, attn_implementation=self._attn()
-        )
-
-    def checkpoint_name(self, name: str) -> str:
-        # the inverse of build()'s key_mapping: the dir's own prefix (transformers 5 adds "model.")
-        if getattr(self, "_prefix", None) is None:
-            probe = "multi_modal_projector.linear_1.weight"
-            self._prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)
-        return self._prefix + name
-
+    # -- building (build, build_empty, checkpoint_name, parts: TowerProjectorFamily) ------------
     def layer_map(self) -> LayerMap:
         layers = "vision_tower.encoder.layer.*"
         attn = f"{layers}.attention"
@@ -195,12 +160,6 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
             no_split=no_split,
         )
 
-    def parts(self) -> dict[str, tuple[str, ...]]:
-        return {"tower": ("vision_tower.*",), "projector": ("multi_modal_projector.*",)}
-
-    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.checkpoint_name(k): v for k, v in state.items()}
-
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
         from disagg_vision_sp.families.tiny_internvl import make_tiny_internvl
@@ -216,12 +175,47 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
         tiles = torch.as_tensor(out["num_patches"], dtype=torch.long).reshape(-1)
         return {"pixel_values": out["pixel_values"].to(torch.float32), "num_patches": tiles}
 
+    def preprocess_video(self, videos: list[Any], **limits: int) -> dict[str, torch.Tensor]:
+        """Every sampled frame as one tile, as ``InternVLVideoProcessor`` makes it: resized to the
+        tile size (bicubic; PIL here, torchvision there, so pixels may differ by resampling
+        rounding), rescaled and normalized with the image processor's mean and std; no cropping
+        into several tiles, no thumbnail."""
+        if limits:
+            raise ValueError(
+                f"{', '.join('data.video_' + k for k in sorted(limits))}: family 'internvl' resizes "
+                "every frame to one tile; remove them (bound a video with data.video_max_frames)"
+            )
+        from PIL import Image
+
+        proc = image_processor(str(self.path))
+        side = int(self.config().vision_config.image_size[0])  # the tower's tile
+        frames = [
+            np.asarray(Image.fromarray(f).resize((side, side), Image.Resampling.BICUBIC))
+            for v in videos
+            for f in v.frames
+        ]
+        x = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).to(torch.float32) * float(
+            proc.rescale_factor
+        )
+        mean = torch.tensor(proc.image_mean, dtype=torch.float32)[None, :, None, None]
+        std = torch.tensor(proc.image_std, dtype=torch.float32)[None, :, None, None]
+        counts = torch.tensor([len(v.frames) for v in videos], dtype=torch.long)
+        return {"pixel_values_videos": (x - mean) / std, "video_frames": counts}
+
     def _tile_rows(self) -> int:
         """LLM rows of one tile (``image_seq_length`` in a published dir)."""
         return (self._grid() // self._factor()) ** 2
 
     def num_tokens(self, inputs: dict[str, torch.Tensor]) -> list[int]:
-        return [int(n) * self._tile_rows() for n in inputs["num_patches"].reshape(-1)]
+        # a sample's images (tiles each), then its videos (frames each): the rows' order
+        items = [inputs[k].reshape(-1) for k in ("num_patches", "video_frames") if k in inputs]
+        return [int(n) * self._tile_rows() for n in torch.cat(items)]
+
+    @staticmethod
+    def tiles(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A sample's tiles: its images', then its videos' frames (one tile each)."""
+        parts = [inputs[k] for k in ("pixel_values", "pixel_values_videos") if k in inputs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _project(self, module: nn.Module, bands: torch.Tensor) -> torch.Tensor:
         """Patch tokens ``[n_bands, f·g, C]`` (whole bands) -> LLM rows ``[n_bands·g/f, out]``."""
@@ -230,7 +224,7 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
         return module.multi_modal_projector(shuffled.reshape(-1, shuffled.shape[-1]))
 
     def encode(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = inputs["pixel_values"].to(module.device, module.dtype)
+        pixels = self.tiles(inputs).to(module.device, module.dtype)
         features = module.vision_tower(pixel_values=pixels, return_dict=True).last_hidden_state[:, 1:]
         f, g = self._factor(), self._grid()
         return self._project(module, features.reshape(-1, f * g, features.shape[-1]))
@@ -242,7 +236,7 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
     def ulysses_layout(self, inputs: list[dict[str, torch.Tensor]]) -> SeqLayout:
         f, g = self._factor(), self._grid()
         per_tile, band, out_per_band = 1 + g * g, f * g, g // f
-        tiles = [int(x["pixel_values"].shape[0]) for x in inputs]
+        tiles = [int(self.tiles(x).shape[0]) for x in inputs]
         n = sum(tiles) * per_tile
         # within a tile: the CLS token, then g/f bands; a band's first g/f positions carry its rows
         in_tile = torch.arange(n) % per_tile
@@ -279,7 +273,7 @@ class InternVLVision(UlyssesFamily, EncoderFamily):
     ) -> torch.Tensor:
         p = layout.extra["per_tile"]
         first, last = lo // p, -(-hi // p)  # tiles overlapping [lo, hi)
-        pixels = torch.cat([x["pixel_values"] for x in inputs])[first:last].to(module.device, module.dtype)
+        pixels = torch.cat([self.tiles(x) for x in inputs])[first:last].to(module.device, module.dtype)
         tower = module.vision_tower
         # CLS + patch + position embeddings are per token: embed the overlapping tiles, keep ours
         hidden = tower.embeddings(pixels)

@@ -17,17 +17,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from disagg.interfaces import AttentionScope, EncoderFamily, LayerMap, SeqLayout, UlyssesFamily
-from disagg.kit.hf import (
-    check_attn_implementation,
-    checkpoint_keys,
-    empty_from_config,
-    find_prefix,
-    quiet_transformers,
-)
-from disagg_vision_sp.families.common import image_processor, load_image
+from disagg.interfaces import AttentionScope, LayerMap, SeqLayout
+from disagg.kit.hf import check_attn_implementation
+from disagg_vision_sp.families.common import TowerProjectorFamily, image_processor, load_image
 
-_PREFIXES = ("", "model.")
 _TOWERS = ("siglip_vision_model", "clip_vision_model")
 
 
@@ -47,12 +40,11 @@ def _encoder_class() -> type:
     return LlavaVisionEncoder
 
 
-class LlavaVision(UlyssesFamily, EncoderFamily):
+class LlavaVision(TowerProjectorFamily):
     """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
 
     name: ClassVar[str] = "llava"
-
-    modality: ClassVar[str] = "image"
+    encoder_class = staticmethod(_encoder_class)
 
     @classmethod
     def planning_shape(cls, config, options=None, llm_hidden=None):  # type: ignore[no-untyped-def]
@@ -61,17 +53,6 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
         return llava_shape(config)
 
     # -- config ---------------------------------------------------------------------------------
-    def config(self) -> Any:
-        # read once per instance: checks ask for it per mesh (``disagg plan`` asks ~100 times)
-        if getattr(self, "_config", None) is None:
-            from transformers import AutoConfig
-
-            self._config = AutoConfig.from_pretrained(self.path)
-        return self._config
-
-    def hidden_size(self) -> int:
-        return int(self.config().text_config.hidden_size)
-
     def _feature_layers(self) -> int:
         """Tower layers that run: LLaVA reads ``hidden_states[vision_feature_layer]``
         (index 0 = embeddings), so later layers never influence the output."""
@@ -111,32 +92,7 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
     def _drops_cls(self) -> bool:
         return self._has_cls() and self.config().vision_feature_select_strategy == "default"
 
-    # -- building -------------------------------------------------------------------------------
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        with quiet_transformers():
-            return _encoder_class().from_pretrained(
-                self.path,
-                key_mapping={
-                    r"^model\.vision_tower\.": "vision_tower.",
-                    r"^model\.multi_modal_projector\.": "multi_modal_projector.",
-                },
-                dtype=dtype,
-                attn_implementation=self.options.get("attn_implementation", "sdpa"),
-            )
-
-    def build_empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """``build()``'s tower and projector on the meta device: ``megatron_tp`` reads only
-        its own slices."""
-        attn = self.options.get("attn_implementation", "sdpa")
-        return empty_from_config(_encoder_class(), self.config(), dtype=dtype, attn_implementation=attn)
-
-    def checkpoint_name(self, name: str) -> str:
-        # the inverse of build()'s key_mapping: the dir's own prefix (transformers 5 adds "model.")
-        if getattr(self, "_prefix", None) is None:
-            probe = "multi_modal_projector.linear_1.weight"
-            self._prefix = find_prefix(checkpoint_keys(self.path), probe, _PREFIXES)
-        return self._prefix + name
-
+    # -- building (build, build_empty, checkpoint_name, parts: TowerProjectorFamily) ------------
     def layer_map(self) -> LayerMap:
         layers = "vision_tower.encoder.layers.*"
         return LayerMap(
@@ -162,12 +118,6 @@ class LlavaVision(UlyssesFamily, EncoderFamily):
             # each layer's fc1 -> activation -> fc2 reads layer_norm2's output only (mlp_tiles)
             mlp={f"{layers}.mlp": "layer_norm2"},
         )
-
-    def parts(self) -> dict[str, tuple[str, ...]]:
-        return {"tower": ("vision_tower.*",), "projector": ("multi_modal_projector.*",)}
-
-    def export_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.checkpoint_name(k): v for k, v in state.items()}
 
     @classmethod
     def make_tiny(cls, out_dir: Path, tokenizer_dir: Path | None = None) -> Path:

@@ -7,6 +7,12 @@ tower (``qwen2_5_omni_audio``, disagg-audio) and the language model
 (``qwen2_5_omni``, disagg-llm-tp). The tower is Qwen2.5-VL's (window attention
 except ``fullatt_block_indexes``, RMSNorm SwiGLU blocks, the 2x2 merger) with
 separate ``q``/``k``/``v`` linears, so the Qwen2.5-VL hook points run it as they are.
+
+Video is Qwen2.5-VL's (transformers' ``Qwen2_5OmniProcessor`` uses the same
+``Qwen2VLVideoProcessor``: frame sampling, ``smart_resize``, temporal patches), except MRoPE's
+time axis: the processor hands over ``video_second_per_grid = temporal_patch_size / fps`` with
+``fps`` the rate asked for (``data.video_fps``), not the sampled rate Qwen2.5-VL's uses. The
+video's own audio track (``use_audio_in_video``) is not read: see :meth:`check`.
 """
 
 from __future__ import annotations
@@ -23,10 +29,24 @@ from disagg.kit.hf import checkpoint_keys, find_prefix, quiet_transformers
 from disagg_vision_sp.families.qwen2_5_vl import Qwen2_5_VLVision
 
 
+def audio_in_video_problems(module: str, options: dict[str, Any]) -> list[str]:
+    """``use_audio_in_video`` (the video's own audio track interleaved with its frames, 2 s
+    chunks) is refused: it needs the audio track decoded into the audio module's inputs and
+    the chunked prompt and positions, none of which the data pipeline makes yet."""
+    if not options.get("use_audio_in_video"):
+        return []
+    return [
+        f"model.{module}.options.use_audio_in_video: true is not supported: a video's own audio "
+        "track is not read (each video's frames go to the vision module alone, as "
+        "Qwen2_5OmniProcessor does with load_audio_from_video off); give the audio as its own "
+        "<audio> item instead, or set it to false"
+    ]
+
+
 class Qwen2_5OmniVision(Qwen2_5_VLVision):
-    #: video is Qwen2.5-VL's only so far
-    reads_video: ClassVar[bool] = False
     """Options: ``attn_implementation`` (sdpa | eager | flash_attention_2)."""
+
+    reads_video: ClassVar[bool] = True
 
     name: ClassVar[str] = "qwen2_5_omni"
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_omni", "qwen2_5_omni_thinker")
@@ -45,6 +65,19 @@ class Qwen2_5OmniVision(Qwen2_5_VLVision):
         cfg = AutoConfig.from_pretrained(self.path)
         cfg = getattr(cfg, "thinker_config", cfg)  # a whole Omni dir nests the thinker
         return getattr(cfg, "vision_config", cfg)
+
+    def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
+        return [*super().check(strategy, degree, replicas), *audio_in_video_problems("vision", self.options)]
+
+    def preprocess_video(self, videos: list[Any], **limits: int) -> dict[str, torch.Tensor]:
+        out = super().preprocess_video(videos, **limits)
+        del out["second_per_grid_ts"]  # Qwen2.5-VL's, from the sampled rate
+        temporal = int(self.vision_config().temporal_patch_size)
+        # Qwen2_5OmniProcessor._process_videos: temporal_patch_size / the fps it was asked for
+        out["video_second_per_grid"] = torch.tensor(
+            [temporal / v.requested_fps for v in videos], dtype=torch.float32
+        )
+        return out
 
     def tower_class(self) -> type:
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniVisionEncoder
