@@ -152,7 +152,8 @@ def _module_groups(
             options = cls.options_model(**variant)
         except Exception:  # a third party's options may not accept our variant
             continue
-        if work.strategy_keys and _refused(cls, options, work.precision or cluster.precision, module):
+        recipe = work.precision or cluster.precision
+        if work.strategy_keys and precision_refusal(cls, options, recipe, module):
             continue
         extras = layout_variants(name, module, variant, work, cluster)
         if work.strategy_keys:
@@ -207,13 +208,15 @@ def _offloads(variant: dict[str, Any]) -> bool:
     return variant.get("offload", "none") != "none" or bool(variant.get("offload_optimizer"))
 
 
-def _refused(cls: type[Strategy], options: StrategyOptions, recipe: str, module: str) -> bool:
-    """The strategy's own precision checks refuse these options under ``recipe`` (as validation
-    would: e.g. an offloaded optimizer a backend holds only in ``fp32``)."""
+def precision_refusal(cls: type[Strategy], options: StrategyOptions, recipe: str, module: str) -> str:
+    """The first problem the strategy's own precision checks find with these options under
+    ``recipe`` (as validation would: e.g. an offloaded optimizer a backend holds only in ``fp32``);
+    '' when none does. The planner and ``disagg bench``'s published fit table both ask it."""
     try:
-        return bool(cls.precision_problems(recipe, options, f"parallel.{module}"))
+        problems = cls.precision_problems(recipe, options, f"parallel.{module}")
     except Exception:  # a third party's check that needs more: validation will say
-        return False
+        return ""
+    return str(problems[0]) if problems else ""
 
 
 def strategy_cp(
