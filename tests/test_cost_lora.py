@@ -10,6 +10,8 @@ import pytest
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
+from published_space import paper_space, tensors_only  # noqa: E402
+
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -97,21 +99,17 @@ def test_plan_with_lora_prefers_a_smaller_tp_degree():
     LLM's state (18 B per parameter) only fits split 8 ways; with LoRA on its seven linears the
     frozen bf16 base (2 B per parameter) fits on fewer ranks per sample and the plan takes such a
     layout (today 8 replicas of the whole LLM), faster: no layout at that degree fits in full."""
-    from dataclasses import replace
-
-    from disagg.plan.cluster import PRESETS
     from disagg.plan.published import plan_published
     from disagg.plugins import get_registry
 
     reg = get_registry()
     # the tensor-only memory model at all 80 GB, without the modelled CP / offload layouts: the
     # conditions this comparison was stated under (tests/test_plan_published.py)
-    gpus = replace(PRESETS["h100x8"], usable=1.0, cuda_allocator=False)
+    gpus = tensors_only()
     planned = plan_published(16 * 1024, reg, gpus, modelled_keys=False)
-    # the LLM under ddp + FSDP2 (planned since issue 37) splits its state 8 ways by sharding, at
-    # degree 1: the comparison is among the layouts that split it by degree (TP, ZeRO-3), as in
-    # tests/test_plan_published.py's paper_space; the sharded one is compared on its own below
-    by_degree = [x for x in planned.ranked if x.groups["llm"].strategy != "ddp"]
+    # the comparison is among the layouts that split the LLM by degree (TP, ZeRO-3: the paper's
+    # space); the LLM under ddp + FSDP2, sharded 8 ways at degree 1, is compared on its own below
+    by_degree = paper_space(planned)
     full = by_degree[0]
     lora = plan_published(16 * 1024, reg, gpus, lora={"llm": _lora()}, modelled_keys=False).best
     assert full.groups["llm"].strategy == "megatron_tp" and full.groups["llm"].degree == 8

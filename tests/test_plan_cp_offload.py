@@ -63,7 +63,7 @@ def _keys(layout) -> set[str]:  # type: ignore[no-untyped-def]
     return out
 
 
-def _plan(cfg: dict, cluster, **work):  # type: ignore[no-untyped-def]
+def _plan(cfg: dict, cluster, prune: bool = False, **work):  # type: ignore[no-untyped-def]
     from disagg.config.schema import Config
     from disagg.plan.search import plan
     from disagg.plan.workload import config_families, config_workload
@@ -72,7 +72,8 @@ def _plan(cfg: dict, cluster, **work):  # type: ignore[no-untyped-def]
     reg = get_registry()
     c = Config.model_validate(cfg)
     strategies = {n: reg.strategies[n] for n in work.pop("strategies", reg.strategies)}
-    return plan(config_workload(c, registry=reg, **work), cluster, strategies, config_families(c, reg))
+    workload = config_workload(c, registry=reg, **work)
+    return plan(workload, cluster, strategies, config_families(c, reg), prune=prune)
 
 
 def _between(result, picks: str) -> float:  # type: ignore[no-untyped-def]
@@ -258,3 +259,82 @@ def test_host_memory_per_node_bounds_offload():
     assert host_fits(x, h100) and host_fits(x, PRESETS["cpu"])
     x.host_bytes += 1
     assert not host_fits(x, h100) and host_fits(x, replace(h100, host_memory=0))
+
+
+#: offload values below each, ``none`` (the key left out) last
+BELOW = {
+    "all": ("activations", "optimizer", "none"),
+    "activations": ("none",),
+    "optimizer": ("none",),
+    "none": (),
+}
+
+
+def _less_offloaded(options: tuple) -> list[tuple]:
+    """The group's options with each offload key at its own value or any lower one (the first: its
+    own), ``offload: none`` and ``offload_optimizer: false`` left out."""
+    o = dict(options)
+    rest = {k: v for k, v in o.items() if k not in ("offload", "offload_optimizer")}
+    out = []
+    for value in (o.get("offload", "none"), *BELOW[o.get("offload", "none")]):
+        for whole in (True, False) if o.get("offload_optimizer") else (False,):
+            d = {**rest, **({"offload": value} if value != "none" else {})}
+            out.append(tuple(sorted({**d, **({"offload_optimizer": True} if whole else {})}.items())))
+    return out
+
+
+def _rank(x) -> tuple:  # type: ignore[no-untyped-def]
+    """The plan's order."""
+    return (round(x.step_time_s, 12), x.memory_bytes, x.name())
+
+
+def _ident(x, options: tuple) -> tuple:  # type: ignore[no-untyped-def]
+    """Layout ``x`` with its groups' ``options`` in place of their own."""
+    groups = ((g.module, g.strategy, g.degree, g.replicas) for g in x.groups.values())
+    return (x.placement, *groups, options)
+
+
+def _dominated(x, fitting: dict) -> bool:  # type: ignore[no-untyped-def]
+    """A less-offloaded twin of ``x`` fits (``fitting``: by :func:`_ident`) and ranks ahead of it."""
+    import itertools
+
+    mine = tuple(_less_offloaded(g.options)[0] for g in x.groups.values())
+    for twin in itertools.product(*(_less_offloaded(g.options) for g in x.groups.values())):
+        rank = fitting.get(_ident(x, twin))
+        if twin != mine and rank is not None and rank < _rank(x):
+            return True
+    return False
+
+
+def test_prune_leaves_out_exactly_the_layouts_a_less_offloaded_twin_beats(tiny: Path, capsys):
+    """``plan(prune=True)`` (``disagg plan``, ``parallel: auto``) against the full ranking, by brute
+    force: it keeps, in the same order with the same figures, exactly the layouts none of whose
+    less-offloaded twins (any groups' offload lowered, any number of steps) fits and ranks ahead;
+    so the best is the same. Roomy (everything fits: every offloaded layout goes) and between the
+    minima (offload needed: offloaded layouts stay)."""
+    from disagg.cli.main import main
+    from disagg.plan.cluster import cluster_from, save_cluster
+
+    cfg = _config(tiny, 1)
+    work = {"text_tokens": 128, "vision_patches": 1024}
+    roomy = cluster_from("h100x8", {"gpus": 1})
+    mem = _between(_plan(cfg, roomy, **work), "offload")
+    tight = cluster_from("h100x8", {"gpus": 1, "gpu_mem": str(int(mem))})
+    for cluster in (roomy, tight):
+        full, pruned = _plan(cfg, cluster, **work), _plan(cfg, cluster, prune=True, **work)
+        own = (tuple(_less_offloaded(g.options)[0] for g in x.groups.values()) for x in full.ranked)
+        fitting = {_ident(x, o): _rank(x) for x, o in zip(full.ranked, own)}
+        for kept, every in ((pruned.ranked, full.ranked), (pruned.oom, full.oom)):
+            assert [_rank(x) for x in kept] == [_rank(x) for x in every if not _dominated(x, fitting)]
+        assert _rank(pruned.best) == _rank(full.best) and len(pruned.ranked) < len(full.ranked)
+        offloaded = [x for x in pruned.ranked if _keys(x) & {"offload", "actoff"}]
+        assert bool(offloaded) == (cluster is tight), len(offloaded)
+    # the command line prunes unless --dominated
+    (tiny / "prune.yaml").write_text(yaml.safe_dump(cfg))
+    argv = ["plan", str(tiny / "prune.yaml"), "--calibration", str(save_cluster(tight, tiny / "t.json"))]
+    argv += ["--text-tokens", "128", "--vision-patches", "1024", "--json", str(tiny / "prune.json")]
+    for extra, want in (([], pruned), (["--dominated"], full)):
+        assert main([*argv, *extra]) == 0
+        got = json.loads((tiny / "prune.json").read_text())["ranked"]
+        assert [r["name"] for r in got] == [x.name() for x in want.ranked]
+    capsys.readouterr()

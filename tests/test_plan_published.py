@@ -21,28 +21,19 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 pytest.importorskip("disagg_zero")
 
+# the new candidates outside the paper's space: test_fsdp_llm_is_planned_and_where_it_wins
+from published_space import paper_space, tensors_only  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def results():
-    from dataclasses import replace
-
-    from disagg.plan.cluster import PRESETS
     from disagg.plan.published import plan_published
     from disagg.plugins import get_registry
 
-    tensors_only = replace(PRESETS["h100x8"], usable=1.0, cuda_allocator=False)
     return {
-        n: plan_published(n, get_registry(), tensors_only, modelled_keys=False)
+        n: plan_published(n, get_registry(), tensors_only(), modelled_keys=False)
         for n in (16 * 1024, 32 * 1024)
     }
-
-
-def paper_space(result):
-    """The ranking within the paper's LLM layouts (TP, ZeRO-3): since the LLM's FSDP2 estimate
-    (issue 37) the planner also ranks ``ddp`` + ``shard`` on the LLM, which the paper never ran;
-    the verdicts below are stated for the paper's space, the new candidates are
-    :func:`test_fsdp_llm_is_planned_and_where_it_wins`'s."""
-    return [x for x in result.ranked if x.groups["llm"].strategy != "ddp"]
 
 
 def test_fsdp_llm_is_planned_and_where_it_wins(results):

@@ -188,6 +188,8 @@ def refusal(layout: dict[str, dict[str, Any]], precision: str, strategies: dict[
     not one the strategy honours, or its own precision checks refuse the options under it (as
     validation would, e.g. ``zero``'s offloaded optimizer under ``bf16-pure``) — a table must not
     predict a layout the config would refuse."""
+    from disagg.plan.search import precision_refusal
+
     precision, offload = recipe_of(precision)
     for module, group in with_offload(layout, offload).items():
         cls = strategies.get(group["strategy"])
@@ -203,9 +205,9 @@ def refusal(layout: dict[str, dict[str, Any]], precision: str, strategies: dict[
         given = {k: v for k, v in group.items() if k in fields}
         if "recompute" in fields:
             given.setdefault("recompute", "full")  # every published row recomputes in full
-        problems = cls.precision_problems(precision, cls.options_model(**given), f"parallel.{module}")
-        if problems:
-            return f"{group['strategy']} ({module}) refused: {problems[0]}: not predicted"
+        problem = precision_refusal(cls, cls.options_model(**given), precision, module)
+        if problem:
+            return f"{group['strategy']} ({module}) refused: {problem}: not predicted"
     return ""
 
 

@@ -90,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated strategies the plan may use (default: all installed)",
     )
+    parser.add_argument(
+        "--dominated",
+        action="store_true",
+        help="also rank the layouts that the same layout with less offload beats (fits and is faster); "
+        "never the best, left out by default",
+    )
     parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     parser.add_argument("--write", default=None, metavar="PLAN_YAML", help="write the best layout here")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every ranked layout as JSON")
@@ -238,7 +244,9 @@ def plan_for_config(cfg, registry, args):  # type: ignore[no-untyped-def]
                 f"--strategies: {unknown} not installed; allowed: {', '.join(sorted(strategies))}"
             )
         strategies = {n: c for n, c in strategies.items() if n in names}
-    result = plan(work, cluster, strategies, config_families(cfg, registry), placements)
+    # a layout a less-offloaded twin beats is no alternative to list (disagg.plan.dominance)
+    prune = not getattr(args, "dominated", False)
+    result = plan(work, cluster, strategies, config_families(cfg, registry), placements, prune=prune)
     return result, cluster
 
 

@@ -56,7 +56,8 @@ def _resolve(cfg: Config, registry: Registry) -> tuple[Config, dict[str, Any]]:
                 f"strategies {unknown} are not installed; allowed: {', '.join(sorted(strategies))}"
             )
         strategies = {n: c for n, c in strategies.items() if n in auto.strategies}
-    result = plan(work, cluster, strategies, config_families(cfg, registry), placements)
+    # the best and the top five: a layout a less-offloaded twin beats is neither (prune)
+    result = plan(work, cluster, strategies, config_families(cfg, registry), placements, prune=True)
     best = result.best
     chosen = plan_yaml(best)
     raw = cfg.model_dump(mode="json")

@@ -133,6 +133,10 @@ class Group:
         return self.degree * self.context_parallel * self.replicas
 
     def label(self) -> str:
+        return self._label
+
+    @cached_property
+    def _label(self) -> str:  # every layout's name (the plan's tie-break) reads it
         opts = "".join(f",{k}={v}" for k, v in self.options)
         return f"{self.strategy}({self.degree}x{self.replicas}{opts})"
 
@@ -360,6 +364,19 @@ def evaluate(
     ``cuda_allocator`` cluster the memory is the allocator's, and offload's exposed seconds count;
     ``memo``: each group's times by its cost object, microbatches and link, kept by the search
     across the layouts that share the group — the same numbers, computed once)."""
+    step_time(layout, costs, cluster, work, groups, memo)
+    return device_fit(layout, costs, cluster, groups, memo)
+
+
+def step_time(
+    layout: Layout,
+    costs: dict[str, Cost],
+    cluster: Cluster,
+    work: Workload | None = None,
+    groups: dict[str, GroupCost] | None = None,
+    memo: dict[tuple[Any, ...], dict[str, float]] | None = None,
+) -> Layout:
+    """:func:`evaluate`'s time half: ``layout``'s costs, per-group times and step time."""
     layout.costs = costs
     total_ranks = sum(g.ranks for g in layout.groups.values())
     spans = total_ranks if layout.placement == "disaggregated" else 1
@@ -399,8 +416,28 @@ def evaluate(
         layout.step_time_s = max(stages) + min(stages) / m
     else:
         layout.step_time_s = sum(per.values())
+    return layout
+
+
+def device_fit(
+    layout: Layout,
+    costs: dict[str, Cost],
+    cluster: Cluster,
+    groups: dict[str, GroupCost] | None = None,
+    memo: dict[tuple[Any, ...], Any] | None = None,
+) -> Layout:
+    """:func:`evaluate`'s memory half: the worst device's bytes and whether ``layout`` fits
+    (``memo``: as :func:`evaluate`'s, each group's named view kept there too)."""
     if groups and cluster.cuda_allocator:
-        views = [replace(groups[n].memory, module=n) for n in layout.groups]
+        views = []
+        for n in layout.groups:
+            key = ("memory", n, id(groups[n].memory))
+            view = None if memo is None else memo.get(key)
+            if view is None:
+                view = replace(groups[n].memory, module=n)
+                if memo is not None:
+                    memo[key] = view
+            views.append(view)
         per_device = (
             [device_memory(views)]
             if layout.placement == "collocated"

@@ -9,8 +9,18 @@ from typing import Any
 from disagg.interfaces import Cost, Family, StrategyOptions
 from disagg.kit import Strategy
 from disagg.plan.cluster import Cluster
+from disagg.plan.dominance import Twins, ahead, rank_key
 from disagg.plan.extended import GroupCost
-from disagg.plan.model import Group, Layout, Workload, evaluate, group_cost, module_cost
+from disagg.plan.model import (
+    Group,
+    Layout,
+    Workload,
+    device_fit,
+    evaluate,
+    group_cost,
+    module_cost,
+    step_time,
+)
 
 PLACEMENTS = ("collocated", "disaggregated")
 
@@ -52,6 +62,7 @@ def plan(
     strategies: dict[str, type[Strategy]],
     families: dict[str, Family] | None = None,
     placements: tuple[str, ...] = PLACEMENTS,
+    prune: bool = False,
 ) -> PlanResult:
     """Every valid layout of ``work``'s modules on ``cluster``, evaluated and ranked.
 
@@ -59,11 +70,15 @@ def plan(
     strategies' and families' own ``check`` then rule out meshes they cannot run
     (without it, a degree must divide the module's attention heads).
 
+    ``prune``: leave out the layouts that a less-offloaded twin beats (:mod:`disagg.plan.dominance`:
+    the same best, the same order of what is kept); ``disagg plan`` and ``parallel: auto`` do, the
+    analyses that look layouts up by name (the published setting's) do not.
+
     Two stages: :func:`candidates` (each module's groups a strategy can run) and
     :func:`evaluate_layouts` (every combination of them, placed, costed)."""
     found = candidates(work, cluster, strategies, families)
-    layouts = evaluate_layouts(found.per_module, work, cluster, strategies, placements)
-    layouts.sort(key=lambda x: (round(x.step_time_s, 12), x.memory_bytes, x.name()))
+    layouts = evaluate_layouts(found.per_module, work, cluster, strategies, placements, prune)
+    layouts.sort(key=rank_key)
     return PlanResult(
         cluster=cluster,
         workload=work,
@@ -137,7 +152,8 @@ def _module_groups(
             options = cls.options_model(**variant)
         except Exception:  # a third party's options may not accept our variant
             continue
-        if work.strategy_keys and _refused(cls, options, work.precision or cluster.precision, module):
+        recipe = work.precision or cluster.precision
+        if work.strategy_keys and precision_refusal(cls, options, recipe, module):
             continue
         extras = layout_variants(name, module, variant, work, cluster)
         if work.strategy_keys:
@@ -192,13 +208,15 @@ def _offloads(variant: dict[str, Any]) -> bool:
     return variant.get("offload", "none") != "none" or bool(variant.get("offload_optimizer"))
 
 
-def _refused(cls: type[Strategy], options: StrategyOptions, recipe: str, module: str) -> bool:
-    """The strategy's own precision checks refuse these options under ``recipe`` (as validation
-    would: e.g. an offloaded optimizer a backend holds only in ``fp32``)."""
+def precision_refusal(cls: type[Strategy], options: StrategyOptions, recipe: str, module: str) -> str:
+    """The first problem the strategy's own precision checks find with these options under
+    ``recipe`` (as validation would: e.g. an offloaded optimizer a backend holds only in ``fp32``);
+    '' when none does. The planner and ``disagg bench``'s published fit table both ask it."""
     try:
-        return bool(cls.precision_problems(recipe, options, f"parallel.{module}"))
+        problems = cls.precision_problems(recipe, options, f"parallel.{module}")
     except Exception:  # a third party's check that needs more: validation will say
-        return False
+        return ""
+    return str(problems[0]) if problems else ""
 
 
 def strategy_cp(
@@ -246,15 +264,20 @@ def evaluate_layouts(
     cluster: Cluster,
     strategies: dict[str, type[Strategy]],
     placements: tuple[str, ...] = PLACEMENTS,
+    prune: bool = False,
 ) -> list[Layout]:
     """Every combination of one candidate per module, in each placement it fits,
-    evaluated (unsorted); combinations a strategy reports no cost for are left out."""
+    evaluated (unsorted); combinations a strategy reports no cost for are left out, and with
+    ``prune`` those a less-offloaded twin beats (:mod:`disagg.plan.dominance`)."""
     modules = list(per_module)
     encoders = [m for m in modules if m != "llm"]
     cache: dict[tuple[Any, ...], GroupCost | None] = {}
     memo: dict[tuple[Any, ...], dict[str, float]] = {}  # each group's times, shared by its layouts
     out: list[Layout] = []
-    for combo in itertools.product(*(per_module[m] for m in modules)):
+    twins = Twins(per_module) if prune else None
+    ordered = twins.per_module if twins else per_module
+    for idx in itertools.product(*(range(len(ordered[m])) for m in modules)):
+        combo = tuple(ordered[m][i] for m, i in zip(modules, idx))
         groups = {g.module: g for g, _ in combo}
         lead = groups[encoders[0]] if encoders else groups["llm"]
         micro = work.samples // lead.replicas
@@ -268,9 +291,24 @@ def evaluate_layouts(
             )
             layout = Layout(groups=groups, placement=placement, microbatches=micro, schedule=schedule)
             got = _costs(combo, layout, work, cluster, strategies, cache)
-            if got is not None:
-                costs = {m: c.cost for m, c in got.items()}
+            if got is None:
+                continue
+            costs = {m: c.cost for m, c in got.items()}
+            if twins is None:
                 out.append(evaluate(layout, costs, cluster, work, got, memo))
+                continue
+            rival = twins.rival(idx, placement)
+            step_time(layout, costs, cluster, work, got, memo)
+            # slower than a lesser twin that fits: dominated whatever its memory (not counted)
+            if rival is not None and round(layout.step_time_s, 12) > round(rival.step_time_s, 12):
+                twins.record(idx, placement, rival)
+                continue
+            device_fit(layout, costs, cluster, got, memo)
+            if rival is not None and ahead(rival, layout):
+                twins.record(idx, placement, rival)
+                continue
+            out.append(layout)
+            twins.record(idx, placement, layout if layout.fits else rival)
     return out
 
 
