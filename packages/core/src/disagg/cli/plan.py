@@ -109,13 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
     from disagg.config.errors import ConfigError, Problem
     from disagg.config.load import load_config
     from disagg.config.model_path import with_local_model_paths
-    from disagg.plan.explain import own_line, table, why, write_plan
+    from disagg.plan.explain import json_rows, own_line, table, why, write_plan
     from disagg.plugins import get_registry
 
     cfg = with_local_model_paths(load_config(args.config, args.overrides))  # hub ids -> snapshot dirs
@@ -154,18 +153,14 @@ def run(args: argparse.Namespace) -> int:
     if args.write and result.ranked:
         print(f"wrote {write_plan(result.best, args.write, result)}")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "cluster": cluster.to_dict(),
-                    "ranked": [x.to_dict() for x in result.ranked],
-                    "oom": [x.to_dict() for x in result.oom[: args.top]],
-                    "skipped": result.skipped,
-                    "own": own.layout.to_dict() if own.layout else {"why": own.why},
-                },
-                indent=1,
-            )
-        )
+        doc = {
+            "cluster": cluster.to_dict(),
+            "ranked": [x.to_dict() for x in result.ranked],
+            "oom": [x.to_dict() for x in result.oom[: args.top]],
+            "skipped": result.skipped,
+            "own": own.layout.to_dict() if own.layout else {"why": own.why},
+        }
+        Path(args.json).write_text(json_rows(doc, ("ranked", "oom")))
     return 0 if result.ranked else 1
 
 

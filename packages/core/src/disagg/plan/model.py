@@ -124,6 +124,13 @@ class Group:
     options: tuple[tuple[str, Any], ...] = ()
 
     # cached: the search reads them for every one of (up to) millions of layouts
+    def __hash__(self) -> int:  # the search's caches are keyed by groups: hashed once, not per look-up
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.module, self.strategy, self.degree, self.replicas, self.options))
+
     @cached_property
     def context_parallel(self) -> int:
         return int(dict(self.options).get("context_parallel", 1) or 1)
@@ -356,7 +363,7 @@ def evaluate(
     cluster: Cluster,
     work: Workload | None = None,
     groups: dict[str, GroupCost] | None = None,
-    memo: dict[tuple[Any, ...], dict[str, float]] | None = None,
+    memo: dict[tuple[Any, ...], Any] | None = None,
 ) -> Layout:
     """Fill ``layout``'s time and memory from its groups' ``costs`` on ``cluster``
     (``work``: the module shapes, for the per-layer overhead; without it none is charged;
@@ -374,42 +381,26 @@ def step_time(
     cluster: Cluster,
     work: Workload | None = None,
     groups: dict[str, GroupCost] | None = None,
-    memo: dict[tuple[Any, ...], dict[str, float]] | None = None,
+    memo: dict[tuple[Any, ...], Any] | None = None,
 ) -> Layout:
     """:func:`evaluate`'s time half: ``layout``'s costs, per-group times and step time."""
     layout.costs = costs
     total_ranks = sum(g.ranks for g in layout.groups.values())
     spans = total_ranks if layout.placement == "disaggregated" else 1
-    across, hop = cluster.bandwidth(spans), cluster.call_latency
+    across = cluster.bandwidth(spans)
     m = layout.microbatches
+    per: dict[str, float] = {}
     for name, g in layout.groups.items():
         c = costs[name]
         key = (name, g, id(c), m, across)
-        if memo is not None and key in memo:
-            layout.times[name] = dict(memo[key])
-            continue
-        compute = compute_seconds(c, cluster)
-        layout.times[name] = {
-            "compute_s": compute,
-            "collective_s": collective_seconds(c, g.ranks, cluster),
-            "overhead_s": overhead_seconds(work.shapes[name], m, cluster, compute) if work else 0.0,
-            "transfer_s": c.sent_bytes / across + m * hop,
-        }
-        if work and name in work.encoded:
-            layout.times[name] = cached_times(layout.times[name], work.encoded[name], hop)
-        got = (groups or {}).get(name)
-        if got is not None and got.offload is not None:
-            ranks_per_node = min(cluster.devices_per_node, g.ranks)
-            layout.times[name]["offload_s"] = offload_seconds(
-                compute_s=compute, ranks_per_node=ranks_per_node, **got.offload
-            )["exposed_s"]
-        if got is not None and got.activation_offload is not None:
-            layout.times[name]["activation_offload_s"] = activation_offload_seconds(**got.activation_offload)[
-                "exposed_s"
-            ]
-        if memo is not None:
-            memo[key] = dict(layout.times[name])
-    per = {name: sum(t.values()) for name, t in layout.times.items()}
+        hit = None if memo is None else memo.get(key)
+        if hit is None:
+            times = _group_times(name, g, c, m, across, cluster, work, (groups or {}).get(name))
+            hit = (times, sum(times.values()))
+            if memo is not None:
+                memo[key] = hit
+        layout.times[name] = dict(hit[0])
+        per[name] = hit[1]
     encoders = [per[name] for name in layout.groups if name != "llm"]
     if layout.placement == "disaggregated" and layout.schedule == "encoders_ahead" and encoders:
         stages = [sum(encoders), per["llm"]]
@@ -417,6 +408,37 @@ def step_time(
     else:
         layout.step_time_s = sum(per.values())
     return layout
+
+
+def _group_times(
+    name: str,
+    g: Group,
+    c: Cost,
+    m: int,
+    across: float,
+    cluster: Cluster,
+    work: Workload | None,
+    got: GroupCost | None,
+) -> dict[str, float]:
+    """One group's seconds by part in a layout of ``m`` microbatches whose groups talk at ``across``."""
+    hop = cluster.call_latency
+    compute = compute_seconds(c, cluster)
+    times = {
+        "compute_s": compute,
+        "collective_s": collective_seconds(c, g.ranks, cluster),
+        "overhead_s": overhead_seconds(work.shapes[name], m, cluster, compute) if work else 0.0,
+        "transfer_s": c.sent_bytes / across + m * hop,
+    }
+    if work and name in work.encoded:
+        times = cached_times(times, work.encoded[name], hop)
+    if got is not None and got.offload is not None:
+        ranks_per_node = min(cluster.devices_per_node, g.ranks)
+        times["offload_s"] = offload_seconds(compute_s=compute, ranks_per_node=ranks_per_node, **got.offload)[
+            "exposed_s"
+        ]
+    if got is not None and got.activation_offload is not None:
+        times["activation_offload_s"] = activation_offload_seconds(**got.activation_offload)["exposed_s"]
+    return times
 
 
 def device_fit(

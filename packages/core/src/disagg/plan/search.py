@@ -272,7 +272,7 @@ def evaluate_layouts(
     modules = list(per_module)
     encoders = [m for m in modules if m != "llm"]
     cache: dict[tuple[Any, ...], GroupCost | None] = {}
-    memo: dict[tuple[Any, ...], dict[str, float]] = {}  # each group's times, shared by its layouts
+    memo: dict[tuple[Any, ...], Any] = {}  # each group's times (and memory view), shared by its layouts
     out: list[Layout] = []
     twins = Twins(per_module) if prune else None
     ordered = twins.per_module if twins else per_module
