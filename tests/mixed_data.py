@@ -50,13 +50,20 @@ def write_mixed_data(root: Path) -> Path:
     return path
 
 
-def make_mixed_tiny(out: Path, family: str) -> dict[str, Any]:
-    """A tiny ``family`` model dir (make-tiny) with the mixed dataset beside it."""
+def make_mixed_tiny(out: Path, family: str, eval_rows: int = 0) -> dict[str, Any]:
+    """A tiny ``family`` model dir (make-tiny) with the mixed dataset beside it. ``eval_rows``:
+    the last that many training rows are also the eval set (``manifest["eval"]``; 4: the last
+    training batch, images of three sizes and text)."""
     from disagg.cli.make_tiny import make_tiny
 
     manifest = make_tiny(out, [family], data=False)
-    manifest["train"] = str(write_mixed_data(out / "data"))
+    train = write_mixed_data(out / "data")
+    manifest["train"] = str(train)
     manifest["media_root"] = str(out / "data")
+    if eval_rows:
+        held = train.with_name("eval.jsonl")
+        held.write_text("\n".join(train.read_text().splitlines()[-eval_rows:]) + "\n")
+        manifest["eval"] = str(held)
     return manifest
 
 
