@@ -150,6 +150,15 @@ def qwen2_5_vl_kwargs(image_token_id: int) -> Callable[[dict[str, dict[str, torc
     return kwargs
 
 
+def pixel_values_kwargs(s: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The keyword arguments for one sample of a model that takes ``pixel_values`` alone (LLaVA,
+    InternVL): its processor's ``input_ids`` and ``pixel_values``, and the labels."""
+    kw = {"input_ids": s["llm"]["input_ids"][None], "labels": s["llm"]["labels"][None]}
+    if "vision" in s:
+        kw["pixel_values"] = s["vision"]["pixel_values"]
+    return kw
+
+
 def assert_run_matches(
     run_dir: Path,
     reference: ReferenceRun,

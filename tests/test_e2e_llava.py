@@ -18,7 +18,12 @@ import torch
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
-from hf_reference import assert_run_matches_reference, batches_of, train_reference  # noqa: E402
+from hf_reference import (  # noqa: E402
+    assert_run_matches_reference,
+    batches_of,
+    pixel_values_kwargs,
+    train_reference,
+)
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
 from disagg.config.schema import Config  # noqa: E402
@@ -42,13 +47,6 @@ def _config(tiny: dict, out: Path, vision: dict, llm: dict) -> Config:
     return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS)
 
 
-def _hf_kwargs(s: dict) -> dict:
-    kw = {"input_ids": s["llm"]["input_ids"][None], "labels": s["llm"]["labels"][None]}
-    if "vision" in s:
-        kw["pixel_values"] = s["vision"]["pixel_values"]
-    return kw
-
-
 @pytest.fixture(scope="module")
 def reference(ray_local, tiny, tmp_path_factory):
     from transformers import LlavaForConditionalGeneration
@@ -57,7 +55,7 @@ def reference(ray_local, tiny, tmp_path_factory):
     model = LlavaForConditionalGeneration.from_pretrained(tiny["models"]["llava"], dtype=torch.float32)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with capture_first_grads(model) as grads:  # read-only: what the lr-unit bound is derived from
-        run = train_reference(model, batches_of(cfg, STEPS), _hf_kwargs, cfg.train)
+        run = train_reference(model, batches_of(cfg, STEPS), pixel_values_kwargs, cfg.train)
     unused = [k for k in initial if torch.equal(initial[k], run.state[k])]
     assert any("post_layernorm" in k for k in unused), "the tiny LLaVA should leave its last layer unused"
     assert not set(unused) & set(grads), "an unchanged parameter had a gradient"
