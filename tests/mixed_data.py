@@ -67,6 +67,12 @@ def make_mixed_tiny(out: Path, family: str, eval_rows: int = 0) -> dict[str, Any
     return manifest
 
 
+#: the training settings of the mixed-data and video end-to-end tests: weight decay and clipping
+#: on, 2 microbatches. eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
+#: summation-order noise in near-zero gradients cannot flip parameters.
+TRAIN = {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.1, "microbatches": 2, "seed": 0, "clip_grad_norm": 1.0}
+
+
 def mixed_config(
     model: dict, parallel: dict, data: dict, out: Path, steps: int, checkpoint_every: int = 0, **train: Any
 ) -> Any:
@@ -88,18 +94,7 @@ def mixed_config(
                 "shuffle": False,
                 "num_workers": 1,
             },
-            # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
-            # summation-order noise in near-zero gradients cannot flip parameters.
-            "train": {
-                "steps": steps,
-                "lr": 1e-3,
-                "eps": 1e-3,
-                "weight_decay": 0.1,
-                "microbatches": 2,
-                "seed": 0,
-                "clip_grad_norm": 1.0,
-                **train,
-            },
+            "train": {"steps": steps, **TRAIN, **train},
             "checkpoint": {"every": checkpoint_every},
             "output_dir": str(out),
         }

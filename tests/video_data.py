@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from mixed_data import TRAIN
 
 #: (red, green, blue) of each frame: every frame differs, so a wrong frame choice changes pixels
 COLORS = [(255 * (k % 3 == 0), 255 * (k % 3 == 1), 40 * k % 256) for k in range(12)]
@@ -125,15 +126,7 @@ def video_config(tiny: dict, out: Path, family: str, vision: dict, llm: dict, vi
                 "on_error": "skip",
                 **video,
             },
-            "train": {
-                "steps": steps,
-                "lr": 1e-3,
-                "eps": 1e-3,
-                "weight_decay": 0.1,
-                "microbatches": 2,
-                "seed": 0,
-                "clip_grad_norm": 1.0,
-            },
+            "train": {"steps": steps, **TRAIN},
             "checkpoint": {"every": 0},
             "output_dir": str(out),
         }
