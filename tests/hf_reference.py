@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import ray
 import torch
@@ -150,6 +150,15 @@ def qwen2_5_vl_kwargs(image_token_id: int) -> Callable[[dict[str, dict[str, torc
     return kwargs
 
 
+def pixel_values_kwargs(s: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The keyword arguments for one sample of a model that takes ``pixel_values`` alone (LLaVA,
+    InternVL): its processor's ``input_ids`` and ``pixel_values``, and the labels."""
+    kw = {"input_ids": s["llm"]["input_ids"][None], "labels": s["llm"]["labels"][None]}
+    if "vision" in s:
+        kw["pixel_values"] = s["vision"]["pixel_values"]
+    return kw
+
+
 def assert_run_matches(
     run_dir: Path,
     reference: ReferenceRun,
@@ -185,30 +194,55 @@ def assert_run_matches(
 
 
 def assert_run_matches_reference(
-    run_dir: Path, reference: ReferenceRun, train: Any, model_cls: type, what: str
+    run_dir: Path,
+    reference: ReferenceRun,
+    train: Any,
+    model_cls: type,
+    what: str,
+    *,
+    grads: Mapping[str, torch.Tensor] | None = None,
+    lr: float | None = None,
+    first: int = 1,
 ) -> dict[str, torch.Tensor]:
     """The end-to-end tests' closing check: the run's logged loss and grad norm of every step
-    against the reference's (relative to their size), then the run's last checkpoint through
-    ``disagg export`` and ``model_cls.from_pretrained`` against the reference's final
-    parameters, every one of them (the same names), in units of the learning rate per element
-    from the reference's own first gradients (``disagg.testing.tolerance``). ``what`` names the
-    case in every message; returns the exported state."""
+    against the reference's (relative to their size), and its eval loss after every step where
+    the reference evaluated (``eval_set``), then the run's last checkpoint through ``disagg
+    export`` and ``model_cls.from_pretrained`` against the reference's final parameters, every
+    one of them (the same names), in units of the learning rate per element
+    (``disagg.testing.tolerance``). ``what`` names the case in every message; returns the
+    exported state.
+
+    ``grads``: the first gradients the parameter bound is derived from; by default the
+    reference's own, taken before clipping (``first_grads(reference.grads)``). With ``eps > 0``
+    and a clipped step, the gradients AdamW saw (``capture_first_grads`` around
+    ``train_reference``, after clipping) give a tighter bound: pass them where captured.
+    ``lr``: the largest learning rate of any parameter group (default ``train.lr``).
+    ``first``: a resumed run logs steps ``first ..`` only; its last checkpoint is still the
+    reference's last step."""
     from disagg.testing.tolerance import assert_params_close, assert_scalar_close, first_grads
 
     steps = len(reference.losses)
+    want = range(first, steps + 1)
     losses, norms = run_metrics(run_dir)
-    assert len(losses) == len(norms) == steps, (what, len(losses), len(norms), steps)
-    for step in range(steps):
-        assert_scalar_close(losses[step], reference.losses[step], f"{what} step {step + 1} loss")
-        assert_scalar_close(norms[step], reference.grad_norms[step], f"{what} step {step + 1} grad norm")
+    assert len(losses) == len(norms) == len(want), (what, len(losses), len(norms), list(want))
+    for i, step in enumerate(want):
+        assert_scalar_close(losses[i], reference.losses[step - 1], f"{what} step {step} loss")
+        assert_scalar_close(norms[i], reference.grad_norms[step - 1], f"{what} step {step} grad norm")
+    if reference.eval_losses:  # evaluated after every step, in eval mode over the whole eval set
+        evals = run_eval_losses(run_dir)
+        assert len(evals) == len(want), (what, len(evals), list(want))
+        for i, step in enumerate(want):
+            assert_scalar_close(
+                evals[i], reference.eval_losses[step - 1], f"{what} eval loss after step {step}"
+            )
     got = exported_state(run_dir, steps, Path(run_dir).parent / f"{Path(run_dir).name}-export", model_cls)
     assert set(got) == set(reference.state), (what, set(got) ^ set(reference.state))
     assert_params_close(
         got,
         reference.state,
-        lr=train.lr,
+        lr=train.lr if lr is None else lr,
         steps=steps,
-        grads=first_grads(reference.grads),
+        grads=first_grads(reference.grads) if grads is None else grads,
         what=f"{what} after {steps} steps: ",
         betas=tuple(train.betas),
         eps=train.eps,

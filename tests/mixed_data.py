@@ -50,14 +50,27 @@ def write_mixed_data(root: Path) -> Path:
     return path
 
 
-def make_mixed_tiny(out: Path, family: str) -> dict[str, Any]:
-    """A tiny ``family`` model dir (make-tiny) with the mixed dataset beside it."""
+def make_mixed_tiny(out: Path, family: str, eval_rows: int = 0) -> dict[str, Any]:
+    """A tiny ``family`` model dir (make-tiny) with the mixed dataset beside it. ``eval_rows``:
+    the last that many training rows are also the eval set (``manifest["eval"]``; 4: the last
+    training batch, images of three sizes and text)."""
     from disagg.cli.make_tiny import make_tiny
 
     manifest = make_tiny(out, [family], data=False)
-    manifest["train"] = str(write_mixed_data(out / "data"))
+    train = write_mixed_data(out / "data")
+    manifest["train"] = str(train)
     manifest["media_root"] = str(out / "data")
+    if eval_rows:
+        held = train.with_name("eval.jsonl")
+        held.write_text("\n".join(train.read_text().splitlines()[-eval_rows:]) + "\n")
+        manifest["eval"] = str(held)
     return manifest
+
+
+#: the training settings of the mixed-data and video end-to-end tests: weight decay and clipping
+#: on, 2 microbatches. eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
+#: summation-order noise in near-zero gradients cannot flip parameters.
+TRAIN = {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.1, "microbatches": 2, "seed": 0, "clip_grad_norm": 1.0}
 
 
 def mixed_config(
@@ -81,18 +94,7 @@ def mixed_config(
                 "shuffle": False,
                 "num_workers": 1,
             },
-            # eps=1e-3: Adam's update is then Lipschitz in the gradient, so fp32
-            # summation-order noise in near-zero gradients cannot flip parameters.
-            "train": {
-                "steps": steps,
-                "lr": 1e-3,
-                "eps": 1e-3,
-                "weight_decay": 0.1,
-                "microbatches": 2,
-                "seed": 0,
-                "clip_grad_norm": 1.0,
-                **train,
-            },
+            "train": {"steps": steps, **TRAIN, **train},
             "checkpoint": {"every": checkpoint_every},
             "output_dir": str(out),
         }

@@ -23,12 +23,10 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
 from hf_reference import (  # noqa: E402
+    assert_run_matches_reference,
     batches_of,
     eval_set_of,
-    exported_state,
     qwen2_5_vl_kwargs,
-    run_eval_losses,
-    run_metrics,
     train_reference,
 )
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
@@ -37,7 +35,6 @@ from disagg.config.schema import Config  # noqa: E402
 from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
 from disagg.testing.reference import capture_first_grads  # noqa: E402
-from disagg.testing.tolerance import assert_params_close, assert_scalar_close  # noqa: E402
 
 STEPS = 3
 FAMILY = "qwen2_5_vl"
@@ -45,12 +42,7 @@ FAMILY = "qwen2_5_vl"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    manifest = make_mixed_tiny(tmp_path_factory.mktemp("tiny"), FAMILY)
-    rows = Path(manifest["train"]).read_text().splitlines()
-    held = Path(manifest["train"]).with_name("eval.jsonl")
-    held.write_text("\n".join(rows[-4:]) + "\n")
-    manifest["eval"] = str(held)
-    return manifest
+    return make_mixed_tiny(tmp_path_factory.mktemp("tiny"), FAMILY, eval_rows=4)
 
 
 def _config(tiny: dict, out: Path, vision: dict, llm: dict, every: int = 0, **train: object) -> Config:
@@ -66,7 +58,7 @@ def reference(ray_local, tiny, tmp_path_factory):
     batches = batches_of(cfg, STEPS)
     assert [all("vision" not in s for s in b) for b in batches] == [False, True, False]
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny["models"][FAMILY], dtype=torch.float32)
-    with capture_first_grads(model) as grads:
+    with capture_first_grads(model) as grads:  # after clipping: the tighter parameter bound
         run = train_reference(
             model,
             batches,
@@ -77,30 +69,15 @@ def reference(ray_local, tiny, tmp_path_factory):
     return run, grads, cfg.train
 
 
-def _assert_matches(run_dir: Path, reference, tmp_path: Path, first: int = 1) -> None:
-    """Steps ``first .. STEPS`` (a resumed run logs only those) and the weights after them."""
+def _assert_matches(run_dir: Path, reference, what: str, first: int = 1) -> None:
+    """Steps ``first .. STEPS`` (a resumed run logs only those), the eval loss after each, and
+    the weights after them."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     run, grads, train = reference
-    losses, norms = run_metrics(run_dir)
-    assert len(losses) == len(norms) == STEPS - first + 1
-    for i, step in enumerate(range(first, STEPS + 1)):
-        assert_scalar_close(losses[i], run.losses[step - 1], f"step {step} loss")
-        assert_scalar_close(norms[i], run.grad_norms[step - 1], f"step {step} grad norm")
-    evals = run_eval_losses(run_dir)
-    assert len(evals) == STEPS - first + 1
-    for i, step in enumerate(range(first, STEPS + 1)):
-        assert_scalar_close(evals[i], run.eval_losses[step - 1], what=f"eval loss after step {step}")
-    got = exported_state(run_dir, STEPS, tmp_path / "export", Qwen2_5_VLForConditionalGeneration)
-    assert_params_close(
-        got,
-        run.state,
-        lr=train.lr,
-        steps=STEPS,
-        grads=grads,
-        what=f"after {STEPS} steps: ",
-        eps=train.eps,
-        betas=tuple(train.betas),
+    assert len(run.losses) == STEPS
+    assert_run_matches_reference(
+        run_dir, run, train, Qwen2_5_VLForConditionalGeneration, what, grads=grads, first=first
     )
 
 
@@ -153,7 +130,7 @@ def test_context_parallel_equals_hf_model_every_step(ray_local, tiny, reference,
     out = resume_dirs.get(name, tmp_path / "run")
     cfg = _config(tiny, out, vision, llm, every=1 if name in RESUMED else 0, **(train[0] if train else {}))
     run_training(validate(cfg, get_registry()), progress=False)
-    _assert_matches(out, reference, tmp_path)
+    _assert_matches(out, reference, name)
 
 
 @pytest.mark.parametrize("name", list(RESUMED), ids=["cp2_to_cp1", "tp2xcp2_to_tp2"])
@@ -172,7 +149,7 @@ def test_cp2_checkpoint_resumes_without_context_parallel(
     cfg = _config(tiny, tmp_path / "run", vision, RESUMED[name])
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume_from": str(ckpt)})})
     run_training(validate(cfg, get_registry()), progress=False)
-    _assert_matches(tmp_path / "run", reference, tmp_path, first=3)
+    _assert_matches(tmp_path / "run", reference, f"{name} resumed", first=3)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ pytest.importorskip("disagg_llm_tp")
 from hf_reference import (  # noqa: E402
     assert_run_matches_reference,
     batches_of,
+    pixel_values_kwargs,
     qwen2_5_vl_kwargs,
     train_reference,
 )
@@ -43,13 +44,7 @@ def _qwen_kwargs(cfg) -> Callable[[dict], dict]:  # noqa: ANN001
 
 
 def _llava_kwargs(cfg) -> Callable[[dict], dict]:  # noqa: ANN001
-    def kwargs(s: dict) -> dict:
-        kw = {"input_ids": s["llm"]["input_ids"][None], "labels": s["llm"]["labels"][None]}
-        if "vision" in s:
-            kw["pixel_values"] = s["vision"]["pixel_values"]
-        return kw
-
-    return kwargs
+    return pixel_values_kwargs
 
 
 @dataclass(frozen=True)

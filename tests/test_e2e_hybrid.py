@@ -62,6 +62,16 @@ def reference(ray_local, tiny, tmp_path_factory) -> ReferenceRun:
     return train_reference(model, batches, qwen2_5_vl_kwargs(model.config.image_token_id), cfg.train)
 
 
+def _assert_every_step(run: Path, reference: ReferenceRun, train) -> list[float]:  # noqa: ANN001
+    """The run's loss and grad norm of every step, and its weights after every step (each step's
+    checkpoint, exported and loaded back), against the reference's; returns its losses."""
+    from transformers import Qwen2_5_VLForConditionalGeneration as VLM
+
+    return assert_run_matches(
+        run, reference, lambda step: exported_state(run, step, run.parent / f"export-{step}", VLM), train
+    )
+
+
 # test_e2e_mixes checks the paper's DHP (ulysses vision + TP LLM) and zero2/zero3
 # layouts on mixed data (text-only steps, uneven replicas); these are the other mixes.
 HYBRIDS = {
@@ -89,8 +99,6 @@ HYBRIDS = {
 
 @pytest.mark.parametrize("name", list(HYBRIDS))
 def test_mix_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path, name):
-    from transformers import Qwen2_5_VLForConditionalGeneration as VLM
-
     from disagg.runtime.run import run_training
 
     vision, llm = HYBRIDS[name]
@@ -98,12 +106,7 @@ def test_mix_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path, na
         pytest.importorskip("disagg_zero")
     cfg = _config(tiny, tmp_path / "run", {"replicas": 1, **vision}, {"replicas": 1, **llm})
     run_training(validate(cfg, get_registry()), progress=False)
-    losses = assert_run_matches(
-        tmp_path / "run",
-        reference,
-        lambda step: exported_state(tmp_path / "run", step, tmp_path / f"export-{step}", VLM),
-        cfg.train,
-    )
+    losses = _assert_every_step(tmp_path / "run", reference, cfg.train)
     assert losses[-1] < losses[0], "the loss should fall over the run"
 
 
@@ -129,8 +132,6 @@ def test_overlapped_gradient_reduction_equals_hf_model_every_step(ray_local, tin
     microbatches: the same run as the HF model at every step, and buckets were sent early."""
     import json
 
-    from transformers import Qwen2_5_VLForConditionalGeneration as VLM
-
     from disagg.config.validate import validate
     from disagg.plugins import get_registry
     from disagg.runtime.run import run_training
@@ -141,12 +142,7 @@ def test_overlapped_gradient_reduction_equals_hf_model_every_step(ray_local, tin
     cfg.train.microbatches = 2
     resolved = validate(cfg, get_registry())
     run_training(resolved, progress=False)
-    assert_run_matches(
-        tmp_path / "run",
-        reference,
-        lambda step: exported_state(tmp_path / "run", step, tmp_path / f"export-{step}", VLM),
-        cfg.train,
-    )
+    _assert_every_step(tmp_path / "run", reference, cfg.train)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     overlapped = [x["overlapped_calls_per_rank"] for x in lines if "overlapped_calls_per_rank" in x]
     assert len(overlapped) == STEPS

@@ -23,7 +23,12 @@ import torch
 pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
-from hf_reference import assert_run_matches_reference, batches_of, train_reference  # noqa: E402
+from hf_reference import (  # noqa: E402
+    assert_run_matches_reference,
+    batches_of,
+    pixel_values_kwargs,
+    train_reference,
+)
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
 
 from disagg.config.validate import validate  # noqa: E402
@@ -47,13 +52,6 @@ def _config(tiny: dict, out: Path, vision: dict, llm: dict):  # noqa: ANN202
     return mixed_config(model, {"vision": vision, "llm": llm}, tiny, out, STEPS)
 
 
-def _hf_kwargs(s: dict) -> dict:
-    kw = {"input_ids": s["llm"]["input_ids"][None], "labels": s["llm"]["labels"][None]}
-    if "vision" in s:
-        kw["pixel_values"] = s["vision"]["pixel_values"]
-    return kw
-
-
 @pytest.fixture(scope="module")
 def internvl(ray_local, tmp_path_factory):
     """The tiny dir, the batches and the HF reference run."""
@@ -67,7 +65,7 @@ def internvl(ray_local, tmp_path_factory):
     tiles = sorted({int(n) for b in batches for s in b if "vision" in s for n in s["vision"]["num_patches"]})
     assert tiles == [1, 3, 5], tiles  # 28x28, 56x28 (+ thumbnail), 56x56 (+ thumbnail)
     model = InternVLForConditionalGeneration.from_pretrained(tiny["models"]["internvl"], dtype=torch.float32)
-    return tiny, batches, train_reference(model, batches, _hf_kwargs, cfg.train)
+    return tiny, batches, train_reference(model, batches, pixel_values_kwargs, cfg.train)
 
 
 def test_ulysses_shards_meet_inside_a_tile(internvl):

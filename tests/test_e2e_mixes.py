@@ -20,12 +20,10 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
 from hf_reference import (  # noqa: E402
+    assert_run_matches_reference,
     batches_of,
     eval_set_of,
-    exported_state,
     qwen2_5_vl_kwargs,
-    run_eval_losses,
-    run_metrics,
     train_reference,
 )
 from mixed_data import make_mixed_tiny, mixed_config  # noqa: E402
@@ -34,20 +32,14 @@ from disagg.config.schema import Config  # noqa: E402
 from disagg.config.validate import validate
 from disagg.plugins import get_registry
 from disagg.testing.reference import capture_first_grads  # noqa: E402
-from disagg.testing.tolerance import assert_params_close, assert_scalar_close  # noqa: E402
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    manifest = make_mixed_tiny(tmp_path_factory.mktemp("tiny"), "qwen2_5_vl")
     # evaluated after every step: the last training batch (images of three sizes and text)
-    rows = Path(manifest["train"]).read_text().splitlines()
-    held = Path(manifest["train"]).with_name("eval.jsonl")
-    held.write_text("\n".join(rows[-4:]) + "\n")
-    manifest["eval"] = str(held)
-    return manifest
+    return make_mixed_tiny(tmp_path_factory.mktemp("tiny"), "qwen2_5_vl", eval_rows=4)
 
 
 def _config(tiny: dict, out: Path, vision: dict, llm: dict, **train: object) -> Config:
@@ -102,32 +94,18 @@ LAYOUTS = {
 }
 
 
-def _assert_matches_reference(run_dir: Path, reference, tmp_path: Path, lr: float | None = None) -> None:
-    """``reference``: (ReferenceRun, its first gradients, train config); ``lr``: the largest
-    learning rate of any parameter group (default ``train.lr``), the unit of the parameter bound."""
+def _assert_matches_reference(
+    run_dir: Path, reference, what: str, lr: float | None = None
+) -> dict[str, torch.Tensor]:
+    """``reference``: (ReferenceRun, its first gradients after clipping, train config); ``lr``:
+    the largest learning rate of any parameter group (default ``train.lr``), the unit of the
+    parameter bound. Every step's loss, grad norm and eval loss, and the exported weights."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     run, grads, train = reference
-    losses, norms = run_metrics(run_dir)
-    assert len(losses) == len(norms) == len(run.losses) == STEPS
-    for step in range(STEPS):
-        assert_scalar_close(losses[step], run.losses[step], f"step {step + 1} loss")
-        assert_scalar_close(norms[step], run.grad_norms[step], f"step {step + 1} grad norm")
-    # evaluation after every step, in eval mode over the whole eval set, equals the HF model's
-    evals = run_eval_losses(run_dir)
-    assert len(evals) == len(run.eval_losses) == STEPS
-    for step, (got, want) in enumerate(zip(evals, run.eval_losses), 1):
-        assert_scalar_close(got, want, what=f"eval loss after step {step}")
-    got = exported_state(run_dir, STEPS, tmp_path / "export", Qwen2_5_VLForConditionalGeneration)
-    assert_params_close(
-        got,
-        run.state,
-        lr=lr if lr is not None else train.lr,
-        steps=STEPS,
-        grads=grads,
-        what=f"after {STEPS} steps: ",
-        eps=train.eps,
-        betas=tuple(train.betas),
+    assert len(run.losses) == STEPS
+    return assert_run_matches_reference(
+        run_dir, run, train, Qwen2_5_VLForConditionalGeneration, what, grads=grads, lr=lr
     )
 
 
@@ -140,7 +118,7 @@ def test_layout_equals_hf_model_every_step(ray_local, tiny, reference, tmp_path,
         pytest.importorskip("disagg_zero")
     cfg = _config(tiny, tmp_path / "run", vision, llm)
     run_training(validate(cfg, get_registry()), progress=False)
-    _assert_matches_reference(tmp_path / "run", reference, tmp_path)
+    _assert_matches_reference(tmp_path / "run", reference, name)
 
 
 def test_encoders_ahead_with_four_microbatches_and_recompute_in_both_modules_equals_hf_model(
@@ -160,7 +138,7 @@ def test_encoders_ahead_with_four_microbatches_and_recompute_in_both_modules_equ
     )
     assert (cfg.parallel.vision.recompute, cfg.parallel.llm.recompute) == ("full", "full")
     run_training(validate(cfg, get_registry()), progress=False)
-    _assert_matches_reference(tmp_path / "run", reference, tmp_path)
+    _assert_matches_reference(tmp_path / "run", reference, "encoders_ahead x4 recompute")
 
 
 FROZEN_TOWER = {
@@ -220,9 +198,8 @@ def test_frozen_tower_trains_merger_like_hf_model(ray_local, tiny, tmp_path, lay
             model, batches_of(cfg, STEPS), kwargs, cfg.train, groups, eval_set=eval_set_of(cfg)
         )
     run_training(validate(cfg, get_registry()), progress=False)
-    _assert_matches_reference(run, (want, grads, cfg.train), tmp_path, lr=3e-3)  # the merger's group lr
-
-    got = exported_state(run, STEPS, tmp_path / "export2", Qwen2_5_VLForConditionalGeneration)
+    # the merger's group lr
+    got = _assert_matches_reference(run, (want, grads, cfg.train), f"frozen tower {layout}", lr=3e-3)
     tower = [k for k in initial if ".visual.patch_embed." in k or ".visual.blocks." in k]
     merger = [k for k in initial if ".visual.merger." in k]
     assert tower and merger

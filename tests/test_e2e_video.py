@@ -22,7 +22,7 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
 from hf_reference import assert_run_matches_reference, train_reference  # noqa: E402
-from video_data import video_config, write_video_data  # noqa: E402
+from video_data import qwen_video_kwargs, video_config, write_video_data  # noqa: E402
 
 from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
@@ -34,32 +34,6 @@ VIDEO = {"video_fps": 2.0, "video_max_frames": 8, "video_min_pixels": 64, "video
 
 def _config(tiny: dict, out: Path, vision: dict, llm: dict):  # noqa: ANN202
     return video_config(tiny, out, "qwen2_5_vl", vision, llm, VIDEO, STEPS)
-
-
-def hf_video_kwargs(config) -> callable:  # noqa: ANN001
-    """``Qwen2_5_VLForConditionalGeneration``'s keywords for one sample, as its processor hands
-    them over: image and video tensors, and ``mm_token_type_ids`` (1 image, 2 video) for mRoPE."""
-
-    def kwargs(s: dict) -> dict:
-        ids = s["llm"]["input_ids"][None]
-        kw = {"input_ids": ids, "labels": s["llm"]["labels"][None]}
-        v = s.get("vision", {})
-        for k in (
-            "pixel_values",
-            "image_grid_thw",
-            "pixel_values_videos",
-            "video_grid_thw",
-            "second_per_grid_ts",
-        ):
-            if k in v:
-                kw[k] = v[k]
-        if v:
-            kw["mm_token_type_ids"] = (ids == config.image_token_id).int() + 2 * (
-                ids == config.video_token_id
-            ).int()
-        return kw
-
-    return kwargs
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +58,7 @@ def video_run(ray_local, tmp_path_factory):
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         tiny["model"], dtype=torch.float32
     )
-    want = train_reference(model, batches, hf_video_kwargs(model.config), cfg.train)
+    want = train_reference(model, batches, qwen_video_kwargs(model.config, seconds=True), cfg.train)
     return tiny, cfg, source, batches, want
 
 

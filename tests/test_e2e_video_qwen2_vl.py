@@ -22,7 +22,7 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
 from hf_reference import assert_run_matches_reference, train_reference  # noqa: E402
-from video_data import video_config, write_video_data  # noqa: E402
+from video_data import qwen_video_kwargs, video_config, write_video_data  # noqa: E402
 
 from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
@@ -34,29 +34,6 @@ VIDEO = {"video_fps": 2.0, "video_max_frames": 8, "video_min_pixels": 64, "video
 
 def _config(tiny: dict, out: Path, vision: dict):  # noqa: ANN202
     return video_config(tiny, out, "qwen2_vl", vision, {"strategy": "ddp"}, VIDEO, STEPS)
-
-
-def _hf_kwargs(config) -> callable:  # noqa: ANN001
-    """``Qwen2VLForConditionalGeneration``'s keywords for one sample, as its processor gives them."""
-
-    def kwargs(s: dict) -> dict:
-        ids = s["llm"]["input_ids"][None]
-        kw = {"input_ids": ids, "labels": s["llm"]["labels"][None]}
-        v = s.get("vision", {})
-        kw.update(
-            {
-                k: v[k]
-                for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-                if k in v
-            }
-        )
-        if v:
-            kw["mm_token_type_ids"] = (ids == config.image_token_id).int() + 2 * (
-                ids == config.video_token_id
-            ).int()
-        return kw
-
-    return kwargs
 
 
 def test_qwen2_vl_video_run_equals_hf_model_every_step(ray_local, tmp_path):
@@ -85,7 +62,7 @@ def test_qwen2_vl_video_run_equals_hf_model_every_step(ray_local, tmp_path):
     assert [2, 6, 8] in [g for gs in grids for g in gs], grids
     assert source.stats()["skipped"] == 1  # broken.mp4
     model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(tiny["model"], dtype=torch.float32)
-    want = train_reference(model, batches, _hf_kwargs(model.config), ref_cfg.train)
+    want = train_reference(model, batches, qwen_video_kwargs(model.config), ref_cfg.train)
 
     run = tmp_path / "run"
     cfg = _config(tiny, run, {"strategy": "ulysses", "degree": 2})

@@ -28,8 +28,7 @@ pytest.importorskip("disagg_vision_sp")
 pytest.importorskip("disagg_llm_tp")
 
 from hf_reference import assert_run_matches_reference, train_reference  # noqa: E402
-from test_e2e_video_qwen2_vl import _hf_kwargs  # noqa: E402
-from video_data import video_config, write_video_data  # noqa: E402
+from video_data import qwen_video_kwargs, video_config, write_video_data  # noqa: E402
 
 from disagg.config.validate import validate  # noqa: E402
 from disagg.plugins import get_registry  # noqa: E402
@@ -125,7 +124,7 @@ def test_qwen3_vl_video_run_equals_hf_model_every_step(ray_local, tmp_path, fami
     for s in rows[1:]:
         assert long_text in tok.decode(s["llm"]["input_ids"].tolist(), skip_special_tokens=False)
 
-    want = train_reference(model, batches, _hf_kwargs(model.config), ref_cfg.train)
+    want = train_reference(model, batches, qwen_video_kwargs(model.config), ref_cfg.train)
     run = tmp_path / "run"
     cfg = _config(tiny, run, {"strategy": "ulysses", "degree": 2}, family, DECODER[family])
     run_training(validate(cfg, get_registry()), progress=False)

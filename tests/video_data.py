@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+from mixed_data import TRAIN
 
 #: (red, green, blue) of each frame: every frame differs, so a wrong frame choice changes pixels
 COLORS = [(255 * (k % 3 == 0), 255 * (k % 3 == 1), 40 * k % 256) for k in range(12)]
@@ -81,6 +82,28 @@ def write_video_data(root: Path) -> dict[str, Any]:
     return {"train": str(path), "media_root": str(root), "broken_line": 4}
 
 
+def qwen_video_kwargs(config: Any, seconds: bool = False) -> Callable[[dict], dict]:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL's keywords for one sample, as their processors hand them
+    over: image and video tensors, and ``mm_token_type_ids`` (1 image, 2 video) for mRoPE.
+    ``seconds``: also ``second_per_grid_ts`` (Qwen2.5-VL's time axis; Qwen2-VL's
+    ``get_rope_index`` counts temporal patches and takes none)."""
+    keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    keys += ("second_per_grid_ts",) if seconds else ()
+
+    def kwargs(s: dict) -> dict:
+        ids = s["llm"]["input_ids"][None]
+        kw = {"input_ids": ids, "labels": s["llm"]["labels"][None]}
+        v = s.get("vision", {})
+        kw.update({k: v[k] for k in keys if k in v})
+        if v:
+            kw["mm_token_type_ids"] = (ids == config.image_token_id).int() + 2 * (
+                ids == config.video_token_id
+            ).int()
+        return kw
+
+    return kwargs
+
+
 def video_config(tiny: dict, out: Path, family: str, vision: dict, llm: dict, video: dict, steps: int) -> Any:
     """The validated config the video end-to-end tests train: ``family`` for both modules from
     the tiny dir, the mixed dataset (a broken video skipped), 2 microbatches, weight decay and
@@ -103,15 +126,7 @@ def video_config(tiny: dict, out: Path, family: str, vision: dict, llm: dict, vi
                 "on_error": "skip",
                 **video,
             },
-            "train": {
-                "steps": steps,
-                "lr": 1e-3,
-                "eps": 1e-3,
-                "weight_decay": 0.1,
-                "microbatches": 2,
-                "seed": 0,
-                "clip_grad_norm": 1.0,
-            },
+            "train": {"steps": steps, **TRAIN},
             "checkpoint": {"every": 0},
             "output_dir": str(out),
         }

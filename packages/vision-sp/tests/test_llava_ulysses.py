@@ -6,18 +6,9 @@ never receives: a shard may hold CLS rows, which no sample takes."""
 from __future__ import annotations
 
 import pytest
+from ulysses_cases import assert_ulysses_matches, tower_case
 
-from disagg.testing.tolerance import assert_scalar_close
 from disagg_vision_sp.families.llava import LlavaVision
-from disagg_vision_sp.testing import (
-    assemble,
-    assert_close,
-    assert_grads_close,
-    random_images,
-    reference,
-    run_ulysses,
-    upstream_grads,
-)
 
 # Raw sizes differ; the processor resizes all to 30x30 -> 25 tokens per image (odd).
 SAMPLES = [[(50, 40), (20, 30)], [(64, 64)], [(31, 17)], [(40, 90), (33, 33)]]
@@ -28,10 +19,7 @@ def case(request):
     family = LlavaVision(
         request.getfixturevalue("tiny_llava" if request.param == "siglip" else "tiny_llava_clip")
     )
-    inputs = [family.preprocess(random_images(s, seed=i)) for i, s in enumerate(SAMPLES)]
-    grads = upstream_grads(family, inputs)
-    outs, pgrads = reference(family, inputs, grads)
-    return family, inputs, grads, outs, pgrads
+    return tower_case(family, SAMPLES)
 
 
 def test_encode_is_hf_get_image_features(case):
@@ -59,12 +47,5 @@ def test_encode_is_hf_get_image_features(case):
     indirect=["case"],
 )
 def test_ulysses_matches_hf(case, degree, replicas):
-    family, inputs, grads, ref_outs, ref_grads = case
-    results = run_ulysses(degree, replicas, family, inputs, grads)
-    outs = assemble(results, len(inputs), family.hidden_size())
-    for i, (o, r) in enumerate(zip(outs, ref_outs)):
-        assert_close(o, r, f"sample {i} output")
-    assert_grads_close(results[0]["grads"], ref_grads)
-    ref_norm = sum(float(g.double().pow(2).sum()) for g in ref_grads.values())
-    for res in results:
-        assert_scalar_close(res["grad_norm_sq"], ref_norm, "grad_norm_sq")
+    family, inputs, *_ = case
+    assert_ulysses_matches(case, degree, replicas)

@@ -227,7 +227,8 @@ class EncoderFamily(Family):
     #: sample's image rows, and the LLM family places them at its ``video_token_id``
     reads_video: ClassVar[bool] = False
     #: how video frames are sampled (:data:`disagg.data.video.SAMPLERS`): ``qwen2_vl``
-    #: (Qwen2/2.5-VL's processor) or ``qwen3_vl`` (Qwen3-VL's)
+    #: (Qwen2/2.5-VL's processor), ``qwen3_vl`` (Qwen3-VL's) or ``internvl``
+    #: (``InternVLVideoProcessor``'s)
     video_sampling: ClassVar[str] = "qwen2_vl"
 
     def video_frame_factor(self) -> int:
