@@ -46,7 +46,8 @@ class DDPStrategy(Strategy):
         # the blocks) -> sharding.
         context_parallel.apply(module, self.ctx, self)
         self.recompute.apply_full(module, f"module {self.ctx.module!r}")
-        tiled_mlp.apply(module, self.family.layer_map(), self.options.mlp_tiles, self.recompute.tile)
+        if tiled_mlp.enabled(self.options.mlp_tiles):  # a family-less module (tests, plugins) never tiles
+            tiled_mlp.apply(module, self.family.layer_map(), self.options.mlp_tiles, self.recompute.tile)
         return self.shard_state(module)
 
     @classmethod

@@ -1,6 +1,6 @@
 """Layouts a less-offloaded twin beats, left out of a plan's lists (``plan(..., prune=True)``).
 
-Offload (``offload: optimizer | activations | all``, ``zero``'s ``offload_optimizer``) moves state
+Offload (``offload: optimizer | activations | all``, a backend's own ``offload_optimizer``) moves state
 or saved activations to host memory: it buys device memory with exposed seconds. On a GPU cluster
 the planner offers it beside every variant it can apply to, so a three-module plan multiplies its
 layouts by up to four per module (Qwen2.5-Omni-7B on 2 GPUs: 1.16M layouts, 99% of the fitting

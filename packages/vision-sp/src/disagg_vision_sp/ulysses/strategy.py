@@ -87,7 +87,8 @@ class UlyssesStrategy(Strategy):
         self.apply_sequence_parallel(module)
         self.apply_dropout_stream()
         self.apply_recompute(module)
-        tiled_mlp.apply(module, self.family.layer_map(), self.options.mlp_tiles, self.recompute.tile)
+        if tiled_mlp.enabled(self.options.mlp_tiles):  # a family-less module (tests, plugins) never tiles
+            tiled_mlp.apply(module, self.family.layer_map(), self.options.mlp_tiles, self.recompute.tile)
         return self.shard_state(module)
 
     def apply_sequence_parallel(self, module: nn.Module) -> None:
