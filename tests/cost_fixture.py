@@ -56,6 +56,13 @@ estimates gained ``buffer_bytes`` and their ``memory_bytes`` moved, and with the
 the layouts holding a ``ulysses`` group (and the order of equal-time rows); no other estimate
 moved, no layout's fit flipped and every plan's best layout is the same (checked by diffing the
 old and new file).
+
+Re-recorded when ``megatron_tp`` with sequence parallelism began keeping the column linears' inputs
+as shards in a recomputed block's replay (re-gathered in its backward, as Megatron does): under
+``recompute: full`` each replay counts two all-gathers per block more (``disagg_llm_tp.cost.replay``)
+and ``mlp_tiles`` one fewer per block (``tile_comm``); only those estimates' collectives and the
+times built on them moved (``bench --predict``'s DHP-SP / TP ratio at 16k: 1.40 -> 1.34 on the
+``h100x8`` curve, 1.17 -> 1.14 flat); memory did not move (the model counted shards already).
 """
 
 from __future__ import annotations

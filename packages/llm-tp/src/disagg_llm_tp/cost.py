@@ -356,8 +356,9 @@ def replay(
     shape: Shape, w: Workload, sequence_parallel: bool, mode: str
 ) -> tuple[dict[str, int], dict[str, int]]:
     """A ``full`` replay runs the blocks' forward collectives again: the row outputs'
-    all-reduces (with sequence parallelism their reduce-scatters; the norm gathers
-    replace the backward re-gathers of the saved shards, so all-gathers stay as many)."""
+    all-reduces (with sequence parallelism their reduce-scatters and the two norm gathers;
+    the replay keeps the column inputs as shards, so the backward re-gathers them as
+    without recompute)."""
     if mode != "full" or w.degree == 1:
         return {}, {}
     s, m, e, h = w.samples_per_replica, w.microbatches, w.act_bytes, shape.hidden
@@ -366,7 +367,9 @@ def replay(
         m = max(s, m)  # an encoder's samples are encoded one by one (encoder_calls)
     if sequence_parallel:
         shard = (w.degree - 1) * -(-n // w.degree) * h * e
-        return {"reduce_scatter": s * 2 * blocks * shard}, {"reduce_scatter": 2 * blocks * m}
+        nbytes, calls = s * 2 * blocks * shard, 2 * blocks * m
+        kinds = ("reduce_scatter", "all_gather")
+        return dict.fromkeys(kinds, nbytes), dict.fromkeys(kinds, calls)
     return {"all_reduce": s * 2 * blocks * all_reduce(n * h * e, w.degree)}, {"all_reduce": 2 * blocks * m}
 
 
@@ -377,10 +380,11 @@ def tile_comm(
     block and forward of ``N`` tiles. Each tile's replay runs the MLP's forward collectives once
     more: without sequence parallelism the down projection's all-reduce (``ar(n·H·e)`` per sample),
     the column linears' input-gradient all-reduces split per tile (``4N`` calls for the untiled 3;
-    ``5N`` for 4 under ``full``); with it the down projection's reduce-scatter, and under ``full``
-    the tile's gather too (the replayed block gathered already): ``3N`` all-gathers and ``3N``
-    reduce-scatters for the untiled 3 and 2 (``4N`` and ``4N`` for 3 and 3 under ``full``), each
-    of ``(d-1)·ceil(n/d)·H·e`` bytes in all per sample."""
+    ``5N`` for 4 under ``full``); with it the down projection's reduce-scatter (the tile's gather
+    replaces the untiled backward's re-gather of the saved shard, under ``full`` too, whose replay
+    keeps shards): ``3N`` all-gathers and ``3N`` reduce-scatters for the untiled 3 and 2 (``4N``
+    and ``4N`` for 4 and 3 under ``full``), each of ``(d-1)·ceil(n/d)·H·e`` bytes in all per
+    sample."""
     d = w.degree
     if not cost_tiles.enabled(tiles) or d == 1:
         return {}, {}
@@ -396,9 +400,7 @@ def tile_comm(
         shard = (d - 1) * -(-n // d) * h * e
         nbytes = {"reduce_scatter": s * blocks * shard}
         calls = {"reduce_scatter": m * blocks * ((4 * k - 3) if full else (3 * k - 2))}
-        if full:
-            nbytes["all_gather"] = s * blocks * shard
-        calls["all_gather"] = m * blocks * ((4 * k - 3) if full else (3 * k - 3))
+        calls["all_gather"] = m * blocks * ((4 * k - 4) if full else (3 * k - 3))
         return nbytes, calls
     k = cost_tiles.tile_count(tiles, rows, h)
     return (

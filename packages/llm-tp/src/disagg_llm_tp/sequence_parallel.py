@@ -22,7 +22,12 @@ Hugging Face's separate q/k/v (or gate/up) projections instead of three times.
 
 A gathered tensor saved by the column linears for their weight gradients is
 kept as this rank's shard and all-gathered again in backward (Megatron does the
-same), so sequence parallelism saves activation memory there too.
+same), so sequence parallelism saves activation memory there too. That holds in
+a recomputed block's replay as well (``recompute: full``): the replay hands
+checkpoint the shard, and the block's backward gathers it again, one all-gather
+per gather more than the replay alone would cost, for ``(T - c)·H`` fewer elements
+per gathered input while the block is in backward (``c = ceil(T/d)`` rows a rank
+keeps of ``T``).
 
 Tokens are the flattened leading dimensions (batch x sequence in decoders,
 patches in vision encoders), zero-padded to a multiple of the degree. Padding
@@ -44,7 +49,6 @@ from torch.distributed._functional_collectives import (
 )
 
 from disagg.interfaces.comm import CommCounter
-from disagg.kit.recompute import checkpointed
 
 
 def _rows_per_rank(tokens: int, degree: int) -> int:
@@ -164,18 +168,22 @@ class SequenceParallelRegion:
         active (the worker's activation-bytes counter) are applied to what is
         kept here: the shard, or any other tensor as it is."""
         last: _Gathered | None = getattr(self, "_last", None)
-        # Inside a checkpointed block nothing saved is held (the replay gathers again),
-        # so keeping shards would only add an all-gather to the backward.
-        if last is None or not torch.is_grad_enabled() or checkpointed():
+        if last is None or not torch.is_grad_enabled():
             yield
             return
+        # In a checkpointed block (``recompute: full``) the outer hooks are checkpoint's: at the
+        # forward they record what is saved (its shape: the shard here and in the replay alike,
+        # which checkpoint checks), in the replay they keep it for the block's backward, which
+        # then gets the shard and gathers it again. What is packed beside them holds no tensor,
+        # so a checkpointed forward keeps nothing of the gather alive.
         outer = _active_saved_tensors_hooks()
         outer_pack, outer_unpack = outer or (_identity, _identity)
+        again = last.again
 
         def pack(t: torch.Tensor):
             if last.matches(t):
-                last.waiting += 1
-                return (last, t.shape, outer_pack(last.shard))
+                again.waiting += 1
+                return (again, t.shape, outer_pack(last.shard))
             return (None, None, outer_pack(t))
 
         def unpack(packed) -> torch.Tensor:
@@ -199,20 +207,30 @@ def _active_saved_tensors_hooks():
 
 
 class _Gathered:
-    """One gather's saved form: the shard, and the re-gathered tensor while some
-    saved view of it is still waiting to be unpacked."""
+    """One gather's output, recognised when a column linear saves it (or a whole view of it),
+    and its shard, which is saved instead."""
 
     def __init__(self, full: torch.Tensor, shard: torch.Tensor, region: SequenceParallelRegion) -> None:
         # A weak reference: a freed gathered tensor's memory may be reused by another.
         self.ref = weakref.ref(full)
-        self.ptr, self.numel, self.shard, self.region = full.data_ptr(), full.numel(), shard, region
-        self.waiting = 0
-        self.full: torch.Tensor | None = None
+        self.ptr, self.numel, self.shard = full.data_ptr(), full.numel(), shard
+        self.again = _Regather(region, full.numel())
 
     def matches(self, t: torch.Tensor) -> bool:
         """``t`` is the gathered tensor or a whole view of it."""
         alive = self.ref() is not None
         return alive and t.data_ptr() == self.ptr and t.numel() == self.numel and t.is_contiguous()
+
+
+class _Regather:
+    """What backward needs to gather a saved shard again (no tensor: it is packed beside the
+    shard, whoever holds that), and the re-gathered tensor while some saved view of it is still
+    waiting to be unpacked."""
+
+    def __init__(self, region: SequenceParallelRegion, numel: int) -> None:
+        self.region, self.numel = region, numel
+        self.waiting = 0
+        self.full: torch.Tensor | None = None
 
     def regather(self, shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         if self.full is None:
