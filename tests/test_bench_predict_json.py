@@ -67,3 +67,20 @@ def test_predict_json_usable_and_errors(capsys):
     assert code == 2 and "--precision" in err and "bf16-pure" in err, err
     code, _, err = _run(capsys, "--predict", "16k")  # runs layouts: needs a config
     assert code == 2 and "config" in err, err
+
+
+def test_predict_json_stdout_is_json_alone_in_a_fresh_process(tmp_path):
+    """In a fresh process DeepSpeed (imported by the ``zero`` estimate) logs to stdout when first
+    imported: the answer must still be the only thing there (``... --json | jq``)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("disagg_zero")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # DeepSpeed's own detection
+    cmd = [sys.executable, "-m", "disagg.cli.main", "bench", "--predict", "16k", "--json"]
+    cmd += ["--precision", "bf16"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout)  # fails on any line printed before the answer
+    assert rows

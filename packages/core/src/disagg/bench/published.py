@@ -333,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     the paper's own comparison in its precision as a row of its own, the goals met or not; then the
     longest vision sequence that fits per layout and recipe (:mod:`disagg.bench.published_fit`)."""
     import argparse
-    import json
 
     from disagg.bench.data import parse_tokens
+    from disagg.bench.json_out import print_json
     from disagg.bench.published_compare import compare_md, goal_lines, paper_md, run
     from disagg.bench.published_fit import FIT_RECIPES, fit_goal_lines, fit_md, fit_table
     from disagg.plan.cluster import PRESETS
@@ -356,14 +356,23 @@ def main(argv: list[str] | None = None) -> int:
         usable_bytes(u)  # a clear error before any search
     precisions = [x.strip() for x in args.precision.split(",") if x.strip()]
     cluster = flat_curve(PRESETS[CLUSTER], MFU) if args.flat else PRESETS[CLUSTER]
-    out = run(parse_tokens(args.lengths), precisions, usables, cluster)
     fit_recipes = tuple(x.strip() for x in args.fit_precisions.split(",") if x.strip())
-    fits = {u: fit_table(usable_bytes(u), precisions=fit_recipes) for u in usables}
+
+    def tables() -> tuple[dict[str, Any], dict[float, Any]]:
+        out = run(parse_tokens(args.lengths), precisions, usables, cluster)
+        return out, {u: fit_table(usable_bytes(u), precisions=fit_recipes) for u in usables}
+
     if args.json:
-        out["fits"] = [f.to_dict(u) for u, rows in fits.items() for f in rows]
-        out["fit_goals"] = [line for u, rows in fits.items() for line in fit_goal_lines(rows, u)]
-        print(json.dumps(out, indent=1))
+
+        def answer() -> dict[str, Any]:
+            out, fits = tables()
+            out["fits"] = [f.to_dict(u) for u, rows in fits.items() for f in rows]
+            out["fit_goals"] = [line for u, rows in fits.items() for line in fit_goal_lines(rows, u)]
+            return out
+
+        print_json(answer, indent=1)
         return 0
+    out, fits = tables()
     print(f"compute: {'every FLOP at MFU ' + str(MFU) if args.flat else 'by GEMM shape on ' + CLUSTER}\n")
     for t in out["tables"]:
         print(compare_md(t), "\n")

@@ -142,9 +142,8 @@ def _calibration(args: argparse.Namespace) -> Any:
 
 def predict_json(args: argparse.Namespace) -> int:
     """``--predict --json``: the model's rows, nothing run."""
-    import json
-
     from disagg.bench.data import parse_tokens
+    from disagg.bench.json_out import print_json
     from disagg.bench.predict_rows import predict_rows
     from disagg.interfaces.precision import RECIPES
 
@@ -156,7 +155,8 @@ def predict_json(args: argparse.Namespace) -> int:
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
         raise _problem("--precision", f"{bad or args.precision!r}; allowed: {', '.join(RECIPES)}")
-    print(json.dumps(predict_rows(lengths, recipes, args.usable, _calibration(args)), indent=1, default=str))
+    calibration = _calibration(args)
+    print_json(lambda: predict_rows(lengths, recipes, args.usable, calibration), indent=1, default=str)
     return 0
 
 
