@@ -1,7 +1,7 @@
 """``disagg plan`` and ``parallel: auto`` offer ``parallel.<module>.mlp_tiles: auto`` in a fallback
 pass (:func:`disagg.plan.search.plan`'s ``tiles``): only when no layout fits without it.
 
-A Qwen2.5-VL config (the tiny model's, with a 256-wide LLM whose MLP is 32 times wider) at a
+A Qwen2.5-VL config (the tiny model's, 256 wide, MLPs 32 (LLM) and 16 (vision) times wider) at a
 million text tokens on one H100: every untiled layout needs over 150 GiB (one block's MLP
 intermediates, even with full recompute and everything offloaded), the tiled ones under 30.
 Config values and cost hooks only: no weights, no actor, no Ray."""
@@ -46,9 +46,9 @@ CONFIG = {
         "depth": 4,
         "fullatt_block_indexes": [1, 3],
         "hidden_act": "silu",
-        "hidden_size": 32,
+        "hidden_size": 256,
         "in_channels": 3,
-        "intermediate_size": 64,
+        "intermediate_size": 4096,
         "model_type": "qwen2_5_vl_vision",
         "num_heads": 4,
         "out_hidden_size": 256,
@@ -59,7 +59,7 @@ CONFIG = {
         "window_size": 16,
     },
 }
-LONG, SHORT = "1000000", "128"
+LONG, SHORT, PATCHES = "1000000", "128", "16384"
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def _argv(cfg: Path, tokens: str, strategies: str, *extra: str) -> list[str]:
         "--text-tokens",
         tokens,
         "--vision-patches",
-        "1024",
+        PATCHES,
         "--samples",
         "1",
         "--placement",
@@ -117,7 +117,10 @@ def test_out_of_memory_without_tiles_plans_tiles(cfg: Path, capsys):
     assert main(_argv(cfg, LONG, "ddp,zero", "--write", str(out), "--json", str(js))) == 0
     text = capsys.readouterr().out
     assert "nothing fits without tiles: mlp_tiles: auto offered" in text
-    assert "llm: mlp_tiles=auto" in text.split("uses ")[1] and "mlp_tiles wins on memory: nothing without it fits" in text
+    assert (
+        "llm: mlp_tiles=auto" in text.split("uses ")[1]
+        and "mlp_tiles wins on memory: nothing without it fits" in text
+    )
     written = yaml.safe_load(out.read_text())
     llm = written["parallel"]["llm"]
     assert llm["mlp_tiles"] == "auto" and llm["strategy"] == "ddp", llm
@@ -136,6 +139,14 @@ def test_out_of_memory_without_tiles_plans_tiles(cfg: Path, capsys):
 def test_fits_without_tiles_is_one_unchanged_pass(cfg: Path):
     """A short sequence fits untiled: the plan with the fallback is the plan without it (the same
     layouts, figures and order), no tiles anywhere."""
+    got = [_plan(cfg, SHORT, ("ddp", "zero"), prune=True, tiles=t) for t in (False, True)]
+    assert got[1].ranked and not got[1].tiled
+    for a, b in zip(got[0].ranked + got[0].oom, got[1].ranked + got[1].oom, strict=True):
+        assert (a.name(), a.step_time_s, a.memory_bytes) == (b.name(), b.step_time_s, b.memory_bytes)
+    assert not [x for x in got[1].ranked + got[1].oom if _tiled(x)]
+
+
+def _plan(cfg: Path, tokens: str, names: tuple[str, ...], **kw):  # type: ignore[no-untyped-def]
     from disagg.config.load import load_config
     from disagg.plan.cluster import cluster_from
     from disagg.plan.search import plan
@@ -144,17 +155,10 @@ def test_fits_without_tiles_is_one_unchanged_pass(cfg: Path):
 
     reg = get_registry()
     c = load_config(cfg)
-    strategies = {n: reg.strategies[n] for n in ("ddp", "zero")}
-    work = config_workload(c, registry=reg, text_tokens=int(SHORT), vision_patches=1024, samples=1)
+    strategies = {n: reg.strategies[n] for n in names}
+    work = config_workload(c, registry=reg, text_tokens=int(tokens), vision_patches=int(PATCHES), samples=1)
     cluster = cluster_from("h100x8", {"gpus": 1})
-    got = [
-        plan(work, cluster, strategies, config_families(c, reg), ("collocated",), prune=True, tiles=t)
-        for t in (False, True)
-    ]
-    assert got[1].ranked and not got[1].tiled
-    for a, b in zip(got[0].ranked + got[0].oom, got[1].ranked + got[1].oom, strict=True):
-        assert (a.name(), a.step_time_s, a.memory_bytes) == (b.name(), b.step_time_s, b.memory_bytes)
-    assert not [x for x in got[1].ranked + got[1].oom if _tiled(x)]
+    return plan(work, cluster, strategies, config_families(c, reg), ("collocated",), **kw)
 
 
 def test_no_strategy_that_tiles_stays_out_of_memory(cfg: Path, capsys):
@@ -165,6 +169,31 @@ def test_no_strategy_that_tiles_stays_out_of_memory(cfg: Path, capsys):
     assert main(_argv(cfg, LONG, "zero")) == 1
     text = capsys.readouterr().out
     assert "(no layout fits, also with mlp_tiles: auto)" in text and "mlp_tiles=" not in text
+    result = _plan(cfg, LONG, ("zero",), prune=True, tiles=True)
+    assert result.tiled and result.oom and not [x for x in result.oom if _tiled(x)]
+
+
+def test_prune_drops_tiles_an_untiled_twin_beats(cfg: Path):
+    """In the fallback pass, a layout one of whose tiled groups could go untiled with the layout
+    still fitting and ranking ahead is left out (and the best is the unpruned best)."""
+    from disagg.plan.dominance import rank_key
+
+    full = _plan(cfg, LONG, ("ddp",), tiles=True)
+    pruned = _plan(cfg, LONG, ("ddp",), prune=True, tiles=True)
+    assert full.tiled and pruned.tiled and rank_key(pruned.best) == rank_key(full.best)
+    fitting = {x.name(): rank_key(x) for x in full.ranked}
+    beaten = 0
+    for x in full.ranked:
+        for m in _tiled(x):
+            twin = (
+                x.name()
+                .replace(f"{m}=ddp(1x1,mlp_tiles=auto,", f"{m}=ddp(1x1,")
+                .replace(f"{m}=ddp(1x1,mlp_tiles=auto)", f"{m}=ddp(1x1)")
+            )
+            if twin in fitting and fitting[twin] < rank_key(x):
+                beaten += 1
+                assert x.name() not in {y.name() for y in pruned.ranked}, x.name()
+    assert beaten and len(pruned.ranked) < len(full.ranked)
 
 
 def test_tiles_are_lowered_like_offload():
