@@ -3,7 +3,7 @@ pass (:func:`disagg.plan.search.plan`'s ``tiles``): only when no layout fits wit
 
 A Qwen2.5-VL config (the tiny model's, 256 wide, MLPs 32 (LLM) and 16 (vision) times wider) at a
 million text tokens on one H100: every untiled layout needs over 150 GiB (one block's MLP
-intermediates, even with full recompute and everything offloaded); with the LLM tiled the best needs 39.
+intermediates, even with full recompute and everything offloaded); with the LLM tiled the best needs 39 GiB.
 Config values and cost hooks only: no weights, no actor, no Ray."""
 
 from __future__ import annotations
