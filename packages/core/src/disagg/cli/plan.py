@@ -239,9 +239,11 @@ def plan_for_config(cfg, registry, args):  # type: ignore[no-untyped-def]
                 f"--strategies: {unknown} not installed; allowed: {', '.join(sorted(strategies))}"
             )
         strategies = {n: c for n, c in strategies.items() if n in names}
-    # a layout a less-offloaded twin beats is no alternative to list (disagg.plan.dominance)
+    # a layout a less-offloaded twin beats is no alternative to list (disagg.plan.dominance); the
+    # MLPs over sequence tiles are searched where nothing fits without them (plan's fallback pass)
     prune = not getattr(args, "dominated", False)
-    result = plan(work, cluster, strategies, config_families(cfg, registry), placements, prune=prune)
+    families = config_families(cfg, registry)
+    result = plan(work, cluster, strategies, families, placements, prune=prune, tiles=True)
     return result, cluster
 
 

@@ -56,8 +56,10 @@ def _resolve(cfg: Config, registry: Registry) -> tuple[Config, dict[str, Any]]:
                 f"strategies {unknown} are not installed; allowed: {', '.join(sorted(strategies))}"
             )
         strategies = {n: c for n, c in strategies.items() if n in auto.strategies}
-    # the best and the top five: a layout a less-offloaded twin beats is neither (prune)
-    result = plan(work, cluster, strategies, config_families(cfg, registry), placements, prune=True)
+    # the best and the top five: a layout a less-offloaded twin beats is neither (prune); tiles
+    # where nothing fits without them
+    families = config_families(cfg, registry)
+    result = plan(work, cluster, strategies, families, placements, prune=True, tiles=True)
     best = result.best
     chosen = plan_yaml(best)
     raw = cfg.model_dump(mode="json")

@@ -10,6 +10,10 @@ off), and their lesser twins in turn. A layout is *dominated* when one of its le
 ranks ahead of it (the plan's order: step time, then memory, then name): it is never the best,
 and the twin already stands for it in any list of alternatives.
 
+``mlp_tiles`` (the MLPs over sequence tiles, offered by the planner's fallback pass only:
+:func:`disagg.plan.search.plan`) is the same kind of knob, memory bought with recomputed MLP
+FLOPs: one more step, ``mlp_tiles: auto`` -> untiled, lowered like offload's.
+
 The rule is exact whatever the cost model says about offload: nothing that ranks ahead of every
 lesser twin is left out, so the best layout is the same, and the lists kept are the full lists
 with the dominated layouts removed, in the same order. Dropping needs no cost-model assumption;
@@ -27,26 +31,30 @@ LOWER = {"all": ("activations", "optimizer"), "activations": ("none",), "optimiz
 def canonical(options: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
     """``options`` without the memory keys at their defaults (a strategy may list ``offload:
     none`` where the planner leaves it out)."""
-    default = {("offload", "none"), ("offload_optimizer", False)}
+    default = {("offload", "none"), ("offload_optimizer", False), ("mlp_tiles", 1)}
     return tuple((k, v) for k, v in options if (k, v) not in default)
 
 
 def level(options: tuple[tuple[str, Any], ...]) -> int:
-    """Steps above no offload at all (``all``: 2)."""
+    """Steps above no offload and no tiles at all (``all``: 2)."""
     o = dict(options)
-    return {"all": 2, "activations": 1, "optimizer": 1}.get(o.get("offload", "none"), 0) + bool(
-        o.get("offload_optimizer")
+    return (
+        {"all": 2, "activations": 1, "optimizer": 1}.get(o.get("offload", "none"), 0)
+        + bool(o.get("offload_optimizer"))
+        + (o.get("mlp_tiles", 1) != 1)
     )
 
 
 def lowered(options: tuple[tuple[str, Any], ...]) -> list[tuple[tuple[str, Any], ...]]:
-    """The canonical options one offload step below ``options``."""
+    """The canonical options one offload (or tiles) step below ``options``."""
     o = dict(canonical(options))
     out = []
     for low in LOWER.get(o.get("offload", "none"), ()):
         out.append(canonical(tuple(sorted({**o, "offload": low}.items()))))
     if o.get("offload_optimizer"):
         out.append(canonical(tuple(sorted({**o, "offload_optimizer": False}.items()))))
+    if o.get("mlp_tiles", 1) != 1:
+        out.append(canonical(tuple(sorted({**o, "mlp_tiles": 1}.items()))))
     return out
 
 

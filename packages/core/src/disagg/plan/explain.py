@@ -34,7 +34,9 @@ def table(result: PlanResult, top: int) -> str:
             row += f"  {x.measured['tokens_per_s']:.1f}" if x.measured else "  -"
         lines.append(row + f"  [{x.placement}, {x.microbatches} mb, {x.schedule}]")
     if not result.ranked:
-        lines.append("(no layout fits)")
+        lines.append("(no layout fits" + (", also with mlp_tiles: auto)" if result.tiled else ")"))
+    elif result.tiled:
+        lines.append("nothing fits without tiles: mlp_tiles: auto offered (the fallback pass)")
     for name, why in result.skipped.items():
         lines.append(f"skipped: {name}: {why}")
     for m, names in result.not_for.items():
@@ -89,7 +91,7 @@ def why(result: PlanResult, rivals: int = 3) -> list[str]:
 
 def _keys(x: Layout) -> list[str]:
     """``module: key=value`` of the layout keys beyond strategy and mesh that the plan chose:
-    context parallelism and optimizer offload."""
+    context parallelism, optimizer offload and the MLPs over sequence tiles."""
     out = []
     for m, g in x.groups.items():
         o = dict(g.options)
@@ -97,6 +99,8 @@ def _keys(x: Layout) -> list[str]:
             out.append(f"{m}: context_parallel={g.context_parallel} ({g.ranks} ranks)")
         if o.get("offload", "none") != "none" or o.get("offload_optimizer"):
             out.append(f"{m}: offload=optimizer")
+        if o.get("mlp_tiles", 1) != 1:
+            out.append(f"{m}: mlp_tiles={o['mlp_tiles']}")
     return out
 
 

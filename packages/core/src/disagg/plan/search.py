@@ -23,6 +23,8 @@ from disagg.plan.model import (
 )
 
 PLACEMENTS = ("collocated", "disaggregated")
+#: the ``mlp_tiles`` value the fallback pass offers (:mod:`disagg.kit.recompute.tiled_mlp`'s ``auto``)
+AUTO_TILES = "auto"
 
 
 @dataclass
@@ -37,6 +39,9 @@ class PlanResult:
     skipped: dict[str, str] = field(default_factory=dict)
     #: module -> strategies that report nothing for that module (not applicable)
     not_for: dict[str, list[str]] = field(default_factory=dict)
+    #: the tiles pass ran: nothing fit without ``mlp_tiles`` (:func:`plan`'s ``tiles``), so the
+    #: lists hold the layouts of the search with ``mlp_tiles: auto`` offered
+    tiled: bool = False
 
     @property
     def best(self) -> Layout:
@@ -63,6 +68,7 @@ def plan(
     families: dict[str, Family] | None = None,
     placements: tuple[str, ...] = PLACEMENTS,
     prune: bool = False,
+    tiles: bool = False,
 ) -> PlanResult:
     """Every valid layout of ``work``'s modules on ``cluster``, evaluated and ranked.
 
@@ -74,9 +80,32 @@ def plan(
     the same best, the same order of what is kept); ``disagg plan`` and ``parallel: auto`` do, the
     analyses that look layouts up by name (the published setting's) do not.
 
+    ``tiles``: when no layout fits, search again with ``mlp_tiles: auto`` offered beside every
+    variant of the strategies that run it (:func:`_variants`), and return that search (a fallback
+    pass: ``mlp_tiles`` only saves memory and adds the MLPs' recompute, so it is looked for only
+    where memory is what fails; a plan that fits without it is the same plan, searched once).
+    ``disagg plan`` and ``parallel: auto`` do; with ``prune``, a tiled layout whose untiled twin
+    fits and ranks ahead is left out, like offload's (:mod:`disagg.plan.dominance`).
+
     Two stages: :func:`candidates` (each module's groups a strategy can run) and
     :func:`evaluate_layouts` (every combination of them, placed, costed)."""
-    found = candidates(work, cluster, strategies, families)
+    result = _search(work, cluster, strategies, families, placements, prune, tiles=False)
+    if tiles and not result.ranked:
+        result = _search(work, cluster, strategies, families, placements, prune, tiles=True)
+    return result
+
+
+def _search(
+    work: Workload,
+    cluster: Cluster,
+    strategies: dict[str, type[Strategy]],
+    families: dict[str, Family] | None,
+    placements: tuple[str, ...],
+    prune: bool,
+    tiles: bool,
+) -> PlanResult:
+    """One pass of :func:`plan` (``tiles``: with ``mlp_tiles: auto`` offered)."""
+    found = candidates(work, cluster, strategies, families, tiles=tiles)
     layouts = evaluate_layouts(found.per_module, work, cluster, strategies, placements, prune)
     layouts.sort(key=rank_key)
     return PlanResult(
@@ -86,6 +115,7 @@ def plan(
         oom=[x for x in layouts if not x.fits],
         skipped=found.skipped,
         not_for={m: v for m, v in found.not_for.items() if v},
+        tiled=tiles,
     )
 
 
@@ -107,9 +137,11 @@ def candidates(
     cluster: Cluster,
     strategies: dict[str, type[Strategy]],
     families: dict[str, Family] | None = None,
+    tiles: bool = False,
 ) -> Candidates:
     """Every (strategy, option variant, mesh) each module could run as a group; raises
-    :class:`ValueError` for a module no strategy can plan."""
+    :class:`ValueError` for a module no strategy can plan. ``tiles``: each variant also with
+    ``mlp_tiles: auto`` where the strategy and the module's family run it (:func:`_variants`)."""
     modules = list(work.shapes)
     per_module: dict[str, list[tuple[Group, StrategyOptions]]] = {m: [] for m in modules}
     reports: dict[str, bool] = {}
@@ -118,7 +150,8 @@ def candidates(
     checked: dict[tuple[Any, ...], list[str]] = {}
     for name, cls in sorted(strategies.items()):
         for m in modules:
-            groups, found = _module_groups(name, cls, m, work, cluster, (families or {}).get(m), checked)
+            family = (families or {}).get(m)
+            groups, found = _module_groups(name, cls, m, work, cluster, family, checked, tiles)
             per_module[m] += groups
             reports[name] = reports.get(name, False) or found
             if not found:
@@ -141,11 +174,13 @@ def _module_groups(
     cluster: Cluster,
     family: Family | None,
     checked: dict[tuple[Any, ...], list[str]],
+    tiles: bool = False,
 ) -> tuple[list[tuple[Group, StrategyOptions]], bool]:
     """Strategy ``name``'s valid groups for ``module``, and whether it reports a cost for it at all."""
     out: list[tuple[Group, StrategyOptions]] = []
     found = False
-    for variant in _variants(cls, cls.option_variants(), work.recompute):
+    tiles = tiles and _tiles_fit(cls, module, family)
+    for variant in _variants(cls, cls.option_variants(), work.recompute, tiles):
         if _offloads(variant) and not (work.strategy_keys and cluster.cuda_allocator):
             continue  # host memory beside a GPU: offered on GPU clusters, for a config's plan
         try:
@@ -202,6 +237,23 @@ def layout_variants(
         both = "all" if variant.get("offload") in ("activations", "all") else "optimizer"
         out += [{**x, "offload": both} for x in list(out)]
     return out
+
+
+def _tiles_fit(cls: type[Strategy], module: str, family: Family | None) -> bool:
+    """Whether validation accepts ``mlp_tiles`` for ``module`` under strategy ``cls``
+    (:func:`disagg.config.model_checks.resolve_module`): the strategy states ``mlp_tiles_support``
+    (``zero`` does not) and, with a family at hand, the family declares its MLP modules."""
+    from disagg.kit.recompute import tiled_mlp
+
+    if not getattr(cls, "mlp_tiles_support", False):
+        return False
+    if family is None:
+        return True
+    try:
+        lmap = family.layer_map()
+    except Exception:  # a family that cannot map its layers cannot have them tiled either
+        return False
+    return not tiled_mlp.mlp_problems(lmap, "", "")
 
 
 def _offloads(variant: dict[str, Any]) -> bool:
@@ -352,11 +404,13 @@ def _costs(
 
 
 def _variants(
-    cls: type[Strategy], variants: list[dict[str, Any]], only_recompute: bool
+    cls: type[Strategy], variants: list[dict[str, Any]], only_recompute: bool, tiles: bool = False
 ) -> list[dict[str, Any]]:
     """Each option variant once per ``recompute`` mode the strategy applies (like any
     other layout key; ``none`` is left implicit). With ``only_recompute`` (``--recompute``)
-    ``none`` is left out where the strategy offers another mode."""
+    ``none`` is left out where the strategy offers another mode. ``tiles``: each of them
+    also with ``mlp_tiles: auto`` (ALST's tile of about ``hidden`` rows; :func:`plan`'s
+    fallback pass, for a strategy :func:`_tiles_fit` accepts)."""
     modes = list(getattr(cls, "recompute_modes", ("none",)))
     if only_recompute and len(modes) > 1:
         modes = [m for m in modes if m != "none"]
@@ -369,6 +423,8 @@ def _variants(
         for v in out
         if v.get("recompute") == "full" and v.get("offload", "none") in more
     ]
+    if tiles:
+        out += [{**v, "mlp_tiles": AUTO_TILES} for v in out]
     return out
 
 
