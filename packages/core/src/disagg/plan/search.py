@@ -242,7 +242,7 @@ def layout_variants(
 def _tiles_fit(cls: type[Strategy], module: str, family: Family | None) -> bool:
     """Whether validation accepts ``mlp_tiles`` for ``module`` under strategy ``cls``
     (:func:`disagg.config.model_checks.resolve_module`): the strategy states ``mlp_tiles_support``
-    (``zero`` does not) and, with a family at hand, the family declares its MLP modules."""
+    and, with a family at hand, the family declares its MLP modules."""
     from disagg.kit.recompute import tiled_mlp
 
     if not getattr(cls, "mlp_tiles_support", False):
