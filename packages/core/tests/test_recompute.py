@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from disagg.kit.recompute import Recompute, checkpointed, replaying
+from disagg.kit.recompute import Recompute, replaying
 from disagg.kit.recompute.activations import saved_bytes_hooks
 from disagg.kit.recompute.rng import ShardRNG
 
@@ -157,7 +157,7 @@ def test_captured_state_is_active_during_the_replay_and_counts_skip_it():
             forward = mlp.forward
 
             def spy(x, _f=forward):  # noqa: ANN001
-                seen.append((state["v"], replaying(), checkpointed()))
+                seen.append((state["v"], replaying()))
                 return _f(x)
 
             mlp.forward = spy
@@ -169,9 +169,9 @@ def test_captured_state_is_active_during_the_replay_and_counts_skip_it():
     out = model(input_ids=IDS, labels=IDS, use_cache=False)
     state["v"] = "changed after the forward"
     out.loss.backward()
-    assert seen[:LAYERS] == [("forward", False, True)] * LAYERS
-    assert seen[LAYERS:] == [("forward", True, True)] * LAYERS
-    assert state["v"] == "changed after the forward" and not replaying() and not checkpointed()
+    assert seen[:LAYERS] == [("forward", False)] * LAYERS
+    assert seen[LAYERS:] == [("forward", True)] * LAYERS
+    assert state["v"] == "changed after the forward" and not replaying()
 
 
 def test_saved_bytes_count_kept_inputs_and_one_block_replay():

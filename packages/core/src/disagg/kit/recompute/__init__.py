@@ -54,7 +54,6 @@ MODES: tuple[str, ...] = ("none", "full", "selective")
 Capture = Callable[[], Callable[[], contextlib.AbstractContextManager[Any]]]
 
 _REPLAYING: ContextVar[bool] = ContextVar("disagg_recompute_replaying", default=False)
-_INSIDE: ContextVar[int] = ContextVar("disagg_recompute_inside", default=0)
 
 
 def replaying() -> bool:
@@ -62,39 +61,32 @@ def replaying() -> bool:
     return _REPLAYING.get()
 
 
-def checkpointed() -> bool:
-    """True inside a checkpointed region (its forward or its replay): tensors
-    saved there are not held (the replay makes them again)."""
-    return _INSIDE.get() > 0
+class _Replay(contextlib.AbstractContextManager):
+    """Around a checkpointed region's replay: :func:`replaying` is true and ``enter``'s contexts
+    are entered. Re-enterable: a replay may run more than once (``retain_graph``)."""
 
-
-class _Inside(contextlib.AbstractContextManager):
-    """Re-enterable: a replay may run more than once (``retain_graph``)."""
-
-    def __init__(self, replay: bool = False, enter: Sequence[Callable[[], Any]] = ()) -> None:
-        self.replay, self.enter = replay, list(enter)
-        self._stacks: list[tuple[contextlib.ExitStack, Any, Any]] = []
+    def __init__(self, enter: Sequence[Callable[[], Any]] = ()) -> None:
+        self.enter = list(enter)
+        self._stacks: list[tuple[contextlib.ExitStack, Any]] = []
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
-        inside = _INSIDE.set(_INSIDE.get() + 1)
-        replaying_token = _REPLAYING.set(True) if self.replay else None
+        token = _REPLAYING.set(True)
         try:
             for make in self.enter:
                 stack.enter_context(make())
         except BaseException:
             stack.close()
+            _REPLAYING.reset(token)
             raise
-        self._stacks.append((stack, inside, replaying_token))
+        self._stacks.append((stack, token))
 
     def __exit__(self, *exc: Any) -> None:
-        stack, inside, replaying_token = self._stacks.pop()
+        stack, token = self._stacks.pop()
         try:
             stack.__exit__(*exc)
         finally:
-            if replaying_token is not None:
-                _REPLAYING.reset(replaying_token)
-            _INSIDE.reset(inside)
+            _REPLAYING.reset(token)
 
 
 class Recompute:
@@ -153,7 +145,7 @@ class Recompute:
             enter += replays
             if sink is not None:
                 enter.append(functools.partial(sink.transient, scope))
-            return _Inside(), _Inside(replay=True, enter=enter)
+            return contextlib.nullcontext(), _Replay(enter)
 
         return torch.utils.checkpoint.checkpoint(
             fn,
