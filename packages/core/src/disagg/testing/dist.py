@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_mod
+import signal
 import socket
 import traceback
 from typing import Any, Callable
@@ -82,6 +83,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     finally:
         for p in procs:
             p.join(timeout=5 if errors else timeout)
+        # a rank killed by a signal (a segfault in a native library, the OOM killer) reports
+        # nothing itself: its peers only see a reset connection, so name it here
+        errors += [
+            f"rank {r} was killed by {signal.Signals(-p.exitcode).name}"
+            for r, p in enumerate(procs)
+            if p.exitcode is not None and p.exitcode < 0
+        ]
+        for p in procs:
             if p.is_alive():
                 p.kill()
     if errors:
