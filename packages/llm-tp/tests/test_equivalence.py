@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_cases import LR, Case, family_cls, make_batch, reference, run_tp
+from tp_cases import LR, Case, family_cls, make_batch, reference, run_tp_many
 
 from disagg.testing.tolerance import (
     assert_params_close,
@@ -37,13 +37,24 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,key,family,degree,replicas,sp", CASES, ids=[c[0] for c in CASES])
-def test_matches_hf(tiny_dirs, name, key, family, degree, replicas, sp):
-    fam = family_cls(family)(tiny_dirs[key])
-    samples, embeds = make_batch(fam, n_samples=(2 if replicas > 1 else 3) if sp else 4)
-    case = Case(family, tiny_dirs[key], degree, replicas, 3, sp, samples=samples, embeds=embeds)
+@pytest.fixture(scope="module")
+def runs(tiny_dirs) -> dict[str, tuple[Case, list[dict]]]:
+    """Every case's megatron_tp run; the cases of one world size share one spawn of ranks."""
+    cases = {}
+    for name, key, family, degree, replicas, sp in CASES:
+        fam = family_cls(family)(tiny_dirs[key])
+        samples, embeds = make_batch(fam, n_samples=(2 if replicas > 1 else 3) if sp else 4)
+        cases[name] = Case(family, tiny_dirs[key], degree, replicas, 3, sp, samples=samples, embeds=embeds)
+    outs = run_tp_many(cases)
+    return {name: (cases[name], outs[name]) for name in cases}
+
+
+@pytest.mark.parametrize(
+    "name,degree,replicas,sp", [(c[0], *c[3:]) for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_matches_hf(runs, name, degree, replicas, sp):
+    case, outs = runs[name]
     ref = reference(case)
-    outs = run_tp(case)
     first = outs[0]
     heads = [outs[r * degree] for r in range(replicas)]  # shard 0 of each replica
 

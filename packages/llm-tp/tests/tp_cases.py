@@ -178,6 +178,40 @@ def run_tp(case: Case) -> list[dict]:
     return [loads(b) for b in run_ranks(tp_rank, case.degree * case.replicas, dumps(case))]
 
 
+def tp_rank_many(rank: int, cases_bytes: list[bytes]) -> bytes:
+    """Several cases one after another on the same ranks: one spawn, one import of Megatron
+    (the strategy re-initializes Megatron's groups when the degree changes). Each case starts
+    from a fresh process's RNG state; a case that raises names itself."""
+    outs = []
+    for i, raw in enumerate(cases_bytes):
+        case = loads(raw)
+        torch.manual_seed(torch.initial_seed())
+        try:
+            outs.append(_tp_rank(rank, case))
+        except Exception as e:
+            sp = case.sequence_parallel
+            e.add_note(f"in case {i}: {case.family}, degree {case.degree} x {case.replicas}, sp {sp}")
+            raise
+    return dumps(outs)
+
+
+def run_tp_many(cases: dict[str, Case]) -> dict[str, list[dict]]:
+    """:func:`run_tp` for every case, one spawn per world size (name -> each rank's output)."""
+    from disagg.testing.dist import run_ranks
+
+    by_world: dict[int, list[str]] = {}
+    for name, case in cases.items():
+        by_world.setdefault(case.degree * case.replicas, []).append(name)
+    out: dict[str, list[dict]] = {}
+    for world, names in by_world.items():
+        per_rank = [
+            loads(b) for b in run_ranks(tp_rank_many, world, [dumps(cases[n]) for n in names], timeout=1500)
+        ]
+        for i, name in enumerate(names):
+            out[name] = [rank_outs[i] for rank_outs in per_rank]
+    return out
+
+
 def _tp_rank(rank: int, case: Case) -> dict:
     from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 
