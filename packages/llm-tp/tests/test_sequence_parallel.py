@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from toy_encoder import ToyEncoderFamily
-from tp_cases import Case, family_cls, make_batch, run_tp
+from tp_cases import Case, family_cls, make_batch, run_tp_many
 
 from disagg.testing.tolerance import assert_scalar_close, assert_tensors_close
 from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
@@ -17,11 +17,11 @@ from disagg_llm_tp.strategy import MegatronTPOptions, MegatronTPStrategy
 def runs(tiny_dirs):
     fam = family_cls("qwen2")(tiny_dirs["qwen2"])
     samples, embeds = make_batch(fam, n_samples=4)
-    out = {}
-    for sp in (False, True):
-        case = Case("qwen2", tiny_dirs["qwen2"], 2, 1, 1, sp, samples=samples, embeds=embeds)
-        out[sp] = run_tp(case)
-    return out
+    cases = {
+        sp: Case("qwen2", tiny_dirs["qwen2"], 2, 1, 1, sp, samples=samples, embeds=embeds)
+        for sp in (False, True)
+    }
+    return run_tp_many(cases)  # one spawn for both
 
 
 def test_same_loss_and_gradients(runs):

@@ -7,6 +7,7 @@ Rank functions live here (not in a test module) so spawned ranks can import them
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -195,14 +196,14 @@ def tp_rank_many(rank: int, cases_bytes: list[bytes]) -> bytes:
     return dumps(outs)
 
 
-def run_tp_many(cases: dict[str, Case]) -> dict[str, list[dict]]:
+def run_tp_many(cases: dict[Any, Case]) -> dict[Any, list[dict]]:
     """:func:`run_tp` for every case, one spawn per world size (name -> each rank's output)."""
     from disagg.testing.dist import run_ranks
 
-    by_world: dict[int, list[str]] = {}
+    by_world: dict[int, list[Any]] = {}
     for name, case in cases.items():
         by_world.setdefault(case.degree * case.replicas, []).append(name)
-    out: dict[str, list[dict]] = {}
+    out: dict[Any, list[dict]] = {}
     for world, names in by_world.items():
         per_rank = [
             loads(b) for b in run_ranks(tp_rank_many, world, [dumps(cases[n]) for n in names], timeout=1500)
