@@ -8,6 +8,7 @@ in the caller with that rank named.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue as queue_mod
@@ -35,6 +36,9 @@ def rank_threads(world_size: int) -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    # a crash in native code (gloo, a kernel) prints every thread's Python stack to stderr: the
+    # rank dies without reporting, and this is the only trace of where it was
+    faulthandler.enable(all_threads=True)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(rank_threads(world_size))
     try:
