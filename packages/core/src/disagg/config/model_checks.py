@@ -115,11 +115,7 @@ def resolve_module(
     if tiled_mlp.enabled(getattr(options, "mlp_tiles", 1)) and getattr(
         strategy_cls, "mlp_tiles_support", False
     ):
-        try:
-            lmap = family.layer_map()
-        except Exception:  # the strategy's own check below reports a family it cannot split
-            lmap = None
-        for msg in tiled_mlp.mlp_problems(lmap, spec.family, f"parallel.{m}"):
+        for msg in tiled_mlp.family_problems(family, spec.family, f"parallel.{m}"):
             out.add(("parallel", m, "mlp_tiles"), msg)
     for who, call in (
         (

@@ -247,13 +247,7 @@ def _tiles_fit(cls: type[Strategy], module: str, family: Family | None) -> bool:
 
     if not getattr(cls, "mlp_tiles_support", False):
         return False
-    if family is None:
-        return True
-    try:
-        lmap = family.layer_map()
-    except Exception:  # a family that cannot map its layers cannot have them tiled either
-        return False
-    return not tiled_mlp.mlp_problems(lmap, "", "")
+    return family is None or not tiled_mlp.family_problems(family, "", "")
 
 
 def _offloads(variant: dict[str, Any]) -> bool:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from disagg.interfaces import LayerMap
+from disagg.interfaces import Family, LayerMap
 
 #: what ``mlp_tiles`` accepts besides a positive int
 AUTO = "auto"
@@ -73,6 +73,17 @@ def mlp_problems(lmap: LayerMap | None, family: str, where: str) -> list[str]:
             "so its MLPs cannot be tiled; allowed: 1"
         ]
     return []
+
+
+def family_problems(family: Family, name: str, where: str) -> list[str]:
+    """:func:`mlp_problems` of ``family``'s layer map, for validation and the planner alike (a
+    family whose ``layer_map`` raises has no MLPs to tile; the strategy's own check reports a
+    family it cannot split)."""
+    try:
+        lmap = family.layer_map()
+    except Exception:
+        lmap = None
+    return mlp_problems(lmap, name, where)
 
 
 def mlp_modules(module: nn.Module, lmap: LayerMap) -> list[tuple[str, nn.Module, str]]:
