@@ -168,21 +168,11 @@ def _hf_logits(case: Case, fam, model, s: dict, e: dict) -> torch.Tensor:
 
 
 # -- the megatron_tp run: one call per rank ------------------------------------------------------------
-def tp_rank(rank: int, case_bytes: bytes) -> bytes:
-    """Tensors cross the process boundary as bytes (``disagg.testing.ranks.dumps``)."""
-    return dumps(_tp_rank(rank, loads(case_bytes)))
-
-
-def run_tp(case: Case) -> list[dict]:
-    from disagg.testing.dist import run_ranks
-
-    return [loads(b) for b in run_ranks(tp_rank, case.degree * case.replicas, dumps(case))]
-
-
 def tp_rank_many(rank: int, cases_bytes: list[bytes]) -> bytes:
     """Several cases one after another on the same ranks: one spawn, one import of Megatron
     (the strategy re-initializes Megatron's groups when the degree changes). Each case starts
-    from a fresh process's RNG state; a case that raises names itself."""
+    from a fresh process's RNG state; a case that raises names itself. Tensors cross the process
+    boundary as bytes (``disagg.testing.ranks.dumps``)."""
     outs = []
     for i, raw in enumerate(cases_bytes):
         case = loads(raw)
@@ -196,8 +186,9 @@ def tp_rank_many(rank: int, cases_bytes: list[bytes]) -> bytes:
     return dumps(outs)
 
 
-def run_tp_many(cases: dict[Any, Case]) -> dict[Any, list[dict]]:
-    """:func:`run_tp` for every case, one spawn per world size (name -> each rank's output)."""
+def run_tp_many(cases: dict[Any, Case], timeout: float = 1500) -> dict[Any, list[dict]]:
+    """:func:`run_tp` for every case, one spawn per world size (name -> each rank's output);
+    ``timeout``: seconds a spawn may take."""
     from disagg.testing.dist import run_ranks
 
     by_world: dict[int, list[Any]] = {}
@@ -206,11 +197,17 @@ def run_tp_many(cases: dict[Any, Case]) -> dict[Any, list[dict]]:
     out: dict[Any, list[dict]] = {}
     for world, names in by_world.items():
         per_rank = [
-            loads(b) for b in run_ranks(tp_rank_many, world, [dumps(cases[n]) for n in names], timeout=1500)
+            loads(b)
+            for b in run_ranks(tp_rank_many, world, [dumps(cases[n]) for n in names], timeout=timeout)
         ]
         for i, name in enumerate(names):
             out[name] = [rank_outs[i] for rank_outs in per_rank]
     return out
+
+
+def run_tp(case: Case) -> list[dict]:
+    """One case's megatron_tp run: each rank's output."""
+    return run_tp_many({0: case}, timeout=600)[0]
 
 
 def _tp_rank(rank: int, case: Case) -> dict:
