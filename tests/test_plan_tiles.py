@@ -146,7 +146,7 @@ def test_fits_without_tiles_is_one_unchanged_pass(cfg: Path):
     assert not [x for x in got[1].ranked + got[1].oom if _tiled(x)]
 
 
-def _plan(cfg: Path, tokens: str, names: tuple[str, ...], **kw):  # type: ignore[no-untyped-def]
+def _plan(cfg: Path, tokens: str, names: tuple[str, ...], families=None, **kw):  # type: ignore[no-untyped-def]
     from disagg.config.load import load_config
     from disagg.plan.cluster import cluster_from
     from disagg.plan.search import plan
@@ -158,7 +158,34 @@ def _plan(cfg: Path, tokens: str, names: tuple[str, ...], **kw):  # type: ignore
     strategies = {n: reg.strategies[n] for n in names}
     work = config_workload(c, registry=reg, text_tokens=int(tokens), vision_patches=int(PATCHES), samples=1)
     cluster = cluster_from("h100x8", {"gpus": 1})
-    return plan(work, cluster, strategies, config_families(c, reg), ("collocated",), **kw)
+    fams = config_families(c, reg)
+    return plan(work, cluster, strategies, families(fams) if families else fams, ("collocated",), **kw)
+
+
+def test_a_family_without_declared_mlps_is_offered_no_tiles(cfg: Path):
+    """The planner asks validation's question (:func:`tiled_mlp.family_problems`): with the LLM's
+    family declaring no MLP modules, or its ``layer_map`` raising, no ``mlp_tiles`` is offered for
+    it (validation would refuse that layout), so the fallback pass still finds nothing that fits."""
+    import dataclasses
+
+    def no_mlps(fams):  # type: ignore[no-untyped-def]
+        llm = fams["llm"]
+        lmap = dataclasses.replace(llm.layer_map(), mlp={})
+        llm.layer_map = lambda: lmap  # the instance only: its class is the registered family
+        return fams
+
+    def raising(fams):  # type: ignore[no-untyped-def]
+        def fail():  # type: ignore[no-untyped-def]
+            raise ValueError("no layer map")
+
+        fams["llm"].layer_map = fail
+        return fams
+
+    assert _tiled(_plan(cfg, LONG, ("ddp",), prune=True, tiles=True).best) == ["llm"]  # the control
+    for families in (no_mlps, raising):
+        result = _plan(cfg, LONG, ("ddp",), families=families, prune=True, tiles=True)
+        assert result.tiled and not result.ranked, families.__name__
+        assert not [x for x in result.oom if "llm" in _tiled(x)], families.__name__
 
 
 def test_no_strategy_that_tiles_stays_out_of_memory(cfg: Path, capsys):
