@@ -115,14 +115,17 @@ def with_siblings(paths: list[str], extra: str | None = None) -> list[str]:
     return args
 
 
-def install(session: nox.Session, *paths: str, extra: str | None = "test") -> None:
-    """torch first (the pinned build), then ``paths`` with ``extra`` and their first-party siblings."""
+def install(
+    session: nox.Session, *paths: str, extra: str | None = "test", more: tuple[str, ...] = ()
+) -> None:
+    """torch first (the pinned build), then ``paths`` with ``extra`` and their first-party siblings
+    (and ``more`` requirements)."""
     for path in paths:
         if not (ROOT / path / "pyproject.toml").is_file():
             session.error(f"{path}/pyproject.toml is missing")
     install_torch(session)
     # one pip call: the resolver sees every local package at once (a later call could replace one)
-    session.install(*with_siblings(list(paths), extra))
+    session.install(*with_siblings(list(paths), extra), *more)
 
 
 @contextmanager
@@ -164,8 +167,8 @@ def tests(session: nox.Session) -> None:
     session.notify("plain")
     packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
     with timed(session, "venv+install"):
-        install(session, *packages, EXAMPLE)
-        session.install("scikit-learn")  # its sample photographs feed the real-image pipeline test
+        # scikit-learn: its sample photographs feed the real-image pipeline test (in the one pip call)
+        install(session, *packages, EXAMPLE, more=("scikit-learn",))
     with timed(session, "pytest"):
         pytest(session, "packages/core/tests", f"{EXAMPLE}/tests", "tests")
 
