@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from disagg.testing.dist import run_ranks
 from disagg.testing.tolerance import assert_exact, assert_tensors_close
-from disagg_llm_tp.layers import ShardSpec, local_slice, merge
 from disagg_llm_tp.load import local_pieces
+from disagg_llm_tp.shard_spec import ShardSpec, local_slice, merge
 
 #: 2 key heads of width 8 serving 4 value heads of width 6: q/k/v blocks 16, 16, 24
 CONFIG = dict(

@@ -16,8 +16,8 @@ from torch import nn
 
 from disagg.interfaces import GroupContext
 from disagg.kit.roles.state import Layout
-from disagg_llm_tp.layers import ShardSpec, local_slice, merge
 from disagg_llm_tp.load import local_pieces
+from disagg_llm_tp.shard_spec import ShardSpec, local_slice, merge
 
 
 def _spec(t: torch.Tensor) -> ShardSpec:

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from disagg_llm_tp.layers import ShardSpec, TPColumnLinear, TPRowLinear, copy_into, local_slice, mark
 from disagg_llm_tp.module_split import SplitContext
+from disagg_llm_tp.shard_spec import ShardSpec, copy_into, local_slice, mark
 
 
 def _divisors(n: int) -> str:
@@ -75,6 +75,9 @@ class GatedDeltaNetSplit:
         ]
 
     def split(self, name: str, module: nn.Module, tp: SplitContext) -> None:
+        # megatron-core's layers, imported here: the family registers this split at registry time
+        from disagg_llm_tp.layers import TPColumnLinear, TPRowLinear
+
         degree = tp.degree
         blocks = ShardSpec("column", blocks=self.qkv_blocks)
         for child, spec in (

@@ -18,7 +18,7 @@ from torch import nn
 
 from disagg.interfaces import Family
 from disagg.interfaces.stored import StoredTensors
-from disagg_llm_tp.layers import ShardSpec, mark, padded_size
+from disagg_llm_tp.shard_spec import ShardSpec, mark, padded_size
 
 #: (local first row, stored first row, rows, stored columns)
 Piece = tuple[int, int, int, slice]

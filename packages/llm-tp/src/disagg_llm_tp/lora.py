@@ -54,9 +54,9 @@ from disagg.interfaces import LayerMap
 from disagg.interfaces.lora import ADAPTER, LoraSpec
 from disagg.kit.lora import draw_adapters
 from disagg.kit.recompute.rng import ShardRNG
-from disagg_llm_tp.layers import ShardSpec, TPColumnLinear, TPRowLinear, copy_into, mark
+from disagg_llm_tp.layers import TPColumnLinear, TPRowLinear
 from disagg_llm_tp.module_split import module_splits, under
-from disagg_llm_tp.parallelize import TPPlan
+from disagg_llm_tp.shard_spec import ShardSpec, TPPlan, copy_into, mark
 
 
 @dataclass

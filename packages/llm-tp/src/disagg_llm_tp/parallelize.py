@@ -36,7 +36,6 @@ declaration names is an error naming it, never a silent replica.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -44,35 +43,10 @@ from torch import nn
 
 from disagg.interfaces import LayerMap
 from disagg.interfaces.comm import CommCounter
-from disagg_llm_tp.layers import (
-    ShardSpec,
-    TPColumnLinear,
-    TPRowLinear,
-    TPVocabEmbedding,
-    copy_into,
-    mark,
-    padded_size,
-)
+from disagg_llm_tp.layers import TPColumnLinear, TPRowLinear, TPVocabEmbedding
 from disagg_llm_tp.module_split import SplitContext, module_splits, under
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
-
-
-@dataclass
-class TPPlan:
-    """What parallelization did, for the strategy's loss, reductions and checks."""
-
-    #: unpadded vocabulary of the output layer (None: no output layer, e.g. an encoder)
-    output_vocab: int | None = None
-    #: (start, end) of this rank's slice of the padded output vocabulary
-    output_range: tuple[int, int] = (0, 0)
-    #: number of key/value heads replicated across ranks and how many ranks share each
-    kv_replication: tuple[int, int] | None = None
-    swapped: list[str] = field(default_factory=list)
-    #: full ``(in_features, out_features)`` of every linear replaced by a parallel one (LoRA's
-    #: adapters are drawn for the full shapes, then cut like the base: ``lora.py``)
-    linears: dict[str, tuple[int, int]] = field(default_factory=dict)
-    #: names of the row linears inside a sequence-parallel region (they reduce-scatter)
-    sp_rows: set[str] = field(default_factory=set)
+from disagg_llm_tp.shard_spec import ShardSpec, TPPlan, copy_into, mark, padded_size
 
 
 def _match(name: str, patterns: tuple[str, ...] | list[str]) -> bool:

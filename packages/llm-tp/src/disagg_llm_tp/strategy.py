@@ -45,14 +45,12 @@ from disagg.kit.masters import in_master_view
 from disagg.kit.offload import offloaded, offloads_activations
 from disagg.kit.recompute import Recompute, tiled_mlp
 from disagg.kit.recompute.rng import ShardRNG
-from disagg_llm_tp import lora
 from disagg_llm_tp.fullstate import TPFullForm
-from disagg_llm_tp.layers import ShardSpec
 from disagg_llm_tp.load import load_local
 from disagg_llm_tp.module_split import module_splits
-from disagg_llm_tp.parallelize import TPPlan, parallelize_module
 from disagg_llm_tp.rng import fork_around, fork_between
 from disagg_llm_tp.sequence_parallel import SequenceParallelRegion
+from disagg_llm_tp.shard_spec import ShardSpec, TPPlan
 
 
 class MegatronTPOptions(StrategyOptions):
@@ -243,6 +241,8 @@ class MegatronTPStrategy(Strategy):
         built empty gets its own slices from the stored tensors."""
         from megatron.core.model_parallel_config import ModelParallelConfig
 
+        from disagg_llm_tp.parallelize import parallelize_module  # megatron-core: see shard_spec.py
+
         if any(is_adapter_param(n) for n, _ in module.named_parameters()):
             raise ValueError(
                 "megatron_tp applies train.modules.<m>.lora itself, to its parallel linears "
@@ -304,6 +304,8 @@ class MegatronTPStrategy(Strategy):
         the full shapes, cut for this rank around each column / row base."""
         if self.lora is None:
             return
+        from disagg_llm_tp import lora  # megatron-core's layers: see shard_spec.py
+
         sites = lora.draw_sites(module, self.lora, self.ctx.module, self.plan, lmap)
         lora.wrap(
             module,
