@@ -187,7 +187,7 @@ def tp_rank_many(rank: int, cases_bytes: list[bytes]) -> bytes:
 
 
 def run_tp_many(cases: dict[Any, Case], timeout: float = 1500) -> dict[Any, list[dict]]:
-    """:func:`run_tp` for every case, one spawn per world size (name -> each rank's output);
+    """Each case's megatron_tp run, one spawn per world size (name -> each rank's output);
     ``timeout``: seconds a spawn may take."""
     from disagg.testing.dist import run_ranks
 
