@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from disagg.interfaces.comm import CommCounter
+from disagg.kit.collectives import all_to_all_rows
 from disagg.kit.grads import agree_on_grads, all_reduce_bucketed
 from disagg.kit.grads.overlap import OverlappedReducer
 from disagg.testing.dist import run_ranks
@@ -34,7 +34,7 @@ class Net(nn.Module):
         # group; a rank with no rows of its own still receives its share of the others'
         send = [rows[rank] // world] * world
         recv = [n // world for n in rows]
-        h = all_to_all_single_autograd(h, recv, send, dist.group.WORLD)
+        h = all_to_all_rows(h, recv, send, dist.group.WORLD)
         if rank == 0:
             h = h + self.only_rank0(h)
         return self.c(h).square().sum()

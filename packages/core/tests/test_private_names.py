@@ -14,7 +14,6 @@ import pytest
 HAS = {
     "transformers:PreTrainedModel._from_config": "interfaces/hf.empty_from_config (meta-device build)",
     "huggingface_hub.serialization._base:parse_size_to_int": "runtime/hf_shards (export's shard size)",
-    "torch.distributed._functional_collectives:all_gather_single_autograd": "kit/context_parallel/gather",
 }
 #: module -> names its source must mention (instance attributes it sets or reads)
 MENTIONS = {

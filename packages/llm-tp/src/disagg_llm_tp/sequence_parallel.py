@@ -43,12 +43,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import (
-    all_gather_single_autograd,
-    reduce_scatter_single_autograd,
-)
 
-from disagg.interfaces.comm import CommCounter
+from disagg.interfaces.comm import CommCounter, all_gather_into
+from disagg.kit.collectives import gather_rows, scatter_rows
 
 
 def _rows_per_rank(tokens: int, degree: int) -> int:
@@ -110,7 +107,7 @@ class SequenceParallelRegion:
         """All tokens, in the shape of the hidden states that entered the region."""
         assert self.shape is not None, "sequence-parallel gather before any split"
         nbytes = self._count("all_gather", shard)
-        full = all_gather_single_autograd(shard.contiguous(), 0, self.group)
+        full = gather_rows(shard, self.group)
         if full.requires_grad:
             full.register_hook(lambda _: self.comm.add("reduce_scatter", nbytes))
         tokens = self.shape[:-1].numel()
@@ -123,7 +120,7 @@ class SequenceParallelRegion:
         one tile of a tiled MLP's input (:mod:`disagg.kit.recompute.tiled_mlp`). A row-parallel
         linear's reduce-scatter of the tile's output then hands each rank back its own rows."""
         nbytes = self._count("all_gather", shard)
-        full = all_gather_single_autograd(shard.contiguous(), 0, self.group)
+        full = gather_rows(shard, self.group)
         if full.requires_grad:
             full.register_hook(lambda _: self.comm.add("reduce_scatter", nbytes))
         return full
@@ -132,9 +129,7 @@ class SequenceParallelRegion:
         """Sum a row-parallel linear's partial outputs and keep this rank's tokens."""
         flat = partial.reshape(-1, partial.shape[-1])
         c = _rows_per_rank(flat.shape[0], self.degree)
-        out = reduce_scatter_single_autograd(
-            _pad_rows(flat, c * self.degree).contiguous(), "sum", 0, self.group
-        )
+        out = scatter_rows(_pad_rows(flat, c * self.degree), self.group)
         nbytes = self._count("reduce_scatter", out)
         if out.requires_grad:
             out.register_hook(lambda _: self.comm.add("all_gather", nbytes))
@@ -145,7 +140,7 @@ class SequenceParallelRegion:
         """Plain (non-autograd) all-gather of equal shards along dim 0."""
         self._count("all_gather", shard)
         out = shard.new_empty(shard.shape[0] * self.degree, *shard.shape[1:])
-        dist.all_gather_single(out, shard.contiguous(), group=self.group)
+        all_gather_into(out, shard.contiguous(), group=self.group)
         return out
 
     def _count(self, op: str, shard: torch.Tensor) -> int:

@@ -120,7 +120,10 @@ def renamed_keys(
         return None
     origin = {id(v): k for k, v in state_dict.items()}
     out: dict[str, str] = {}
-    for converted in _apply_weight_conversions_to_state_dict(model, dict(state_dict), mapping):
+    result = _apply_weight_conversions_to_state_dict(model, dict(state_dict), mapping)
+    # one dict up to transformers 5.17 (the GPU host's); a generator of dicts, one per
+    # conversion, from the release after (5.25 here)
+    for converted in [result] if isinstance(result, dict) else result:
         for name, v in converted.items():
             if id(v) not in origin:
                 return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,10 @@ def run(
                 with allocator_peak(device) as peak:
                     got = run_layout(lay, registry, families, batch.samples, STEPS, OPTIM, precision, device)
             except Exception as exc:  # a missing plugin or a crash is this layout's failure
-                rec.update(ok=False, failures=[f"{type(exc).__name__}: {exc}"])
+                # the traceback too: a remote GPU run is read from its report alone
+                rec.update(
+                    ok=False, failures=[f"{type(exc).__name__}: {exc}"], traceback=traceback.format_exc()
+                )
                 out["layouts"][lay.name] = rec
                 continue
             rec.update(compare(got, ref, precision, OPTIM, precs))

@@ -34,7 +34,27 @@ def image_processor(path: str, **overrides: int) -> Any:
     ``overrides`` (e.g. ``max_pixels``) replace what its ``preprocessor_config.json`` says."""
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(path, **overrides)
+    try:
+        return AutoImageProcessor.from_pretrained(path, **overrides)
+    except ImportError:
+        # transformers 5.17 without torchvision (a bare GPU host, a pinned container) makes
+        # AutoImageProcessor itself a placeholder that raises; later releases fall back to the
+        # PIL backend on their own. Take the PIL class of the type the dir names, as they do.
+        pil = _pil_image_processor(Path(path))
+        if pil is None:
+            raise
+        return pil.from_pretrained(path, **overrides)
+
+
+def _pil_image_processor(path: Path) -> Any:
+    """The PIL-backend class of ``path``'s ``image_processor_type`` (None where there is none)."""
+    import transformers
+
+    cfg = path / "preprocessor_config.json"
+    name = json.loads(cfg.read_text()).get("image_processor_type", "") if cfg.is_file() else ""
+    return (
+        getattr(transformers, name.removesuffix("Fast").removesuffix("Pil") + "Pil", None) if name else None
+    )
 
 
 #: which family reads a dir of each ``model_type`` (for "use family X" hints)

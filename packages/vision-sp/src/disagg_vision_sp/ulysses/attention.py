@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.interfaces.comm import CommCounter
+from disagg.kit.collectives import all_to_all_rows
 from disagg.kit.recompute import Recompute
 
 ATTN_NAME = "disagg_ulysses_flash"
@@ -271,11 +272,9 @@ def _all_to_all(
     """Autograd-aware all-to-all along dim 0, with every byte counted (both directions)."""
     if rt.degree == 1:
         return x
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
     row_bytes = int(torch.Size(x.shape[1:]).numel()) * x.element_size()
     rt.comm.all_to_all_bytes(in_splits, rt.shard, row_bytes)
-    y = all_to_all_single_autograd(x, out_splits, in_splits, rt.group)
+    y = all_to_all_rows(x, out_splits, in_splits, rt.group)
     if y.requires_grad:
         comm, shard = rt.comm, rt.shard
 

@@ -2,9 +2,8 @@
 
 Forward all-gathers this rank's rows along the sequence; backward reduce-scatters (sums) the
 gradient of the gathered rows back to the rank that holds them, so each key/value gradient is
-summed exactly once over the queries of every rank. torch's functional collective
-``all_gather_single_autograd`` is that pair (it runs on gloo and NCCL alike; pinned by
-``packages/core/tests/test_private_names.py``). Bytes and calls go to the rank's
+summed exactly once over the queries of every rank: :func:`disagg.kit.collectives.gather_rows`,
+that pair on public collectives (gloo and NCCL alike). Bytes and calls go to the rank's
 :class:`~disagg.interfaces.comm.CommCounter` as the textbook ring would send them.
 """
 
@@ -12,9 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from disagg.interfaces.comm import CommCounter
+from disagg.kit.collectives import gather_rows
 
 
 def gather_sequence(
@@ -27,7 +26,7 @@ def gather_sequence(
     n = dist.get_world_size(group)
     nbytes = (n - 1) * rows.numel() * rows.element_size()
     comm.add("cp_all_gather", nbytes)
-    full = all_gather_single_autograd(rows, 0, group)
+    full = gather_rows(rows, group)
     if full.requires_grad:
 
         def counted(grad: torch.Tensor) -> None:
