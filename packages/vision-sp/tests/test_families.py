@@ -122,6 +122,11 @@ def test_qwen3_vl_rows_carry_the_deepstack_features(tiny_qwen3_vl):
     x = family.preprocess(random_images([(48, 32), (16, 16)]))
     hf = Qwen3VLForConditionalGeneration.from_pretrained(tiny_qwen3_vl)
     out = hf.model.get_image_features(x["pixel_values"], x["image_grid_thw"])
-    want = torch.cat([torch.cat(out.pooler_output)] + [torch.cat(f) for f in out.deepstack_features], -1)
+    # per image lists here; one tensor each in transformers 5.17 (the GPU host's)
+    rows = [
+        torch.cat(t) if isinstance(t, (list, tuple)) else t
+        for t in [out.pooler_output, *out.deepstack_features]
+    ]
+    want = torch.cat(rows, -1)
     assert family.hidden_size() == 48 * 3 and want.shape == (28, 144)
     assert torch.equal(family.encode(family.build(), x), want)

@@ -6,24 +6,31 @@ image to the same pixels and grid as the processor ``AutoImageProcessor`` picks 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from disagg_vision_sp.families import common
 
 
-def _raise(*args, **kwargs):
-    raise ImportError("AutoImageProcessor requires the Torchvision library (as transformers 5.17 says)")
+class _NoAuto:
+    """What ``from transformers import AutoImageProcessor`` gives in 5.17 without torchvision: a
+    placeholder whose loader raises. Set on the module ``sys.modules`` holds when the test runs
+    (5.17's own placeholder raises on any attribute access, so it cannot be patched in place; and
+    the ``transformers`` this file imported may no longer be the one registered there)."""
+
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise ImportError("AutoImageProcessor requires the Torchvision library (as transformers 5.17 says)")
 
 
 @pytest.fixture
 def no_auto(monkeypatch: pytest.MonkeyPatch):
     common.image_processor.cache_clear()
-    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", _raise)
+    monkeypatch.setattr(sys.modules["transformers"], "AutoImageProcessor", _NoAuto)
     yield
     common.image_processor.cache_clear()
 
@@ -39,7 +46,7 @@ def test_the_pil_class_of_the_dir_is_taken_and_agrees(
     common.image_processor.cache_clear()
     auto = common.image_processor(str(tiny_qwen))(images=image, return_tensors="pt")
     common.image_processor.cache_clear()
-    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", _raise)
+    monkeypatch.setattr(sys.modules["transformers"], "AutoImageProcessor", _NoAuto)
     try:
         proc = common.image_processor(str(tiny_qwen))
     finally:
