@@ -44,26 +44,18 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
     return out
 
 
-class _GatherRows(torch.autograd.Function):
+class _Adjoint(torch.autograd.Function):
+    """``there`` forward, ``back`` (its adjoint) for the gradient: an all-gather and a
+    reduce-scatter are each other's."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather(x, group)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, there, back) -> torch.Tensor:
+        ctx.group, ctx.back = group, back
+        return there(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _scatter(grad, ctx.group), None
-
-
-class _ScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, ctx.group), None
+        return ctx.back(grad, ctx.group), None, None, None
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -80,12 +72,12 @@ class _AllToAllRows(torch.autograd.Function):
 
 def gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Every rank's ``x`` (equal shapes), rank after rank along dim 0."""
-    return _GatherRows.apply(x, group)
+    return _Adjoint.apply(x, group, _gather, _scatter)
 
 
 def scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum of ``x`` over the ranks, this rank's equal share of its rows."""
-    return _ScatterRows.apply(x, group)
+    return _Adjoint.apply(x, group, _scatter, _gather)
 
 
 def all_to_all_rows(
