@@ -4,7 +4,7 @@ installs it there and runs the check (``run_check.sh``), as docs/gpu.md tells a 
 The closure and the host's requirement lines are read from this environment (no network). Then
 ``run_check.sh`` runs with this test's Python as the host: it layers a venv over the host's
 site folders, resolves the requirements against what is installed (``--no-index``: nothing
-third-party may need fetching, as on the GPU host), installs the four disagg wheels built from
+third-party may need fetching, as on the GPU host), installs disagg-core's wheel built from
 this checkout, and starts ``python -m disagg.gpucheck`` from the venv's own copy of disagg;
 ``--device cuda`` on this GPU-less machine then ends in the check's own refusal. Rehearsed in
 full (Python 3.12, torch 2.11, transformers 5.17, no Ray, every layout passing) by hand:
@@ -66,7 +66,7 @@ def test_run_check_installs_over_the_host_and_reaches_the_check(tmp_path: Path) 
     wh = _builder()
     house = tmp_path / "wheelhouse"
     house.mkdir()
-    wh.build_disagg(house)
+    wh.build_disagg(house, ("disagg-core",))  # the check refuses --device cuda before any plugin loads
     (house / "requirements.txt").write_text("\n".join(wh.host_requirements(wh.SKIP, "3.12")) + "\n")
     out = tmp_path / "report.json"
     env = {

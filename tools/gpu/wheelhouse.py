@@ -112,15 +112,15 @@ def pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args], check=True)
 
 
-def build_disagg(out: Path) -> None:
-    """The four packages' wheels, built from this checkout into ``out``."""
+def build_disagg(out: Path, names: tuple[str, ...] = tuple(PACKAGES)) -> None:
+    """The packages' wheels (``names``: the four by default), built from this checkout into ``out``."""
     # setuptools copies sources into build/lib and packs that folder: a module deleted from src
     # but left there by an earlier build would ship, so each build starts and ends without it
-    stale = [ROOT / p / "build" for p in PACKAGES.values()]
+    stale = [ROOT / PACKAGES[n] / "build" for n in names]
     for d in stale:
         shutil.rmtree(d, ignore_errors=True)
     try:
-        pip("wheel", "-q", "--no-deps", "-w", str(out), *(str(ROOT / p) for p in PACKAGES.values()))
+        pip("wheel", "-q", "--no-deps", "-w", str(out), *(str(ROOT / PACKAGES[n]) for n in names))
     finally:
         for d in stale:
             shutil.rmtree(d, ignore_errors=True)

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from disagg.interfaces.comm import CommCounter, all_gather_into
-from disagg.kit.collectives import gather_rows, scatter_rows
+from disagg.interfaces.comm import CommCounter
+from disagg.kit.collectives import all_gather_into, gather_rows, scatter_rows
 
 
 def _rows_per_rank(tokens: int, degree: int) -> int:

@@ -19,11 +19,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-#: torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the old names warn
-#: there); the GPU host's 2.11 has only the old ones: the newer name where it exists
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 @dataclass
 class CommCounter:
@@ -81,7 +76,7 @@ class CommCounter:
     ) -> dist.Work | None:
         """``all_gather_into_tensor`` (FSDP2's parameter all-gather): ``(n-1)`` x this rank's input."""
         self.all_gather_bytes(input, group)
-        return all_gather_into(output, input, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
 
     def reduce_scatter_single(
         self,
@@ -95,7 +90,7 @@ class CommCounter:
         ``(n-1)/n`` of the input."""
         n = dist.get_world_size(group)
         self.add("reduce_scatter", (n - 1) * _nbytes(input) // n)
-        return reduce_scatter_into(output, input, op=op, group=group, async_op=async_op)
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
     def all_gather_bytes(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
         """Account for an all-gather whose input is ``tensor`` (done by the caller)."""

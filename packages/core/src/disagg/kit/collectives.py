@@ -19,7 +19,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disagg.interfaces.comm import all_gather_into, reduce_scatter_into
+#: torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single`` (the
+#: old names warn there); 2.11 has only the old ones. Bound here at import, as torch's functional
+#: collectives were: a wrapper that counts ``torch.distributed``'s calls while a library runs
+#: (``disagg_zero.comm.counted``) must not count these too, whose callers count their bytes.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_to_all = dist.all_to_all_single
 
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -40,7 +46,7 @@ def _scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty(sum(out_splits), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    _all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
