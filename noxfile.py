@@ -54,11 +54,19 @@ EXAMPLE = "examples/disagg-example-plugin"
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
+def pip_install(session: nox.Session, *args: str) -> None:
+    """``pip install`` without byte-compiling what it installs: pip compiles every module of every
+    package (transformers, Ray, DeepSpeed, megatron-core, torch: ~20 s of 2 cores per venv, six
+    venvs per CI run), while a test run imports a fraction of them, compiled on first import and
+    cached in the venv like any ``.pyc``."""
+    session.install("--no-compile", *args)
+
+
 def install_torch(session: nox.Session) -> None:
     # Python 3.11's bundled pip (23.2) cannot resolve an editable package installed with extras
     # (packages/core[test]) beside packages that require it plainly: it looks disagg-core up on
     # the index and fails. A current pip resolves it to the checkout.
-    session.install("--upgrade", "pip>=24")
+    pip_install(session, "--upgrade", "pip>=24")
     index = os.environ.get("TORCH_INDEX_URL")
     where = ["--index-url", index] if index else []
     # The pinned build is unpacked once per checkout and every session's venv sees it through a
@@ -68,12 +76,12 @@ def install_torch(session: nox.Session) -> None:
     shared = ROOT / ".nox" / f"_torch-{key}"
     if not (shared / ".complete").is_file():
         shutil.rmtree(shared, ignore_errors=True)
-        session.install("--target", str(shared), TORCH, *where)
+        pip_install(session, "--target", str(shared), TORCH, *where)
         (shared / ".complete").write_text(TORCH)
     purelib = session.run("python", "-c", PURELIB, silent=True)
     Path(str(purelib).strip(), "disagg-shared-torch.pth").write_text(f"{shared}\n")
     # already satisfied through the .pth (a no-op), else installed into the venv as before
-    session.install(TORCH, *where)
+    pip_install(session, TORCH, *where)
 
 
 PURELIB = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
@@ -125,7 +133,7 @@ def install(
             session.error(f"{path}/pyproject.toml is missing")
     install_torch(session)
     # one pip call: the resolver sees every local package at once (a later call could replace one)
-    session.install(*with_siblings(list(paths), extra), *more)
+    pip_install(session, *with_siblings(list(paths), extra), *more)
 
 
 @contextmanager
@@ -198,8 +206,8 @@ def kernels(session: nox.Session) -> None:
     """The equivalence subset under the other kernel set (module docstring); margins logged."""
     packages = ["packages/core", *(f"packages/{p}" for p in PLUGINS)]
     install(session, *packages, EXAMPLE)
-    session.install("scikit-learn")
-    session.install("-e", "packages/core[lora]")  # the LoRA equivalence tests
+    pip_install(session, "scikit-learn")
+    pip_install(session, "-e", "packages/core[lora]")  # the LoRA equivalence tests
     log = ROOT / "runs" / "margins" / "kernels.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.unlink(missing_ok=True)
@@ -291,7 +299,7 @@ def plain(session: nox.Session) -> None:
     with timed(session, "venv+install"):
         install_torch(session)
         plugins = ("vision-sp", "llm-tp", "zero-backend")
-        session.install("-e", "packages/core", *(a for p in plugins for a in ("-e", f"packages/{p}")))
+        pip_install(session, "-e", "packages/core", *(a for p in plugins for a in ("-e", f"packages/{p}")))
         session.run("python", "-m", "pip", "check")
     # not session.create_tmp(): it points TMPDIR into the venv, where Ray refuses its temp dir
     # ("temp_dir must not be child directory of virtualenv root") and every worker dies at start
@@ -323,7 +331,7 @@ def plain(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    pip_install(session, "ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -335,7 +343,7 @@ def demo(session: nox.Session) -> None:
     ``-- --help``: the options)."""
     install(session, "packages/core", *(f"packages/{p}" for p in PLUGINS), extra=None)
     if "--lora" in session.posargs:
-        session.install("-e", "packages/core[lora]")
+        pip_install(session, "-e", "packages/core[lora]")
     session.run("python", "examples/demo/run.py", *session.posargs, env=ENV)
 
 
@@ -345,7 +353,7 @@ def bench(session: nox.Session) -> None:
     lengths in one run: runs/bench/bench/{bench.json, bench.md, *.png}.
     Arguments after ``--`` replace the default sweep (see ``disagg bench --help``)."""
     install(session, "packages/core", *(f"packages/{p}" for p in PLUGINS), extra=None)
-    session.install("-e", "packages/core[bench]")
+    pip_install(session, "-e", "packages/core[bench]")
     session.run("disagg", "make-tiny", "runs/bench/tiny", "--families", "qwen2_5_vl", env=ENV)
     args = session.posargs or BENCH_ARGS
     session.run("disagg", "bench", "examples/bench/bench.yaml", *args, env=ENV)

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.interfaces.comm import CommCounter
-from disagg.kit.collectives import all_gather_into, gather_rows, scatter_rows
+from disagg.kit.collectives import gather_rows, gathered_rows, scatter_rows
 
 
 def _rows_per_rank(tokens: int, degree: int) -> int:
@@ -139,9 +139,7 @@ class SequenceParallelRegion:
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Plain (non-autograd) all-gather of equal shards along dim 0."""
         self._count("all_gather", shard)
-        out = shard.new_empty(shard.shape[0] * self.degree, *shard.shape[1:])
-        all_gather_into(out, shard.contiguous(), group=self.group)
-        return out
+        return gathered_rows(shard, self.group)
 
     def _count(self, op: str, shard: torch.Tensor) -> int:
         """Count one collective over equal shards like ``shard``; returns the bytes."""

@@ -60,9 +60,7 @@ class Qwen2_5OmniAudioFamily(EncoderFamily):
 
     # -- config ---------------------------------------------------------------------------------
     def encoder_config(self) -> Any:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(self.path)
+        cfg = self.hf_config()
         return getattr(cfg, "thinker_config", cfg).audio_config
 
     def hidden_size(self) -> int:

@@ -57,9 +57,7 @@ class Qwen2AudioFamily(WhisperStyleEncoder):
         return qwen2_audio_shape(config)
 
     def config(self) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.path)
+        return self.hf_config()
 
     def encoder_config(self) -> Any:
         return self.config().audio_config

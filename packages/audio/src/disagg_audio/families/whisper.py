@@ -76,9 +76,7 @@ class WhisperAudioFamily(WhisperStyleEncoder):
 
     # -- options and config ---------------------------------------------------------------------
     def encoder_config(self) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.path)
+        return self.hf_config()
 
     def stride(self) -> int:
         return int(self.options.get("stride", 2))

@@ -131,6 +131,19 @@ class Family(ABC):
         self.path = Path(path)
         self.options = dict(options or {})
 
+    def hf_config(self) -> Any:
+        """``self.path``'s ``config.json`` as transformers' ``AutoConfig`` reads it, parsed once per
+        instance: a parse validates every field (tens of ms), and the data pipeline asks per
+        sample (``num_tokens``), the planner per candidate layout. Kept with the instance (it
+        travels to the actors with it); whoever builds a model from it gives the constructor a
+        copy (:func:`disagg.kit.hf.empty_from_config` does; ``from_pretrained`` copies it itself)."""
+        cached = self.__dict__.get("_hf_config")
+        if cached is None:
+            from transformers import AutoConfig
+
+            cached = self.__dict__["_hf_config"] = AutoConfig.from_pretrained(self.path)
+        return cached
+
     # -- validation, before any actor starts -------------------------------------------------
     def check(self, strategy: str, degree: int, replicas: int) -> list[str]:
         """Problems with running this family under ``strategy`` at ``degree``.

@@ -9,7 +9,8 @@ each one public collective (gloo and NCCL alike), so a torch release cannot take
 - :func:`gather_rows`: all-gather, backward reduce-scatters (sums) the gradient back to the
   rank that holds the rows;
 - :func:`scatter_rows`: reduce-scatter (sum), backward all-gathers;
-- :func:`all_to_all_rows`: all-to-all with split sizes, backward the reverse exchange.
+- :func:`all_to_all_rows`: all-to-all with split sizes, backward the reverse exchange;
+- :func:`gathered_rows`: the plain all-gather, where no gradient flows back through it.
 
 Callers count the bytes (:class:`~disagg.interfaces.comm.CommCounter`) where they call these.
 """
@@ -28,7 +29,8 @@ reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 _all_to_all = dist.all_to_all_single
 
 
-def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def gathered_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """:func:`gather_rows` outside autograd (no backward): every rank's equal ``x`` along dim 0."""
     x = x.contiguous()
     out = x.new_empty(x.shape[0] * dist.get_world_size(group), *x.shape[1:])
     all_gather_into(out, x, group=group)
@@ -78,12 +80,12 @@ class _AllToAllRows(torch.autograd.Function):
 
 def gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Every rank's ``x`` (equal shapes), rank after rank along dim 0."""
-    return _Adjoint.apply(x, group, _gather, _scatter)
+    return _Adjoint.apply(x, group, gathered_rows, _scatter)
 
 
 def scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum of ``x`` over the ranks, this rank's equal share of its rows."""
-    return _Adjoint.apply(x, group, _scatter, _gather)
+    return _Adjoint.apply(x, group, _scatter, gathered_rows)
 
 
 def all_to_all_rows(

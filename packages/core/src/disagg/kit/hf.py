@@ -9,6 +9,7 @@ the prefix their module is stored under, quiet loading and the same check of
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +57,9 @@ def empty_from_config(cls: type, config: Any, **kwargs: Any) -> nn.Module:
     CPU by the model's own ``initialize_weights``, as ``from_pretrained`` does for
     every key it did not load. Left in eval mode, as ``from_pretrained`` leaves it."""
     with torch.device("meta"):
-        model = cls._from_config(config, **kwargs)
+        # a copy: ``_from_config`` writes ``attn_implementation`` into the config it is given, and
+        # families hand in the one they keep (:meth:`disagg.interfaces.family.Family.hf_config`)
+        model = cls._from_config(copy.deepcopy(config), **kwargs)
     for t in (*model.parameters(), *model.buffers()):
         t._is_hf_initialized = True  # transformers' init functions skip flagged tensors
     for p in model.parameters():

@@ -56,11 +56,9 @@ class HFDecoderFamily(LanguageFamily):
     }
 
     # -- config ----------------------------------------------------------------------------------------
-    @cached_property
+    @property
     def config(self) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.path)
+        return self.hf_config()
 
     @property
     def is_vlm(self) -> bool:

@@ -52,11 +52,9 @@ class Qwen25OmniLanguageFamily(Qwen25VLLanguageFamily):
         tie = bool(thinker.get("tie_word_embeddings", False))
         return dataclasses.replace(hf_decoder_shape(thinker), tie_embeddings=tie)
 
-    @cached_property
+    @property
     def config(self) -> Any:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(self.path)
+        cfg = self.hf_config()
         return getattr(cfg, "thinker_config", cfg)  # a whole Omni dir nests the thinker
 
     @cached_property

@@ -100,11 +100,7 @@ class TowerProjectorFamily(UlyssesFamily, EncoderFamily):
         raise NotImplementedError
 
     def config(self) -> Any:
-        if getattr(self, "_config", None) is None:
-            from transformers import AutoConfig
-
-            self._config = AutoConfig.from_pretrained(self.path)
-        return self._config
+        return self.hf_config()
 
     def hidden_size(self) -> int:
         return int(self.config().text_config.hidden_size)

@@ -60,9 +60,7 @@ class Qwen2_5OmniVision(Qwen2_5_VLVision):
         return qwen2_5_omni_vision_shape(config)
 
     def vision_config(self) -> Any:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(self.path)
+        cfg = self.hf_config()
         cfg = getattr(cfg, "thinker_config", cfg)  # a whole Omni dir nests the thinker
         return getattr(cfg, "vision_config", cfg)
 

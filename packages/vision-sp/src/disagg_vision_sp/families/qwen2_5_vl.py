@@ -63,9 +63,7 @@ class Qwen2_5_VLVision(UlyssesFamily, EncoderFamily):
 
     # -- config ---------------------------------------------------------------------------------
     def vision_config(self) -> Any:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(self.path)
+        cfg = self.hf_config()
         # A whole-VLM dir nests it; a vision-only dir is it.
         return getattr(cfg, "vision_config", cfg)
 
