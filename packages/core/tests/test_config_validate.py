@@ -428,3 +428,23 @@ def test_mlp_tiles_refused_by_strategy_family_and_value(reg, workdir):
     assert "0 is not a number of tiles; allowed: a positive integer (1: off) or 'auto'" in got
     cfg["parallel"]["llm"].pop("mlp_tiles")
     assert check(workdir, cfg).modules["vision"].options.mlp_tiles == 1
+
+
+def test_a_family_newer_than_the_installed_transformers_is_refused_naming_both(reg, workdir, monkeypatch):
+    """A family whose HF model class changed after core's transformers floor declares its own
+    (``requires_transformers``): an older release is a config error at ``model.<m>.family``,
+    file and line, naming both releases, before any actor (not a rank's failure in forward)."""
+    from importlib.metadata import version
+
+    have = version("transformers")
+    major = int(have.split(".")[0])
+    floor = (f"{major + 1}.0", "its model class changed")
+    monkeypatch.setattr(disagg_cfgtest_plugin.CfgLLM, "requires_transformers", floor, raising=False)
+    found = problems(workdir, base())
+    assert list(found) == ["model.llm.family"], found
+    msg = found["model.llm.family"]
+    assert "c.yaml:" in msg and f"transformers>={major + 1}.0" in msg and have in msg, msg
+    assert "its model class changed" in msg
+    # at or under the installed release: nothing to say
+    monkeypatch.setattr(disagg_cfgtest_plugin.CfgLLM, "requires_transformers", (have, "x"))
+    assert isinstance(check(workdir, base()), ResolvedConfig)

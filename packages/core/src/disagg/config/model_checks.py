@@ -17,6 +17,7 @@ from disagg.config.schema import Config, GroupConfig
 from disagg.config.translate import problems_from_errors
 from disagg.interfaces import EncoderFamily, LanguageFamily, StrategyOptions
 from disagg.kit import Strategy
+from disagg.kit.hf import transformers_problems
 from disagg.kit.recompute import tiled_mlp
 from disagg.plugins import Registry, provider_of
 
@@ -71,6 +72,10 @@ def resolve_module(
     )
     if not Path(spec.path).exists():  # reported by local_model_paths (not a dir, not a resolvable id)
         family_cls = None  # families read their config from the path
+    if family_cls is not None and (too_old := transformers_problems(family_cls, spec.family)):
+        for msg in too_old:
+            out.add(("model", m, "family"), msg)
+        family_cls = None  # its checks would drive the HF classes it cannot run with
     size = group.degree * group.context_parallel * group.replicas
     if group.ranks is not None and group.ranks != size:
         # context_parallel named only where it is set: most configs never use it

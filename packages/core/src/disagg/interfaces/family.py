@@ -126,6 +126,11 @@ class Family(ABC):
     #: value of ``model.<module>.family``
     name: ClassVar[str]
     role: ClassVar[Role]
+    #: ``(oldest transformers release, why)`` where the family needs a newer one than core's floor
+    #: (the HF model class it drives changed since): config validation refuses an older one before
+    #: any actor starts (:func:`disagg.kit.hf.transformers_problems`) instead of a failure deep in
+    #: the model's forward on a rank
+    requires_transformers: ClassVar[tuple[str, str] | None] = None
 
     def __init__(self, path: str | Path, options: dict[str, Any] | None = None) -> None:
         self.path = Path(path)

@@ -131,3 +131,24 @@ def head_split_problems(heads: int, kv_heads: int | None, degree: int, where: st
             f"degree {degree}; allowed degrees: {ok}"
         )
     return problems
+
+
+def transformers_problems(family_cls: type, name: str) -> list[str]:
+    """What keeps family ``name`` from running on the installed transformers: its
+    ``requires_transformers`` floor above the installed release (one sentence naming both and the
+    upgrade), else nothing."""
+    need = getattr(family_cls, "requires_transformers", None)
+    if need is None:
+        return []
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    floor, why = need
+    have = version("transformers")
+    if Version(have) >= Version(floor):
+        return []
+    return [
+        f"family {name!r} needs transformers>={floor} ({why}); this environment has {have}: "
+        f"pip install -U 'transformers>={floor}'"
+    ]

@@ -34,6 +34,13 @@ class Qwen25OmniLanguageFamily(Qwen25VLLanguageFamily):
     context_parallel_support: ClassVar[bool] = False
 
     name: ClassVar[str] = "qwen2_5_omni"
+    # transformers before 5.24 lay the thinker out otherwise (5.18: no Qwen2_5OmniThinkerModel;
+    # 5.21-5.23: the LLM's forward fails on a microbatch): tests/test_e2e_qwen2_5_omni.py passes
+    # from 5.24 (docs/gpu.md#releases-tested)
+    requires_transformers: ClassVar[tuple[str, str] | None] = (
+        "5.24",
+        "its Qwen2.5-Omni thinker classes changed layout and inputs up to 5.24",
+    )
     vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_omni_thinker",)
     placeholder_tokens: ClassVar[dict[str, str]] = {"vision": "<|IMAGE|>", "audio": "<|AUDIO|>"}
 

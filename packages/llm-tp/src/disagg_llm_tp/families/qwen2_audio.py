@@ -25,6 +25,12 @@ class Qwen2AudioLanguageFamily(HFDecoderFamily):
     context_parallel_support: ClassVar[bool] = False
 
     name: ClassVar[str] = "qwen2_audio"
+    # the export writes transformers 5.23's key names (``model.language_model.*``); 5.22's
+    # Qwen2-Audio class saves and reads ``language_model.*`` (tests/test_qwen2_audio_whole.py)
+    requires_transformers: ClassVar[tuple[str, str] | None] = (
+        "5.23",
+        "its export writes the key names Qwen2-Audio's class uses from 5.23",
+    )
     vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen2_audio",)
     placeholder_tokens: ClassVar[dict[str, str]] = {"audio": "<|AUDIO|>"}
 

@@ -40,6 +40,12 @@ from disagg_llm_tp.module_split import SPLITS
 
 class Qwen35LanguageFamily(Qwen25VLLanguageFamily):
     name: ClassVar[str] = "qwen3_5"
+    # transformers 5.17's Qwen3.5 model refuses input_ids beside inputs_embeds (this family hands
+    # both: the ids place the mRoPE positions); 5.18 takes them (the tests pass there)
+    requires_transformers: ClassVar[tuple[str, str] | None] = (
+        "5.18",
+        "its Qwen3.5 model refuses input_ids beside inputs_embeds before 5.18",
+    )
     vlm_model_types: ClassVar[tuple[str, ...]] = ("qwen3_5",)
     # a linear-attention layer's recurrent state spans the whole sequence (module docstring)
     context_parallel_support: ClassVar[bool] = False

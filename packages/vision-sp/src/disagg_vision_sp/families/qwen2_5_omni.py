@@ -49,6 +49,13 @@ class Qwen2_5OmniVision(Qwen2_5_VLVision):
     reads_video: ClassVar[bool] = True
 
     name: ClassVar[str] = "qwen2_5_omni"
+    # transformers before 5.24 lay the thinker out otherwise (5.18: no Qwen2_5OmniThinkerModel;
+    # 5.21-5.23: the LLM's forward fails on a microbatch): tests/test_e2e_qwen2_5_omni.py passes
+    # from 5.24 (docs/gpu.md#releases-tested)
+    requires_transformers: ClassVar[tuple[str, str] | None] = (
+        "5.24",
+        "its Qwen2.5-Omni thinker classes changed layout and inputs up to 5.24",
+    )
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_omni", "qwen2_5_omni_thinker")
     #: where the tower lives in the dir's files: whole Omni, thinker, transformers-5 thinker
     prefixes: ClassVar[tuple[str, ...]] = ("thinker.visual.", "visual.", "model.visual.", "")
