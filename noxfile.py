@@ -53,9 +53,10 @@ EXAMPLE = "examples/disagg-example-plugin"
 # DeepSpeed must not look for CUDA on CPU-only machines.
 ENV = {"DS_ACCELERATOR": "cpu"}
 #: Python writes the ``.pyc`` of the modules it compiles: with ``PYTHONDONTWRITEBYTECODE=1`` (set in
-#: CI's image) every process compiled this repository's editable sources again — each test's Ray
-#: workers, ~0.25 s a process on 2 cores (the worker's and strategies' imports: 3.53 s against
-#: 3.28 s cached). Installed packages are compiled by pip either way. Only nox's commands see this.
+#: the development machine's image, likely CI's too) every process compiled this repository's
+#: editable sources again — each test's Ray workers, ~0.25 s a process on 2 cores (the worker's
+#: and strategies' imports: 3.53 s against 3.28 s cached). Installed packages are compiled by pip
+#: either way. Only nox's commands see this.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
